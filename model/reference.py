@@ -1,0 +1,414 @@
+"""Numpy reference llama with LoRA: the oracle the GPU ops are checked against.
+
+Written for clarity, not speed. Every op is a `<op>_forward` / `<op>_backward` pair on plain arrays, side by
+side; the computation dtype follows the inputs (float64 for finite-difference checks, float32 for parity). The
+backward is hand-written from the loss to every LoRA A and B; base weights are frozen (no dW, only dX = dY W).
+
+Conventions: weights are keyed by GGUF tensor names with numpy shapes [out, in]; attn_q / attn_k rows are in
+GGUF order, i.e. permuted for llama.cpp's NORM RoPE, which rotates adjacent pairs (x[2i], x[2i+1]) by
+pos * base^(-2i/D). GQA: query head h reads kv head h // (Hq // Hkv). LoRA (PEFT): y = x W^T + s (x A^T) B^T.
+The KD losses live in model/kd.py and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from model.config import LORA_TARGETS, ModelConfig
+from model.kd import KINDS, LossConfig, kd_loss_backward, kd_loss_forward, log_softmax, logsumexp
+
+__all__ = [
+    "KINDS",
+    "LossConfig",
+    "LoraPair",
+    "attention_backward",
+    "attention_forward",
+    "embedding_forward",
+    "forward",
+    "greedy_generate",
+    "init_lora",
+    "kd_loss_backward",
+    "kd_loss_forward",
+    "linear_backward_input",
+    "linear_forward",
+    "log_softmax",
+    "logsumexp",
+    "lora_backward",
+    "lora_forward",
+    "loss_and_grads",
+    "random_weights",
+    "rmsnorm_backward",
+    "rmsnorm_forward",
+    "rope_backward",
+    "rope_forward",
+    "swiglu_backward",
+    "swiglu_forward",
+]
+
+
+# ---------------------------------------------------------------- embedding (frozen: no backward)
+
+
+def embedding_forward(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Rows of table [V, H] at ids [T] -> [T, H]."""
+    return table[np.asarray(ids, dtype=np.intp)]
+
+
+# ---------------------------------------------------------------- RMSNorm (weight frozen: no dw)
+
+
+def rmsnorm_forward(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """y = x / sqrt(mean(x^2) + eps) * w, over the last axis."""
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return x * rstd * w
+
+
+def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w, xhat = x * rstd."""
+    rstd = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    xhat = x * rstd
+    g = dy * w
+    return rstd * (g - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
+
+
+# ---------------------------------------------------------------- RoPE (llama.cpp NORM: adjacent pairs)
+
+
+def rope_cos_sin(
+    positions: np.ndarray, head_dim: int, base: float, dtype: np.dtype
+) -> tuple[np.ndarray, ...]:
+    """cos, sin [T, 1, D/2] of angle pos * base^(-2i/D); angles in float64, then cast to dtype."""
+    inv_freq = float(base) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angle)[:, None, :].astype(dtype), np.sin(angle)[:, None, :].astype(dtype)
+
+
+def rope_forward(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """Rotate (x[2i], x[2i+1]) of x [T, n_heads, D] by pos * theta_i."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    y = np.empty_like(x)
+    y[..., 0::2] = x0 * cos - x1 * sin
+    y[..., 1::2] = x0 * sin + x1 * cos
+    return y
+
+
+def rope_backward(dy: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """The transpose of a rotation is the rotation by the opposite angle."""
+    cos, sin = rope_cos_sin(positions, dy.shape[-1], base, dy.dtype)
+    dy0, dy1 = dy[..., 0::2], dy[..., 1::2]
+    dx = np.empty_like(dy)
+    dx[..., 0::2] = dy0 * cos + dy1 * sin
+    dx[..., 1::2] = -dy0 * sin + dy1 * cos
+    return dx
+
+
+# ---------------------------------------------------------------- causal GQA attention
+
+
+def _expand_kv(k: np.ndarray, n_heads: int) -> np.ndarray:
+    """[T, Hkv, D] -> [T, Hq, D] with query head h reading kv head h // (Hq // Hkv)."""
+    return np.repeat(k, n_heads // k.shape[1], axis=1)
+
+
+def _reduce_kv(dk: np.ndarray, n_kv_heads: int) -> np.ndarray:
+    """Sum the per-query-head gradients [T, Hq, D] back onto their kv heads -> [T, Hkv, D]."""
+    t, hq, d = dk.shape
+    return dk.reshape(t, n_kv_heads, hq // n_kv_heads, d).sum(axis=2)
+
+
+def attention_probs(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Causal softmax(q k^T / sqrt(D)) [Hq, T, T] (row = query position, column = key position)."""
+    t, hq, d = q.shape
+    s = np.einsum("thd,shd->hts", q, _expand_kv(k, hq)) * (1.0 / math.sqrt(d))
+    s = np.where(np.triu(np.ones((t, t), dtype=bool), k=1), -np.inf, s)
+    s = s - np.max(s, axis=-1, keepdims=True)
+    p = np.exp(s)
+    return p / np.sum(p, axis=-1, keepdims=True)
+
+
+def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """out [T, Hq, D] = P V with P = attention_probs(q, k)."""
+    p = attention_probs(q, k)
+    return np.einsum("hts,shd->thd", p, _expand_kv(v, q.shape[1]))
+
+
+def attention_backward(
+    dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv); the probabilities are recomputed, as the GPU does."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    scale = 1.0 / math.sqrt(d)
+    p = attention_probs(q, k)
+    kk, vv = _expand_kv(k, hq), _expand_kv(v, hq)
+    dp = np.einsum("thd,shd->hts", dout, vv)
+    dvv = np.einsum("hts,thd->shd", p, dout)
+    ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))  # softmax backward (masked entries have p = 0)
+    dq = np.einsum("hts,shd->thd", ds, kk) * scale
+    dkk = np.einsum("hts,thd->shd", ds, q) * scale
+    return dq, _reduce_kv(dkk, hkv), _reduce_kv(dvv, hkv)
+
+
+# ---------------------------------------------------------------- SwiGLU
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def swiglu_forward(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u, silu(g) = g * sigmoid(g)."""
+    return g * _sigmoid(g) * u
+
+
+def swiglu_backward(dy: np.ndarray, g: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(dg, du); silu'(g) = sig(g) * (1 + g * (1 - sig(g)))."""
+    sig = _sigmoid(g)
+    return dy * u * sig * (1.0 + g * (1.0 - sig)), dy * g * sig
+
+
+# ---------------------------------------------------------------- linear (frozen) and LoRA
+
+
+def linear_forward(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [T, in] @ W^T, W [out, in]."""
+    return x @ w.T
+
+
+def linear_backward_input(dy: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """dx = dy @ W (no dW: base weights are frozen)."""
+    return dy @ w
+
+
+@dataclass
+class LoraPair:
+    """One adapter: A [r, in], B [out, r]."""
+
+    A: np.ndarray
+    B: np.ndarray
+
+
+def lora_forward(x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """scale * (x A^T) B^T."""
+    return scale * ((x @ a.T) @ b.T)
+
+
+def lora_backward(
+    dy: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dx, dA, dB) with u = x A^T: dB = s dy^T u, du = s dy B, dA = du^T x, dx = du A."""
+    u = x @ a.T
+    du = scale * (dy @ b)
+    return du @ a, du.T @ x, scale * (dy.T @ u)
+
+
+def init_lora(
+    cfg: ModelConfig, targets: list[str] | tuple[str, ...], r: int, seed: int, dtype: np.dtype = np.float32
+) -> dict[tuple[int, str], LoraPair]:
+    """PEFT init, every layer x target: A ~ U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform a=sqrt(5)), B = 0."""
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown:
+        raise ValueError(f"init_lora: unknown LoRA targets {unknown}; known: {list(LORA_TARGETS)}")
+    rng = np.random.default_rng(seed)
+    lora = {}
+    for layer in range(cfg.n_layers):
+        for t in targets:
+            n_out, n_in = cfg.target_shape(t)
+            bound = 1.0 / math.sqrt(n_in)
+            a = rng.uniform(-bound, bound, size=(r, n_in)).astype(dtype)
+            lora[(layer, t)] = LoraPair(A=a, B=np.zeros((n_out, r), dtype=dtype))
+    return lora
+
+
+def project_forward(x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: float) -> np.ndarray:
+    """One projection: linear + LoRA when the target is adapted."""
+    y = linear_forward(x, w)
+    return y if pair is None else y + lora_forward(x, pair.A, pair.B, scale)
+
+
+def project_backward(
+    dy: np.ndarray, x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: float
+) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
+    """(dx, (dA, dB) or None)."""
+    dx = linear_backward_input(dy, w)
+    if pair is None:
+        return dx, None
+    dx_lora, da, db = lora_backward(dy, x, pair.A, pair.B, scale)
+    return dx + dx_lora, (da, db)
+
+
+# ---------------------------------------------------------------- transformer block
+
+
+LoraMap = Mapping[tuple[int, str], LoraPair]
+
+
+def _w(weights: Mapping[str, np.ndarray], layer: int, target: str) -> np.ndarray:
+    return weights[f"blk.{layer}.{LORA_TARGETS[target]}.weight"]
+
+
+def block_forward(
+    x: np.ndarray,
+    weights: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    layer: int,
+    lora: LoraMap,
+    scale: float,
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """h = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))); out = h + down(swiglu(gate(n2), up(n2)))."""
+    t, d = x.shape[0], cfg.head_dim
+    pos = np.arange(t)
+
+    def proj(name: str, inp: np.ndarray) -> np.ndarray:
+        return project_forward(inp, _w(weights, layer, name), lora.get((layer, name)), scale)
+
+    c: dict[str, np.ndarray] = {"x": x}
+    c["n1"] = rmsnorm_forward(x, weights[f"blk.{layer}.attn_norm.weight"], cfg.eps)
+    c["q"] = rope_forward(proj("q", c["n1"]).reshape(t, cfg.n_heads, d), pos, cfg.rope_base)
+    c["k"] = rope_forward(proj("k", c["n1"]).reshape(t, cfg.n_kv_heads, d), pos, cfg.rope_base)
+    c["v"] = proj("v", c["n1"]).reshape(t, cfg.n_kv_heads, d)
+    c["att"] = attention_forward(c["q"], c["k"], c["v"]).reshape(t, cfg.q_dim)
+    c["h"] = x + proj("o", c["att"])
+    c["n2"] = rmsnorm_forward(c["h"], weights[f"blk.{layer}.ffn_norm.weight"], cfg.eps)
+    c["g"], c["u"] = proj("gate", c["n2"]), proj("up", c["n2"])
+    c["act"] = swiglu_forward(c["g"], c["u"])
+    return c["h"] + proj("down", c["act"]), c
+
+
+def block_backward(
+    dout: np.ndarray,
+    c: Mapping[str, np.ndarray],
+    weights: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    layer: int,
+    lora: LoraMap,
+    scale: float,
+    grads: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]],
+) -> np.ndarray:
+    """d block input; LoRA gradients of this layer are written into grads."""
+    t, d = dout.shape[0], cfg.head_dim
+    pos = np.arange(t)
+
+    def proj_back(name: str, dy: np.ndarray, inp: np.ndarray) -> np.ndarray:
+        dx, g = project_backward(dy, inp, _w(weights, layer, name), lora.get((layer, name)), scale)
+        if g is not None:
+            grads[(layer, name)] = g
+        return dx
+
+    # MLP half: out = h + down(swiglu(gate(n2), up(n2)))
+    dact = proj_back("down", dout, c["act"])
+    dg, du = swiglu_backward(dact, c["g"], c["u"])
+    dn2 = proj_back("gate", dg, c["n2"]) + proj_back("up", du, c["n2"])
+    dh = dout + rmsnorm_backward(dn2, c["h"], weights[f"blk.{layer}.ffn_norm.weight"], cfg.eps)
+    # attention half: h = x + o(attn(...))
+    datt = proj_back("o", dh, c["att"]).reshape(t, cfg.n_heads, d)
+    dq, dk, dv = attention_backward(datt, c["q"], c["k"], c["v"])
+    dq = rope_backward(dq, pos, cfg.rope_base).reshape(t, cfg.q_dim)
+    dk = rope_backward(dk, pos, cfg.rope_base).reshape(t, cfg.kv_dim)
+    dn1 = (
+        proj_back("q", dq, c["n1"]) + proj_back("k", dk, c["n1"]) + proj_back("v", dv.reshape(t, -1), c["n1"])
+    )
+    return dh + rmsnorm_backward(dn1, c["x"], weights[f"blk.{layer}.attn_norm.weight"], cfg.eps)
+
+
+# ---------------------------------------------------------------- whole model
+
+
+def lm_head_weight(weights: Mapping[str, np.ndarray]) -> np.ndarray:
+    """output.weight, or token_embd.weight when the embeddings are tied."""
+    return weights["output.weight"] if "output.weight" in weights else weights["token_embd.weight"]
+
+
+def _forward_cached(
+    weights: Mapping[str, np.ndarray], cfg: ModelConfig, ids: np.ndarray, lora: LoraMap | None, scale: float
+) -> tuple[np.ndarray, list[dict[str, np.ndarray]], np.ndarray]:
+    """(logits, per-layer caches, final hidden state before output_norm)."""
+    x = embedding_forward(weights["token_embd.weight"], ids)
+    caches = []
+    for layer in range(cfg.n_layers):
+        x, c = block_forward(x, weights, cfg, layer, lora or {}, scale)
+        caches.append(c)
+    n = rmsnorm_forward(x, weights["output_norm.weight"], cfg.eps)
+    return linear_forward(n, lm_head_weight(weights)), caches, x
+
+
+def forward(
+    weights: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    ids: np.ndarray,
+    lora: LoraMap | None = None,
+    lora_scale: float = 1.0,
+) -> np.ndarray:
+    """logits [T, V] for token ids [T] (positions 0..T-1)."""
+    return _forward_cached(weights, cfg, ids, lora, lora_scale)[0]
+
+
+def loss_and_grads(
+    weights: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    ids: np.ndarray,
+    lora: LoraMap | None,
+    lora_scale: float,
+    teacher_ids: np.ndarray,
+    teacher_logprobs: np.ndarray,
+    teacher_tail: np.ndarray | None,
+    targets: np.ndarray,
+    mask: np.ndarray,
+    loss_cfg: LossConfig,
+) -> tuple[float, dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]]:
+    """(loss, {(layer, target): (dA, dB)}) by the hand-written backward."""
+    logits, caches, x = _forward_cached(weights, cfg, ids, lora, lora_scale)
+    args = (teacher_ids, teacher_logprobs, teacher_tail, targets, mask, loss_cfg)
+    loss = kd_loss_forward(logits, *args)
+    dlogits = kd_loss_backward(logits, *args)
+    dn = linear_backward_input(dlogits, lm_head_weight(weights))
+    dx = rmsnorm_backward(dn, x, weights["output_norm.weight"], cfg.eps)
+    grads: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
+    for layer in reversed(range(cfg.n_layers)):
+        dx = block_backward(dx, caches[layer], weights, cfg, layer, lora or {}, lora_scale, grads)
+    return loss, grads
+
+
+def greedy_generate(
+    weights: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    ids: list[int] | np.ndarray,
+    n_new: int,
+    lora: LoraMap | None = None,
+    lora_scale: float = 1.0,
+) -> list[int]:
+    """The n_new greedily generated ids (prompt not included); recomputes the whole prefix each step."""
+    seq = [int(i) for i in ids]
+    for _ in range(n_new):
+        seq.append(int(np.argmax(forward(weights, cfg, np.array(seq), lora, lora_scale)[-1])))
+    return seq[len(seq) - n_new :]
+
+
+def random_weights(cfg: ModelConfig, seed: int, dtype: np.dtype = np.float64) -> dict[str, np.ndarray]:
+    """Random GGUF-named weights for a tiny config, scaled so activations and logits stay O(1)."""
+    rng = np.random.default_rng(seed)
+    h = cfg.hidden
+
+    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(dtype)
+
+    def norm_weight() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(h)).astype(dtype)
+
+    w = {"token_embd.weight": normal((cfg.vocab, h), h**-0.25)}
+    for layer in range(cfg.n_layers):
+        w[f"blk.{layer}.attn_norm.weight"] = norm_weight()
+        w[f"blk.{layer}.ffn_norm.weight"] = norm_weight()
+        for t, stem in LORA_TARGETS.items():
+            n_out, n_in = cfg.target_shape(t)
+            gain = 0.5 if t in ("o", "down") else 1.0  # residual branches a bit smaller
+            w[f"blk.{layer}.{stem}.weight"] = normal((n_out, n_in), gain / np.sqrt(n_in))
+    w["output_norm.weight"] = norm_weight()
+    if not cfg.tied_embeddings:
+        w["output.weight"] = normal((cfg.vocab, h), 1.0 / np.sqrt(h))
+    return w
