@@ -58,5 +58,28 @@ def demo(
         _fail(exc)
 
 
+@app.command()
+def doctor(
+    seconds: Annotated[float, typer.Option(help="How long the GEMM probe runs.")] = 1.0,
+    backend: Annotated[str, typer.Option(help="auto, wgpu (wgpu-native) or dawn (tensor cores).")] = "auto",
+) -> None:
+    """Show the GPU backend, adapter, limits and features, and measure an f32 GEMM for about a second."""
+    from gpu.device import DeviceError
+    from gpu.probe import gemm_probe
+
+    try:
+        info = gemm_probe(backend=backend, seconds=seconds)
+    except DeviceError as exc:
+        _fail(exc)
+    table = Table(title="distillery doctor", show_header=False)
+    for key, value in info.items():
+        if isinstance(value, dict):
+            value = "\n".join(f"{k}: {v}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = ", ".join(map(str, value))
+        table.add_row(key, str(value))
+    console.print(table)
+
+
 if __name__ == "__main__":
     app()

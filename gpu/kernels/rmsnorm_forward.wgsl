@@ -1,0 +1,44 @@
+// RMSNorm forward: Y[t] = X[t] * rstd * w, rstd = 1 / sqrt(mean(X[t]^2) + eps).
+// One workgroup per row; the sum of squares is a strided per-thread sum then a fixed tree: reproducible.
+
+struct Params {
+    T: u32,
+    H: u32,
+    eps: f32,
+    _pad: u32,
+};
+
+@group(0) @binding(0) var<uniform> prm: Params;
+@group(0) @binding(1) var<storage, read> X: array<f32>;
+@group(0) @binding(2) var<storage, read> Wn: array<f32>;
+@group(0) @binding(3) var<storage, read_write> Y: array<f32>;
+
+const WG: u32 = 64u;
+var<workgroup> red: array<f32, WG>;
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let row = wid.x + wid.y * nwg.x;
+    if (row >= prm.T) {
+        return;
+    }
+    let base = row * prm.H;
+    var s = 0.0;
+    for (var i = lid; i < prm.H; i += WG) {
+        let x = X[base + i];
+        s = fma(x, x, s);
+    }
+    red[lid] = s;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w >>= 1u) {
+        if (lid < w) {
+            red[lid] += red[lid + w];
+        }
+        workgroupBarrier();
+    }
+    let rstd = 1.0 / sqrt(red[0] / f32(prm.H) + prm.eps);
+    for (var i = lid; i < prm.H; i += WG) {
+        Y[base + i] = X[base + i] * rstd * Wn[i];
+    }
+}

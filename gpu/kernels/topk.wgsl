@@ -1,0 +1,115 @@
+// Teacher top-k, per chunk of logits: merge the row's current top-k (Vals, Ids) with the chunk's nv logits
+// (vocab ids v0 ..) and keep the best k, ordered by (logit descending, id ascending) -- a total order, so the
+// result does not depend on the chunking. Also folds the chunk into the row's online logsumexp of z / tau,
+// S[t] = (max, sum exp). One workgroup per row: a bitonic sort of NS (key, id) pairs in workgroup memory.
+
+struct Params {
+    T: u32,
+    nv: u32,        // chunk columns (nv <= NS - k)
+    ldz: u32,       // row stride of Z
+    z_off: u32,     // column of the chunk's first logit inside a row of Z
+    v0: u32,        // vocab id of that column
+    k: u32,
+    inv_tau: f32,
+    first: u32,     // 1: no current list / stats yet
+};
+
+@group(0) @binding(0) var<uniform> prm: Params;
+@group(0) @binding(1) var<storage, read> Z: array<f32>;
+@group(0) @binding(2) var<storage, read_write> Vals: array<f32>;
+@group(0) @binding(3) var<storage, read_write> Ids: array<u32>;
+@group(0) @binding(4) var<storage, read_write> S: array<vec2<f32>>;
+
+const NS: u32 = ${NS}u;
+const WG: u32 = 256u;
+const NEG_BIG: f32 = -3.0e38;
+const NO_ID: u32 = 0xFFFFFFFFu;
+
+var<workgroup> sk: array<f32, NS>;
+var<workgroup> si: array<u32, NS>;
+var<workgroup> rm: array<f32, WG>;
+var<workgroup> rs: array<f32, WG>;
+
+fn comb(ma: f32, sa: f32, mb: f32, sb: f32) -> vec2<f32> {
+    let m = max(ma, mb);
+    return vec2<f32>(m, sa * exp(ma - m) + sb * exp(mb - m));
+}
+
+// a goes before b: larger logit first, ties by smaller id.
+fn before(ka: f32, ia: u32, kb: f32, ib: u32) -> bool {
+    return ka > kb || (ka == kb && ia < ib);
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let row = wid.x + wid.y * nwg.x;
+    if (row >= prm.T) {
+        return;
+    }
+    let k = prm.k;
+    let zb = row * prm.ldz + prm.z_off;
+    var m = NEG_BIG;
+    var s = 0.0;
+    for (var u = lid; u < NS; u += WG) {
+        var key = NEG_BIG;
+        var id = NO_ID;
+        if (u < k) {
+            if (prm.first == 0u) {
+                key = Vals[row * k + u];
+                id = Ids[row * k + u];
+            }
+        } else if (u - k < prm.nv) {
+            key = Z[zb + u - k];
+            id = prm.v0 + u - k;
+            let c = comb(m, s, key * prm.inv_tau, 1.0);
+            m = c.x;
+            s = c.y;
+        }
+        sk[u] = key;
+        si[u] = id;
+    }
+    rm[lid] = m;
+    rs[lid] = s;
+    for (var size = 2u; size <= NS; size <<= 1u) {
+        for (var stride = size >> 1u; stride > 0u; stride >>= 1u) {
+            workgroupBarrier();
+            for (var p = lid; p < NS / 2u; p += WG) {
+                let i = (p / stride) * 2u * stride + p % stride;
+                let j = i + stride;
+                let ki = sk[i];
+                let ii = si[i];
+                let kj = sk[j];
+                let ij = si[j];
+                let up = (i & size) == 0u;
+                if (select(before(ki, ii, kj, ij), before(kj, ij, ki, ii), up)) {
+                    sk[i] = kj;
+                    si[i] = ij;
+                    sk[j] = ki;
+                    si[j] = ii;
+                }
+            }
+        }
+    }
+    workgroupBarrier();
+    for (var u = lid; u < k; u += WG) {
+        Vals[row * k + u] = sk[u];
+        Ids[row * k + u] = si[u];
+    }
+    for (var w = WG / 2u; w > 0u; w >>= 1u) {
+        if (lid < w) {
+            let c = comb(rm[lid], rs[lid], rm[lid + w], rs[lid + w]);
+            rm[lid] = c.x;
+            rs[lid] = c.y;
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        var out = vec2<f32>(rm[0], rs[0]);
+        if (prm.first == 0u) {
+            let old = S[row];
+            out = comb(old.x, old.y, out.x, out.y);
+        }
+        S[row] = out;
+    }
+}

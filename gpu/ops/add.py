@@ -1,0 +1,22 @@
+"""Residual add: y = a + b, and the in-place accumulate y += b."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu.device import Device
+from gpu.ops.common import grid, need, pack, pipeline
+
+
+def add(dev: Device, a: Any, b: Any, y: Any, n: int) -> None:
+    """y = a + b over n elements (y must not alias a or b; use add_inplace)."""
+    for buf, what in ((a, "a"), (b, "b"), (y, "y")):
+        need(buf, n, f"add {what}")
+    dev.dispatch(pipeline(dev, "add"), [pack(n, 0, 0, 0), a, b, y], grid(n, 256))
+
+
+def add_inplace(dev: Device, y: Any, b: Any, n: int) -> None:
+    """y += b over n elements."""
+    need(y, n, "add_inplace y")
+    need(b, n, "add_inplace b")
+    dev.dispatch(pipeline(dev, "add_inplace"), [pack(n, 0, 0, 0), b, y], grid(n, 256))

@@ -1,0 +1,147 @@
+"""lm_head + KD loss fused over vocab chunks (model/kd.py semantics), never holding the [T, V] logits.
+
+Pass 1, per chunk: logits Z_c = h W_c^T (strided_matmul), then kd_stats folds them into each row's online
+logsumexp (at tau and at 1) and gathers the logits at the teacher ids and the target. kd_row then gives the
+per-row loss and dL/da (a = log softmax(z/tau)[ids]). Pass 2, per chunk: recompute Z_c, turn it into dL/dZ_c in
+place (kd_grad) and accumulate dh += dZ_c W_c, chunks in ascending order. Everything is reproducible."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from gpu.device import Device
+from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.reduce import count_nonzero, reduce_sum
+from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
+from model.kd import KINDS, LossConfig
+
+
+@dataclass(frozen=True)
+class KdScratch:
+    """Buffers for one (n_tokens, k, chunk) shape; build once and reuse every step (keeps bind groups cached).
+    row_loss [T] holds each row's share of the loss (they sum to the loss)."""
+
+    n_tokens: int
+    k: int
+    chunk: int
+    logits: Any  # [T, chunk]
+    lse: Any  # [T, 4] running (m_tau, s_tau, m_1, s_1)
+    gathered: Any  # [T, k + 1] logits at teacher ids, then at the target
+    row_loss: Any  # [T]
+    da: Any  # [T, k]
+    row_info: Any  # [T, 4] (lse_tau, lse_1, sum da, ce_weight / n)
+    count: Any  # [1] rows with mask != 0 (f32)
+
+    @classmethod
+    def build(cls, dev: Device, n_tokens: int, k: int, chunk: int) -> KdScratch:
+        t = n_tokens
+
+        def buf(n: int, label: str) -> Any:
+            return dev.buffer(4 * n, label=f"kd {label}")
+
+        return cls(
+            t,
+            k,
+            chunk,
+            buf(t * chunk, "logits chunk"),
+            buf(t * 4, "lse"),
+            buf(t * (k + 1), "gathered"),
+            buf(t, "row loss"),
+            buf(t * k, "da"),
+            buf(t * 4, "row info"),
+            buf(1, "count"),
+        )
+
+
+def kd_head_forward_backward(
+    dev: Device,
+    h: Any,
+    w: Any,
+    teacher_ids: Any,
+    teacher_logprobs: Any,
+    teacher_tail: Any | None,
+    targets: Any,
+    mask: Any,
+    cfg: LossConfig,
+    dh: Any,
+    loss: Any,
+    n_tokens: int,
+    hidden: int,
+    vocab: int,
+    k: int,
+    *,
+    scratch: KdScratch | None = None,
+    chunk: int = 4096,  # vocab columns per chunk when no scratch is given (else scratch.chunk)
+    accumulate_dh: bool = False,
+    loss_index: int = 0,
+) -> KdScratch:
+    """Loss of model/kd.py kd_loss_forward for logits = h [T, H] . W^T (W f32 [V, H]) and dh [T, H] (+)=
+    dL/dlogits . W, computed over vocab chunks. teacher_ids u32 [T, k], teacher_logprobs f32 [T, k] (at tau),
+    teacher_tail f32 [T] or None (then 1 - sum exp(logprobs)), targets u32 [T], mask u32 [T] (rows != 0 count).
+    loss[loss_index] (f32) receives the scalar loss. Returns the scratch (row_loss, count) for inspection and reuse."""
+    t = n_tokens
+    if cfg.kind not in KINDS:
+        raise ValueError(f"LossConfig.kind={cfg.kind!r} is not one of {KINDS}")
+    if scratch is None:
+        scratch = KdScratch.build(dev, t, k, min(chunk, vocab))
+    sc = scratch
+    if (sc.n_tokens, sc.k) != (t, k) or sc.chunk <= 0:
+        raise ValueError(f"kd: scratch built for n_tokens={sc.n_tokens}, k={sc.k}; called with {t}, {k}")
+    chunk = sc.chunk
+    for buf, n, what in (
+        (h, t * hidden, "h"),
+        (w, vocab * hidden, "lm_head weight"),
+        (teacher_ids, t * k, "teacher_ids"),
+        (teacher_logprobs, t * k, "teacher_logprobs"),
+        (targets, t, "targets"),
+        (mask, t, "mask"),
+        (dh, t * hidden, "dh"),
+        (loss, loss_index + 1, "loss"),
+    ):
+        need(buf, n, f"kd {what}")
+    if teacher_tail is not None:
+        need(teacher_tail, t, "kd teacher_tail")
+    inv_tau = 1.0 / cfg.tau
+    beta = cfg.beta if cfg.kind == "jsd" else 0.5
+    ce = cfg.ce_weight > 0
+    chunks = [(c0, min(chunk, vocab - c0)) for c0 in range(0, vocab, chunk)]
+
+    def logits_chunk(c0: int, nv: int) -> None:
+        a, b = row_major(h, hidden), transposed(w, hidden, off=c0 * hidden)
+        strided_matmul(dev, a, b, sc.logits, t, nv, hidden, ldc=chunk)
+
+    count_nonzero(dev, mask, sc.count, t)
+    stats_pipe = pipeline(dev, "kd_stats")
+    for i, (c0, nv) in enumerate(chunks):
+        logits_chunk(c0, nv)
+        params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
+        dev.dispatch(stats_pipe, [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered], grid(t, 1))
+
+    has_tail = cfg.use_tail and teacher_tail is not None
+    row_pipe = pipeline(
+        dev,
+        "kd_row",
+        KIND=KINDS.index(cfg.kind),
+        USE_TAIL=str(cfg.use_tail).lower(),
+        CE=str(ce).lower(),
+        TAIL_DECL="@group(0) @binding(9) var<storage, read> Tail: array<f32>;" if has_tail else "",
+        TAIL_EXPR="let tail = Tail[row];" if has_tail else "let tail = one_minus_exp(min(lse_lt, 0.0));",
+    )
+    row_params = pack(t, k, cfg.tau, inv_tau, beta, math.log(beta), math.log1p(-beta), cfg.ce_weight if ce else 0.0)
+    bind = [row_params, mask, teacher_logprobs, sc.gathered, sc.lse, sc.count, sc.row_loss, sc.da, sc.row_info]
+    if has_tail:
+        bind.append(teacher_tail)
+    dev.dispatch(row_pipe, bind, grid(t, 64))
+    reduce_sum(dev, sc.row_loss, loss, t, out_index=loss_index)
+
+    grad_pipe = pipeline(dev, "kd_grad", CE=str(ce).lower())
+    for i, (c0, nv) in enumerate(chunks):
+        logits_chunk(c0, nv)
+        params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)
+        bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
+        dev.dispatch(grad_pipe, bind, grid(t, 1))
+        a, b = row_major(sc.logits, chunk), row_major(w, hidden, off=c0 * hidden)
+        strided_matmul(dev, a, b, dh, t, hidden, nv, accumulate=accumulate_dh or i > 0)
+    return sc

@@ -1,0 +1,28 @@
+"""RMSNorm forward and input-gradient backward (the norm weight is frozen), one workgroup per row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu.device import Device
+from gpu.ops.common import grid, need, pack, pipeline
+
+
+def rmsnorm_forward(dev: Device, x: Any, w: Any, y: Any, n_rows: int, hidden: int, eps: float) -> None:
+    """y[T, H] = x / sqrt(mean(x^2) + eps) * w."""
+    need(x, n_rows * hidden, "rmsnorm_forward x")
+    need(w, hidden, "rmsnorm_forward weight")
+    need(y, n_rows * hidden, "rmsnorm_forward y")
+    pipe = pipeline(dev, "rmsnorm_forward")
+    dev.dispatch(pipe, [pack(n_rows, hidden, float(eps), 0), x, w, y], grid(n_rows, 1))
+
+
+def rmsnorm_backward(
+    dev: Device, dy: Any, x: Any, w: Any, dx: Any, n_rows: int, hidden: int, eps: float, *, accumulate: bool = False
+) -> None:
+    """dx[T, H] (+)= d rmsnorm / dx applied to dy (rstd recomputed from x)."""
+    for buf, what in ((dy, "dy"), (x, "x"), (dx, "dx")):
+        need(buf, n_rows * hidden, f"rmsnorm_backward {what}")
+    need(w, hidden, "rmsnorm_backward weight")
+    pipe = pipeline(dev, "rmsnorm_backward")
+    dev.dispatch(pipe, [pack(n_rows, hidden, float(eps), accumulate), dy, x, w, dx], grid(n_rows, 1))

@@ -1,0 +1,45 @@
+"""The teacher on the GPU: forward of the frozen model and its top-k next-token distribution per position."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu.device import Device
+from gpu.ops.topk import TopKState, teacher_topk
+from gpu.student import GPUModel, StudentWeights
+
+
+class GPUTeacher(GPUModel):
+    """Top-k ids, log-probs at temperature tau, and the tail mass, for `batch` sequences of `seq_len` tokens."""
+
+    def __init__(
+        self, dev: Device, weights: StudentWeights, *, batch: int, seq_len: int, top_k: int, tau: float,
+        vocab_chunk: int = 4096,
+    ) -> None:
+        self.k = top_k
+        super().__init__(dev, weights, batch=batch, seq_len=seq_len)
+        self.tau = tau
+        self.chunk = min(vocab_chunk, self.cfg.vocab)
+        self.state = TopKState.build(dev, self.rows, top_k)
+        self.logprobs = dev.buffer(4 * self.rows * top_k, label="teacher logprobs")
+        self.tail = dev.buffer(4 * self.rows, label="teacher tail")
+        self.logits = dev.buffer(4 * self.rows * self.chunk, label="teacher logits chunk")
+
+    def topk(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids [B, T] -> (top-k ids [B, T, k] u32, logprobs [B, T, k] f32 sorted descending, tail [B, T] f32)."""
+        b, t, k = self.batch, self.seq_len, self.k
+        ids = np.asarray(ids).reshape(b, t)
+        if np.any(ids < 0) or np.any(ids >= self.cfg.vocab):
+            raise ValueError(f"token ids outside the teacher's vocabulary [0, {self.cfg.vocab})")
+        bufs = self._b.bufs
+        self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
+        self.dev.write(bufs["positions"], np.tile(np.arange(t, dtype=np.uint32), b))
+        cfg = self.cfg
+        with self.dev.step():
+            self._forward_to_head()
+            teacher_topk(self.dev, self.a["nf"], self.w.lm_head, self.state, self.logprobs, self.tail, cfg.hidden,
+                         cfg.vocab, self.tau, logits_scratch=self.logits, chunk=self.chunk)
+        out_ids = self.dev.read(self.state.ids, np.uint32, (b, t, k))
+        logprobs = self.dev.read(self.logprobs, np.float32, (b, t, k))
+        tail = self.dev.read(self.tail, np.float32, (b, t))
+        return out_ids, logprobs, tail

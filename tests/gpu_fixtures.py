@@ -1,0 +1,42 @@
+"""Shared GPU test helpers: one Device per test process (creating one costs ~0.5 s on lavapipe).
+
+In a test module::
+
+    from tests.gpu_fixtures import device_or_skip
+
+    @pytest.fixture
+    def dev() -> Device:
+        return device_or_skip()
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from functools import cache
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
+os.environ.setdefault("WGPU_BACKEND_TYPE", "Vulkan")
+
+
+@cache
+def _device() -> Any:
+    from gpu.device import Device, DeviceError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the "CPU adapter" warning
+            return Device()
+    except (DeviceError, ImportError, RuntimeError) as e:
+        return e
+
+
+def device_or_skip() -> Any:
+    """The process's shared Device; skips the calling test when no wgpu adapter exists."""
+    dev = _device()
+    if isinstance(dev, Exception):
+        pytest.skip(f"no GPU adapter: {dev}")
+    return dev

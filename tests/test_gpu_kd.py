@@ -1,0 +1,137 @@
+"""Fused lm_head + KD loss (gpu/ops/kd.py) vs model/kd.py in float64: every loss kind, tail on/off (given or
+derived), temperature, CE weight, masked rows, several vocab chunks with a partial last one; bitwise repeatable."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu.device import Device
+from gpu.ops.kd import KdScratch, kd_head_forward_backward
+from gpu.ops.topk import TopKState, teacher_topk, topk_chunk, topk_finish
+from model.kd import LossConfig, kd_loss_backward, kd_loss_forward, log_softmax
+from tests.gpu_helpers import make_device, rel_err, twice, up
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def dev() -> Device:
+    return make_device()
+
+
+def _teacher(rng: np.random.Generator, t: int, v: int, k: int, tau: float) -> tuple[np.ndarray, ...]:
+    """Top-k ids, log-probs at tau and tail of a random teacher."""
+    z = rng.standard_normal((t, v)) * 3.0
+    lp = log_softmax(z / tau)
+    ids = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+    lt = np.take_along_axis(lp, ids, axis=1)
+    tail = np.maximum(0.0, 1.0 - np.exp(lt).sum(axis=1))
+    return ids.astype(np.uint32), lt.astype(np.float32), tail.astype(np.float32)
+
+
+CASES = [
+    # kind, use_tail, tau, ce_weight, tail given, beta, T
+    ("forward_kl", False, 1.0, 0.0, True, 0.5, 6),
+    ("forward_kl", True, 2.0, 0.3, True, 0.5, 6),
+    ("forward_kl", True, 1.0, 0.0, False, 0.5, 1),
+    ("reverse_kl", False, 2.0, 0.3, True, 0.5, 6),
+    ("reverse_kl", True, 1.0, 0.0, True, 0.5, 6),
+    ("jsd", False, 1.0, 0.5, True, 0.3, 6),
+    ("jsd", True, 2.0, 0.0, False, 0.7, 6),
+]
+
+
+@pytest.mark.parametrize("kind,use_tail,tau,ce,tail_given,beta,t", CASES)
+def test_kd_head(dev: Device, kind: str, use_tail: bool, tau: float, ce: float, tail_given: bool, beta: float, t: int):
+    rng = np.random.default_rng(CASES.index((kind, use_tail, tau, ce, tail_given, beta, t)))
+    h_dim, v, k, chunk = 32, 300, 8, 128
+    cfg = LossConfig(kind=kind, tau=tau, beta=beta, ce_weight=ce, use_tail=use_tail)
+    h = rng.standard_normal((t, h_dim)).astype(np.float32)
+    w = (rng.standard_normal((v, h_dim)) * 3.0 / np.sqrt(h_dim)).astype(np.float32)
+    ids, lt, tail = _teacher(rng, t, v, k, tau)
+    targets = rng.integers(0, v, t).astype(np.uint32)
+    mask = np.ones(t, np.uint32) if t == 1 else np.array([1, 1, 0, 1, 1, 0] * t, np.uint32)[:t]
+    bufs = [up(dev, a, a.dtype) for a in (h, w, ids, lt, tail, targets, mask)]
+    hb, wb, idb, ltb, tailb, tgb, mb = bufs
+    scratch = KdScratch.build(dev, t, k, chunk)
+
+    def run() -> list[np.ndarray]:
+        dh, loss = dev.buffer(h.nbytes), dev.buffer(8)
+        tail_arg = tailb if tail_given else None
+        kd_head_forward_backward(
+            dev, hb, wb, idb, ltb, tail_arg, tgb, mb, cfg, dh, loss, t, h_dim, v, k, scratch=scratch, loss_index=1
+        )
+        return [dev.read(loss, np.float32, (2,)), dev.read(dh, np.float32, h.shape)]
+
+    loss, dh = twice(run)
+    logits = h.astype(np.float64) @ w.astype(np.float64).T
+    args = (ids, lt.astype(np.float64), tail.astype(np.float64) if tail_given else None, targets, mask, cfg)
+    want_loss = kd_loss_forward(logits, *args)
+    want_dh = kd_loss_backward(logits, *args) @ w.astype(np.float64)
+    assert abs(loss[1] - want_loss) <= TOL * abs(want_loss), (loss[1], want_loss)
+    assert rel_err(dh, want_dh) <= TOL
+    assert np.all(dh[mask == 0] == 0)
+    row_loss = dev.read(scratch.row_loss, np.float32, (t,))
+    assert abs(row_loss.astype(np.float64).sum() - want_loss) <= TOL * abs(want_loss)
+
+
+def test_kd_head_accumulates_dh(dev: Device) -> None:
+    rng = np.random.default_rng(5)
+    t, h_dim, v, k = 3, 16, 40, 4
+    cfg = LossConfig()
+    h = rng.standard_normal((t, h_dim)).astype(np.float32)
+    w = rng.standard_normal((v, h_dim)).astype(np.float32)
+    ids, lt, tail = _teacher(rng, t, v, k, 1.0)
+    targets, mask = np.zeros(t, np.uint32), np.ones(t, np.uint32)
+    prev = rng.standard_normal((t, h_dim)).astype(np.float32)
+    dh, loss = up(dev, prev), dev.buffer(4)
+    bufs = [up(dev, a, a.dtype) for a in (h, w, ids, lt, tail, targets, mask)]
+    kd_head_forward_backward(dev, *bufs, cfg, dh, loss, t, h_dim, v, k, chunk=16, accumulate_dh=True)
+    logits = h.astype(np.float64) @ w.astype(np.float64).T
+    want = prev + kd_loss_backward(logits, ids, lt.astype(np.float64), tail, targets, mask, cfg) @ w
+    assert rel_err(dev.read(dh, np.float32, h.shape), want) <= TOL
+
+
+def _topk_ref(z: np.ndarray, k: int, tau: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Best k by (logit desc, id asc), their log-probs at tau and the tail mass, in float64."""
+    z = z.astype(np.float64)
+    ids = np.stack([np.lexsort((np.arange(z.shape[1]), -row))[:k] for row in z])
+    lp = np.take_along_axis(log_softmax(z / tau), ids, axis=1)
+    return ids, lp, np.maximum(0.0, 1.0 - np.exp(lp).sum(axis=1))
+
+
+@pytest.mark.parametrize("t,v,k,chunk,tau", [(4, 700, 16, 300, 2.0), (2, 700, 256, 700, 1.0), (3, 2500, 64, 2500, 1.0)])
+def test_topk_chunks(dev: Device, t: int, v: int, k: int, chunk: int, tau: float) -> None:
+    rng = np.random.default_rng(v + k)
+    z = (np.round(rng.standard_normal((t, v)) * 12.0) / 4.0).astype(np.float32)  # many ties
+    zb = up(dev, z)
+    st = TopKState.build(dev, t, k)
+
+    def run() -> list[np.ndarray]:
+        lp, tail = dev.buffer(4 * t * k), dev.buffer(4 * t)
+        for c0 in range(0, v, chunk):
+            topk_chunk(dev, st, zb, min(chunk, v - c0), c0, tau, first=c0 == 0, ld=v, col_offset=c0)
+        topk_finish(dev, st, lp, tail, tau)
+        return [dev.read(st.ids, np.uint32, (t, k)), dev.read(lp, np.float32, (t, k)), dev.read(tail, np.float32, (t,))]
+
+    ids, lp, tail = twice(run)
+    want_ids, want_lp, want_tail = _topk_ref(z, k, tau)
+    np.testing.assert_array_equal(ids, want_ids)
+    assert rel_err(lp, want_lp) <= TOL
+    assert np.max(np.abs(tail - want_tail)) <= 1e-5
+
+
+def test_teacher_topk_from_hidden(dev: Device) -> None:
+    rng = np.random.default_rng(11)
+    t, h_dim, v, k, tau = 1, 24, 333, 10, 1.5
+    h = rng.standard_normal((t, h_dim)).astype(np.float32)
+    w = rng.standard_normal((v, h_dim)).astype(np.float32)
+    st = TopKState.build(dev, t, k)
+    lp, tail = dev.buffer(4 * t * k), dev.buffer(4 * t)
+    teacher_topk(dev, up(dev, h), up(dev, w), st, lp, tail, h_dim, v, tau, chunk=100)
+    want_ids, want_lp, want_tail = _topk_ref(h.astype(np.float64) @ w.T.astype(np.float64), k, tau)
+    np.testing.assert_array_equal(dev.read(st.ids, np.uint32, (t, k)), want_ids)
+    assert rel_err(dev.read(lp, np.float32, (t, k)), want_lp) <= TOL
+    assert np.max(np.abs(dev.read(tail, np.float32, (t,)) - want_tail)) <= 1e-5

@@ -1,0 +1,179 @@
+"""GPU ops vs the numpy reference (model/reference.py) on tiny shapes: forward and backward, float64 oracle,
+relative error (max abs err / max abs ref) <= 1e-4, and every op run twice with bitwise-equal results."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from gpu.device import Device
+from gpu.ops.add import add, add_inplace
+from gpu.ops.attention import attention_backward, attention_forward
+from gpu.ops.embedding import embedding_forward
+from gpu.ops.lora import lora_backward, lora_forward
+from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
+from gpu.ops.rope import RopeTable, rope_backward, rope_forward
+from gpu.ops.swiglu import swiglu_backward, swiglu_forward
+from gpu.weights import quantize_upload
+from model import reference as ref
+from model.quant import dequantize, quantize
+from tests.gpu_helpers import make_device, rel_err, twice, up
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def dev() -> Device:
+    return make_device()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_1"])
+def test_embedding(dev: Device, qtype: str) -> None:
+    rng = np.random.default_rng(0)
+    v, h = 37, 64
+    table = rng.standard_normal((v, h)).astype(np.float32)
+    qt = GGMLQuantizationType[qtype]
+    w = quantize_upload(dev, table, qt, name=f"emb_{qtype}")
+    ids = np.array([3, 0, 36, 3, 17, 5, 9], np.uint32)
+    want = ref.embedding_forward(dequantize(quantize(table, qt), qt, (v, h)).astype(np.float64), ids)
+    ids_buf = up(dev, ids, np.uint32)
+
+    def run() -> list[np.ndarray]:
+        out = dev.buffer(ids.size * h * 4)
+        embedding_forward(dev, w, ids_buf, out, ids.size)
+        return [dev.read(out, np.float32, (ids.size, h))]
+
+    (got,) = twice(run)
+    assert rel_err(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("t,h", [(1, 72), (5, 72), (3, 200)])
+def test_rmsnorm(dev: Device, t: int, h: int) -> None:
+    rng = np.random.default_rng(t * 1000 + h)
+    x = rng.standard_normal((t, h)) * 2.0
+    w = 1.0 + 0.1 * rng.standard_normal(h)
+    dy = rng.standard_normal((t, h))
+    prev = rng.standard_normal((t, h))
+    eps = 1e-5
+    x32, w32, dy32 = (a.astype(np.float32) for a in (x, w, dy))
+    xb, wb, dyb = up(dev, x32), up(dev, w32), up(dev, dy32)
+
+    def run() -> list[np.ndarray]:
+        y, dx, dacc = dev.buffer(t * h * 4), dev.buffer(t * h * 4), up(dev, prev)
+        rmsnorm_forward(dev, xb, wb, y, t, h, eps)
+        rmsnorm_backward(dev, dyb, xb, wb, dx, t, h, eps)
+        rmsnorm_backward(dev, dyb, xb, wb, dacc, t, h, eps, accumulate=True)
+        return [dev.read(b, np.float32, (t, h)) for b in (y, dx, dacc)]
+
+    y, dx, dacc = twice(run)
+    x64, w64, dy64 = (a.astype(np.float64) for a in (x32, w32, dy32))
+    assert rel_err(y, ref.rmsnorm_forward(x64, w64, eps)) <= TOL
+    dx_ref = ref.rmsnorm_backward(dy64, x64, w64, eps)
+    assert rel_err(dx, dx_ref) <= TOL
+    assert rel_err(dacc, dx_ref + prev.astype(np.float32)) <= TOL
+
+
+@pytest.mark.parametrize("t,nh,start,use_buf", [(1, 3, 0, False), (6, 3, 5, False), (6, 2, 2, True)])
+def test_rope(dev: Device, t: int, nh: int, start: int, use_buf: bool) -> None:
+    rng = np.random.default_rng(t + nh)
+    d, base = 16, 10000.0
+    table = RopeTable.build(dev, d, base, 64)
+    x = rng.standard_normal((t, nh, d)).astype(np.float32)
+    dy = rng.standard_normal((t, nh, d)).astype(np.float32)
+    pos_rel = rng.permutation(20)[:t].astype(np.uint32) if use_buf else np.arange(t, dtype=np.uint32)
+    pos_buf = up(dev, pos_rel, np.uint32) if use_buf else None
+    xb, dyb = up(dev, x), up(dev, dy)
+
+    def run() -> list[np.ndarray]:
+        y, dx = dev.buffer(x.nbytes), dev.buffer(x.nbytes)
+        rope_forward(dev, table, xb, y, t, nh, positions=pos_buf, start=start)
+        rope_backward(dev, table, dyb, dx, t, nh, positions=pos_buf, start=start)
+        return [dev.read(b, np.float32, x.shape) for b in (y, dx)]
+
+    y, dx = twice(run)
+    pos = pos_rel.astype(np.int64) + start
+    assert rel_err(y, ref.rope_forward(x.astype(np.float64), pos, base)) <= TOL
+    assert rel_err(dx, ref.rope_backward(dy.astype(np.float64), pos, base)) <= TOL
+
+
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 3, 1, 16), (70, 3, 1, 16), (37, 2, 2, 8), (5, 2, 1, 64)])
+def test_attention(dev: Device, t: int, hq: int, hkv: int, d: int) -> None:
+    rng = np.random.default_rng(t * 7 + hq + d)
+    q = rng.standard_normal((t, hq, d)).astype(np.float32)
+    k = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    dout = rng.standard_normal((t, hq, d)).astype(np.float32)
+    qb, kb, vb, dob = up(dev, q), up(dev, k), up(dev, v), up(dev, dout)
+
+    def run() -> list[np.ndarray]:
+        out, lse = dev.buffer(q.nbytes), dev.buffer(hq * t * 4)
+        dq, dk, dv = dev.buffer(q.nbytes), dev.buffer(k.nbytes), dev.buffer(v.nbytes)
+        attention_forward(dev, qb, kb, vb, out, lse, t, hq, hkv, d)
+        attention_backward(dev, dob, qb, kb, vb, out, lse, dq, dk, dv, t, hq, hkv, d)
+        shapes = (q.shape, (hq, t), q.shape, k.shape, v.shape)
+        return [dev.read(b, np.float32, s) for b, s in zip((out, lse, dq, dk, dv), shapes, strict=True)]
+
+    out, lse, dq, dk, dv = twice(run)
+    q64, k64, v64, do64 = (a.astype(np.float64) for a in (q, k, v, dout))
+    assert rel_err(out, ref.attention_forward(q64, k64, v64)) <= TOL
+    s = np.einsum("thd,shd->hts", q64, np.repeat(k64, hq // hkv, axis=1)) / np.sqrt(d)
+    s = np.where(np.triu(np.ones((t, t), dtype=bool), k=1), -np.inf, s)
+    assert rel_err(lse, ref.logsumexp(s)[..., 0]) <= TOL
+    for got, want in zip((dq, dk, dv), ref.attention_backward(do64, q64, k64, v64), strict=True):
+        assert rel_err(got, want) <= TOL
+
+
+@pytest.mark.parametrize("n", [1, 1000])
+def test_swiglu_and_add(dev: Device, n: int) -> None:
+    rng = np.random.default_rng(n)
+    g, u, dy, b = (rng.standard_normal(n).astype(np.float32) * 4.0 for _ in range(4))
+    gb, ub, dyb, bb = up(dev, g), up(dev, u), up(dev, dy), up(dev, b)
+
+    def run() -> list[np.ndarray]:
+        y, dg, du, s, acc = (dev.buffer(4 * n) for _ in range(5))
+        swiglu_forward(dev, gb, ub, y, n)
+        swiglu_backward(dev, dyb, gb, ub, dg, du, n)
+        add(dev, y, bb, s, n)
+        dev.copy(dyb, acc, 4 * n)
+        add_inplace(dev, acc, bb, n)
+        return [dev.read(x, np.float32, (n,)) for x in (y, dg, du, s, acc)]
+
+    y, dg, du, s, acc = twice(run)
+    g64, u64, dy64, b64 = (a.astype(np.float64) for a in (g, u, dy, b))
+    assert rel_err(y, ref.swiglu_forward(g64, u64)) <= TOL
+    dg_ref, du_ref = ref.swiglu_backward(dy64, g64, u64)
+    assert rel_err(dg, dg_ref) <= TOL
+    assert rel_err(du, du_ref) <= TOL
+    assert rel_err(s, y.astype(np.float64) + b64) <= 1e-7
+    assert rel_err(acc, dy64 + b64) <= 1e-7
+
+
+@pytest.mark.parametrize("t,d_in,d_out,r", [(1, 40, 24, 4), (19, 40, 24, 3), (33, 20, 50, 8)])
+def test_lora(dev: Device, t: int, d_in: int, d_out: int, r: int) -> None:
+    rng = np.random.default_rng(t + r)
+    x = rng.standard_normal((t, d_in)).astype(np.float32)
+    a = rng.standard_normal((r, d_in)).astype(np.float32) / np.sqrt(d_in)
+    b = rng.standard_normal((d_out, r)).astype(np.float32)
+    base = rng.standard_normal((t, d_out)).astype(np.float32)
+    dy = rng.standard_normal((t, d_out)).astype(np.float32)
+    dx0 = rng.standard_normal((t, d_in)).astype(np.float32)
+    s = 2.0
+    xb, ab, bb, dyb = up(dev, x), up(dev, a), up(dev, b), up(dev, dy)
+
+    def run() -> list[np.ndarray]:
+        tb, y, dx = dev.buffer(4 * t * r), up(dev, base), up(dev, dx0)
+        da, db, dt = dev.buffer(a.nbytes), dev.buffer(b.nbytes), dev.buffer(4 * t * r)
+        lora_forward(dev, xb, ab, bb, tb, y, t, d_in, d_out, r, s)
+        lora_backward(dev, dyb, xb, ab, bb, tb, da, db, dx, dt, t, d_in, d_out, r, s)
+        shapes = ((t, d_out), (t, d_in), a.shape, b.shape)
+        return [dev.read(buf, np.float32, sh) for buf, sh in zip((y, dx, da, db), shapes, strict=True)]
+
+    y, dx, da, db = twice(run)
+    x64, a64, b64, dy64 = (v.astype(np.float64) for v in (x, a, b, dy))
+    assert rel_err(y, base + ref.lora_forward(x64, a64, b64, s)) <= TOL
+    dx_ref, da_ref, db_ref = ref.lora_backward(dy64, x64, a64, b64, s)
+    assert rel_err(dx, dx0 + dx_ref) <= TOL
+    assert rel_err(da, da_ref) <= TOL
+    assert rel_err(db, db_ref) <= TOL
