@@ -1,0 +1,648 @@
+"""Training data: local files -> documents -> packed token windows -> Arrow token shards (through `datasets`).
+
+Sequence convention (every consumer relies on it): a row holds exactly `seq_len` input ids. The prediction
+at position t is of `input_ids[t + 1]`, and `loss_mask[t] = 1` when that prediction is trained (as in
+schemas/files.py); the last position (and any position whose next token is padding or prompt) has mask 0.
+So a consumer runs the model on `input_ids` and takes logits[t] against target `input_ids[t + 1]` where
+`loss_mask[t] = 1`; nothing else is needed. Packed windows overlap by one token (stride seq_len - 1), so
+every next-token transition of the stream is trained exactly once. Rows are padded (pad id, else EOS) to
+seq_len; padding is never a target.
+
+Documents are separated by EOS (trained after text, not after a chat, whose mask is assistant-only). The
+held-out split is chosen per document, before packing, by a hash of (seed, document index): no document is
+in both splits, and the same seed gives byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from model.chat import check_messages, tokenize_chat
+from schemas.files import TOKEN_SHARD_SCHEMA, check_token_shard
+from schemas.manifests import FileRef, TokenizeManifest, TokenSplit
+
+if TYPE_CHECKING:
+    from model.tokenizer import GGUFTokenizer
+    from schemas.config import DataSection
+
+FORMATS = ("jsonl", "json", "parquet", "text", "hf_dir")
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+SPLITS = ("train", "eval")
+MANIFEST_NAME = "tokenize_manifest.json"
+
+
+class DataError(ValueError):
+    """Training data cannot be read or tokenized; the message names the file (and record, field)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document: plain text or a chat (list of {role, content}); `source` + `locator` say where it is."""
+
+    source: str
+    locator: str
+    text: str | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.source} {self.locator}"
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _local_path(path: str | Path) -> Path:
+    """The path, refusing anything that is not an existing local file or directory (never a hub name/URL)."""
+    text = str(path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        raise DataError(f"{text}: remote URLs are not read; give a local file or directory")
+    p = Path(text).expanduser()
+    if not p.exists():
+        raise DataError(
+            f"{text}: no such local file or directory (data is read from disk; hub names are not downloaded)"
+        )
+    return p
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in _HF_MARKERS)
+
+
+def resolve_format(path: str | Path, fmt: str = "auto") -> tuple[str, list[Path]]:
+    """(format, files to read in order): a file, a directory of files of one format, or a saved HF dataset."""
+    p = _local_path(path)
+    if fmt not in ("auto", *FORMATS):
+        raise DataError(f"{p}: unknown data format {fmt!r} (one of auto, {', '.join(FORMATS)})")
+    if fmt == "hf_dir" or (fmt == "auto" and _is_hf_dir(p)):
+        if not _is_hf_dir(p):
+            raise DataError(f"{p}: format hf_dir needs a directory written by datasets' save_to_disk")
+        return "hf_dir", [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.parts))
+        files = [f for f in files if fmt != "auto" or f.suffix.lower() in _EXTENSIONS]
+        if fmt != "auto":
+            want = {e for e, name in _EXTENSIONS.items() if name == fmt}
+            files = [f for f in files if f.suffix.lower() in want or fmt == "text"]
+        if not files:
+            raise DataError(
+                f"{p}: directory holds no data files (known extensions: {', '.join(_EXTENSIONS)})"
+            )
+        kinds = {_EXTENSIONS.get(f.suffix.lower(), fmt) for f in files} if fmt == "auto" else {fmt}
+        if len(kinds) > 1:
+            raise DataError(f"{p}: directory mixes formats {sorted(kinds)}; give one format per directory")
+        return kinds.pop(), files
+    if fmt == "auto":
+        kind = _EXTENSIONS.get(p.suffix.lower())
+        if kind is None:
+            raise DataError(f"{p}: unknown extension {p.suffix!r}; set data.format ({', '.join(FORMATS)})")
+        return kind, [p]
+    return fmt, [p]
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"line {lineno}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: a .json dataset must be a list of objects, got {type(data).__name__}")
+    for i, item in enumerate(data):
+        yield f"record {i}", item
+
+
+def _columns_present(path: Path, columns: Sequence[str], fields: Sequence[str]) -> list[str]:
+    present = [f for f in fields if f in columns]
+    if not present:
+        raise DataError(
+            f"{path}: no field {' or '.join(repr(f) for f in fields)}; available fields: {', '.join(columns)}"
+        )
+    return present
+
+
+def _read_parquet(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
+    present = _columns_present(path, pf.schema_arrow.names, fields)
+    row = 0
+    for batch in pf.iter_batches(columns=present, batch_size=1024):
+        for item in batch.to_pylist():
+            yield f"row {row}", item
+            row += 1
+
+
+def _read_hf_dir(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise DataError(f"{path}: not a readable datasets directory ({exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+        if len(names) == 1 or "train" in names:
+            loaded = loaded[names[0] if len(names) == 1 else "train"]
+        else:
+            raise DataError(f"{path}: DatasetDict without a 'train' split (splits: {', '.join(names)})")
+    present = _columns_present(path, loaded.column_names, fields)
+    table = loaded.select_columns(present).with_format("arrow")
+    row = 0
+    for start in range(0, len(table), 1024):
+        for item in table[start : start + 1024].to_pylist():
+            yield f"row {row}", item
+            row += 1
+
+
+def _read_text(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for i, para in enumerate(p.strip() for p in _PARAGRAPH.split(text)):
+        if para:
+            yield f"paragraph {i}", para
+
+
+def _to_document(source: Path, locator: str, item: Any, text_field: str, messages_field: str) -> Document:
+    where = f"{source} {locator}"
+    if isinstance(item, str):
+        return Document(str(source), locator, text=item)
+    if not isinstance(item, Mapping):
+        raise DataError(f"{where}: a record must be an object with '{text_field}' or '{messages_field}'")
+    messages = item.get(messages_field)
+    if messages is not None:
+        try:
+            check_messages(messages)
+        except ValueError as exc:
+            raise DataError(f"{where}: field '{messages_field}': {exc}") from None
+        return Document(str(source), locator, messages=tuple(dict(m) for m in messages))
+    if text_field not in item:
+        raise DataError(
+            f"{where}: no field '{messages_field}' or '{text_field}'; available fields: "
+            f"{', '.join(map(str, item)) or '(none)'}"
+        )
+    text = item[text_field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__}")
+    return Document(str(source), locator, text=text)
+
+
+def load_records(
+    path: str | Path,
+    fmt: str = "auto",
+    text_field: str = "text",
+    messages_field: str = "messages",
+    max_documents: int | None = None,
+) -> list[Document]:
+    """Read documents from a local file or directory (never the hub).
+
+    Formats: jsonl (one object per line), json (a list of objects), parquet, hf_dir (datasets.save_to_disk
+    output; a DatasetDict's 'train' split), text (UTF-8; one document per blank-line-separated paragraph,
+    so a file without blank lines is one document). A record is a chat when it has `messages_field`
+    (a list of {role, content}), else text from `text_field`. `max_documents` keeps the first N.
+    """
+    kind, files = resolve_format(path, fmt)
+    fields = (messages_field, text_field)
+    docs: list[Document] = []
+    for file in files:
+        if kind == "jsonl":
+            items = _read_jsonl(file)
+        elif kind == "json":
+            items = _read_json(file)
+        elif kind == "parquet":
+            items = _read_parquet(file, fields)
+        elif kind == "hf_dir":
+            items = _read_hf_dir(file, fields)
+        else:
+            items = _read_text(file)
+        for locator, item in items:
+            if max_documents is not None and len(docs) >= max_documents:
+                return docs
+            docs.append(_to_document(file, locator, item, text_field, messages_field))
+    if not docs:
+        raise DataError(f"{path}: empty dataset (no documents found)")
+    return docs
+
+
+def dataset_fingerprint(
+    path: str | Path,
+    fmt: str = "auto",
+    text_field: str = "text",
+    messages_field: str = "messages",
+    max_documents: int | None = None,
+    **extra: Any,
+) -> str:
+    """sha256 over the data's bytes (every file read, by relative name) and the fields that select records.
+
+    For cache keys: a change to any data file or to these fields changes it; `extra` adds other JSON values.
+    """
+    kind, files = resolve_format(path, fmt)
+    root = Path(path)
+    if kind == "hf_dir":
+        files = sorted(f for f in root.rglob("*") if f.is_file())
+    digest = hashlib.sha256()
+    header = {
+        "format": kind,
+        "text_field": text_field,
+        "messages_field": messages_field,
+        "max_documents": max_documents,
+        **extra,
+    }
+    digest.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    for f in files:
+        name = f.relative_to(root).as_posix() if root.is_dir() else f.name
+        digest.update(f"\n{name}\n{f.stat().st_size}\n".encode())
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- tokenizing
+
+
+def _document_tokens(
+    doc: Document, tokenizer: GGUFTokenizer, text_ids: list[int] | None, assistant_only: bool, eos: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, target flags) of a document followed by EOS; flag 1 = predicting this token is trained."""
+    if doc.messages is not None:
+        if not tokenizer.chat_template:
+            raise DataError(f"{doc.where}: chat record, but the GGUF has no tokenizer.chat_template")
+        try:
+            ids, mask = tokenize_chat(tokenizer, tokenizer.chat_template, doc.messages)
+        except ValueError as exc:
+            raise DataError(f"{doc.where}: {exc}") from None
+        flags = mask if assistant_only else [1] * len(ids)
+        sep_flag = 0
+    else:
+        assert text_ids is not None
+        ids = text_ids
+        flags = [1] * len(ids)
+        if ids and tokenizer.add_bos and ids[0] == tokenizer.bos_id:
+            flags[0] = 0  # never train predicting BOS
+        sep_flag = 1
+    if ids and ids[-1] != eos:
+        ids = [*ids, eos]
+        flags = [*flags, sep_flag]
+    return np.asarray(ids, dtype=np.int32), np.asarray(flags, dtype=np.uint8)
+
+
+def _split_hash(seed: int, doc_id: int) -> float:
+    """A uniform number in [0, 1) from (seed, document index)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()[:8], "big") / 2.0**64
+
+
+def split_documents(usable: Sequence[bool], eval_fraction: float, seed: int) -> np.ndarray:
+    """Boolean per document: held out for evaluation. Document d is held out when hash(seed, d) < fraction.
+
+    When at least two documents have trainable tokens, at least one of them lands in each split (the one with
+    the smallest hash moves to eval, or the one with the largest back to train).
+    """
+    u = np.array([_split_hash(seed, d) for d in range(len(usable))])
+    ok = np.asarray(usable, dtype=bool)
+    is_eval = (u < eval_fraction) & ok
+    if ok.sum() >= 2:
+        if not is_eval.any():
+            is_eval[np.flatnonzero(ok)[np.argmin(u[ok])]] = True
+        if is_eval.sum() == ok.sum():
+            is_eval[np.flatnonzero(ok)[np.argmax(u[ok])]] = False
+    return is_eval
+
+
+def _windows(
+    docs: list[tuple[int, np.ndarray, np.ndarray]], seq_len: int, pad: int, pack: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids [W, L], loss_mask [W, L], doc_id [W]) of a split, rows without targets dropped."""
+    if not docs:
+        return np.zeros((0, seq_len), np.int32), np.zeros((0, seq_len), np.uint8), np.zeros(0, np.int64)
+    if pack:
+        stream = np.concatenate([ids for _, ids, _ in docs])
+        flags = np.concatenate([f for _, _, f in docs])
+        owner = np.concatenate([np.full(len(ids), d, np.int64) for d, ids, _ in docs])
+        n = len(stream)
+        stride = seq_len - 1
+        starts = np.arange(0, max(n - 1, 0), stride, dtype=np.int64)
+        idx = starts[:, None] + np.arange(seq_len)[None, :]
+        ids = np.where(idx < n, stream[np.minimum(idx, n - 1)], pad).astype(np.int32)
+        nxt = idx + 1
+        mask = np.where(nxt < n, flags[np.minimum(nxt, n - 1)], 0).astype(np.uint8)
+        mask[:, -1] = 0
+        doc_id = owner[starts]
+    else:
+        ids = np.full((len(docs), seq_len), pad, np.int32)
+        mask = np.zeros((len(docs), seq_len), np.uint8)
+        for row, (_, d_ids, d_flags) in enumerate(docs):
+            m = min(len(d_ids), seq_len)
+            ids[row, :m] = d_ids[:m]
+            mask[row, : m - 1] = d_flags[1:m]
+        doc_id = np.array([d for d, _, _ in docs], np.int64)
+    keep = mask.any(axis=1)
+    return ids[keep], mask[keep], doc_id[keep]
+
+
+def _list_array(matrix: np.ndarray, value_type: pa.DataType) -> pa.ListArray:
+    rows, width = matrix.shape
+    if rows * width >= 2**31:
+        raise DataError(f"split too large for one token table ({rows * width} tokens); use max_documents")
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32) * width, pa.int32())
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), value_type))
+
+
+def _to_dataset(
+    ids: np.ndarray, mask: np.ndarray, doc_id: np.ndarray, first_seq: int, split: str, n_docs: int
+) -> datasets.Dataset:
+    seq_id = np.arange(first_seq, first_seq + len(ids), dtype=np.int64)
+    table = pa.Table.from_arrays(
+        [
+            _list_array(ids, pa.int32()),
+            _list_array(mask, pa.uint8()),
+            pa.array(doc_id, pa.int64()),
+            pa.array(seq_id, pa.int64()),
+        ],
+        schema=TOKEN_SHARD_SCHEMA,
+    )
+    digest = hashlib.sha256(split.encode())
+    for arr in (ids, mask, doc_id, seq_id):
+        digest.update(np.ascontiguousarray(arr).tobytes())
+    info = datasets.DatasetInfo(description=json.dumps({"split": split, "n_documents": n_docs}))
+    return datasets.Dataset(table, info=info, fingerprint=digest.hexdigest()[:16])
+
+
+def tokenize_dataset(
+    records: Sequence[Document],
+    tokenizer: GGUFTokenizer,
+    seq_len: int,
+    eval_fraction: float,
+    seed: int,
+    pack: bool = True,
+    assistant_only: bool = True,
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, eval) datasets of TOKEN_SHARD_SCHEMA rows, each exactly seq_len ids (see the module docstring).
+
+    pack=True: documents end to end (EOS between), windows of seq_len overlapping by one token. pack=False:
+    one document per row, truncated to seq_len. seq_id counts train rows first, then eval rows; doc_id is
+    the index in `records` of the document the row starts in. `info.description` holds the split's
+    document count as JSON.
+    """
+    if seq_len < 2:
+        raise DataError(f"seq_len must be >= 2, got {seq_len}")
+    if not 0.0 < eval_fraction < 1.0:
+        raise DataError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    if not records:
+        raise DataError("no documents to tokenize")
+    eos = tokenizer.eos_id
+    if eos is None:
+        raise DataError("the GGUF has no tokenizer.ggml.eos_token_id: cannot separate documents")
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else eos
+
+    plain = [i for i, d in enumerate(records) if d.messages is None]
+    encoded = tokenizer.hf.encode_batch([records[i].text for i in plain], add_special_tokens=False)
+    text_ids: dict[int, list[int]] = {}
+    for i, enc in zip(plain, encoded, strict=True):
+        ids = enc.ids
+        if ids and tokenizer.add_bos and tokenizer.bos_id is not None:
+            ids = [tokenizer.bos_id, *ids]
+        text_ids[i] = ids
+    empty = (np.zeros(0, np.int32), np.zeros(0, np.uint8))
+    tokens = [
+        _document_tokens(doc, tokenizer, text_ids.get(i), assistant_only, eos)
+        if doc.text or doc.messages
+        else empty
+        for i, doc in enumerate(records)
+    ]
+    usable = [bool(f[1:].any()) for _, f in tokens]
+    if not any(usable):
+        raise DataError(
+            f"{records[0].source}: no trainable tokens after tokenization ({len(records)} documents; "
+            "empty texts, or chats without assistant turns?)"
+        )
+    is_eval = split_documents(usable, eval_fraction, seed)
+    out = []
+    first_seq = 0
+    for split, held_out in (("train", False), ("eval", True)):
+        docs = [(d, *tokens[d]) for d in range(len(records)) if usable[d] and is_eval[d] == held_out]
+        ids, mask, doc_id = _windows(docs, seq_len, pad, pack)
+        out.append(_to_dataset(ids, mask, doc_id, first_seq, split, len(docs)))
+        first_seq += len(ids)
+    return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------------------------ shards
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move `tmp` to `final`, replacing a previous `final` (rename it away, then remove it)."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_split(table: pa.Table, source: str, seq_len: int, vocab_size: int | None = None) -> None:
+    """check_token_shard, plus: every row exactly seq_len ids, ids inside the vocabulary."""
+    check_token_shard(table, source, seq_len)
+    if not len(table):
+        return
+    ids = table.column("input_ids").combine_chunks()
+    lengths = ids.value_lengths().to_numpy()
+    if (lengths != seq_len).any():
+        row = int(np.flatnonzero(lengths != seq_len)[0])
+        raise DataError(f"{source}: column 'input_ids' row {row} has {lengths[row]} ids, expected {seq_len}")
+    values = ids.flatten().to_numpy()
+    if vocab_size is not None and len(values) and (values.min() < 0 or values.max() >= vocab_size):
+        raise DataError(f"{source}: column 'input_ids' has ids outside [0, {vocab_size})")
+
+
+def _split_documents_count(ds: datasets.Dataset) -> int:
+    try:
+        return int(json.loads(ds.info.description or "{}").get("n_documents", 0))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return 0
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_token_shards(
+    train: datasets.Dataset,
+    eval: datasets.Dataset,
+    out_dir: str | Path,
+    *,
+    dataset_fingerprint: str,
+    tokenizer_sha256: str,
+    vocab_size: int,
+    seq_len: int,
+    root: str | Path | None = None,
+) -> TokenizeManifest:
+    """Write both splits as Arrow (datasets.save_to_disk into a temp dir, then renamed into place).
+
+    Layout: out_dir/train/, out_dir/eval/, and out_dir/tokenize_manifest.json (written last). The manifest's
+    shard FileRefs are the .arrow data files, stored relative to `root` when given.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    splits: dict[str, TokenSplit] = {}
+    for name, ds in (("train", train), ("eval", eval)):
+        if getattr(ds, "_indices", None) is not None:  # a select()/shuffle() view: write the rows it shows
+            ds = ds.flatten_indices()
+        _check_split(ds.data.table, f"{name} split", seq_len, vocab_size)
+        tmp = out / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        with _quiet_datasets():
+            ds.save_to_disk(str(tmp))
+        _fsync_tree(tmp)
+        final = out / name
+        _replace_dir(tmp, final)
+        files = sorted(final.glob("*.arrow"))
+        base = None if root is None else Path(root).resolve()
+        refs = tuple(FileRef.of(f.resolve() if base else f, base) for f in files)
+        mask = ds.data.table.column("loss_mask").combine_chunks()
+        n_positions = int(mask.flatten().to_numpy(zero_copy_only=False).sum(dtype=np.int64)) if len(ds) else 0
+        splits[name] = TokenSplit(
+            shards=refs, n_documents=_split_documents_count(ds), n_sequences=len(ds), n_positions=n_positions
+        )
+    manifest = TokenizeManifest(
+        dataset_fingerprint=dataset_fingerprint,
+        tokenizer_sha256=tokenizer_sha256,
+        vocab_size=vocab_size,
+        seq_len=seq_len,
+        train=splits["train"],
+        eval=splits["eval"],
+    )
+    _atomic_write_text(out / MANIFEST_NAME, manifest.model_dump_json(indent=2))
+    return manifest
+
+
+def read_tokenize_manifest(out_dir: str | Path) -> TokenizeManifest:
+    """The TokenizeManifest that write_token_shards left in out_dir."""
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise DataError(f"{path}: token manifest missing (tokenize did not finish)")
+    try:
+        return TokenizeManifest.model_validate_json(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise DataError(f"{path}: invalid token manifest ({exc})") from None
+
+
+def read_token_split(
+    out_dir: str | Path,
+    split: str,
+    manifest: TokenizeManifest | None = None,
+    root: str | Path | None = None,
+) -> datasets.Dataset:
+    """Load one split written by write_token_shards and check it against TOKEN_SHARD_SCHEMA.
+
+    With a manifest: the .arrow files must match its sha256s (and rows its seq_len).
+    """
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
+    path = Path(out_dir) / split
+    if not path.is_dir():
+        raise DataError(f"{path}: token split missing")
+    if manifest is not None:
+        want = getattr(manifest, split).shards
+        have = sorted(path.glob("*.arrow"))
+        if len(have) != len(want):
+            raise DataError(f"{path}: {len(have)} .arrow files, manifest lists {len(want)}")
+        for ref in want:
+            try:
+                ref.verify(root)
+            except ValueError as exc:
+                raise DataError(f"{path}: {exc}") from None
+    with _quiet_datasets():
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise DataError(f"{path}: not a readable token split ({exc})") from None
+    if not isinstance(ds, datasets.Dataset):
+        raise DataError(f"{path}: expected one dataset, found a DatasetDict")
+    if manifest is not None:
+        _check_split(ds.data.table, str(path), manifest.seq_len, manifest.vocab_size)
+    else:
+        check_token_shard(ds.data.table, str(path))
+    return ds
+
+
+def tokenize_from_config(
+    data: DataSection, tokenizer: GGUFTokenizer, tokenizer_sha256: str, out_dir: str | Path, seed: int = 0
+) -> TokenizeManifest:
+    """load_records -> tokenize_dataset -> write_token_shards with the settings of a DataSection."""
+    docs = load_records(data.path, data.format, data.text_field, data.messages_field, data.max_documents)
+    train, held_out = tokenize_dataset(
+        docs, tokenizer, data.seq_len, data.eval_fraction, seed, data.pack, data.assistant_only
+    )
+    fingerprint = dataset_fingerprint(
+        data.path, data.format, data.text_field, data.messages_field, data.max_documents
+    )
+    return write_token_shards(
+        train,
+        held_out,
+        out_dir,
+        dataset_fingerprint=fingerprint,
+        tokenizer_sha256=tokenizer_sha256,
+        vocab_size=tokenizer.vocab_size,
+        seq_len=data.seq_len,
+    )
