@@ -95,7 +95,7 @@ class StudentWeights:
 
     cfg: ModelConfig
     embed: QuantTensor
-    lm_head: Any  # f32 [V, H] buffer (the fused KD head reads f32)
+    lm_head: QuantTensor  # [V, H]; the tied token_embd when there is no output.weight
     norms: dict[str, Any]
     proj: dict[tuple[int, str], QuantTensor]
     nbytes: int = 0
@@ -118,9 +118,10 @@ class StudentWeights:
                 embed = upload_quant(dev, data, qtype, shape, name)
                 total += embed.nbytes
                 if cfg.tied_embeddings:
-                    lm_head = _upload_f32(dev, dequantize(data, qtype, shape), name + " (lm_head f32)")
+                    lm_head = embed
             elif name == "output.weight":
-                lm_head = _upload_f32(dev, dequantize(data, qtype, shape), name)
+                lm_head = upload_quant(dev, data, qtype, shape, name)
+                total += lm_head.nbytes
             elif name.endswith("_norm.weight"):
                 norms[name] = _upload_f32(dev, dequantize(data, qtype, shape).reshape(-1), name)
             elif parts[0] == "blk" and parts[2] in stem_to_target:

@@ -130,3 +130,28 @@ def random_blocks(qtype: GGMLQuantizationType | int, shape: tuple[int, int], rng
         d = rng.uniform(1e-3, 1e-2, nb).astype(np.float16)
         raw[:, off : off + 2] = d.view(np.uint8).reshape(nb, 2)
     return raw.reshape(n, -1)
+
+
+def row_slice(w: QuantTensor, r0: int, n_rows: int) -> QuantTensor:
+    """A view of rows r0 .. r0 + n_rows of `w` (no copy). Its byte offset must meet the adapter's storage
+    offset alignment (256): e.g. r0 a multiple of 256 rows always does."""
+    if not (0 <= r0 and r0 + n_rows <= w.n and n_rows > 0):
+        raise ValueError(f"tensor {w.name!r}: rows {r0}..{r0 + n_rows} outside its {w.n} rows")
+    offset = w.offset + r0 * raw_nbytes(w.qtype, (1, w.k))
+    cls = _F32View if isinstance(w, _F32View) else QuantTensor
+    return cls(w.buffer, w.qtype, (n_rows, w.k), w.name, offset)
+
+
+def check_lm_head(w: Any, vocab: int, hidden: int, chunk: int, alignment: int) -> None:
+    """Validate an lm_head given as a QuantTensor [vocab, hidden] (read in row chunks of `chunk`) or f32 buffer."""
+    if not isinstance(w, QuantTensor):
+        size = w.nbytes if isinstance(w, BufferView) else int(w.size)
+        if size < 4 * vocab * hidden:
+            raise ValueError(f"lm_head f32 buffer is smaller than [{vocab}, {hidden}]")
+        return
+    if w.shape != (vocab, hidden):
+        raise ValueError(f"lm_head {w.name!r} has shape {w.shape}, expected ({vocab}, {hidden})")
+    step = chunk * raw_nbytes(w.qtype, (1, hidden))
+    if vocab > chunk and step % alignment:
+        raise ValueError(f"vocab chunk {chunk} rows of {w.qtype.name} = {step} bytes is not a multiple of the "
+                         f"{alignment}-byte offset alignment: use a multiple of 256 rows")

@@ -145,6 +145,11 @@ class TeacherSection(Section):
     shard_tokens: int = Field(
         65536, ge=1, description="Target positions per top-k shard (a shard holds whole sequences)."
     )
+    backend: Literal["auto", "numpy", "gpu"] = Field(
+        "auto",
+        description="Where the teacher forward runs: gpu (wgpu kernels), numpy (BLAS; faster than a CPU "
+        "Vulkan adapter such as lavapipe), auto (numpy when the only adapter is a CPU, else gpu).",
+    )
 
 
 class LossSection(Section):
@@ -192,6 +197,20 @@ class LoraSection(Section):
         description="Projections that get an adapter in every block: q, k, v, o (attention) and gate, up, "
         "down (MLP). Also accepts 'all' or a comma-separated string. Stored in that canonical order.",
     )
+    layers: tuple[int, ...] | None = Field(
+        None,
+        description="Blocks that get adapters (PEFT layers_to_transform), e.g. [20, 21, ...]; null: all. "
+        "The backward stops at the lowest adapted block, so adapting only the top blocks trains faster.",
+    )
+
+    @field_validator("layers")
+    @classmethod
+    def _check_layers(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if not value or min(value) < 0 or len(set(value)) != len(value):
+            raise ValueError("give distinct block indices >= 0, or null for all blocks")
+        return tuple(sorted(value))
 
     @field_validator("targets", mode="before")
     @classmethod
@@ -311,6 +330,11 @@ class RunSection(Section):
         description="MLflow tracking URI (null: sqlite:///<workdir>/mlflow.db, artifacts under workdir).",
     )
     run_name: str | None = Field(None, description="MLflow / Prefect run name (null: generated).")
+    gpu_backend: Literal["auto", "wgpu", "dawn"] = Field(
+        "auto",
+        description="wgpu-py backend: wgpu (wgpu-native: Vulkan/Metal/DX12, lavapipe on a CPU), dawn (tensor "
+        "cores through subgroup matrices), auto (dawn when it offers subgroup matrices, else wgpu).",
+    )
 
     def tracking_uri(self) -> str:
         """mlflow_uri, or the sqlite database under workdir."""

@@ -13,8 +13,10 @@ from typing import Any
 
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.reduce import count_nonzero, reduce_sum
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
+from gpu.weights import QuantTensor, check_lm_head, row_slice
 from model.kd import KINDS, LossConfig
 
 
@@ -92,7 +94,6 @@ def kd_head_forward_backward(
     chunk = sc.chunk
     for buf, n, what in (
         (h, t * hidden, "h"),
-        (w, vocab * hidden, "lm_head weight"),
         (teacher_ids, t * k, "teacher_ids"),
         (teacher_logprobs, t * k, "teacher_logprobs"),
         (targets, t, "targets"),
@@ -103,12 +104,18 @@ def kd_head_forward_backward(
         need(buf, n, f"kd {what}")
     if teacher_tail is not None:
         need(teacher_tail, t, "kd teacher_tail")
+    check_lm_head(w, vocab, hidden, chunk, dev.offset_alignment)
     inv_tau = 1.0 / cfg.tau
     beta = cfg.beta if cfg.kind == "jsd" else 0.5
     ce = cfg.ce_weight > 0
     chunks = [(c0, min(chunk, vocab - c0)) for c0 in range(0, vocab, chunk)]
 
+    quant = isinstance(w, QuantTensor)
+
     def logits_chunk(c0: int, nv: int) -> None:
+        if quant:  # the fused-dequant GEMM straight from the (quantized) lm_head rows
+            linear(dev, h, row_slice(w, c0, nv), sc.logits, t, ldc=chunk)
+            return
         a, b = row_major(h, hidden), transposed(w, hidden, off=c0 * hidden)
         strided_matmul(dev, a, b, sc.logits, t, nv, hidden, ldc=chunk)
 
@@ -142,6 +149,10 @@ def kd_head_forward_backward(
         params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
         dev.dispatch(grad_pipe, bind, grid(t, 1))
+        acc = accumulate_dh or i > 0
+        if quant:
+            linear_input_grad(dev, sc.logits, row_slice(w, c0, nv), dh, t, lda=chunk, accumulate=acc)
+            continue
         a, b = row_major(sc.logits, chunk), row_major(w, hidden, off=c0 * hidden)
-        strided_matmul(dev, a, b, dh, t, hidden, nv, accumulate=accumulate_dh or i > 0)
+        strided_matmul(dev, a, b, dh, t, hidden, nv, accumulate=acc)
     return sc

@@ -8,7 +8,9 @@ from typing import Any
 
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.matmul import linear
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
+from gpu.weights import QuantTensor, row_slice
 
 MAX_SORT = 2048  # (key, id) pairs sorted per workgroup: 16 KiB of workgroup memory
 MAX_K = 256
@@ -102,7 +104,10 @@ def teacher_topk(
         logits_scratch = dev.buffer(4 * t * chunk, label="topk logits chunk")
     for c0 in range(0, vocab, chunk):
         nv = min(chunk, vocab - c0)
-        a, b = row_major(h, hidden), transposed(w, hidden, off=c0 * hidden)
-        strided_matmul(dev, a, b, logits_scratch, t, nv, hidden, ldc=chunk)
+        if isinstance(w, QuantTensor):  # the fused-dequant GEMM straight from the (quantized) lm_head rows
+            linear(dev, h, row_slice(w, c0, nv), logits_scratch, t, ldc=chunk)
+        else:
+            a, b = row_major(h, hidden), transposed(w, hidden, off=c0 * hidden)
+            strided_matmul(dev, a, b, logits_scratch, t, nv, hidden, ldc=chunk)
         topk_chunk(dev, st, logits_scratch, nv, c0, tau, first=c0 == 0, ld=chunk)
     topk_finish(dev, st, logprobs, tail, tau)
