@@ -16,7 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from gpu.device import BufferView, Device, DeviceError
-from gpu.ops.add import add, add_inplace
+from gpu.ops.add import add, scale_inplace
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
@@ -26,6 +26,7 @@ from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.ops.swiglu import swiglu_backward, swiglu_forward
+from gpu.ops.topk import TopKState, teacher_topk
 from gpu.weights import QuantTensor, upload_quant
 from model.config import LORA_TARGETS, ModelConfig
 from model.kd import LossConfig
@@ -58,16 +59,24 @@ class LoraLayout:
     n_params: int  # including alignment padding (padding stays zero: zero grads, zero updates)
 
     @classmethod
-    def build(cls, cfg: ModelConfig, targets: Iterable[str], r: int) -> LoraLayout:
+    def build(cls, cfg: ModelConfig, targets: Iterable[str], r: int, layers: Iterable[int] | None = None) -> LoraLayout:
         targets = [t for t in LORA_TARGETS if t in set(targets)]
+        layers = sorted(set(range(cfg.n_layers) if layers is None else layers))
+        if layers and not 0 <= layers[0] <= layers[-1] < cfg.n_layers:
+            raise ValueError(f"lora layers {layers} outside the model's blocks 0..{cfg.n_layers - 1}")
         slots, off = {}, 0
-        for layer in range(cfg.n_layers):
+        for layer in layers:
             for t in targets:
                 d_out, d_in = cfg.target_shape(t)
                 a_off, off = off, off + _pad(r * d_in)
                 b_off, off = off, off + _pad(d_out * r)
                 slots[(layer, t)] = LoraSlot(layer, t, d_in, d_out, a_off, b_off)
         return cls(r, slots, off)
+
+    @property
+    def lowest_layer(self) -> int:
+        """The lowest adapted block: the backward stops there."""
+        return min((layer for layer, _ in self.slots), default=0)
 
     def pack(self, adapter: Mapping[tuple[int, str], LoraPair]) -> np.ndarray:
         flat = np.zeros(self.n_params, np.float32)
@@ -206,12 +215,13 @@ class GPUModel:
         targets: Iterable[str] = (),
         r: int = 1,
         alpha: float = 1.0,
+        layers: Iterable[int] | None = None,
     ) -> None:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
         if seq_len > cfg.context_length:
             raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
-        self.layout = LoraLayout.build(cfg, targets, r)
+        self.layout = LoraLayout.build(cfg, targets, r, layers)
         self.scale = alpha / r
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
@@ -358,14 +368,21 @@ class GPUStudent(GPUModel):
         loss: LossConfig,
         optim: AdamWConfig | None = None,
         vocab_chunk: int = 4096,
+        layers: Iterable[int] | None = None,
+        grad_accum: int = 1,
     ) -> None:
         self.k, self.loss_cfg = top_k, loss
-        super().__init__(dev, weights, batch=batch, seq_len=seq_len, targets=targets, r=r, alpha=alpha)
+        super().__init__(dev, weights, batch=batch, seq_len=seq_len, targets=targets, r=r, alpha=alpha, layers=layers)
+        self.grad_accum = grad_accum
+        self.losses = dev.buffer(4 * grad_accum, label="micro-batch losses")
         if self.layout.n_params == 0:
             raise ValueError("GPUStudent needs at least one LoRA target")
         self.grads = dev.buffer(4 * self.layout.n_params, label="lora grads")
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
         self.kd = KdScratch.build(dev, self.rows, top_k, min(vocab_chunk, self.cfg.vocab))
+        self.top1 = TopKState.build(dev, self.rows, 1)
+        self.top1_lp = dev.buffer(4 * self.rows, label="student top-1 logprob")
+        self.top1_tail = dev.buffer(4 * self.rows, label="student top-1 tail")
         self.applied_steps = 0
         self.skipped_steps = 0
         self._acc_grads = False
@@ -474,32 +491,60 @@ class GPUStudent(GPUModel):
         w(bufs["teacher_tail"], tail.reshape(-1))
         self._has_tail = teacher_tail is not None
 
-    def _record_loss_and_grads(self, accumulate: bool) -> None:
+    def _record_loss_and_grads(self, micro: int) -> None:
         cfg, dev, bufs = self.cfg, self.dev, self._b.bufs
-        self._acc_grads = accumulate
+        self._acc_grads = micro > 0
         self._forward_to_head()
         kd_head_forward_backward(
             dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"],
             bufs["teacher_tail"] if self._has_tail else None, bufs["targets"], bufs["mask"], self.loss_cfg,
-            self.a["tmp"], bufs["loss"], self.rows, cfg.hidden, cfg.vocab, self.k, scratch=self.kd,
+            self.a["tmp"], self.losses, self.rows, cfg.hidden, cfg.vocab, self.k, scratch=self.kd, loss_index=micro,
         )
         rmsnorm_backward(dev, self.a["tmp"], self._x(cfg.n_layers), self.w.norms["output_norm.weight"], self.a["dx"],
                          self.rows, cfg.hidden, cfg.eps)
-        for layer in reversed(range(cfg.n_layers)):
+        for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
             self._block_forward(layer)  # recompute from the checkpointed block input
             self._block_backward(layer)
 
     def loss_and_grads(self) -> float:
         """Loss of the uploaded batch; gradients land in self.grads (read them with get_grads())."""
         with self.dev.step():
-            self._record_loss_and_grads(accumulate=False)
-        return float(self.dev.read(self._b.bufs["loss"], np.float32, (1,))[0])
+            self._record_loss_and_grads(0)
+        return float(self.dev.read(self.losses, np.float32, (1,))[0])
+
+    def accumulate(self, micro: int) -> None:
+        """Record forward + backward of the uploaded micro-batch `micro` (0-based) into the gradients."""
+        if not 0 <= micro < self.grad_accum:
+            raise ValueError(f"micro-batch {micro} outside 0..{self.grad_accum - 1}")
+        with self.dev.step():
+            self._record_loss_and_grads(micro)
+
+    def apply(self, lr: float) -> StepStats:
+        """Average the accumulated gradients and take one AdamW step (skipped when the loss or grad norm is not
+        finite); the returned loss is the mean over the micro-batches."""
+        n = self.grad_accum
+        with self.dev.step():
+            if n > 1:
+                scale_inplace(self.dev, self.grads, 1.0 / n, self.layout.n_params)
+            self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self.losses,
+                            loss_index=n - 1)
+        stats = self.optim.read_stats()
+        losses = self.dev.read(self.losses, np.float32, (n,))
+        stats = StepStats(stats.grad_norm, stats.clip_scale, stats.skipped or not np.isfinite(losses).all(),
+                          float(losses.mean()))
+        if stats.skipped:
+            self.skipped_steps += 1
+        else:
+            self.applied_steps += 1
+        return stats
 
     def train_step(self, lr: float) -> StepStats:
-        """Forward, backward and one AdamW update on the uploaded batch, all in one command encoder."""
+        """Forward, backward and one AdamW update on the uploaded batch (grad_accum == 1), one encoder."""
+        if self.grad_accum != 1:
+            raise ValueError("train_step is for grad_accum=1: call accumulate() per micro-batch, then apply()")
         with self.dev.step():
-            self._record_loss_and_grads(accumulate=False)
-            self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self._b.bufs["loss"])
+            self._record_loss_and_grads(0)
+            self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self.losses)
         stats = self.optim.read_stats()
         if stats.skipped:
             self.skipped_steps += 1
@@ -507,6 +552,28 @@ class GPUStudent(GPUModel):
             self.applied_steps += 1
         return stats
 
-    def eval_loss(self) -> float:
-        """The KD loss of the uploaded batch without a backward (evaluation)."""
-        return self.loss_and_grads()
+    def evaluate_batch(self) -> dict[str, np.ndarray]:
+        """Forward only: per masked row the KD loss share, the CE on the target and the student's top-1 id.
+
+        Returns kd_loss (the batch's masked-mean loss, [1]), ce [rows], top1 [rows] (u32); rows with mask 0 are
+        included (callers select masked rows).
+        """
+        cfg, dev, bufs = self.cfg, self.dev, self._b.bufs
+        with dev.step():
+            self._forward_to_head()
+            kd_head_forward_backward(
+                dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"],
+                bufs["teacher_tail"] if self._has_tail else None, bufs["targets"], bufs["mask"], self.loss_cfg,
+                self.a["tmp"], self.losses, self.rows, cfg.hidden, cfg.vocab, self.k, scratch=self.kd,
+                backward=False,
+            )
+            teacher_topk(dev, self.a["nf"], self.w.lm_head, self.top1, self.top1_lp, self.top1_tail, cfg.hidden,
+                         cfg.vocab, 1.0, logits_scratch=self.kd.logits, chunk=self.kd.chunk)
+        lse = dev.read(self.kd.lse, np.float32, (self.rows, 4)).astype(np.float64)
+        gathered = dev.read(self.kd.gathered, np.float32, (self.rows, self.k + 1)).astype(np.float64)
+        ce = lse[:, 2] + np.log(lse[:, 3]) - gathered[:, self.k]
+        return {
+            "kd_loss": dev.read(self.losses, np.float32, (1,)),
+            "ce": ce,
+            "top1": dev.read(self.top1.ids, np.uint32, (self.rows,)),
+        }

@@ -20,3 +20,9 @@ def add_inplace(dev: Device, y: Any, b: Any, n: int) -> None:
     need(y, n, "add_inplace y")
     need(b, n, "add_inplace b")
     dev.dispatch(pipeline(dev, "add_inplace"), [pack(n, 0, 0, 0), b, y], grid(n, 256))
+
+
+def scale_inplace(dev: Device, y: Any, alpha: float, n: int) -> None:
+    """y *= alpha over n elements."""
+    need(y, n, "scale_inplace y")
+    dev.dispatch(pipeline(dev, "scale"), [pack(n, float(alpha), 0, 0), y], grid(n, 256))

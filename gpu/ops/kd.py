@@ -78,11 +78,12 @@ def kd_head_forward_backward(
     chunk: int = 4096,  # vocab columns per chunk when no scratch is given (else scratch.chunk)
     accumulate_dh: bool = False,
     loss_index: int = 0,
+    backward: bool = True,
 ) -> KdScratch:
     """Loss of model/kd.py kd_loss_forward for logits = h [T, H] . W^T (W f32 [V, H]) and dh [T, H] (+)=
     dL/dlogits . W, computed over vocab chunks. teacher_ids u32 [T, k], teacher_logprobs f32 [T, k] (at tau),
     teacher_tail f32 [T] or None (then 1 - sum exp(logprobs)), targets u32 [T], mask u32 [T] (rows != 0 count).
-    loss[loss_index] (f32) receives the scalar loss. Returns the scratch (row_loss, count) for inspection and reuse."""
+    loss[loss_index] (f32) receives the scalar loss; backward=False skips pass 2 (evaluation: dh untouched). Returns the scratch (row_loss, count) for inspection and reuse."""
     t = n_tokens
     if cfg.kind not in KINDS:
         raise ValueError(f"LossConfig.kind={cfg.kind!r} is not one of {KINDS}")
@@ -143,6 +144,8 @@ def kd_head_forward_backward(
     dev.dispatch(row_pipe, bind, grid(t, 64))
     reduce_sum(dev, sc.row_loss, loss, t, out_index=loss_index)
 
+    if not backward:
+        return sc
     grad_pipe = pipeline(dev, "kd_grad", CE=str(ce).lower())
     for i, (c0, nv) in enumerate(chunks):
         logits_chunk(c0, nv)
