@@ -80,7 +80,7 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     dt = (time.perf_counter() - t0) / args.steps
     emit(what="train_step", impl="distillery", backend=dev.backend, adapter=dev.adapter.summary, shape=args.shape,
          quant=args.quant, batch=b, seq=t, rank=args.rank, top_k=k, seconds_per_step=round(dt, 4),
-         tokens_per_s=round(b * t / dt, 1), loss=stats.loss, peak_gpu_bytes=getattr(dev, "peak_bytes", None))
+         tokens_per_s=round(b * t / dt, 1), loss=stats.loss, peak_gpu_bytes=dev.peak_bytes)
     del st
     teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0)
     teacher.topk(ids)

@@ -179,6 +179,8 @@ class Device:
         self._bind_groups: dict[tuple, Any] = {}
         self._bg_keys_by_buffer: dict[int, set[tuple]] = {}
         self._rec: Recorder | None = None
+        self.live_bytes = 0  # bytes of the buffers this Device created that are still alive
+        self.peak_bytes = 0  # the most live_bytes ever reached (the GPU memory our tensors needed)
         self._fence = self.buffer(4, label="fence")
         self.stats = {"pipelines": 0, "bind_groups": 0, "uniforms": 0, "submits": 0, "dispatches": 0}
 
@@ -251,7 +253,11 @@ class Device:
             )
         if usage & self.wgpu.BufferUsage.STORAGE and not sliced:
             self.check_binding(nbytes, name)
-        return self.device.create_buffer(size=nbytes, usage=usage, label=label)
+        buf = self.device.create_buffer(size=nbytes, usage=usage, label=label)
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(buf, _release_bytes, weakref.ref(self), nbytes)
+        return buf
 
     def upload(self, array: np.ndarray | bytes, label: str = "", usage: int | None = None, *, sliced: bool = False):
         """A new buffer holding the bytes of `array` (C order; zero-padded to a multiple of 4 bytes)."""
@@ -450,6 +456,12 @@ def _adapter_rank(a: Any) -> tuple[int, int]:
     t = str(a.info.get("adapter_type", "")).lower().replace(" ", "").replace("_", "")
     api = str(a.info.get("backend_type", "")).lower()
     return (kind.get(t, 3), 1 if api in ("opengl", "gl", "gles") else 0)
+
+
+def _release_bytes(dev_ref: weakref.ref, nbytes: int) -> None:
+    dev = dev_ref()
+    if dev is not None:
+        dev.live_bytes -= nbytes
 
 
 def _forget_buffer(dev_ref: weakref.ref, uid: int) -> None:
