@@ -94,66 +94,73 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
 
 def bench_torch(cfg: ModelConfig, args: argparse.Namespace) -> None:
     import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    b, t, k = args.batch, args.seq, args.top_k
     hf = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
                      num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                      num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
                      tie_word_embeddings=cfg.tied_embeddings, rope_theta=cfg.rope_base)
     for dtype in (torch.float32, torch.bfloat16):
+        _torch_one(hf, dtype, args)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        model = LlamaForCausalLM(hf).to("cuda", dtype)
-        model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()
-        model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                 "gate_proj", "up_proj", "down_proj"]))
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        ids = torch.randint(0, cfg.vocab, (b, t), device="cuda")
-        tids = torch.randint(0, cfg.vocab, (b, t, k), device="cuda")
-        tp = torch.full((b, t, k), 1.0 / k, device="cuda")
 
-        def step() -> float:
-            logits = model(input_ids=ids).logits.float()
-            logq = torch.log_softmax(logits, -1).gather(-1, tids)
-            loss = (tp * (tp.log() - logq)).sum(-1).mean()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.item()
 
+def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    cfg = SHAPES[args.shape]
+    b, t, k = args.batch, args.seq, args.top_k
+    torch.cuda.reset_peak_memory_stats()
+    model = LlamaForCausalLM(hf).to("cuda", dtype)
+    model.gradient_checkpointing_enable()
+    model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                             "gate_proj", "up_proj", "down_proj"]))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, cfg.vocab, (b, t), device="cuda")
+    tids = torch.randint(0, cfg.vocab, (b, t, k), device="cuda")
+    tp = torch.full((b, t, k), 1.0 / k, device="cuda")
+
+    def step() -> float:
+        logits = model(input_ids=ids).logits.float()
+        logq = torch.log_softmax(logits, -1).gather(-1, tids)
+        loss = (tp * (tp.log() - logq)).sum(-1).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
         step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / args.steps
+    emit(what="train_step", impl="hf+peft", dtype=str(dtype), shape=args.shape, batch=b, seq=t, rank=args.rank,
+         top_k=k, tokens_per_s=round(b * t / dt, 1), peak_gpu_bytes=torch.cuda.max_memory_allocated())
+    with torch.no_grad():
+        base = model.get_base_model()
+
+        def teacher() -> None:
+            logits = base(input_ids=ids).logits.float()
+            torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+
+        teacher()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            step()
+            teacher()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / args.steps
-        emit(what="train_step", impl="hf+peft", dtype=str(dtype), shape=args.shape, batch=b, seq=t, rank=args.rank,
-             top_k=k, tokens_per_s=round(b * t / dt, 1), peak_gpu_bytes=torch.cuda.max_memory_allocated())
-        with torch.no_grad():
-            base = model.get_base_model()
-
-            def teacher() -> None:
-                logits = base(input_ids=ids).logits.float()
-                torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
-
-            teacher()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                teacher()
-            torch.cuda.synchronize()
-            dt = (time.perf_counter() - t0) / args.steps
-        emit(what="teacher_topk", impl="hf+torch.topk", dtype=str(dtype), shape=args.shape, batch=b, seq=t, top_k=k,
-             tokens_per_s=round(b * t / dt, 1))
-        del model, opt
+    emit(what="teacher_topk", impl="hf+torch.topk", dtype=str(dtype), shape=args.shape, batch=b, seq=t, top_k=k,
+         tokens_per_s=round(b * t / dt, 1))
 
 
 def main() -> None:

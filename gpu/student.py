@@ -16,8 +16,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from gpu.device import BufferView, Device, DeviceError
-from gpu.ops.add import add, scale_inplace
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
+from gpu.ops.add import add, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.kd import KdScratch, kd_head_forward_backward

@@ -83,7 +83,8 @@ def kd_head_forward_backward(
     """Loss of model/kd.py kd_loss_forward for logits = h [T, H] . W^T (W f32 [V, H]) and dh [T, H] (+)=
     dL/dlogits . W, computed over vocab chunks. teacher_ids u32 [T, k], teacher_logprobs f32 [T, k] (at tau),
     teacher_tail f32 [T] or None (then 1 - sum exp(logprobs)), targets u32 [T], mask u32 [T] (rows != 0 count).
-    loss[loss_index] (f32) receives the scalar loss; backward=False skips pass 2 (evaluation: dh untouched). Returns the scratch (row_loss, count) for inspection and reuse."""
+    loss[loss_index] (f32) receives the scalar loss; backward=False skips pass 2 (evaluation: dh untouched).
+    Returns the scratch (row_loss, count) for inspection and reuse."""
     t = n_tokens
     if cfg.kind not in KINDS:
         raise ValueError(f"LossConfig.kind={cfg.kind!r} is not one of {KINDS}")
