@@ -8,7 +8,10 @@ block_forward / block_backward. Rows are `batch * seq_len` tokens; only attentio
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ from model.kd import LossConfig
 from model.reference import LoraPair
 
 FLOATS_PER_SLOT_ALIGN = 64  # 256-byte storage offset alignment, in f32 elements
+PREFETCH = 2  # tensors read ahead of the upload
 
 
 def _pad(n: int, align: int = FLOATS_PER_SLOT_ALIGN) -> int:
@@ -159,20 +163,48 @@ class StudentWeights:
         return cls.upload(dev, cfg, items())
 
     @classmethod
-    def from_gguf(cls, dev: Device, path: Any, progress: Any = None) -> StudentWeights:
-        """Stream a GGUF tensor by tensor into GPU memory (host memory bounded by the largest tensor)."""
+    def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> StudentWeights:
+        """Stream a GGUF tensor by tensor into GPU memory, still quantized.
+
+        A background thread reads the next tensors from the memory map (at most `PREFETCH` in flight, so host
+        memory stays bounded by a few tensors) while this thread uploads; `progress(info)` after each upload."""
         from model.gguf import GGUFFile
 
         with GGUFFile(path) as f:
             cfg = f.config()
+            items: queue.Queue = queue.Queue(maxsize=PREFETCH)
+            stop = threading.Event()
 
-            def items() -> Iterator[tuple[str, np.ndarray, int, tuple[int, ...]]]:
-                for info, raw in f.iter_tensors():
+            def read_ahead() -> None:
+                try:
+                    for info, raw in f.iter_tensors():
+                        if stop.is_set():
+                            return
+                        items.put((info, np.array(raw)))  # copy: pages the tensor in off the main thread
+                    items.put(None)
+                except BaseException as exc:  # surfaced on the main thread
+                    items.put(exc)
+
+            reader = threading.Thread(target=read_ahead, name="gguf-read-ahead", daemon=True)
+            reader.start()
+
+            def tensors() -> Iterator[tuple[str, np.ndarray, int, tuple[int, ...]]]:
+                while (item := items.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    info, raw = item
+                    yield info.name, raw, info.ggml_type, info.shape
                     if progress is not None:
                         progress(info)
-                    yield info.name, raw, info.ggml_type, info.shape
 
-            return cls.upload(dev, cfg, items())
+            try:
+                return cls.upload(dev, cfg, tensors())
+            finally:
+                stop.set()
+                while reader.is_alive():  # unblock a reader waiting on a full queue
+                    with contextlib.suppress(queue.Empty):
+                        items.get_nowait()
+                    reader.join(timeout=0.01)
 
 
 def _upload_f32(dev: Device, a: np.ndarray, label: str) -> Any:

@@ -131,3 +131,31 @@ def test_teacher_topk_matches_reference() -> None:
         np.testing.assert_array_equal(got_ids[s], want_ids)
         assert _rel(got_lp[s], want_lp) < REL
         np.testing.assert_allclose(got_tail[s], 1 - np.exp(want_lp).sum(-1), atol=1e-5)
+
+
+def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
+    """StudentWeights.from_gguf (read-ahead thread) gives the same step as uploading the arrays directly."""
+    from model.gguf import write_gguf
+
+    dev = device_or_skip()
+    w, lora, ids, targets, mask, rng = _problem(11, Q.Q4_0)
+    meta = {"general.architecture": "llama", "llama.block_count": CFG.n_layers, "llama.embedding_length": CFG.hidden,
+            "llama.feed_forward_length": CFG.ffn, "llama.attention.head_count": CFG.n_heads,
+            "llama.attention.head_count_kv": CFG.n_kv_heads, "llama.rope.freq_base": CFG.rope_base,
+            "llama.attention.layer_norm_rms_epsilon": CFG.eps, "llama.context_length": CFG.context_length,
+            "llama.vocab_size": CFG.vocab}
+    tensors = [(n, quantize(a, Q.Q4_0) if a.ndim == 2 and n.startswith("blk.") else a,
+                Q.Q4_0 if a.ndim == 2 and n.startswith("blk.") else Q.F32) for n, a in w.items()]
+    write_gguf(tmp_path / "s.gguf", "llama", meta, tensors)
+    seen = []
+    streamed = StudentWeights.from_gguf(dev, tmp_path / "s.gguf", progress=lambda info: seen.append(info.name))
+    assert sorted(seen) == sorted(w)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    losses = []
+    for weights in (streamed, StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)):
+        st = GPUStudent(dev, weights, targets=LORA_TARGETS, r=R, alpha=R, batch=B, seq_len=T, top_k=K,
+                        loss=LossConfig("forward_kl", tau=1.0, use_tail=True))
+        st.set_adapter(lora)
+        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        losses.append(st.loss_and_grads())
+    assert losses[0] == losses[1]
