@@ -34,7 +34,7 @@ demo: setup
 	$(VENV)/bin/distillery demo
 
 test: setup
-	$(PY) -m pytest -q --durations=15
+	DISTILLERY_REQUIRE_GPU=1 $(PY) -m pytest -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import numpy as np
-import pytest
 
-from gpu.device import Device, DeviceError
+from gpu.device import Device
+from tests.gpu_fixtures import device_or_skip
 
 
 def make_device() -> Device:
-    """A Device, or skip the module when this machine has no wgpu adapter."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # "using the CPU adapter" on lavapipe
-            return Device()
-    except (DeviceError, ImportError, RuntimeError) as e:
-        pytest.skip(f"no wgpu adapter: {e}")
+    """The shared Device (tests/gpu_fixtures.py), or skip when this machine has no wgpu adapter."""
+    return device_or_skip()
 
 
 def up(dev: Device, a: np.ndarray, dtype: type = np.float32):
