@@ -1,0 +1,174 @@
+"""Tensor-core GEMM throughput (Dawn subgroup matrices), printed as JSON, with torch's from the same run.
+
+    python bench/gemm_tc.py                                   # plain F16 GEMM at N = 1024..8192, fused Q4_K/Q4_0
+    python bench/gemm_tc.py --sizes 4096 --cfg 2,2,4,4,32,1   # one tile: sg_m,sg_n,tm,tn,bk,prefetch
+
+"plain" is the f16 GEMM C[N, N] = A[N, N] . W^T with f16 A and an F16 weight; "fused" dequantizes Q4_K /
+Q4_0 weights into the f16 tiles, A f32 (as in training), in both orientations (forward "nt", input
+gradient "nn"). TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait).
+Each result carries max_rel_err: |C - ref| / max |ref| over 8 sampled rows, ref in float64 from the
+f16-rounded operands. torch (when importable with CUDA) times torch.matmul in bf16 and fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gguf import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize  # noqa: E402
+
+from gpu.codegen_tc import TCConfig  # noqa: E402
+from gpu.device import Device  # noqa: E402
+from gpu.ops.matmul_tc import gemm_tc, pick_config, tensor_core_problem  # noqa: E402
+from gpu.weights import random_blocks, upload_quant  # noqa: E402
+
+
+def parse_cfg(text: str) -> TCConfig:
+    """'sg_m,sg_n,tm,tn,bk,prefetch[,pad]' -> TCConfig."""
+    v = [int(x) for x in text.split(",")]
+    return TCConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]), *(v[6:7] or []))
+
+
+def time_gemm(
+    dev: Device,
+    qtype: str,
+    orient: str,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    cfg: TCConfig | None = None,
+    a_dtype: str = "f32",
+    seconds: float = 0.25,
+    check_rows: int = 8,
+    rng: np.random.Generator | None = None,
+) -> dict[str, Any]:
+    """Time C = A . W^T ("nt") or A . W ("nn") for a random W (n, k) of qtype; check sampled rows."""
+    rng = rng or np.random.default_rng(0)
+    qt = GGMLQuantizationType[qtype]
+    raw = random_blocks(qt, (n, k), rng)
+    w = upload_quant(dev, raw, qt, (n, k), name=f"bench_{qtype}")
+    r, p = (k, n) if orient == "nt" else (n, k)
+    a = rng.standard_normal((m, r), dtype=np.float32)
+    a_dev = dev.upload(a.astype(np.float16) if a_dtype == "f16" else a)
+    c_dev = dev.buffer(m * p * 4)
+    cfg = cfg or pick_config(m)
+
+    def run(reps: int) -> float:
+        t = time.perf_counter()
+        with dev.step():
+            for _ in range(reps):
+                gemm_tc(dev, a_dev, w, c_dev, m, orient=orient, a_dtype=a_dtype, cfg=cfg)
+        dev.sync()
+        return time.perf_counter() - t
+
+    first = run(1)  # compile + first run
+    one = run(1)
+    reps = int(min(500, max(3, seconds / max(one, 1e-6))))
+    t = run(reps) / reps
+    out = {
+        "type": qtype,
+        "orient": orient,
+        "a_dtype": a_dtype,
+        "m": m,
+        "n": n,
+        "k": k,
+        "cfg": cfg_str(cfg),
+        "ms": round(t * 1e3, 4),
+        "tflops": round(2.0 * m * n * k / t / 1e12, 2),
+        "reps": reps,
+        "first_call_s": round(first, 3),
+    }
+    if check_rows:
+        rows = np.sort(rng.choice(m, size=min(check_rows, m), replace=False))
+        c = np.stack([dev.read(c_dev, np.float32, (p,), offset=int(i) * p * 4) for i in rows]).astype(np.float64)
+        wd = dequantize(raw, qt).reshape(n, k).astype(np.float16).astype(np.float64)
+        a16 = a[rows].astype(np.float16).astype(np.float64)
+        ref = a16 @ (wd.T if orient == "nt" else wd)
+        out["max_rel_err"] = float(np.abs(c - ref).max() / np.abs(ref).max())
+    return out
+
+
+def cfg_str(c: TCConfig) -> str:
+    return f"{c.sg_m},{c.sg_n},{c.tm},{c.tn},{c.bk},{int(c.prefetch)},{c.pad}"
+
+
+def torch_tflops(sizes: list[int], seconds: float = 0.25) -> dict[str, Any]:
+    """torch.matmul TFLOP/s for square bf16 / fp16 products (CUDA events), or why there is none."""
+    try:
+        import torch
+    except ImportError as e:
+        return {"error": f"torch not importable: {e}"}
+    if not torch.cuda.is_available():
+        return {"error": "torch has no CUDA device"}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        res = {}
+        for n in sizes:
+            a = torch.randn(n, n, device="cuda", dtype=dtype)
+            b = torch.randn(n, n, device="cuda", dtype=dtype)
+            torch.matmul(a, b)
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            torch.cuda.synchronize()
+            reps = int(min(1000, max(5, seconds * 1e3 / max(start.elapsed_time(end), 1e-3))))
+            start.record()
+            for _ in range(reps):
+                torch.matmul(a, b)
+            end.record()
+            torch.cuda.synchronize()
+            t = start.elapsed_time(end) / 1e3 / reps
+            res[str(n)] = round(2.0 * n**3 / t / 1e12, 1)
+            del a, b
+        out[name] = res
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1024,2048,4096,8192", help="N = M = K of the plain f16 GEMM")
+    ap.add_argument("--fused-n", type=int, default=4096, help="N = M = K of the fused Q4_K / Q4_0 runs")
+    ap.add_argument("--fused-types", default="Q4_K,Q4_0")
+    ap.add_argument("--cfg", default=None, help="sg_m,sg_n,tm,tn,bk,prefetch[,pad] (default: the preset)")
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    dev = Device(backend="dawn")
+    problem = tensor_core_problem(dev)
+    if problem is not None:
+        print(json.dumps({"bench": "gemm_tc", "error": problem}))
+        sys.exit(1)
+    cfg = parse_cfg(args.cfg) if args.cfg else None
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    plain = [time_gemm(dev, "F16", "nt", n, n, n, cfg=cfg, a_dtype="f16") for n in sizes]
+    fused = [
+        time_gemm(dev, t, o, args.fused_n, args.fused_n, args.fused_n, cfg=cfg)
+        for t in args.fused_types.split(",")
+        if t
+        for o in ("nt", "nn")
+    ]
+    out = {
+        "bench": "gemm_tc",
+        "adapter": dev.adapter.summary,
+        "backend": dev.backend,
+        "plain_f16": plain,
+        "fused": fused,
+        "torch": {} if args.no_torch else torch_tflops(sizes),
+    }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
