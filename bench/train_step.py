@@ -67,7 +67,7 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     emit(what="upload", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k
     st = GPUStudent(dev, weights, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t,
-                    top_k=k, loss=LossConfig("forward_kl", tau=1.0, use_tail=True))
+                    top_k=k, loss=LossConfig("forward_kl", tau=1.0, use_tail=True), precision=args.precision)
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
     ids = rng.integers(0, cfg.vocab, (b, t))
     tids = np.stack([rng.permutation(cfg.vocab)[:k] for _ in range(b * t)]).reshape(b, t, k)
@@ -78,18 +78,19 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         stats = st.train_step(lr=1e-4)
     dt = (time.perf_counter() - t0) / args.steps
-    emit(what="train_step", impl="distillery", backend=dev.backend, adapter=dev.adapter.summary, shape=args.shape,
+    emit(what="train_step", impl="distillery", precision=st.precision, backend=dev.backend,
+         adapter=dev.adapter.summary, shape=args.shape,
          quant=args.quant, batch=b, seq=t, rank=args.rank, top_k=k, seconds_per_step=round(dt, 4),
          tokens_per_s=round(b * t / dt, 1), loss=stats.loss, peak_gpu_bytes=dev.peak_bytes)
     del st
-    teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0)
+    teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision)
     teacher.topk(ids)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         teacher.topk(ids)
     dt = (time.perf_counter() - t0) / args.steps
-    emit(what="teacher_topk", impl="distillery", shape=args.shape, quant=args.quant, batch=b, seq=t, top_k=k,
-         tokens_per_s=round(b * t / dt, 1))
+    emit(what="teacher_topk", impl="distillery", precision=args.precision, shape=args.shape, quant=args.quant,
+         batch=b, seq=t, top_k=k, tokens_per_s=round(b * t / dt, 1))
 
 
 def bench_torch(cfg: ModelConfig, args: argparse.Namespace) -> None:
@@ -173,6 +174,7 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
+    p.add_argument("--precision", default="f32", help="f32, tensorcore or auto")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--no-ours", action="store_true")
     args = p.parse_args()

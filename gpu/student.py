@@ -26,6 +26,7 @@ from gpu.ops.embedding import embedding_forward
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.lora import lora_backward, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
+from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.ops.swiglu import swiglu_backward, swiglu_forward
@@ -234,6 +235,18 @@ class _Buffers:
         return self.bufs[name]
 
 
+def _resolve_precision(dev: Device, precision: str) -> str:
+    """f32 (portable, strict parity), tensorcore (f16 operands, f32 accumulation), or auto (tensorcore when the
+    device has subgroup matrices)."""
+    if precision == "auto":
+        return "tensorcore" if has_tensor_cores(dev) else "f32"
+    if precision == "tensorcore" and not has_tensor_cores(dev):
+        raise DeviceError(f"precision 'tensorcore' needs Dawn subgroup matrices: {tensor_core_problem(dev)}")
+    if precision not in ("f32", "tensorcore"):
+        raise ValueError(f"precision {precision!r}: expected f32, tensorcore or auto")
+    return precision
+
+
 class GPUModel:
     """Forward of the frozen model (optionally with LoRA) over `batch` sequences of `seq_len` tokens."""
 
@@ -248,9 +261,14 @@ class GPUModel:
         r: int = 1,
         alpha: float = 1.0,
         layers: Iterable[int] | None = None,
+        precision: str = "f32",
     ) -> None:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
+        self.precision = _resolve_precision(dev, precision)
+        self._linear, self._linear_grad = (
+            (linear_tc, linear_input_grad_tc) if self.precision == "tensorcore" else (linear, linear_input_grad)
+        )
         if seq_len > cfg.context_length:
             raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
         self.layout = LoraLayout.build(cfg, targets, r, layers)
@@ -313,7 +331,7 @@ class GPUModel:
     # ---- one projection (frozen W + LoRA) ---------------------------------------------------------------
     def _proj(self, x: Any, layer: int, target: str, y: Any) -> None:
         d_out, d_in = self.cfg.target_shape(target)
-        linear(self.dev, x, self.w.proj[(layer, target)], y, self.rows)
+        self._linear(self.dev, x, self.w.proj[(layer, target)], y, self.rows)
         ab = self._lora(layer, target, self.params)
         if ab is not None:
             lora_forward(self.dev, x, *ab, self.t_lora[target], y, self.rows, d_in, d_out, self.layout.r, self.scale)
@@ -402,9 +420,11 @@ class GPUStudent(GPUModel):
         vocab_chunk: int = 4096,
         layers: Iterable[int] | None = None,
         grad_accum: int = 1,
+        precision: str = "f32",
     ) -> None:
         self.k, self.loss_cfg = top_k, loss
-        super().__init__(dev, weights, batch=batch, seq_len=seq_len, targets=targets, r=r, alpha=alpha, layers=layers)
+        super().__init__(dev, weights, batch=batch, seq_len=seq_len, targets=targets, r=r, alpha=alpha, layers=layers,
+                         precision=precision)
         self.grad_accum = grad_accum
         self.losses = dev.buffer(4 * grad_accum, label="micro-batch losses")
         if self.layout.n_params == 0:
@@ -436,7 +456,7 @@ class GPUStudent(GPUModel):
     # ---- backward -------------------------------------------------------------------------------------
     def _proj_back(self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool) -> None:
         d_out, d_in = self.cfg.target_shape(target)
-        linear_input_grad(self.dev, dy, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate)
+        self._linear_grad(self.dev, dy, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate)
         ab = self._lora(layer, target, self.params)
         if ab is not None:
             da, db = self._lora(layer, target, self.grads)

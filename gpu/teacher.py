@@ -14,10 +14,10 @@ class GPUTeacher(GPUModel):
 
     def __init__(
         self, dev: Device, weights: StudentWeights, *, batch: int, seq_len: int, top_k: int, tau: float,
-        vocab_chunk: int = 4096,
+        vocab_chunk: int = 4096, precision: str = "f32",
     ) -> None:
         self.k = top_k
-        super().__init__(dev, weights, batch=batch, seq_len=seq_len)
+        super().__init__(dev, weights, batch=batch, seq_len=seq_len, precision=precision)
         self.tau = tau
         self.chunk = min(vocab_chunk, self.cfg.vocab)
         self.state = TopKState.build(dev, self.rows, top_k)

@@ -96,7 +96,8 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Callable[[np.ndarray]
     def run(ids: np.ndarray) -> tuple[np.ndarray, ...]:
         t = len(ids)
         if t not in teachers:
-            teachers[t] = GPUTeacher(dev, weights, batch=1, seq_len=t, top_k=k, tau=tau)
+            teachers[t] = GPUTeacher(dev, weights, batch=1, seq_len=t, top_k=k, tau=tau,
+                                     precision=cfg.train.precision)
         out_ids, lp, tail = teachers[t].topk(np.asarray(ids)[None])
         return out_ids[0].astype(np.int64), lp[0], tail[0]
 
@@ -182,7 +183,7 @@ def _student(cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool =
         loss=LossConfig("forward_kl", tau=cfg.teacher.temperature, use_tail=True) if eval_mode else loss_config(cfg),
         optim=AdamWConfig(lr=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
                           max_grad_norm=o.grad_clip),
-        layers=cfg.lora.layers, grad_accum=1 if eval_mode else cfg.train.grad_accum,
+        layers=cfg.lora.layers, grad_accum=1 if eval_mode else cfg.train.grad_accum, precision=cfg.train.precision,
     )
 
 

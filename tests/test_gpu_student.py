@@ -159,3 +159,34 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
         st.write_batch(ids, targets, mask, tids, tlp, ttail)
         losses.append(st.loss_and_grads())
     assert losses[0] == losses[1]
+
+
+TC_REL = 2e-2  # tensor cores: activations and dequantized weights rounded to f16 (11-bit mantissa), f32 accumulation
+
+
+@pytest.mark.tensorcore
+def test_tensorcore_step_matches_reference() -> None:
+    """The same step with every frozen projection on tensor cores (Dawn subgroup matrices; H200 only)."""
+    from gpu.device import Device, DeviceError
+    from gpu.ops.matmul_tc import tensor_core_problem
+
+    try:
+        dev = Device(backend="dawn")
+    except DeviceError as exc:
+        pytest.skip(f"no Dawn adapter: {exc}")
+    if (problem := tensor_core_problem(dev)) is not None:
+        pytest.skip(problem)
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    st = GPUStudent(dev, StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0), targets=LORA_TARGETS, r=R, alpha=2 * R,
+                    batch=B, seq_len=T, top_k=K, loss=loss_cfg, precision="tensorcore")
+    st.set_adapter(lora)
+    st.write_batch(ids, targets, mask, tids, tlp, ttail)
+    loss = st.loss_and_grads()
+    want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, 2.0)
+    assert abs(loss - want_loss) / abs(want_loss) < TC_REL
+    got = st.get_grads()
+    worst = max(max(_rel(got[k].A, da), _rel(got[k].B, db)) for k, (da, db) in want.items())
+    print(f"tensorcore step: loss rel err {abs(loss - want_loss) / abs(want_loss):.2e}, worst grad rel err {worst:.2e}")
+    assert worst < TC_REL
