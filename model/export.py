@@ -68,8 +68,10 @@ def _check_adapter(
     cfg: ModelConfig,
     source: str,
     complete_for: Sequence[str] = (),
+    layers: Sequence[int] | None = None,
 ) -> int:
-    """Names and shapes of every pair against `cfg`; every layer of each target in `complete_for` present.
+    """Names and shapes of every pair against `cfg`; every layer (of `layers`, default all) of each target in
+    `complete_for` present.
 
     Returns the rank (all pairs must share it).
     """
@@ -96,7 +98,8 @@ def _check_adapter(
     if len(ranks) != 1:
         raise ExportError(f"{source}: rank: pairs disagree ({sorted(ranks)})")
     for target in complete_for:
-        missing = [layer for layer in range(cfg.n_layers) if (layer, target) not in adapter]
+        wanted = range(cfg.n_layers) if layers is None else layers
+        missing = [layer for layer in wanted if (layer, target) not in adapter]
         if missing:
             raise ExportError(f"{source}: target {target!r}: no adapter for layers {missing}")
     return ranks.pop()
@@ -128,8 +131,10 @@ def peft_tensors(adapter: Mapping[tuple[int, str], LoraPair], cfg: ModelConfig) 
     return out
 
 
-def peft_config(r: int, alpha: float, targets: Sequence[str], base_model_name: str) -> dict[str, Any]:
-    """adapter_config.json for a plain LoRA (scale alpha / r) on a causal LM."""
+def peft_config(
+    r: int, alpha: float, targets: Sequence[str], base_model_name: str, layers: Sequence[int] | None = None
+) -> dict[str, Any]:
+    """adapter_config.json for a plain LoRA (scale alpha / r) on a causal LM; `layers` -> layers_to_transform."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -145,7 +150,7 @@ def peft_config(r: int, alpha: float, targets: Sequence[str], base_model_name: s
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
-        "layers_to_transform": None,
+        "layers_to_transform": None if layers is None else sorted(int(x) for x in layers),
     }
 
 
@@ -157,10 +162,12 @@ def export_peft(
     targets: Sequence[str],
     out_dir: str | Path,
     base_model_name: str,
+    layers: Sequence[int] | None = None,
 ) -> tuple[Path, Path]:
     """Write adapter_model.safetensors + adapter_config.json into `out_dir`; returns both paths.
 
-    The adapter must cover every layer of each of `targets` (and nothing else) at rank `r`.
+    The adapter must cover every layer (or every one of `layers`, written as PEFT's layers_to_transform) of each
+    of `targets`, and nothing else, at rank `r`.
     """
     out_dir = Path(out_dir)
     weights_path, config_path = out_dir / PEFT_WEIGHTS, out_dir / PEFT_CONFIG
@@ -170,13 +177,16 @@ def export_peft(
     extra = sorted({t for _, t in adapter} - set(targets))
     if extra:
         raise ExportError(f"{weights_path}: adapter: has targets {extra} not in targets={list(targets)}")
-    rank = _check_adapter(adapter, cfg, str(weights_path), complete_for=targets)
+    rank = _check_adapter(adapter, cfg, str(weights_path), complete_for=targets, layers=layers)
+    outside = sorted({layer for layer, _ in adapter} - set(range(cfg.n_layers) if layers is None else layers))
+    if outside:
+        raise ExportError(f"{weights_path}: adapter: has layers {outside} outside layers={list(layers or [])}")
     if rank != r:
         raise ExportError(f"{config_path}: r: {r}, but the adapter has rank {rank}")
     data = st_save(peft_tensors(adapter, cfg), {"format": "pt"})
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(weights_path, data)
-    text = json.dumps(peft_config(r, alpha, targets, base_model_name), indent=2) + "\n"
+    text = json.dumps(peft_config(r, alpha, targets, base_model_name, layers), indent=2) + "\n"
     atomic_write_bytes(config_path, text.encode())
     return weights_path, config_path
 

@@ -75,6 +75,18 @@ def test_peft_export_logits_match_reference(base, tmp_path: Path, monkeypatch: p
     assert moved > 1.0 and err < ATOL, (err, moved)
 
 
+def test_peft_export_on_some_layers(base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter on the top block only (lora.layers) exports as PEFT layers_to_transform and loads in HF."""
+    folder, weights = base
+    top = CFG.n_layers - 1
+    adapter = {k: p for k, p in random_adapter(CFG, R_RANK, seed=13, targets=ALL).items() if k[0] == top}
+    export_peft(adapter, CFG, R_RANK, ALPHA, ALL, tmp_path / "peft", "tiny-random-llama", layers=[top])
+    expect = R.forward(weights, CFG, IDS, _adapter64(adapter), ALPHA / R_RANK)
+    moved = np.abs(expect - R.forward(weights, CFG, IDS)).max()
+    err = np.abs(_with_adapter(folder, tmp_path / "peft", monkeypatch) - expect).max()
+    assert moved > 0.1 and err < ATOL, (err, moved)
+
+
 def test_export_without_the_row_fix_is_caught(base, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Leaving lora_B of q/k in GGUF row order gives visibly wrong logits: the check above can fail."""
     folder, weights = base

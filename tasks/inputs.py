@@ -1,0 +1,63 @@
+"""Preflight: refuse bad inputs before any stage runs (and before a Prefect server is started by the CLI).
+
+Checks what can be checked from file headers: both GGUFs readable llama models with a tokenizer, the same
+vocabulary (model.topk_store.check_vocab), data.seq_len within both context lengths, top_k within the
+vocabulary, lora.layers within the blocks, the data path present. Record-level problems (an empty dataset, a
+missing field) surface in tokenize with the file and record named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from model.data import resolve_format
+from model.gguf import GGUFError, GGUFFile
+from model.topk_store import check_vocab
+from schemas.config import RunConfig
+
+
+class InputError(ValueError):
+    """A run input is unusable; the message names the file and the config field."""
+
+
+def _open(path: Path, field: str) -> tuple[list[str], int, int]:
+    """(tokens, context length, n_layers) of a GGUF model; InputError naming the config field otherwise."""
+    if not Path(path).is_file():
+        raise InputError(f"{field}: {path}: no such GGUF file")
+    try:
+        with GGUFFile(path) as f:
+            mcfg = f.config()
+            tokens = list(f.metadata.get("tokenizer.ggml.tokens") or [])
+    except GGUFError as exc:
+        raise InputError(f"{field}: {exc}") from None
+    if not tokens:
+        raise InputError(f"{field}: {path}: no tokenizer.ggml.tokens (a model GGUF with its tokenizer)")
+    return tokens, mcfg.context_length, mcfg.n_layers
+
+
+def check_inputs(cfg: RunConfig) -> None:
+    """Raise InputError (a ValueError) on the first unusable input; returns quietly otherwise."""
+    student, s_ctx, n_layers = _open(cfg.model.student, "model.student")
+    teacher, t_ctx, _ = _open(cfg.model.teacher, "model.teacher")
+    check_vocab(teacher, student, cfg.model.teacher, cfg.model.student)
+    for field, path, ctx in (
+        ("model.student", cfg.model.student, s_ctx),
+        ("model.teacher", cfg.model.teacher, t_ctx),
+    ):
+        if cfg.data.seq_len > ctx:
+            raise InputError(
+                f"data.seq_len: {cfg.data.seq_len} exceeds the context length {ctx} of {field} {path}"
+            )
+    if cfg.teacher.top_k > len(teacher):
+        raise InputError(f"teacher.top_k: {cfg.teacher.top_k} exceeds the vocabulary size {len(teacher)}")
+    if cfg.lora.layers is not None and max(cfg.lora.layers) >= n_layers:
+        raise InputError(
+            f"lora.layers: {list(cfg.lora.layers)} outside the student's blocks 0..{n_layers - 1}"
+        )
+    quant = cfg.model.student_quant
+    if quant is not None and len(quant) > 2:
+        raise InputError(f"model.student_quant: {list(quant)}: give one or two types (preferred, fallback)")
+    try:
+        resolve_format(cfg.data.path, cfg.data.format)
+    except ValueError as exc:
+        raise InputError(f"data.path: {exc}") from None

@@ -1,0 +1,421 @@
+"""MLflow and Prefect records of a flow run: one MLflow run per flow run, logged through MlflowClient with an
+explicit run id (no global MLflow state), and a Prefect markdown artifact with the before/after table.
+
+MLflow run: params = the whole config flattened; tags = Prefect flow-run id/name, git commit, model sha256s;
+metrics = every optimizer step (live from the train task, backfilled from steps.jsonl for cached or resumed
+epochs), per-epoch train/eval metrics, baseline and best; artifacts = config.yaml, report.md, loss/KL PNGs,
+the selected adapter (PEFT dir + GGUF LoRA); a registered model version for that adapter
+(create_registered_model + create_model_version: register_model fails for plain artifacts). With the default
+sqlite URI the experiment's artifacts go to <workdir>/mlartifacts, where infra/mlflow-server.sh serves them.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from schemas.config import RunConfig, dump_config
+from schemas.manifests import CheckpointManifest, EvalManifest
+from tasks.caching import as_config, located, stage_states, workdir
+
+ADAPTER_ARTIFACT = "adapter"
+STEP_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "skipped")
+_logged_lock = threading.Lock()
+_LOGGED: dict[str, set[int]] = {}  # MLflow run id -> optimizer steps already logged in this process
+
+
+def client_for(cfg: RunConfig) -> Any:
+    """An MlflowClient on cfg.run.tracking_uri() (tracking and model registry)."""
+    from mlflow import MlflowClient
+
+    uri = cfg.run.tracking_uri()
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, str]:
+    """{"lora.r": "16", ...} from a nested JSON dict; lists as their JSON-ish str."""
+    if isinstance(value, Mapping):
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: str(value)}
+
+
+def git_commit() -> str | None:
+    """HEAD of the git checkout the process runs in, if any (plus '-dirty' with local changes)."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+# ---------------------------------------------------------------------------------------------- steps
+
+
+class StepLogger:
+    """Per-step metrics into an MLflow run, batched (one write every `every` steps or `seconds`)."""
+
+    def __init__(
+        self, cfg: RunConfig | None, run_id: str | None, every: int = 20, seconds: float = 5.0
+    ) -> None:
+        self.client = client_for(cfg) if cfg is not None and run_id else None
+        self.run_id, self.every, self.seconds = run_id, every, seconds
+        self._rows: list[dict[str, Any]] = []
+        self._last = time.monotonic()
+
+    def log(self, row: Mapping[str, Any]) -> None:
+        if self.client is None:
+            return
+        self._rows.append(dict(row))
+        if len(self._rows) >= self.every or time.monotonic() - self._last > self.seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.client is None or not self._rows:
+            return
+        log_steps(self.client, str(self.run_id), self._rows)
+        self._rows, self._last = [], time.monotonic()
+
+
+def step_logger(cfg: RunConfig, run_id: str | None) -> StepLogger:
+    """A StepLogger for the train task (a no-op without a run id)."""
+    return StepLogger(cfg, run_id)
+
+
+def log_steps(client: Any, run_id: str, rows: list[Mapping[str, Any]]) -> None:
+    """Log step rows as metrics train/<name> at their global step (finite values only)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [
+        Metric(f"train/{name}", float(row[name]), now, int(row["step"]))
+        for row in rows
+        for name in STEP_METRICS
+        if name in row and math.isfinite(float(row[name]))
+    ]
+    for i in range(0, len(metrics), 900):
+        client.log_batch(run_id, metrics=metrics[i : i + 900])
+    with _logged_lock:
+        _LOGGED.setdefault(run_id, set()).update(int(row["step"]) for row in rows)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+class RunRecord:
+    """What a flow run produced (the flow assigns stage results to its attributes) and its MLflow run."""
+
+    def __init__(self, cfg: RunConfig, client: Any, run_id: str, experiment_id: str, flow_run: Any) -> None:
+        self.cfg, self.client, self.id, self.experiment_id = cfg, client, run_id, experiment_id
+        self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
+        self.prefect_url = getattr(flow_run, "ui_url", None)
+        self.started = time.perf_counter()
+        self.tokens: dict | None = None
+        self.student: dict | None = None
+        self.teacher: dict | None = None
+        self.checkpoints: list[dict] = []
+        self.baseline: dict | None = None
+        self.evals: list[dict] = []
+        self.best: int | None = None
+        self.exported: dict | None = None
+        self.merged: dict | None = None
+
+    # ---- metrics ----
+    def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in values.items() if math.isfinite(float(v))]
+        if batch:
+            self.client.log_batch(self.id, metrics=batch)
+
+    def _log_training(self) -> None:
+        from tasks.train import read_steps
+
+        if not self.checkpoints:
+            return
+        with _logged_lock:
+            logged = set(_LOGGED.get(self.id, set()))
+        missing = [
+            row for row in read_steps(self.cfg, self.checkpoints[-1]) if int(row["step"]) not in logged
+        ]
+        if missing:
+            log_steps(self.client, self.id, missing)
+        for ckpt in self.checkpoints:
+            m = CheckpointManifest.model_validate(ckpt["manifest"])
+            self._metrics({f"epoch/{k}": v for k, v in m.metrics.items()}, step=m.epoch)
+
+    def _log_evals(self) -> None:
+        if self.baseline is not None:
+            self._metrics({f"baseline/{k}": v for k, v in _eval_values(self.baseline).items()})
+        for ev in self.evals:
+            e = EvalManifest.model_validate(ev)
+            self._metrics({f"eval/{k}": v for k, v in _eval_values(ev).items()}, step=e.epoch or 0)
+        if self.best is not None:
+            self._metrics({f"best/{k}": v for k, v in _eval_values(self.evals[self.best]).items()})
+            self._metrics({"best/epoch": self.best})
+        if self.merged is not None:
+            self._metrics({f"merged/{k}": v for k, v in _eval_values(self.merged).items()})
+
+    # ---- end of run ----
+    def summary(self) -> dict[str, Any]:
+        """JSON summary: stages ran/cached, before/after metrics, files, where the records are."""
+        states = stage_states(self.flow_run_id)
+        best = None if self.best is None else self.evals[self.best]
+        return {
+            "flow_run_id": self.flow_run_id,
+            "flow_run_name": self.flow_run_name,
+            "prefect_url": self.prefect_url,
+            "mlflow": {
+                "tracking_uri": self.cfg.run.tracking_uri(),
+                "experiment_id": self.experiment_id,
+                "run_id": self.id,
+                "url": mlflow_ui_url(self.cfg, self.experiment_id, self.id),
+            },
+            "stages": {
+                "ran": [name for name, state in states if state == "Completed"],
+                "cached": [name for name, state in states if state == "Cached"],
+            },
+            "checkpoints": self.checkpoints,
+            "baseline": self.baseline,
+            "evals": self.evals,
+            "best_epoch": None if best is None else best["epoch"],
+            "best": best,
+            "merged": self.merged,
+            "export": self.exported,
+            "teacher_bytes_per_position": None
+            if self.teacher is None
+            else self.teacher.get("bytes_per_position"),
+            "workdir": str(workdir(self.cfg)),
+            "seconds": time.perf_counter() - self.started,
+        }
+
+    def finish(self) -> dict[str, Any]:
+        """Log what the run produced, write report.md and plots, register the adapter, end the MLflow run."""
+        self._tag_models()
+        self._log_training()
+        self._log_evals()
+        summary = self.summary()
+        report = render_report(self.cfg, summary)
+        out = workdir(self.cfg) / "reports"
+        out.mkdir(parents=True, exist_ok=True)
+        report_path = out / f"{self.flow_run_name}.md"
+        report_path.write_text(report, encoding="utf-8")
+        (workdir(self.cfg) / "report.md").write_text(report, encoding="utf-8")
+        summary["report"] = str(report_path)
+        self.client.log_artifact(self.id, str(report_path), "report")
+        for plot in write_plots(self.cfg, self, out / f"{self.flow_run_name}-plots"):
+            self.client.log_artifact(self.id, str(plot), "plots")
+        if self.exported is not None and self.best is not None:
+            summary["registered_model"] = self._log_adapter()
+        _prefect_markdown(report)
+        self.client.set_terminated(self.id, "FINISHED")
+        return summary
+
+    def _tag_models(self) -> None:
+        """Tag the run with the sha256 of the models it used."""
+        tags = {}
+        if self.student is not None:
+            tags["student.source_sha256"] = self.student["manifest"]["source_sha256"]
+            tags["student.sha256"] = self.student["manifest"]["file"]["sha256"]
+        if self.teacher is not None:
+            tags["teacher.sha256"] = self.teacher["manifest"]["teacher_sha256"]
+        for key, value in tags.items():
+            self.client.set_tag(self.id, key, value)
+
+    def _log_adapter(self) -> dict[str, Any]:
+        assert self.exported is not None and self.best is not None
+        ex = self.exported
+        if "peft_dir" in ex:
+            self.client.log_artifacts(
+                self.id, str(located(self.cfg, ex["peft_dir"])), f"{ADAPTER_ARTIFACT}/peft"
+            )
+        if "gguf_lora" in ex:
+            self.client.log_artifact(self.id, str(located(self.cfg, ex["gguf_lora"])), ADAPTER_ARTIFACT)
+        name = f"{self.cfg.run.experiment}-adapter"
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name, description="LoRA adapters distilled by distillery")
+        except MlflowException as exc:
+            if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
+                raise
+        best = self.evals[self.best]
+        adapter_sha = self.checkpoints[self.best]["manifest"]["adapter"]["sha256"]
+        for existing in self.client.search_model_versions(f"name='{name}'"):
+            if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
+                return {
+                    "name": name,
+                    "version": str(existing.version),
+                    "source": existing.source,
+                    "new": False,
+                }
+        source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
+        tags = {"epoch": str(best["epoch"]), "kl": f"{best['kl']:.6g}", "top1": f"{best['top1']:.6g}"}
+        version = self.client.create_model_version(
+            name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
+        )
+        return {"name": name, "version": str(version.version), "source": source, "new": True}
+
+
+def _eval_values(ev: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(ev[k]) for k in ("kl", "top1", "ce", "ppl")}
+
+
+def mlflow_ui_url(cfg: RunConfig, experiment_id: str, run_id: str) -> str:
+    """Where the run shows in the MLflow UI (infra/mlflow-server.sh for the default sqlite store)."""
+    uri = cfg.run.tracking_uri()
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def _prefect_markdown(report: str) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(markdown=report, key="distill-report", description="before/after distillation")
+
+
+@contextmanager
+def mlflow_run(cfg: RunConfig) -> Iterator[RunRecord]:
+    """Start the flow run's MLflow run (params, tags, config.yaml); mark it FAILED if the block raises."""
+    from prefect.runtime import flow_run
+
+    started = time.perf_counter()
+    cfg = as_config(cfg)
+    client = client_for(cfg)
+    root = workdir(cfg)
+    exp = client.get_experiment_by_name(cfg.run.experiment)
+    if exp is not None:
+        experiment_id = exp.experiment_id
+    elif cfg.run.mlflow_uri is None:  # sqlite: put artifacts under the workdir, not ./mlruns
+        experiment_id = client.create_experiment(cfg.run.experiment, (root / "mlartifacts").as_uri())
+    else:
+        experiment_id = client.create_experiment(cfg.run.experiment)
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name)}
+    if commit := git_commit():
+        tags["git.commit"] = commit
+    run = client.create_run(experiment_id, run_name=cfg.run.run_name or str(flow_run.name), tags=tags)
+    record = RunRecord(cfg, client, run.info.run_id, experiment_id, flow_run)
+    record.started = started
+    try:
+        from mlflow.entities import Param
+
+        params = [Param(k, v[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+        for i in range(0, len(params), 90):
+            client.log_batch(record.id, params=params[i : i + 90])
+        config_path = root / "config.resolved.yaml"
+        config_path.write_text(dump_config(cfg), encoding="utf-8")
+        client.log_artifact(record.id, str(config_path))
+        yield record
+    except BaseException:
+        client.set_terminated(record.id, "FAILED")
+        raise
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _row(label: str, ev: Mapping[str, Any] | None) -> str:
+    if ev is None:
+        return f"| {label} | – | – | – | – |"
+    return f"| {label} | {ev['kl']:.4f} | {100 * ev['top1']:.1f}% | {ev['ce']:.4f} | {ev['ppl']:.2f} |"
+
+
+def render_report(cfg: RunConfig, s: Mapping[str, Any]) -> str:
+    """report.md: the before/after table (KL, top-1, CE), stages ran/cached, files, MLflow run link."""
+    lines = [f"# distillery run `{s['flow_run_name']}`", ""]
+    if s.get("baseline") is not None or s.get("evals"):
+        lines += ["| student | KL(teacher‖student) | top-1 agreement | CE | ppl |", "|---|---|---|---|---|"]
+        lines.append(_row("before: no adapter", s.get("baseline")))
+        for ev in s.get("evals") or []:
+            mark = " **(best)**" if s.get("best") is not None and ev["epoch"] == s["best_epoch"] else ""
+            lines.append(_row(f"epoch {ev['epoch']}{mark}", ev))
+        if s.get("merged") is not None:
+            lines.append(_row("merged GGUF", s["merged"]))
+        base, best = s.get("baseline"), s.get("best")
+        if base is not None and best is not None:
+            drop = base["kl"] - best["kl"]
+            pct = 100 * drop / base["kl"] if base["kl"] else 0.0
+            lines += [
+                "",
+                f"Held-out KL {base['kl']:.4f} → {best['kl']:.4f} ({'fell' if drop > 0 else 'rose'} by "
+                f"{abs(drop):.4f}, {abs(pct):.1f}%); top-1 agreement {100 * base['top1']:.1f}% → "
+                f"{100 * best['top1']:.1f}% (best by {cfg.eval.best_metric}).",
+            ]
+        lines.append("")
+    stages = s.get("stages", {})
+    lines += [
+        f"Stages run: {', '.join(stages.get('ran', [])) or 'none'}  ",
+        f"Stages cached: {', '.join(stages.get('cached', [])) or 'none'}",
+        "",
+    ]
+    ex = s.get("export")
+    if ex:
+        lines.append("Files (under the workdir):")
+        for key, label in (("peft_dir", "PEFT adapter"), ("gguf_lora", "GGUF LoRA (llama.cpp --lora)")):
+            if key in ex:
+                lines.append(f"- {label}: `{ex[key]}`")
+        if "merged" in ex:
+            rms = ex["merge_report"]["error_rms"]
+            lines.append(f"- merged GGUF: `{ex['merged']['path']}` (merge error rms {rms:.3g})")
+        lines.append("")
+    ml = s["mlflow"]
+    lines += [
+        f"MLflow: run `{ml['run_id']}` in `{ml['tracking_uri']}` — {ml['url']}",
+        f"Prefect: flow run `{s['flow_run_id']}`"
+        + (f" — {s['prefect_url']}" if s.get("prefect_url") else ""),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_plots(cfg: RunConfig, record: RunRecord, out: Path) -> list[Path]:
+    """loss.png (train loss per step) and kl.png (held-out KL per epoch vs the baseline); [] without
+    matplotlib or data."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    from tasks.train import read_steps
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    steps = read_steps(cfg, record.checkpoints[-1]) if record.checkpoints else []
+    if steps:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=1)
+        ax.set(xlabel="optimizer step", ylabel="KD loss", title="training loss")
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=100)
+        plt.close(fig)
+        paths.append(out / "loss.png")
+    if record.evals:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(
+            [e["epoch"] for e in record.evals], [e["kl"] for e in record.evals], "o-", label="with adapter"
+        )
+        if record.baseline is not None:
+            ax.axhline(record.baseline["kl"], color="gray", ls="--", label="no adapter")
+        ax.set(xlabel="epoch", ylabel="held-out KL(teacher‖student)", title="held-out KL")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "kl.png", dpi=100)
+        plt.close(fig)
+        paths.append(out / "kl.png")
+    return paths

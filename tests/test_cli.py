@@ -1,0 +1,123 @@
+"""The `distillery` CLI: help that teaches, bad inputs as one red line + exit 1 (before any Prefect server),
+and a whole run on the tiny model printing the before/after table and where the records are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli import app
+from tests.gpu_fixtures import device_or_skip
+from tests.pipeline_fixtures import prefect_harness, tiny_config, write_tiny_llama  # noqa: F401
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _prefect_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI points PREFECT_HOME at the workdir when prefect is not imported yet: keep that out of the
+    test process's environment."""
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    monkeypatch.setenv("PREFECT_LOCAL_STORAGE_PATH", str(tmp_path / "prefect-home" / "storage"))
+
+
+def _config(tmp_path: Path, **sections: dict) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(tiny_config(tmp_path / "run", **sections)))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("command", "phrase"),
+    [
+        ("run", "Every stage is cached"),
+        ("tokenize", "chat template"),
+        ("teacher", "vocabulary mismatch"),
+        ("train", "same adapter bytes"),
+        ("evaluate", "eval.best_metric"),
+        ("export", "llama.cpp"),
+        ("merge", "requantized"),
+        ("demo", "KJV"),
+    ],
+)
+def test_help_explains_each_command(command: str, phrase: str) -> None:
+    result = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    assert phrase in text
+    if command not in ("demo",):
+        assert "--set" in text
+
+
+def test_top_level_help_lists_commands() -> None:
+    result = runner.invoke(app, ["--help"], terminal_width=200)
+    assert result.exit_code == 0
+    for command in (
+        "run",
+        "tokenize",
+        "teacher",
+        "train",
+        "evaluate",
+        "export",
+        "merge",
+        "inspect",
+        "doctor",
+    ):
+        assert command in result.output
+
+
+def _fails(args: list[str], *phrases: str) -> str:
+    result = runner.invoke(app, args, terminal_width=400)
+    assert result.exit_code == 1, result.output
+    text = " ".join(result.output.split())
+    assert text.startswith("error:") and "Traceback" not in text, text
+    for phrase in phrases:
+        assert phrase in text, text
+    return text
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _fails(["run", str(cfg), "--set", "lora.rank=8"], "unknown key 'lora.rank'")
+    _fails(["run", str(cfg), "--set", "lora.r=0"], "lora.r", "[--set lora.r=0]")
+    _fails(["run", str(tmp_path / "missing.yaml")], "config file not found")
+    _fails(
+        ["train", str(cfg), "--set", f"model.student={tmp_path / 'nope.gguf'}"], "model.student", "nope.gguf"
+    )
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 40)
+    _fails(
+        ["teacher", str(cfg), "--set", f"model.teacher={tmp_path / 'bad.gguf'}"], "model.teacher", "bad.gguf"
+    )
+    other = write_tiny_llama(tmp_path / "other.gguf", extra_tokens=("qqq",))
+    _fails(
+        ["teacher", str(cfg), "--set", f"model.student={other}"], "vocabularies differ", "first difference"
+    )
+    _fails(["tokenize", str(cfg), "--set", "data.seq_len=4096"], "data.seq_len", "context length 64")
+    # nothing ran: no stage directories were written
+    assert not (tmp_path / "run" / "tokens").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("prefect_harness")
+def test_run_prints_report_then_single_stage_is_cached(tmp_path: Path) -> None:
+    device_or_skip()
+    cfg = _config(tmp_path, train={"epochs": 1}, export={"merge": False})
+    result = runner.invoke(app, ["run", str(cfg)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    for phrase in (
+        "before (no adapter)",
+        "epoch 0 (best)",
+        "KL(teacher‖student)",
+        "PEFT adapter:",
+        "GGUF LoRA:",
+    ):
+        assert phrase in out
+    assert "infra/mlflow-server.sh" in out and "MLflow run" in out and "Prefect flow run" in out
+    result = runner.invoke(app, ["teacher", str(cfg)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "ran: nothing (all cached)" in result.output
+    assert "cached: tokenize, student, teacher-plan, teacher-shard-0" in result.output
