@@ -24,10 +24,19 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from model.config import LORA_TARGETS, ModelConfig  # noqa: E402
 
 SHAPES = {
-    "tinyllama": ModelConfig(n_layers=22, hidden=2048, ffn=5632, n_heads=32, n_kv_heads=4, vocab=32000,
-                             context_length=2048, tied_embeddings=False),
-    "smollm2": ModelConfig(n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv_heads=3, vocab=49152,
-                           context_length=8192, rope_base=1e5),
+    "tinyllama": ModelConfig(
+        n_layers=22,
+        hidden=2048,
+        ffn=5632,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab=32000,
+        context_length=2048,
+        tied_embeddings=False,
+    ),
+    "smollm2": ModelConfig(
+        n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv_heads=3, vocab=49152, context_length=8192, rope_base=1e5
+    ),
     "tiny": ModelConfig(n_layers=2, hidden=256, ffn=512, n_heads=4, n_kv_heads=2, vocab=1000, context_length=256),
 }
 
@@ -39,8 +48,12 @@ def emit(**row: object) -> None:
 def random_tensors(cfg: ModelConfig, qtype: int, rng: np.random.Generator):
     from gpu.weights import random_blocks
 
-    yield "token_embd.weight", rng.standard_normal((cfg.vocab, cfg.hidden), np.float32) * 0.02, Q.F32, (
-        cfg.vocab, cfg.hidden)
+    yield (
+        "token_embd.weight",
+        rng.standard_normal((cfg.vocab, cfg.hidden), np.float32) * 0.02,
+        Q.F32,
+        (cfg.vocab, cfg.hidden),
+    )
     if not cfg.tied_embeddings:
         w = random_blocks(Q.Q6_K, (cfg.vocab, cfg.hidden), rng)
         yield "output.weight", w, Q.Q6_K, (cfg.vocab, cfg.hidden)
@@ -66,8 +79,18 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     weights = StudentWeights.upload(dev, cfg, random_tensors(cfg, Q[args.quant], rng))
     emit(what="upload", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k
-    st = GPUStudent(dev, weights, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t,
-                    top_k=k, loss=LossConfig("forward_kl", tau=1.0, use_tail=True), precision=args.precision)
+    st = GPUStudent(
+        dev,
+        weights,
+        targets=LORA_TARGETS,
+        r=args.rank,
+        alpha=2 * args.rank,
+        batch=b,
+        seq_len=t,
+        top_k=k,
+        loss=LossConfig("forward_kl", tau=1.0, use_tail=True),
+        precision=args.precision,
+    )
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
     ids = rng.integers(0, cfg.vocab, (b, t))
     tids = np.stack([rng.permutation(cfg.vocab)[:k] for _ in range(b * t)]).reshape(b, t, k)
@@ -78,10 +101,23 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         stats = st.train_step(lr=1e-4)
     dt = (time.perf_counter() - t0) / args.steps
-    emit(what="train_step", impl="distillery", precision=st.precision, backend=dev.backend,
-         adapter=dev.adapter.summary, shape=args.shape,
-         quant=args.quant, batch=b, seq=t, rank=args.rank, top_k=k, seconds_per_step=round(dt, 4),
-         tokens_per_s=round(b * t / dt, 1), loss=stats.loss, peak_gpu_bytes=dev.peak_bytes)
+    emit(
+        what="train_step",
+        impl="distillery",
+        precision=st.precision,
+        backend=dev.backend,
+        adapter=dev.adapter.summary,
+        shape=args.shape,
+        quant=args.quant,
+        batch=b,
+        seq=t,
+        rank=args.rank,
+        top_k=k,
+        seconds_per_step=round(dt, 4),
+        tokens_per_s=round(b * t / dt, 1),
+        loss=stats.loss,
+        peak_gpu_bytes=dev.peak_bytes,
+    )
     del st
     teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision)
     teacher.topk(ids)
@@ -89,8 +125,17 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     for _ in range(args.steps):
         teacher.topk(ids)
     dt = (time.perf_counter() - t0) / args.steps
-    emit(what="teacher_topk", impl="distillery", precision=args.precision, shape=args.shape, quant=args.quant,
-         batch=b, seq=t, top_k=k, tokens_per_s=round(b * t / dt, 1))
+    emit(
+        what="teacher_topk",
+        impl="distillery",
+        precision=args.precision,
+        shape=args.shape,
+        quant=args.quant,
+        batch=b,
+        seq=t,
+        top_k=k,
+        tokens_per_s=round(b * t / dt, 1),
+    )
 
 
 def bench_torch(cfg: ModelConfig, args: argparse.Namespace) -> None:
@@ -99,10 +144,17 @@ def bench_torch(cfg: ModelConfig, args: argparse.Namespace) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    hf = LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-                     num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                     num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
-                     tie_word_embeddings=cfg.tied_embeddings, rope_theta=cfg.rope_base)
+    hf = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.context_length,
+        tie_word_embeddings=cfg.tied_embeddings,
+        rope_theta=cfg.rope_base,
+    )
     for dtype in (torch.float32, torch.bfloat16):
         _torch_one(hf, dtype, args)
         torch.cuda.empty_cache()
@@ -119,9 +171,15 @@ def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
     model = LlamaForCausalLM(hf).to("cuda", dtype)
     model.gradient_checkpointing_enable()
     model.enable_input_require_grads()
-    model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                             "gate_proj", "up_proj", "down_proj"]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=args.rank,
+            lora_alpha=2 * args.rank,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, cfg.vocab, (b, t), device="cuda")
     tids = torch.randint(0, cfg.vocab, (b, t, k), device="cuda")
@@ -144,8 +202,18 @@ def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
         step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.steps
-    emit(what="train_step", impl="hf+peft", dtype=str(dtype), shape=args.shape, batch=b, seq=t, rank=args.rank,
-         top_k=k, tokens_per_s=round(b * t / dt, 1), peak_gpu_bytes=torch.cuda.max_memory_allocated())
+    emit(
+        what="train_step",
+        impl="hf+peft",
+        dtype=str(dtype),
+        shape=args.shape,
+        batch=b,
+        seq=t,
+        rank=args.rank,
+        top_k=k,
+        tokens_per_s=round(b * t / dt, 1),
+        peak_gpu_bytes=torch.cuda.max_memory_allocated(),
+    )
     with torch.no_grad():
         base = model.get_base_model()
 
@@ -160,8 +228,16 @@ def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
             teacher()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / args.steps
-    emit(what="teacher_topk", impl="hf+torch.topk", dtype=str(dtype), shape=args.shape, batch=b, seq=t, top_k=k,
-         tokens_per_s=round(b * t / dt, 1))
+    emit(
+        what="teacher_topk",
+        impl="hf+torch.topk",
+        dtype=str(dtype),
+        shape=args.shape,
+        batch=b,
+        seq=t,
+        top_k=k,
+        tokens_per_s=round(b * t / dt, 1),
+    )
 
 
 def main() -> None:

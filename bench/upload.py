@@ -1,6 +1,6 @@
 """GGUF stream + upload throughput (GiB/s) and host peak RSS, as JSON.
 
-    python bench/upload.py --shape tinyllama --quant Q4_K     # writes a random GGUF under /tmp, then uploads it
+python bench/upload.py --shape tinyllama --quant Q4_K     # writes a random GGUF under /tmp, then uploads it
 """
 
 from __future__ import annotations
@@ -33,11 +33,18 @@ def main() -> None:
     p.add_argument("--backend", default=None)
     args = p.parse_args()
     cfg = SHAPES[args.shape]
-    meta = {"general.architecture": "llama", "llama.block_count": cfg.n_layers, "llama.embedding_length": cfg.hidden,
-            "llama.feed_forward_length": cfg.ffn, "llama.attention.head_count": cfg.n_heads,
-            "llama.attention.head_count_kv": cfg.n_kv_heads, "llama.rope.freq_base": cfg.rope_base,
-            "llama.attention.layer_norm_rms_epsilon": cfg.eps, "llama.context_length": cfg.context_length,
-            "llama.vocab_size": cfg.vocab}
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": cfg.n_layers,
+        "llama.embedding_length": cfg.hidden,
+        "llama.feed_forward_length": cfg.ffn,
+        "llama.attention.head_count": cfg.n_heads,
+        "llama.attention.head_count_kv": cfg.n_kv_heads,
+        "llama.rope.freq_base": cfg.rope_base,
+        "llama.attention.layer_norm_rms_epsilon": cfg.eps,
+        "llama.context_length": cfg.context_length,
+        "llama.vocab_size": cfg.vocab,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.gguf"
         rng = np.random.default_rng(0)
@@ -49,11 +56,23 @@ def main() -> None:
         dev.sync()
         dt = time.perf_counter() - t0
         size = path.stat().st_size
-    print(json.dumps({"what": "gguf_upload", "shape": args.shape, "quant": args.quant, "backend": dev.backend,
-                      "adapter": dev.adapter.summary, "file_bytes": size, "gpu_weight_bytes": weights.nbytes,
-                      "seconds": round(dt, 3), "gib_per_s": round(size / dt / 2**30, 3),
-                      "host_peak_rss_mib_before": round(rss_before), "host_peak_rss_mib_after":
-                      round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}))
+    print(
+        json.dumps(
+            {
+                "what": "gguf_upload",
+                "shape": args.shape,
+                "quant": args.quant,
+                "backend": dev.backend,
+                "adapter": dev.adapter.summary,
+                "file_bytes": size,
+                "gpu_weight_bytes": weights.nbytes,
+                "seconds": round(dt, 3),
+                "gib_per_s": round(size / dt / 2**30, 3),
+                "host_peak_rss_mib_before": round(rss_before),
+                "host_peak_rss_mib_after": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,7 @@ err_console = Console(stderr=True)
 ConfigArg = Annotated[
     Path | None,
     typer.Argument(
-        help="Run config (YAML/JSON; see configs/example.yaml). Omitted: defaults, so --set model.* "
-        "and data.path."
+        help="Run config (YAML/JSON; see configs/example.yaml). Omitted: defaults, so --set model.* and data.path."
     ),
 ]
 SetOpt = Annotated[
@@ -115,9 +114,7 @@ def print_report(summary: dict[str, Any], workdir: Path) -> None:
         if summary.get("merged"):
             rows.append(("merged GGUF", summary["merged"]))
         for label, e in rows:
-            table.add_row(
-                label, f"{e['kl']:.4f}", f"{100 * e['top1']:.1f}%", f"{e['ce']:.4f}", f"{e['ppl']:.2f}"
-            )
+            table.add_row(label, f"{e['kl']:.4f}", f"{100 * e['top1']:.1f}%", f"{e['ce']:.4f}", f"{e['ppl']:.2f}")
         console.print(table)
         base, best = summary["baseline"], summary["best"]
         if best is not None and base["kl"]:
@@ -237,9 +234,7 @@ def merge(
 
 @app.command()
 def demo(
-    verses: Annotated[
-        int, typer.Option(help="How many KJV verses (from Genesis 1) to train and evaluate on.")
-    ] = 0,
+    verses: Annotated[int, typer.Option(help="How many KJV verses (from Genesis 1) to train and evaluate on.")] = 0,
     config: Annotated[Path, typer.Option(help="The demo's run config.")] = Path("configs/demo.yaml"),
     set_: SetOpt = None,
 ) -> None:

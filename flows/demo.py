@@ -63,9 +63,7 @@ def prepare_demo(cfg: RunConfig, n_verses: int | None = None, console: Console |
         t0 = time.perf_counter()
         teacher.parent.mkdir(parents=True, exist_ok=True)
         dequantize_gguf(demo_model_path(), teacher)
-        console.print(
-            f"teacher: {teacher} (SmolLM2 Q4_1 dequantized to F32) in {time.perf_counter() - t0:.1f} s"
-        )
+        console.print(f"teacher: {teacher} (SmolLM2 Q4_1 dequantized to F32) in {time.perf_counter() - t0:.1f} s")
     data = Path(cfg.data.path)
     if n_verses is not None or not data.is_file():
         write_kjv_jsonl(data, n_verses or DEFAULT_VERSES)

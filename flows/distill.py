@@ -47,8 +47,7 @@ def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
             r.teacher = teacher_topk(cfg, r.tokens)
         if reaches("train"):
             r.checkpoints = [
-                train_epoch(cfg, r.student, r.tokens, r.teacher, epoch, r.id)
-                for epoch in range(cfg.train.epochs)
+                train_epoch(cfg, r.student, r.tokens, r.teacher, epoch, r.id) for epoch in range(cfg.train.epochs)
             ]
         if reaches("evaluate"):
             r.baseline = evaluate_baseline(cfg, r.student, r.tokens, r.teacher)

@@ -142,8 +142,9 @@ class StudentWeights:
                 t = upload_quant(dev, data, qtype, shape, name)
                 proj[(int(parts[1]), stem_to_target[parts[2]])] = t
                 total += t.nbytes
-        missing = [f"blk.{i}.{LORA_TARGETS[t]}.weight" for i in range(cfg.n_layers) for t in LORA_TARGETS
-                   if (i, t) not in proj]
+        missing = [
+            f"blk.{i}.{LORA_TARGETS[t]}.weight" for i in range(cfg.n_layers) for t in LORA_TARGETS if (i, t) not in proj
+        ]
         missing += [n for n, v in (("token_embd.weight", embed), ("lm_head", lm_head)) if v is None]
         if missing:
             raise DeviceError(f"student weights incomplete: missing {', '.join(missing[:5])}")
@@ -304,20 +305,60 @@ class GPUModel:
         self.slot = _pad(rows * h)
         b = self._b.get
         self.xs = b("layer inputs", (cfg.n_layers + 1) * self.slot)
-        for name, n in (("ids", rows), ("positions", rows), ("targets", rows), ("mask", rows),
-                        ("teacher_ids", rows * k), ("teacher_logprobs", rows * k), ("teacher_tail", rows),
-                        ("loss", 4)):
+        for name, n in (
+            ("ids", rows),
+            ("positions", rows),
+            ("targets", rows),
+            ("mask", rows),
+            ("teacher_ids", rows * k),
+            ("teacher_logprobs", rows * k),
+            ("teacher_tail", rows),
+            ("loss", 4),
+        ):
             b(name, n)
-        sizes = {"n1": h, "q": qd, "k": kvd, "v": kvd, "qr": qd, "kr": kvd, "att": qd, "hres": h, "n2": h,
-                 "g": f, "u": f, "s": f, "tmp": h, "nf": h, "dx": h, "dh": h, "ds": f, "dg": f, "du": f,
-                 "dn": h, "datt": qd, "dqr": qd, "dq": qd, "dkr": kvd, "dk": kvd, "dv": kvd}
+        sizes = {
+            "n1": h,
+            "q": qd,
+            "k": kvd,
+            "v": kvd,
+            "qr": qd,
+            "kr": kvd,
+            "att": qd,
+            "hres": h,
+            "n2": h,
+            "g": f,
+            "u": f,
+            "s": f,
+            "tmp": h,
+            "nf": h,
+            "dx": h,
+            "dh": h,
+            "ds": f,
+            "dg": f,
+            "du": f,
+            "dn": h,
+            "datt": qd,
+            "dqr": qd,
+            "dq": qd,
+            "dkr": kvd,
+            "dk": kvd,
+            "dv": kvd,
+        }
         self.a = {name: b(name, rows * n) for name, n in sizes.items()}
         self.seq_q = _pad(self.seq_len * qd)
         self.seq_kv = _pad(self.seq_len * kvd)
         self.seq_lse = _pad(cfg.n_heads * self.seq_len)
         # per-sequence attention tensors live in padded slots so each sequence's view is offset-aligned
-        for name, per in (("aq", self.seq_q), ("ak", self.seq_kv), ("av", self.seq_kv), ("ao", self.seq_q),
-                          ("adq", self.seq_q), ("adk", self.seq_kv), ("adv", self.seq_kv), ("ado", self.seq_q)):
+        for name, per in (
+            ("aq", self.seq_q),
+            ("ak", self.seq_kv),
+            ("av", self.seq_kv),
+            ("ao", self.seq_q),
+            ("adq", self.seq_q),
+            ("adk", self.seq_kv),
+            ("adv", self.seq_kv),
+            ("ado", self.seq_q),
+        ):
             self.a[name] = b(name, self.batch * per)
         self.lse = b("lse", self.batch * self.seq_lse)
         self.delta = b("attention delta", cfg.n_heads * self.seq_len)
@@ -364,7 +405,10 @@ class GPUModel:
                 self._view(self.a["av"], s * self.seq_kv, t * kvd),
                 self._view(self.a["ao"], s * self.seq_q, t * qd),
                 self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
-                t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                t,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
             )
         self._scatter(out, "ao", qd, self.seq_q, False)
 
@@ -397,8 +441,9 @@ class GPUModel:
         embedding_forward(dev, self.w.embed, self._b.bufs["ids"], self._x(0), self.rows)
         for layer in range(cfg.n_layers):
             self._block_forward(layer)
-        rmsnorm_forward(dev, self._x(cfg.n_layers), self.w.norms["output_norm.weight"], self.a["nf"], self.rows,
-                        cfg.hidden, cfg.eps)
+        rmsnorm_forward(
+            dev, self._x(cfg.n_layers), self.w.norms["output_norm.weight"], self.a["nf"], self.rows, cfg.hidden, cfg.eps
+        )
 
 
 class GPUStudent(GPUModel):
@@ -423,8 +468,17 @@ class GPUStudent(GPUModel):
         precision: str = "f32",
     ) -> None:
         self.k, self.loss_cfg = top_k, loss
-        super().__init__(dev, weights, batch=batch, seq_len=seq_len, targets=targets, r=r, alpha=alpha, layers=layers,
-                         precision=precision)
+        super().__init__(
+            dev,
+            weights,
+            batch=batch,
+            seq_len=seq_len,
+            targets=targets,
+            r=r,
+            alpha=alpha,
+            layers=layers,
+            precision=precision,
+        )
         self.grad_accum = grad_accum
         self.losses = dev.buffer(4 * grad_accum, label="micro-batch losses")
         if self.layout.n_params == 0:
@@ -460,15 +514,45 @@ class GPUStudent(GPUModel):
         ab = self._lora(layer, target, self.params)
         if ab is not None:
             da, db = self._lora(layer, target, self.grads)
-            lora_backward(self.dev, dy, x, *ab, self.t_lora[target], da, db, dx, self.dt, self.rows, d_in, d_out,
-                          self.layout.r, self.scale, accumulate_grads=self._acc_grads)
+            lora_backward(
+                self.dev,
+                dy,
+                x,
+                *ab,
+                self.t_lora[target],
+                da,
+                db,
+                dx,
+                self.dt,
+                self.rows,
+                d_in,
+                d_out,
+                self.layout.r,
+                self.scale,
+                accumulate_grads=self._acc_grads,
+            )
 
     def _attention_back(self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any) -> None:
         cfg, t = self.cfg, self.seq_len
         qd, kvd = cfg.q_dim, cfg.kv_dim
         if self.batch == 1:
-            attention_backward(self.dev, dout, q, k, v, out, self.lse, dq, dk, dv, t, cfg.n_heads, cfg.n_kv_heads,
-                               cfg.head_dim, delta=self.delta)
+            attention_backward(
+                self.dev,
+                dout,
+                q,
+                k,
+                v,
+                out,
+                self.lse,
+                dq,
+                dk,
+                dv,
+                t,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                delta=self.delta,
+            )
             return
         # q, k, v, out are already in their slots from the recomputed forward
         self._scatter(dout, "ado", qd, self.seq_q, True)
@@ -484,7 +568,11 @@ class GPUStudent(GPUModel):
                 self._view(self.a["adq"], s * self.seq_q, t * qd),
                 self._view(self.a["adk"], s * self.seq_kv, t * kvd),
                 self._view(self.a["adv"], s * self.seq_kv, t * kvd),
-                t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, delta=self.delta,
+                t,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+                delta=self.delta,
             )
         self._scatter(dq, "adq", qd, self.seq_q, False)
         self._scatter(dk, "adk", kvd, self.seq_kv, False)
@@ -502,8 +590,17 @@ class GPUStudent(GPUModel):
         self._proj_back(a["dg"], a["n2"], layer, "gate", a["dn"], False)
         self._proj_back(a["du"], a["n2"], layer, "up", a["dn"], True)
         dev.copy(a["dx"], a["dh"], 4 * rows * h)
-        rmsnorm_backward(dev, a["dn"], a["hres"], self.w.norms[f"blk.{layer}.ffn_norm.weight"], a["dh"], rows, h,
-                         cfg.eps, accumulate=True)
+        rmsnorm_backward(
+            dev,
+            a["dn"],
+            a["hres"],
+            self.w.norms[f"blk.{layer}.ffn_norm.weight"],
+            a["dh"],
+            rows,
+            h,
+            cfg.eps,
+            accumulate=True,
+        )
         # hres = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1)))
         self._proj_back(a["dh"], a["att"], layer, "o", a["datt"], False)
         self._attention_back(a["datt"], a["qr"], a["kr"], a["v"], a["att"], a["dqr"], a["dkr"], a["dv"])
@@ -513,8 +610,9 @@ class GPUStudent(GPUModel):
         self._proj_back(a["dk"], a["n1"], layer, "k", a["dn"], True)
         self._proj_back(a["dv"], a["n1"], layer, "v", a["dn"], True)
         dev.copy(a["dh"], a["dx"], 4 * rows * h)
-        rmsnorm_backward(dev, a["dn"], x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["dx"], rows, h, cfg.eps,
-                         accumulate=True)
+        rmsnorm_backward(
+            dev, a["dn"], x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["dx"], rows, h, cfg.eps, accumulate=True
+        )
 
     # ---- inputs ----------------------------------------------------------------------------------------
     def write_batch(
@@ -548,12 +646,34 @@ class GPUStudent(GPUModel):
         self._acc_grads = micro > 0
         self._forward_to_head()
         kd_head_forward_backward(
-            dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"],
-            bufs["teacher_tail"] if self._has_tail else None, bufs["targets"], bufs["mask"], self.loss_cfg,
-            self.a["tmp"], self.losses, self.rows, cfg.hidden, cfg.vocab, self.k, scratch=self.kd, loss_index=micro,
+            dev,
+            self.a["nf"],
+            self.w.lm_head,
+            bufs["teacher_ids"],
+            bufs["teacher_logprobs"],
+            bufs["teacher_tail"] if self._has_tail else None,
+            bufs["targets"],
+            bufs["mask"],
+            self.loss_cfg,
+            self.a["tmp"],
+            self.losses,
+            self.rows,
+            cfg.hidden,
+            cfg.vocab,
+            self.k,
+            scratch=self.kd,
+            loss_index=micro,
         )
-        rmsnorm_backward(dev, self.a["tmp"], self._x(cfg.n_layers), self.w.norms["output_norm.weight"], self.a["dx"],
-                         self.rows, cfg.hidden, cfg.eps)
+        rmsnorm_backward(
+            dev,
+            self.a["tmp"],
+            self._x(cfg.n_layers),
+            self.w.norms["output_norm.weight"],
+            self.a["dx"],
+            self.rows,
+            cfg.hidden,
+            cfg.eps,
+        )
         for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
             self._block_forward(layer)  # recompute from the checkpointed block input
             self._block_backward(layer)
@@ -578,12 +698,12 @@ class GPUStudent(GPUModel):
         with self.dev.step():
             if n > 1:
                 scale_inplace(self.dev, self.grads, 1.0 / n, self.layout.n_params)
-            self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self.losses,
-                            loss_index=n - 1)
+            self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self.losses, loss_index=n - 1)
         stats = self.optim.read_stats()
         losses = self.dev.read(self.losses, np.float32, (n,))
-        stats = StepStats(stats.grad_norm, stats.clip_scale, stats.skipped or not np.isfinite(losses).all(),
-                          float(losses.mean()))
+        stats = StepStats(
+            stats.grad_norm, stats.clip_scale, stats.skipped or not np.isfinite(losses).all(), float(losses.mean())
+        )
         if stats.skipped:
             self.skipped_steps += 1
         else:
@@ -614,13 +734,37 @@ class GPUStudent(GPUModel):
         with dev.step():
             self._forward_to_head()
             kd_head_forward_backward(
-                dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"],
-                bufs["teacher_tail"] if self._has_tail else None, bufs["targets"], bufs["mask"], self.loss_cfg,
-                self.a["tmp"], self.losses, self.rows, cfg.hidden, cfg.vocab, self.k, scratch=self.kd,
+                dev,
+                self.a["nf"],
+                self.w.lm_head,
+                bufs["teacher_ids"],
+                bufs["teacher_logprobs"],
+                bufs["teacher_tail"] if self._has_tail else None,
+                bufs["targets"],
+                bufs["mask"],
+                self.loss_cfg,
+                self.a["tmp"],
+                self.losses,
+                self.rows,
+                cfg.hidden,
+                cfg.vocab,
+                self.k,
+                scratch=self.kd,
                 backward=False,
             )
-            teacher_topk(dev, self.a["nf"], self.w.lm_head, self.top1, self.top1_lp, self.top1_tail, cfg.hidden,
-                         cfg.vocab, 1.0, logits_scratch=self.kd.logits, chunk=self.kd.chunk)
+            teacher_topk(
+                dev,
+                self.a["nf"],
+                self.w.lm_head,
+                self.top1,
+                self.top1_lp,
+                self.top1_tail,
+                cfg.hidden,
+                cfg.vocab,
+                1.0,
+                logits_scratch=self.kd.logits,
+                chunk=self.kd.chunk,
+            )
         lse = dev.read(self.kd.lse, np.float32, (self.rows, 4)).astype(np.float64)
         gathered = dev.read(self.kd.gathered, np.float32, (self.rows, self.k + 1)).astype(np.float64)
         ce = lse[:, 2] + np.log(lse[:, 3]) - gathered[:, self.k]

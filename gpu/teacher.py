@@ -13,8 +13,16 @@ class GPUTeacher(GPUModel):
     """Top-k ids, log-probs at temperature tau, and the tail mass, for `batch` sequences of `seq_len` tokens."""
 
     def __init__(
-        self, dev: Device, weights: StudentWeights, *, batch: int, seq_len: int, top_k: int, tau: float,
-        vocab_chunk: int = 4096, precision: str = "f32",
+        self,
+        dev: Device,
+        weights: StudentWeights,
+        *,
+        batch: int,
+        seq_len: int,
+        top_k: int,
+        tau: float,
+        vocab_chunk: int = 4096,
+        precision: str = "f32",
     ) -> None:
         self.k = top_k
         super().__init__(dev, weights, batch=batch, seq_len=seq_len, precision=precision)
@@ -37,8 +45,19 @@ class GPUTeacher(GPUModel):
         cfg = self.cfg
         with self.dev.step():
             self._forward_to_head()
-            teacher_topk(self.dev, self.a["nf"], self.w.lm_head, self.state, self.logprobs, self.tail, cfg.hidden,
-                         cfg.vocab, self.tau, logits_scratch=self.logits, chunk=self.chunk)
+            teacher_topk(
+                self.dev,
+                self.a["nf"],
+                self.w.lm_head,
+                self.state,
+                self.logprobs,
+                self.tail,
+                cfg.hidden,
+                cfg.vocab,
+                self.tau,
+                logits_scratch=self.logits,
+                chunk=self.chunk,
+            )
         out_ids = self.dev.read(self.state.ids, np.uint32, (b, t, k))
         logprobs = self.dev.read(self.logprobs, np.float32, (b, t, k))
         tail = self.dev.read(self.tail, np.float32, (b, t))

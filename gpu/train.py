@@ -96,8 +96,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Callable[[np.ndarray]
     def run(ids: np.ndarray) -> tuple[np.ndarray, ...]:
         t = len(ids)
         if t not in teachers:
-            teachers[t] = GPUTeacher(dev, weights, batch=1, seq_len=t, top_k=k, tau=tau,
-                                     precision=cfg.train.precision)
+            teachers[t] = GPUTeacher(dev, weights, batch=1, seq_len=t, top_k=k, tau=tau, precision=cfg.train.precision)
         out_ids, lp, tail = teachers[t].topk(np.asarray(ids)[None])
         return out_ids[0].astype(np.int64), lp[0], tail[0]
 
@@ -157,8 +156,9 @@ def learning_rate(cfg: RunConfig, step: int, total_steps: int) -> float:
 def loss_config(cfg: RunConfig) -> LossConfig:
     """The model/kd.py loss of this run."""
     beta = cfg.loss.beta if cfg.loss.kind == "jsd" else 0.5
-    return LossConfig(cfg.loss.kind, tau=cfg.loss.temperature, beta=beta, ce_weight=cfg.loss.ce_weight,
-                      use_tail=cfg.teacher.tail)
+    return LossConfig(
+        cfg.loss.kind, tau=cfg.loss.temperature, beta=beta, ce_weight=cfg.loss.ce_weight, use_tail=cfg.teacher.tail
+    )
 
 
 @dataclass(frozen=True)
@@ -178,12 +178,26 @@ def _student(cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool =
     weights = load_student(student_gguf, cfg.run.gpu_backend)
     o = cfg.optim
     return GPUStudent(
-        get_device(cfg.run.gpu_backend), weights, targets=cfg.lora.targets, r=cfg.lora.r, alpha=cfg.lora.alpha,
-        batch=cfg.train.batch_size, seq_len=seq_len, top_k=cfg.teacher.top_k,
+        get_device(cfg.run.gpu_backend),
+        weights,
+        targets=cfg.lora.targets,
+        r=cfg.lora.r,
+        alpha=cfg.lora.alpha,
+        batch=cfg.train.batch_size,
+        seq_len=seq_len,
+        top_k=cfg.teacher.top_k,
         loss=LossConfig("forward_kl", tau=cfg.teacher.temperature, use_tail=True) if eval_mode else loss_config(cfg),
-        optim=AdamWConfig(lr=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                          max_grad_norm=o.grad_clip),
-        layers=cfg.lora.layers, grad_accum=1 if eval_mode else cfg.train.grad_accum, precision=cfg.train.precision,
+        optim=AdamWConfig(
+            lr=o.lr,
+            beta1=o.betas[0],
+            beta2=o.betas[1],
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            max_grad_norm=o.grad_clip,
+        ),
+        layers=cfg.lora.layers,
+        grad_accum=1 if eval_mode else cfg.train.grad_accum,
+        precision=cfg.train.precision,
     )
 
 
@@ -252,17 +266,28 @@ def train_epoch(
         stats = st.apply(lr)
         losses.append(stats.loss)
         skipped += int(stats.skipped)
-        record = StepRecord(epoch, global_step + 1, stats.loss, stats.grad_norm, lr, stats.skipped,
-                            step_tokens / (time.perf_counter() - t0))
+        record = StepRecord(
+            epoch,
+            global_step + 1,
+            stats.loss,
+            stats.grad_norm,
+            lr,
+            stats.skipped,
+            step_tokens / (time.perf_counter() - t0),
+        )
         every = cfg.train.checkpoint_every
         if every and (global_step + 1) % every == 0 and s + 1 < steps:
-            _save(st, ckpt_root / f"step-{global_step + 1:08d}", ckpt_root, epoch, s + 1, global_step + 1,
-                  losses, skipped)
+            _save(
+                st, ckpt_root / f"step-{global_step + 1:08d}", ckpt_root, epoch, s + 1, global_step + 1, losses, skipped
+            )
         if on_step is not None:
             on_step(record)
     elapsed = time.perf_counter() - t_start
-    metrics = {"train_loss": float(np.mean(losses)) if losses else float("nan"), "skipped_steps": skipped,
-               "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
+    metrics = {
+        "train_loss": float(np.mean(losses)) if losses else float("nan"),
+        "skipped_steps": skipped,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+    }
     return _save(st, done, ckpt_root, epoch, steps, (epoch + 1) * steps, losses, skipped, metrics, epoch_done=True)
 
 
@@ -286,11 +311,29 @@ def _restore(cfg: RunConfig, st: GPUStudent, ckpt_root: Path, epoch: int) -> tup
     raise ValueError(f"{latest}: checkpoint of epoch {state['epoch']} cannot start epoch {epoch}")
 
 
-def _save(st: GPUStudent, folder: Path, root: Path, epoch: int, cursor: int, step: int, losses: list[float],
-          skipped: int, metrics: dict | None = None, epoch_done: bool = False) -> CheckpointManifest:
-    state = {"step": step, "epoch": epoch, "cursor": cursor, "epoch_done": epoch_done,
-             "applied_steps": st.applied_steps, "skipped_steps_total": st.skipped_steps, "skipped": skipped,
-             "losses": [float(x) for x in losses], "metrics": metrics or {}}
+def _save(
+    st: GPUStudent,
+    folder: Path,
+    root: Path,
+    epoch: int,
+    cursor: int,
+    step: int,
+    losses: list[float],
+    skipped: int,
+    metrics: dict | None = None,
+    epoch_done: bool = False,
+) -> CheckpointManifest:
+    state = {
+        "step": step,
+        "epoch": epoch,
+        "cursor": cursor,
+        "epoch_done": epoch_done,
+        "applied_steps": st.applied_steps,
+        "skipped_steps_total": st.skipped_steps,
+        "skipped": skipped,
+        "losses": [float(x) for x in losses],
+        "metrics": metrics or {},
+    }
     return save_checkpoint(folder, st.get_adapter(), st.optimizer_state(), state, root=root)
 
 
@@ -298,7 +341,8 @@ def _manifest(folder: Path, root: Path, state: dict) -> CheckpointManifest:
     from schemas.manifests import FileRef
 
     return CheckpointManifest(
-        epoch=state["epoch"], step=state["step"],
+        epoch=state["epoch"],
+        step=state["step"],
         adapter=FileRef.of(folder / "adapter.safetensors", root=root),
         optimizer=FileRef.of(folder / "optimizer.safetensors", root=root),
         state=FileRef.of(folder / "checkpoint.json", root=root),
@@ -316,8 +360,9 @@ def _eval_batches(cfg: RunConfig, split: _Split) -> Iterator[np.ndarray]:
         yield np.arange(i * b, min((i + 1) * b, len(split.seq_ids)))
 
 
-def evaluate(cfg: RunConfig, *, student_gguf: Path, token_dir: Path, topk_dir: Path,
-             checkpoint: Path | None) -> dict[str, float]:
+def evaluate(
+    cfg: RunConfig, *, student_gguf: Path, token_dir: Path, topk_dir: Path, checkpoint: Path | None
+) -> dict[str, float]:
     """Held-out forward KL(teacher || student) over the top-k + tail, top-1 agreement, CE and perplexity.
 
     checkpoint None evaluates the student without an adapter (the baseline)."""
@@ -327,16 +372,22 @@ def evaluate(cfg: RunConfig, *, student_gguf: Path, token_dir: Path, topk_dir: P
     reader = TopkReader(topk_dir)
     st = _student(cfg, student_gguf, split.ids.shape[1], eval_mode=True)
     if checkpoint is None:
-        st.set_adapter({key: reference.LoraPair(np.zeros((st.layout.r, s.d_in), np.float32),
-                                                np.zeros((s.d_out, st.layout.r), np.float32))
-                        for key, s in st.layout.slots.items()})
+        st.set_adapter(
+            {
+                key: reference.LoraPair(
+                    np.zeros((st.layout.r, s.d_in), np.float32), np.zeros((s.d_out, st.layout.r), np.float32)
+                )
+                for key, s in st.layout.slots.items()
+            }
+        )
     else:
         st.set_adapter(load_checkpoint(checkpoint)[0])
     tau2 = cfg.teacher.temperature**2
     kl_sum = ce_sum = top1 = n = 0.0
     for rows in _eval_batches(cfg, split):
-        ids, targets, mask, tids, tlp, tail = _batch_arrays(split, rows, cfg.train.batch_size, reader,
-                                                            cfg.teacher.top_k)
+        ids, targets, mask, tids, tlp, tail = _batch_arrays(
+            split, rows, cfg.train.batch_size, reader, cfg.teacher.top_k
+        )
         st.write_batch(ids, targets, mask, tids, tlp, tail)
         out = st.evaluate_batch()
         m = mask.reshape(-1) != 0

@@ -153,5 +153,7 @@ def check_lm_head(w: Any, vocab: int, hidden: int, chunk: int, alignment: int) -
         raise ValueError(f"lm_head {w.name!r} has shape {w.shape}, expected ({vocab}, {hidden})")
     step = chunk * raw_nbytes(w.qtype, (1, hidden))
     if vocab > chunk and step % alignment:
-        raise ValueError(f"vocab chunk {chunk} rows of {w.qtype.name} = {step} bytes is not a multiple of the "
-                         f"{alignment}-byte offset alignment: use a multiple of 256 rows")
+        raise ValueError(
+            f"vocab chunk {chunk} rows of {w.qtype.name} = {step} bytes is not a multiple of the "
+            f"{alignment}-byte offset alignment: use a multiple of 256 rows"
+        )

@@ -49,9 +49,7 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -66,9 +64,7 @@ def _compile(template: str) -> Template:
 def check_messages(messages: Sequence[Mapping[str, Any]], roles: Collection[str] = DEFAULT_ROLES) -> None:
     """Raise ValueError naming the message and field unless every message has a known role and str content."""
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-        raise ValueError(
-            f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}"
-        )
+        raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
             raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")

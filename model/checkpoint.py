@@ -80,9 +80,7 @@ def adapter_key(layer: int, target: str, which: str) -> str:
     return f"blk.{layer}.{target}.lora_{which}"
 
 
-def adapter_tensors(
-    adapter: Mapping[tuple[int, str], LoraPair], source: str = "adapter"
-) -> dict[str, np.ndarray]:
+def adapter_tensors(adapter: Mapping[tuple[int, str], LoraPair], source: str = "adapter") -> dict[str, np.ndarray]:
     """{adapter_key: f32 array}, ordered by layer then target; checks names, dtypes and shapes."""
     order = list(LORA_TARGETS)
     out: dict[str, np.ndarray] = {}
@@ -113,13 +111,9 @@ def adapter_from_tensors(tensors: Mapping[str, np.ndarray], source: str) -> Adap
     for name, arr in tensors.items():
         m = _ADAPTER_KEY.match(name)
         if m is None or m[2] not in LORA_TARGETS:
-            raise CheckpointError(
-                f"{source}: tensor {name!r}: name: expected blk.N.<target>.lora_a or .lora_b"
-            )
+            raise CheckpointError(f"{source}: tensor {name!r}: name: expected blk.N.<target>.lora_a or .lora_b")
         if arr.dtype != np.float32 or arr.ndim != 2:
-            raise CheckpointError(
-                f"{source}: tensor {name!r}: dtype/shape: {arr.dtype} {arr.shape}, want 2-D f32"
-            )
+            raise CheckpointError(f"{source}: tensor {name!r}: dtype/shape: {arr.dtype} {arr.shape}, want 2-D f32")
         halves.setdefault((int(m[1]), m[2]), {})[m[3]] = arr
     adapter: Adapter = {}
     for key, ab in halves.items():
@@ -220,9 +214,7 @@ def save_checkpoint(
         raise CheckpointError(f"{folder / STATE_FILE}: state.metrics: must be a dict of numbers")
     for name, arr in optimizer.items():
         if not isinstance(name, str) or not isinstance(arr, np.ndarray):
-            raise CheckpointError(
-                f"{folder / OPTIMIZER_FILE}: tensor {name!r}: not a str -> numpy array entry"
-            )
+            raise CheckpointError(f"{folder / OPTIMIZER_FILE}: tensor {name!r}: not a str -> numpy array entry")
 
     adapter_bytes = st_save(adapter_tensors(adapter, str(folder / ADAPTER_FILE)), {"format": FORMAT})
     optimizer_bytes = st_save({k: np.ascontiguousarray(v) for k, v in optimizer.items()}, {"format": FORMAT})
@@ -295,9 +287,7 @@ def _read_verified(folder: Path, record: Mapping[str, Any], role: str) -> bytes:
         raise CheckpointError(f"{path}: size: {len(data)} bytes, {json_path.name} records {entry['bytes']}")
     digest = _sha256(data)
     if digest != entry["sha256"]:
-        raise CheckpointError(
-            f"{path}: sha256: {digest} differs from {entry['sha256']} ({json_path.name}): corrupt"
-        )
+        raise CheckpointError(f"{path}: sha256: {digest} differs from {entry['sha256']} ({json_path.name}): corrupt")
     return data
 
 

@@ -106,9 +106,7 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> tuple[str, list[Path]
             want = {e for e, name in _EXTENSIONS.items() if name == fmt}
             files = [f for f in files if f.suffix.lower() in want or fmt == "text"]
         if not files:
-            raise DataError(
-                f"{p}: directory holds no data files (known extensions: {', '.join(_EXTENSIONS)})"
-            )
+            raise DataError(f"{p}: directory holds no data files (known extensions: {', '.join(_EXTENSIONS)})")
         kinds = {_EXTENSIONS.get(f.suffix.lower(), fmt) for f in files} if fmt == "auto" else {fmt}
         if len(kinds) > 1:
             raise DataError(f"{p}: directory mixes formats {sorted(kinds)}; give one format per directory")
@@ -437,9 +435,7 @@ def tokenize_dataset(
         text_ids[i] = ids
     empty = (np.zeros(0, np.int32), np.zeros(0, np.uint8))
     tokens = [
-        _document_tokens(doc, tokenizer, text_ids.get(i), assistant_only, eos)
-        if doc.text or doc.messages
-        else empty
+        _document_tokens(doc, tokenizer, text_ids.get(i), assistant_only, eos) if doc.text or doc.messages else empty
         for i, doc in enumerate(records)
     ]
     usable = [bool(f[1:].any()) for _, f in tokens]
@@ -634,9 +630,7 @@ def tokenize_from_config(
     train, held_out = tokenize_dataset(
         docs, tokenizer, data.seq_len, data.eval_fraction, seed, data.pack, data.assistant_only
     )
-    fingerprint = dataset_fingerprint(
-        data.path, data.format, data.text_field, data.messages_field, data.max_documents
-    )
+    fingerprint = dataset_fingerprint(data.path, data.format, data.text_field, data.messages_field, data.max_documents)
     return write_token_shards(
         train,
         held_out,

@@ -86,13 +86,7 @@ def _check_adapter(
             raise ExportError(f"{item}: layer: not in 0..{cfg.n_layers - 1}")
         n_out, n_in = cfg.target_shape(target)
         a, b = np.asarray(pair.A), np.asarray(pair.B)
-        if (
-            a.ndim != 2
-            or b.ndim != 2
-            or a.shape[1] != n_in
-            or b.shape[0] != n_out
-            or a.shape[0] != b.shape[1]
-        ):
+        if a.ndim != 2 or b.ndim != 2 or a.shape[1] != n_in or b.shape[0] != n_out or a.shape[0] != b.shape[1]:
             raise ExportError(f"{item}: shape: A {a.shape} / B {b.shape} do not fit [out={n_out}, in={n_in}]")
         ranks.add(a.shape[0])
     if len(ranks) != 1:
@@ -278,14 +272,10 @@ def merge_adapter(
     report: dict[str, Any] = {"path": str(out_path), "scale": float(scale), "tensors": {}}
     with GGUFFile(base_gguf_path) as f:
         _check_adapter(adapter, f.config(), str(out_path))
-        by_name = {
-            f"blk.{layer}.{LORA_TARGETS[t]}.weight": adapter[(layer, t)] for layer, t in _ordered(adapter)
-        }
+        by_name = {f"blk.{layer}.{LORA_TARGETS[t]}.weight": adapter[(layer, t)] for layer, t in _ordered(adapter)}
         missing = [name for name in by_name if name not in f.tensors]
         if missing:
-            raise ExportError(
-                f"{base_gguf_path}: tensor {missing[0]!r}: name: adapted but not in the base model"
-            )
+            raise ExportError(f"{base_gguf_path}: tensor {missing[0]!r}: name: adapted but not in the base model")
 
         def tensors() -> Iterator[tuple[str, np.ndarray, int]]:
             for info, raw in f.iter_tensors():

@@ -127,9 +127,7 @@ class _Parser:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise gguf_error(
-                self.path, item, field, f"not valid UTF-8 ({exc.reason} at byte {exc.start})"
-            ) from None
+            raise gguf_error(self.path, item, field, f"not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
 
     def value(self, vtype: int, item: str, depth: int = 0) -> Any:
         """One value of type `vtype` (scalars as Python values, numeric arrays as numpy arrays)."""
@@ -182,9 +180,7 @@ class _Parser:
                 append(buf[pos : pos + length].decode("utf-8"))
                 pos += length
         except UnicodeDecodeError as exc:
-            raise gguf_error(
-                self.path, f"{item}[{len(out)}]", "string", f"not valid UTF-8 ({exc.reason})"
-            ) from None
+            raise gguf_error(self.path, f"{item}[{len(out)}]", "string", f"not valid UTF-8 ({exc.reason})") from None
         self.pos = pos
         return out
 
@@ -200,9 +196,7 @@ class GGUFFile:
     version: int
     alignment: int
     metadata: dict[str, Any]
-    metadata_types: dict[
-        str, GGUFValueType
-    ]  # value type of each key (ARRAY for arrays; numpy dtype = subtype)
+    metadata_types: dict[str, GGUFValueType]  # value type of each key (ARRAY for arrays; numpy dtype = subtype)
     tensors: dict[str, TensorInfo]
     data_offset: int  # absolute offset of the tensor data section
     file_size: int
@@ -214,9 +208,7 @@ class GGUFFile:
         with open(self.path, "rb") as fh:
             self.file_size = size = self._file_size(fh)
             if size < _HEADER.size:
-                raise gguf_error(
-                    self.path, "header", "size", f"{size} bytes is shorter than a GGUF header (24)"
-                )
+                raise gguf_error(self.path, "header", "size", f"{size} bytes is shorter than a GGUF header (24)")
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self._parse(_Parser(self._mm, size, self.path))
@@ -286,9 +278,7 @@ class GGUFFile:
             raise gguf_error(self.path, f"key {key!r}", "value", f"{value} is not a power of two")
         return value
 
-    def _parse_tensor_infos(
-        self, p: _Parser, n_tensors: int
-    ) -> list[tuple[str, int, tuple[int, ...], int, int]]:
+    def _parse_tensor_infos(self, p: _Parser, n_tensors: int) -> list[tuple[str, int, tuple[int, ...], int, int]]:
         infos, seen = [], set()
         for i in range(n_tensors):
             name = p.string(f"tensor #{i}", "name")
@@ -343,9 +333,7 @@ class GGUFFile:
         ordered = sorted(tensors.values(), key=lambda t: t.offset)
         for a, b in zip(ordered, ordered[1:], strict=False):
             if a.offset + a.nbytes > b.offset:
-                raise gguf_error(
-                    self.path, f"tensor {b.name!r}", "offset", f"data overlaps tensor {a.name!r}"
-                )
+                raise gguf_error(self.path, f"tensor {b.name!r}", "offset", f"data overlaps tensor {a.name!r}")
         return tensors
 
     # --- tensor access -------------------------------------------------------------------------------------
@@ -454,9 +442,7 @@ def model_config(metadata: Mapping[str, Any], source: str = "", has_output: bool
     elif "tokenizer.ggml.tokens" in metadata:
         vocab = len(metadata["tokenizer.ggml.tokens"])
     else:
-        raise gguf_error(
-            source, f"key '{arch}.vocab_size'", "value", "missing (and no tokenizer.ggml.tokens)"
-        )
+        raise gguf_error(source, f"key '{arch}.vocab_size'", "value", "missing (and no tokenizer.ggml.tokens)")
     hidden = get("embedding_length", int)
     head_dim = get("attention.key_length", int, hidden // n_heads)
     rope_dim = get("rope.dimension_count", int, head_dim)
@@ -469,9 +455,7 @@ def model_config(metadata: Mapping[str, Any], source: str = "", has_output: bool
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
-        raise gguf_error(
-            source, f"key '{arch}.rope.scaling.type'", "value", f"rope scaling {scaling!r} not supported"
-        )
+        raise gguf_error(source, f"key '{arch}.rope.scaling.type'", "value", f"rope scaling {scaling!r} not supported")
     if metadata.get(f"{arch}.expert_count", 0):
         raise gguf_error(source, f"key '{arch}.expert_count'", "value", "mixture-of-experts is not supported")
     try:
@@ -522,9 +506,7 @@ def describe(path: str | Path) -> dict[str, Any]:
         if md.get("general.type") == "adapter":
             out["adapter"] = md.get("adapter.type")
             out["lora_alpha"] = md.get("adapter.lora.alpha")
-            out["lora_targets"] = sorted(
-                {_lora_stem(n) for n in f.tensors if n.endswith((".lora_a", ".lora_b"))}
-            )
+            out["lora_targets"] = sorted({_lora_stem(n) for n in f.tensors if n.endswith((".lora_a", ".lora_b"))})
         else:
             try:
                 out["config"] = dataclasses.asdict(f.config())

@@ -81,9 +81,7 @@ def _metadata_value(
     if isinstance(value, list | tuple | np.ndarray):
         arr = np.asarray(value)
         if arr.ndim != 1 or arr.size == 0:
-            raise gguf_error(
-                path, item, "value", f"only non-empty 1-D arrays can be written (shape {arr.shape})"
-            )
+            raise gguf_error(path, item, "value", f"only non-empty 1-D arrays can be written (shape {arr.shape})")
         if arr.dtype.kind == "i" and not isinstance(value, np.ndarray):  # Python ints: int32 when they fit
             arr = arr.astype(np.int32) if np.abs(arr).max() < 2**31 else arr
         elif arr.dtype.kind == "f" and not isinstance(value, np.ndarray):
@@ -190,9 +188,7 @@ def write_gguf(
         raise
 
 
-def _add_metadata(
-    writer: GGUFWriter, path: Path, arch: str, metadata: Mapping[str, Any], types: dict
-) -> None:
+def _add_metadata(writer: GGUFWriter, path: Path, arch: str, metadata: Mapping[str, Any], types: dict) -> None:
     for key, value in metadata.items():
         if key == "general.architecture":
             if value != arch:
@@ -257,9 +253,7 @@ def _check_lora(path: Path, arrays: Mapping[str, np.ndarray], cfg: Any) -> None:
             continue
         b = arrays[other]
         if a.shape[0] != b.shape[1]:
-            raise gguf_error(
-                path, item, "shape", f"rank {a.shape[0]} != rank {b.shape[1]} of {other!r} {b.shape}"
-            )
+            raise gguf_error(path, item, "shape", f"rank {a.shape[0]} != rank {b.shape[1]} of {other!r} {b.shape}")
         if cfg is not None:
             layer, stem = int(m[1]), m[2]
             if layer >= cfg.n_layers:
@@ -271,8 +265,7 @@ def _check_lora(path: Path, arrays: Mapping[str, np.ndarray], cfg: Any) -> None:
                         path,
                         item,
                         "shape",
-                        f"A {a.shape} / B {b.shape} do not fit the base "
-                        f"{stem} weight [out={out_f}, in={in_f}]",
+                        f"A {a.shape} / B {b.shape} do not fit the base {stem} weight [out={out_f}, in={in_f}]",
                     )
 
 

@@ -194,9 +194,7 @@ def kd_loss_forward(
     z = logits[rows]
     ids = np.asarray(teacher_ids)[rows].astype(np.intp)
     a = np.take_along_axis(log_softmax(z / cfg.tau), ids, axis=1)
-    per_row = cfg.tau**2 * kd_support_forward(
-        a, *_teacher_rows(teacher_logprobs, teacher_tail, rows, z.dtype), cfg
-    )
+    per_row = cfg.tau**2 * kd_support_forward(a, *_teacher_rows(teacher_logprobs, teacher_tail, rows, z.dtype), cfg)
     if cfg.ce_weight:
         tgt = np.asarray(targets)[rows].astype(np.intp)
         per_row = per_row - cfg.ce_weight * np.take_along_axis(log_softmax(z), tgt[:, None], axis=1)[:, 0]

@@ -15,9 +15,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def distribution_gap(teacher_logits: np.ndarray, student_logits: np.ndarray) -> dict[str, float]:
     """Mean full-vocab KL(teacher || student) per token and top-1 agreement over rows [T, V]."""
     if teacher_logits.shape != student_logits.shape:
-        raise ValueError(
-            f"logit shapes differ: teacher {teacher_logits.shape}, student {student_logits.shape}"
-        )
+        raise ValueError(f"logit shapes differ: teacher {teacher_logits.shape}, student {student_logits.shape}")
     lt, ls = log_softmax(teacher_logits), log_softmax(student_logits)
     kl = (np.exp(lt) * (lt - ls)).sum(axis=-1)
     top1 = teacher_logits.argmax(axis=-1) == student_logits.argmax(axis=-1)

@@ -78,9 +78,7 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -
 # ---------------------------------------------------------------- RoPE (llama.cpp NORM: adjacent pairs)
 
 
-def rope_cos_sin(
-    positions: np.ndarray, head_dim: int, base: float, dtype: np.dtype
-) -> tuple[np.ndarray, ...]:
+def rope_cos_sin(positions: np.ndarray, head_dim: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, ...]:
     """cos, sin [T, 1, D/2] of angle pos * base^(-2i/D); angles in float64, then cast to dtype."""
     inv_freq = float(base) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     angle = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
@@ -310,9 +308,7 @@ def block_backward(
     dq, dk, dv = attention_backward(datt, c["q"], c["k"], c["v"])
     dq = rope_backward(dq, pos, cfg.rope_base).reshape(t, cfg.q_dim)
     dk = rope_backward(dk, pos, cfg.rope_base).reshape(t, cfg.kv_dim)
-    dn1 = (
-        proj_back("q", dq, c["n1"]) + proj_back("k", dk, c["n1"]) + proj_back("v", dv.reshape(t, -1), c["n1"])
-    )
+    dn1 = proj_back("q", dq, c["n1"]) + proj_back("k", dk, c["n1"]) + proj_back("v", dv.reshape(t, -1), c["n1"])
     return dh + rmsnorm_backward(dn1, c["x"], weights[f"blk.{layer}.attn_norm.weight"], cfg.eps)
 
 

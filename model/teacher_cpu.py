@@ -13,9 +13,7 @@ from model.config import ModelConfig
 from model.reference import forward
 
 
-def topk_from_logits(
-    logits: np.ndarray, k: int, temperature: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def topk_from_logits(logits: np.ndarray, k: int, temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids [T, k] int64, logprobs [T, k] f32, tail [T] f32) from logits [T, V], computed in float64.
 
     logprobs = log_softmax(logits / temperature) at the k most probable ids, sorted by descending logprob
@@ -36,9 +34,7 @@ def topk_from_logits(
     top = z.max(axis=1, keepdims=True)
     lse = top + np.log(np.exp(z - top).sum(axis=1, keepdims=True))
     logp = z - lse
-    part = (
-        np.argpartition(-logp, k - 1, axis=1)[:, :k] if k < vocab else np.tile(np.arange(vocab), (n_tok, 1))
-    )
+    part = np.argpartition(-logp, k - 1, axis=1)[:, :k] if k < vocab else np.tile(np.arange(vocab), (n_tok, 1))
     vals = np.take_along_axis(logp, part, axis=1)
     order = np.lexsort((part, -vals), axis=1)  # by -logprob, then id
     ids = np.take_along_axis(part, order, axis=1)

@@ -50,9 +50,7 @@ def _split_then_bytes(regex: str) -> Callable[[], PreTokenizer]:
 # tokenizer.ggml.pre value -> pre-tokenizer factory (names as llama.cpp's llama-vocab.cpp groups them).
 PRE_TOKENIZERS: dict[str, Callable[[], PreTokenizer]] = {
     **dict.fromkeys(("gpt2", "mpt", "olmo", "jais", "exaone4"), _gpt2),
-    **dict.fromkeys(
-        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _starcoder
-    ),
+    **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"), _starcoder),
     **dict.fromkeys(
         ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _split_then_bytes(_LLAMA3_REGEX)
     ),
@@ -128,9 +126,7 @@ class GGUFTokenizer:
         return self.tokens[token_id]
 
     def __repr__(self) -> str:
-        return (
-            f"GGUFTokenizer(vocab={self.vocab_size}, pre={self.pre!r}, bos={self.bos_id}, eos={self.eos_id})"
-        )
+        return f"GGUFTokenizer(vocab={self.vocab_size}, pre={self.pre!r}, bos={self.bos_id}, eos={self.eos_id})"
 
 
 def _opt_id(metadata: Mapping[str, Any], key: str, n_vocab: int) -> int | None:

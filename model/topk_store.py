@@ -73,9 +73,7 @@ class TopkRows:
 
 def _empty_rows(k: int) -> TopkRows:
     z = np.zeros
-    return TopkRows(
-        z(0, np.int64), z(0, np.int32), z((0, k), np.int32), z((0, k), np.float32), z(0, np.float32)
-    )
+    return TopkRows(z(0, np.int64), z(0, np.int32), z((0, k), np.int32), z((0, k), np.float32), z(0, np.float32))
 
 
 def shard_file(split: str, shard: int) -> str:
@@ -108,9 +106,7 @@ def _seq_ids(table: pa.Table, source: str) -> np.ndarray:
     return seq
 
 
-def plan_shards(
-    token_split: object, shard_positions: int, split: str, first_shard: int = 0
-) -> list[ShardRecord]:
+def plan_shards(token_split: object, shard_positions: int, split: str, first_shard: int = 0) -> list[ShardRecord]:
     """Shard boundaries over a token split (datasets.Dataset or Arrow table): whole sequences, in order.
 
     A shard closes once it holds >= shard_positions trained positions, so shards hold about that many; the
@@ -156,9 +152,7 @@ def compute_shard_rows(token_split: object, plan: ShardRecord, teacher: TeacherF
     table = _table(token_split)
     seq = _seq_ids(table, f"{plan.split} split")
     if not len(seq) or plan.seq_start < seq[0] or plan.seq_end > seq[-1] + 1:
-        raise ShardError(
-            f"{plan.file}: seq range [{plan.seq_start}, {plan.seq_end}) is not in the token split"
-        )
+        raise ShardError(f"{plan.file}: seq range [{plan.seq_start}, {plan.seq_end}) is not in the token split")
     lo = plan.seq_start - int(seq[0])
     part = table.slice(lo, plan.seq_end - plan.seq_start)
     chunks: list[tuple[np.ndarray, ...]] = []
@@ -258,9 +252,7 @@ def _rows_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Tabl
     )
 
 
-def write_shard(
-    out_dir: str | Path, plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int
-) -> ShardRecord:
+def write_shard(out_dir: str | Path, plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int) -> ShardRecord:
     """Write the rows of planned shard `plan` to out_dir/plan.file atomically; return its complete record.
 
     Rows must be the trained positions of sequences [seq_start, seq_end), sorted by (seq_id, pos), as many as
@@ -417,9 +409,7 @@ def verify_shard(path: str | Path, record: ShardRecord, vocab_size: int, k: int)
     except (pa.ArrowException, OSError, SchemaError) as exc:
         raise ShardError(f"corrupt shard {path}: {exc}") from None
     if pf.metadata.num_rows != record.n_positions:
-        raise ShardError(
-            f"corrupt shard {path}: {pf.metadata.num_rows} rows, manifest says {record.n_positions}"
-        )
+        raise ShardError(f"corrupt shard {path}: {pf.metadata.num_rows} rows, manifest says {record.n_positions}")
 
 
 def missing_shards(manifest: TeacherManifest, out_dir: str | Path) -> list[ShardRecord]:
@@ -512,9 +502,7 @@ class TopkReader:
             rows = self._load(self._shard_of(int(s)))
             lo, hi = np.searchsorted(rows.seq_id, [int(s), int(s) + 1])
             cut = slice(lo, hi)
-            part = TopkRows(
-                rows.seq_id[cut], rows.pos[cut], rows.ids[cut], rows.logprobs[cut], rows.tail[cut]
-            )
+            part = TopkRows(rows.seq_id[cut], rows.pos[cut], rows.ids[cut], rows.logprobs[cut], rows.tail[cut])
             if masks is not None:
                 want = np.flatnonzero(np.asarray(masks[j]))
                 if not np.array_equal(part.pos, want):
@@ -534,9 +522,7 @@ class TopkReader:
         )
 
 
-def read_topk(
-    out_dir: str | Path, seq_ids: Sequence[int], masks: Sequence[np.ndarray] | None = None
-) -> TopkRows:
+def read_topk(out_dir: str | Path, seq_ids: Sequence[int], masks: Sequence[np.ndarray] | None = None) -> TopkRows:
     """TopkReader(out_dir).read(seq_ids, masks): ids int32 [N, k], logprobs f32 [N, k], tail f32 [N]."""
     return TopkReader(out_dir).read(seq_ids, masks)
 
@@ -556,9 +542,7 @@ def check_vocab(
 ) -> None:
     """Raise VocabMismatchError unless teacher and student have the same token strings in the same order."""
     n_t, n_s = len(teacher_tokens), len(student_tokens)
-    first = next(
-        (i for i, (a, b) in enumerate(zip(teacher_tokens, student_tokens, strict=False)) if a != b), None
-    )
+    first = next((i for i, (a, b) in enumerate(zip(teacher_tokens, student_tokens, strict=False)) if a != b), None)
     if first is None and n_t == n_s:
         return
     if first is None:

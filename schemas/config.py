@@ -59,9 +59,7 @@ def _check_quant_list(value: tuple[str, ...] | None) -> tuple[str, ...] | None:
     return value
 
 
-QuantList = Annotated[
-    tuple[QuantName, ...] | None, BeforeValidator(_quant_list), AfterValidator(_check_quant_list)
-]
+QuantList = Annotated[tuple[QuantName, ...] | None, BeforeValidator(_quant_list), AfterValidator(_check_quant_list)]
 
 
 class Section(BaseModel):
@@ -250,9 +248,7 @@ class OptimSection(Section):
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Final learning rate as a fraction of lr (cosine/linear)."
     )
-    grad_clip: float = Field(
-        1.0, ge=0.0, description="Clip the global gradient norm to this value (0: no clipping)."
-    )
+    grad_clip: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this value (0: no clipping).")
 
     @field_validator("betas")
     @classmethod
@@ -321,9 +317,7 @@ class ExportSection(Section):
 class RunSection(Section):
     """Where the run writes and how it is tracked."""
 
-    workdir: Path = Field(
-        Path("runs/default"), description="Directory for every artifact and cache of this run."
-    )
+    workdir: Path = Field(Path("runs/default"), description="Directory for every artifact and cache of this run.")
     experiment: str = Field("distillery", min_length=1, description="MLflow experiment name.")
     mlflow_uri: str | None = Field(
         None,
@@ -352,9 +346,7 @@ class RunConfig(Section):
     loss: LossSection = Field(default_factory=LossSection, description="Distillation loss.")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters.")
     optim: OptimSection = Field(default_factory=OptimSection, description="Optimizer and LR schedule.")
-    train: TrainSection = Field(
-        default_factory=TrainSection, description="Epochs, batching, checkpoints, precision."
-    )
+    train: TrainSection = Field(default_factory=TrainSection, description="Epochs, batching, checkpoints, precision.")
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     export: ExportSection = Field(default_factory=ExportSection, description="Export formats.")
     run: RunSection = Field(default_factory=RunSection, description="Output directory and tracking.")

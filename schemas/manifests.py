@@ -164,8 +164,6 @@ class ExportManifest(Manifest):
 
     epoch: int = Field(ge=0)
     step: int = Field(ge=0)
-    peft: tuple[FileRef, ...] | None = Field(
-        None, description="adapter_model.safetensors and adapter_config.json"
-    )
+    peft: tuple[FileRef, ...] | None = Field(None, description="adapter_model.safetensors and adapter_config.json")
     gguf_lora: FileRef | None = None
     merged: FileRef | None = None

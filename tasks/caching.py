@@ -125,9 +125,7 @@ class StageCache(CachePolicy):
     files: tuple[str, ...] = ()
     dataset: bool = False
     inputs: tuple[str, ...] = ()
-    outputs_problem: Callable[[RunConfig, Mapping[str, Any], str], str | None] | None = field(
-        default=None, repr=False
-    )
+    outputs_problem: Callable[[RunConfig, Mapping[str, Any], str], str | None] | None = field(default=None, repr=False)
 
     def key(self, cfg: RunConfig, inputs: Mapping[str, Any]) -> str:
         """The stage's key: '<stage>-<sha256>'. Inputs named in `inputs` but absent are left out."""
@@ -142,9 +140,7 @@ class StageCache(CachePolicy):
             parts[f"file:{name}"] = file_sha256(_field(cfg, name), root)
         if self.dataset:
             d = cfg.data
-            parts["dataset"] = dataset_fingerprint(
-                d.path, d.format, d.text_field, d.messages_field, d.max_documents
-            )
+            parts["dataset"] = dataset_fingerprint(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
         for name in self.inputs:
             if name in inputs:
                 parts[f"input:{name}"] = content(inputs[name])

@@ -75,9 +75,7 @@ def evaluate_baseline(cfg: RunConfig, student: dict, tokens: dict, teacher: dict
 
 
 @task(**stage_options(EPOCH, task_run_name="evaluate-epoch-{checkpoint[manifest][epoch]}"))
-def evaluate_checkpoint(
-    cfg: RunConfig, student: dict, tokens: dict, teacher: dict, checkpoint: dict
-) -> dict[str, Any]:
+def evaluate_checkpoint(cfg: RunConfig, student: dict, tokens: dict, teacher: dict, checkpoint: dict) -> dict[str, Any]:
     """The student with a checkpoint's adapter. Returns EvalManifest JSON."""
     cfg = as_config(cfg)
     epoch = checkpoint["manifest"]["epoch"]

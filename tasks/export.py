@@ -78,15 +78,19 @@ def export_adapter(cfg: RunConfig, student: dict[str, Any], checkpoint: dict[str
     peft = gguf_lora = merged = None
     if cfg.export.peft:
         files = export_peft(
-            adapter, mcfg, cfg.lora.r, cfg.lora.alpha, cfg.lora.targets, out / PEFT_DIR, base_model_name(base),
+            adapter,
+            mcfg,
+            cfg.lora.r,
+            cfg.lora.alpha,
+            cfg.lora.targets,
+            out / PEFT_DIR,
+            base_model_name(base),
             layers=cfg.lora.layers,
         )
         peft = tuple(FileRef.of(p.resolve(), root) for p in files)
         result["peft_dir"] = relative(cfg, out / PEFT_DIR)
     if cfg.export.gguf_lora:
-        gguf_lora = FileRef.of(
-            export_gguf_lora(adapter, base, cfg.lora.alpha, out / GGUF_LORA).resolve(), root
-        )
+        gguf_lora = FileRef.of(export_gguf_lora(adapter, base, cfg.lora.alpha, out / GGUF_LORA).resolve(), root)
         result["gguf_lora"] = gguf_lora.path
     if cfg.export.merge:
         report = merge_adapter(base, adapter, cfg.lora.scale, out / MERGED, quant=cfg.export.merge_quant)

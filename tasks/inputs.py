@@ -45,15 +45,11 @@ def check_inputs(cfg: RunConfig) -> None:
         ("model.teacher", cfg.model.teacher, t_ctx),
     ):
         if cfg.data.seq_len > ctx:
-            raise InputError(
-                f"data.seq_len: {cfg.data.seq_len} exceeds the context length {ctx} of {field} {path}"
-            )
+            raise InputError(f"data.seq_len: {cfg.data.seq_len} exceeds the context length {ctx} of {field} {path}")
     if cfg.teacher.top_k > len(teacher):
         raise InputError(f"teacher.top_k: {cfg.teacher.top_k} exceeds the vocabulary size {len(teacher)}")
     if cfg.lora.layers is not None and max(cfg.lora.layers) >= n_layers:
-        raise InputError(
-            f"lora.layers: {list(cfg.lora.layers)} outside the student's blocks 0..{n_layers - 1}"
-        )
+        raise InputError(f"lora.layers: {list(cfg.lora.layers)} outside the student's blocks 0..{n_layers - 1}")
     quant = cfg.model.student_quant
     if quant is not None and len(quant) > 2:
         raise InputError(f"model.student_quant: {list(quant)}: give one or two types (preferred, fallback)")

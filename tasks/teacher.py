@@ -72,9 +72,7 @@ PLAN = StageCache(
     files=("model.teacher",),
     inputs=("tokens",),
 )
-SHARD = StageCache(
-    stage="teacher-shard", version="1", inputs=("plan", "shard"), outputs_problem=_shard_problem
-)
+SHARD = StageCache(stage="teacher-shard", version="1", inputs=("plan", "shard"), outputs_problem=_shard_problem)
 
 
 @task(**stage_options(PLAN, task_run_name="teacher-plan"))

@@ -51,12 +51,8 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
 def git_commit() -> str | None:
     """HEAD of the git checkout the process runs in, if any (plus '-dirty' with local changes)."""
     try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5
-        )
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -68,9 +64,7 @@ def git_commit() -> str | None:
 class StepLogger:
     """Per-step metrics into an MLflow run, batched (one write every `every` steps or `seconds`)."""
 
-    def __init__(
-        self, cfg: RunConfig | None, run_id: str | None, every: int = 20, seconds: float = 5.0
-    ) -> None:
+    def __init__(self, cfg: RunConfig | None, run_id: str | None, every: int = 20, seconds: float = 5.0) -> None:
         self.client = client_for(cfg) if cfg is not None and run_id else None
         self.run_id, self.every, self.seconds = run_id, every, seconds
         self._rows: list[dict[str, Any]] = []
@@ -149,9 +143,7 @@ class RunRecord:
             return
         with _logged_lock:
             logged = set(_LOGGED.get(self.id, set()))
-        missing = [
-            row for row in read_steps(self.cfg, self.checkpoints[-1]) if int(row["step"]) not in logged
-        ]
+        missing = [row for row in read_steps(self.cfg, self.checkpoints[-1]) if int(row["step"]) not in logged]
         if missing:
             log_steps(self.client, self.id, missing)
         for ckpt in self.checkpoints:
@@ -196,9 +188,7 @@ class RunRecord:
             "best": best,
             "merged": self.merged,
             "export": self.exported,
-            "teacher_bytes_per_position": None
-            if self.teacher is None
-            else self.teacher.get("bytes_per_position"),
+            "teacher_bytes_per_position": None if self.teacher is None else self.teacher.get("bytes_per_position"),
             "workdir": str(workdir(self.cfg)),
             "seconds": time.perf_counter() - self.started,
         }
@@ -240,9 +230,7 @@ class RunRecord:
         assert self.exported is not None and self.best is not None
         ex = self.exported
         if "peft_dir" in ex:
-            self.client.log_artifacts(
-                self.id, str(located(self.cfg, ex["peft_dir"])), f"{ADAPTER_ARTIFACT}/peft"
-            )
+            self.client.log_artifacts(self.id, str(located(self.cfg, ex["peft_dir"])), f"{ADAPTER_ARTIFACT}/peft")
         if "gguf_lora" in ex:
             self.client.log_artifact(self.id, str(located(self.cfg, ex["gguf_lora"])), ADAPTER_ARTIFACT)
         name = f"{self.cfg.run.experiment}-adapter"
@@ -375,8 +363,7 @@ def render_report(cfg: RunConfig, s: Mapping[str, Any]) -> str:
     ml = s["mlflow"]
     lines += [
         f"MLflow: run `{ml['run_id']}` in `{ml['tracking_uri']}` — {ml['url']}",
-        f"Prefect: flow run `{s['flow_run_id']}`"
-        + (f" — {s['prefect_url']}" if s.get("prefect_url") else ""),
+        f"Prefect: flow run `{s['flow_run_id']}`" + (f" — {s['prefect_url']}" if s.get("prefect_url") else ""),
         "",
     ]
     return "\n".join(lines)
@@ -407,9 +394,7 @@ def write_plots(cfg: RunConfig, record: RunRecord, out: Path) -> list[Path]:
         paths.append(out / "loss.png")
     if record.evals:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(
-            [e["epoch"] for e in record.evals], [e["kl"] for e in record.evals], "o-", label="with adapter"
-        )
+        ax.plot([e["epoch"] for e in record.evals], [e["kl"] for e in record.evals], "o-", label="with adapter")
         if record.baseline is not None:
             ax.axhline(record.baseline["kl"], color="gray", ls="--", label="no adapter")
         ax.set(xlabel="epoch", ylabel="held-out KL(teacher‖student)", title="held-out KL")

@@ -43,11 +43,7 @@ WORDS = (
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -77,9 +73,7 @@ def tokenizer_metadata(extra_tokens: tuple[str, ...] = ()) -> dict[str, Any]:
     }
 
 
-def write_tiny_llama(
-    path: Path, seed: int = 1, context_length: int = 64, extra_tokens: tuple[str, ...] = ()
-) -> Path:
+def write_tiny_llama(path: Path, seed: int = 1, context_length: int = 64, extra_tokens: tuple[str, ...] = ()) -> Path:
     """An F32 llama GGUF (2 blocks, hidden 32) whose vocabulary is the tiny tokenizer's."""
     meta = tokenizer_metadata(extra_tokens)
     vocab = len(meta["tokenizer.ggml.tokens"])

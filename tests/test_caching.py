@@ -82,9 +82,7 @@ def _changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
         ("run.experiment=other", set()),
     ],
 )
-def test_one_field_changes_exactly_the_stages_that_read_it(
-    config_file: Path, override: str, stages: set
-) -> None:
+def test_one_field_changes_exactly_the_stages_that_read_it(config_file: Path, override: str, stages: set) -> None:
     before = _keys(load_config(config_file))
     after = _keys(load_config(config_file, [override]))
     assert _changed(before, after) == stages
@@ -106,10 +104,7 @@ def test_keys_follow_file_and_data_contents_not_paths(config_file: Path, tmp_pat
 def test_upstream_manifests_count_by_content(config_file: Path) -> None:
     cfg = load_config(config_file)
     before = _keys(cfg)
-    moved = {
-        k: ({**v, "dir": "elsewhere"} if isinstance(v, dict) and "dir" in v else v)
-        for k, v in UPSTREAM.items()
-    }
+    moved = {k: ({**v, "dir": "elsewhere"} if isinstance(v, dict) and "dir" in v else v) for k, v in UPSTREAM.items()}
     timings = {**UPSTREAM, "student": {**UPSTREAM["student"], "upload": {"s": 99}}}
     assert _keys(cfg, moved) == before and _keys(cfg, timings) == before
     new_teacher = {

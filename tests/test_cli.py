@@ -84,17 +84,11 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     _fails(["run", str(cfg), "--set", "lora.rank=8"], "unknown key 'lora.rank'")
     _fails(["run", str(cfg), "--set", "lora.r=0"], "lora.r", "[--set lora.r=0]")
     _fails(["run", str(tmp_path / "missing.yaml")], "config file not found")
-    _fails(
-        ["train", str(cfg), "--set", f"model.student={tmp_path / 'nope.gguf'}"], "model.student", "nope.gguf"
-    )
+    _fails(["train", str(cfg), "--set", f"model.student={tmp_path / 'nope.gguf'}"], "model.student", "nope.gguf")
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 40)
-    _fails(
-        ["teacher", str(cfg), "--set", f"model.teacher={tmp_path / 'bad.gguf'}"], "model.teacher", "bad.gguf"
-    )
+    _fails(["teacher", str(cfg), "--set", f"model.teacher={tmp_path / 'bad.gguf'}"], "model.teacher", "bad.gguf")
     other = write_tiny_llama(tmp_path / "other.gguf", extra_tokens=("qqq",))
-    _fails(
-        ["teacher", str(cfg), "--set", f"model.student={other}"], "vocabularies differ", "first difference"
-    )
+    _fails(["teacher", str(cfg), "--set", f"model.student={other}"], "vocabularies differ", "first difference")
     _fails(["tokenize", str(cfg), "--set", "data.seq_len=4096"], "data.seq_len", "context length 64")
     # nothing ran: no stage directories were written
     assert not (tmp_path / "run" / "tokens").exists()

@@ -44,9 +44,7 @@ def tok(smollm2_path: Path) -> GGUFTokenizer:
 
 def _texts(n: int) -> list[str]:
     fruits = ["apples", "pears", "plums", "figs", "dates", "limes"]
-    return [
-        f"Document number {i} talks about {fruits[i % 6]} and {fruits[(i * 5 + 1) % 6]}." for i in range(n)
-    ]
+    return [f"Document number {i} talks about {fruits[i % 6]} and {fruits[(i * 5 + 1) % 6]}." for i in range(n)]
 
 
 def _write_jsonl(path: Path, items: list[Any]) -> Path:
@@ -88,9 +86,7 @@ def test_json_list_parquet_text_and_hf_dir(tmp_path: Path) -> None:
     assert [d.text for d in load_records(tmp_path / "d.parquet")] == texts
 
     # Plain text: one document per blank-line-separated paragraph; single newlines stay inside a document.
-    (tmp_path / "d.txt").write_text(
-        f"{texts[0]}\nsecond line\n\n\n{texts[1]}\n  \n{texts[2]}\n", encoding="utf-8"
-    )
+    (tmp_path / "d.txt").write_text(f"{texts[0]}\nsecond line\n\n\n{texts[1]}\n  \n{texts[2]}\n", encoding="utf-8")
     got = [d.text for d in load_records(tmp_path / "d.txt")]
     assert got == [f"{texts[0]}\nsecond line", texts[1], texts[2]]
 
@@ -162,9 +158,7 @@ def test_missing_field_lists_available_fields(tmp_path: Path) -> None:
     ):
         load_records(path)
     pq.write_table(pa.table({"body": ["x"], "lang": ["en"]}), tmp_path / "d.parquet")
-    with pytest.raises(
-        DataError, match=r"d\.parquet: no field 'messages' or 'text'; available fields: body, lang"
-    ):
+    with pytest.raises(DataError, match=r"d\.parquet: no field 'messages' or 'text'; available fields: body, lang"):
         load_records(tmp_path / "d.parquet")
     datasets.Dataset.from_dict({"content": ["x"]}).save_to_disk(str(tmp_path / "hf"))
     with pytest.raises(DataError, match="available fields: content"):

@@ -127,9 +127,7 @@ def test_row_permutation_maps_llama_cpp_rope_onto_hf_rope() -> None:
     q_gguf = R.rope_forward((x @ w_gguf.T).reshape(t, h, d), pos, CFG.rope_base)
     q_hf = _rope_rotate_half((x @ gguf_to_hf_rows(w_gguf, h).T).reshape(t, h, d), pos, CFG.rope_base)
     # the same rotated features, in each convention's order
-    np.testing.assert_allclose(
-        gguf_to_hf_rows(q_gguf.reshape(t, h * d).T, h).T, q_hf.reshape(t, h * d), atol=1e-12
-    )
+    np.testing.assert_allclose(gguf_to_hf_rows(q_gguf.reshape(t, h * d).T, h).T, q_hf.reshape(t, h * d), atol=1e-12)
 
 
 # ---------------------------------------------------------------- PEFT

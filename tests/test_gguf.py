@@ -79,9 +79,7 @@ def test_round_trip_every_type(tmp_path: Path) -> None:
         for name, data, qtype in tensors:
             info = f.tensors[name]
             block, size = GGML_QUANT_SIZES[Q(qtype)]
-            logical = (
-                data.shape if data.dtype != np.uint8 else (*data.shape[:-1], data.shape[-1] // size * block)
-            )
+            logical = data.shape if data.dtype != np.uint8 else (*data.shape[:-1], data.shape[-1] // size * block)
             assert info.ggml_type == qtype and info.shape == logical and info.ne == logical[::-1], name
             assert info.nbytes == math.prod(logical) // block * size and info.offset % 32 == 0, name
             assert f.raw(name).shape == (math.prod(logical[:-1]), logical[-1] // block * size), name
@@ -147,9 +145,7 @@ def test_metadata_round_trip_keeps_values_and_types(tmp_path: Path) -> None:
         "t.hinted": V.INT64,
     }
     path = tmp_path / "md.gguf"
-    write_gguf(
-        path, "llama", md, [("w", np.ones((2, 32), np.float32), Q.F32)], metadata_types={"t.hinted": V.INT64}
-    )
+    write_gguf(path, "llama", md, [("w", np.ones((2, 32), np.float32), Q.F32)], metadata_types={"t.hinted": V.INT64})
     with GGUFFile(path) as f:
         assert list(f.metadata) == ["general.architecture", *md]
         for key, vtype in want.items():
@@ -172,13 +168,9 @@ def test_metadata_round_trip_keeps_values_and_types(tmp_path: Path) -> None:
             "t.hinted",
             "general.empty",
         ):
-            assert f.metadata[key] == md[key] and type(f.metadata[key]) is type(np.asarray(md[key]).item()), (
-                key
-            )
+            assert f.metadata[key] == md[key] and type(f.metadata[key]) is type(np.asarray(md[key]).item()), key
         rewritten = tmp_path / "md2.gguf"
-        write_gguf(
-            rewritten, "llama", f.metadata, [("w", f.raw("w"), Q.F32)], metadata_types=f.metadata_types
-        )
+        write_gguf(rewritten, "llama", f.metadata, [("w", f.raw("w"), Q.F32)], metadata_types=f.metadata_types)
     assert rewritten.read_bytes() == path.read_bytes()
 
 
@@ -269,10 +261,7 @@ def test_smollm2_metadata_matches_gguf_reader(smol: GGUFFile, reader: gguf.GGUFR
             assert isinstance(ours, np.ndarray) and ours.tolist() == list(field.contents()), key
         else:
             assert ours == field.contents(), key
-    assert (
-        len(smol.metadata["tokenizer.ggml.tokens"]) == 49152
-        and len(smol.metadata["tokenizer.ggml.merges"]) == 48900
-    )
+    assert len(smol.metadata["tokenizer.ggml.tokens"]) == 49152 and len(smol.metadata["tokenizer.ggml.merges"]) == 48900
 
 
 def test_smollm2_tensors_match_gguf_reader(smol: GGUFFile, reader: gguf.GGUFReader) -> None:
@@ -313,9 +302,7 @@ def test_smollm2_rewrite_is_byte_identical(smol: GGUFFile, smollm2_path: Path, t
     """Metadata (with its types) + raw tensors through write_gguf reproduce the original file exactly."""
     out = tmp_path / "copy.gguf"
     tensors = ((i.name, raw.reshape(*i.shape[:-1], -1), i.ggml_type) for i, raw in smol.iter_tensors())
-    write_gguf(
-        out, smol.metadata["general.architecture"], smol.metadata, tensors, metadata_types=smol.metadata_types
-    )
+    write_gguf(out, smol.metadata["general.architecture"], smol.metadata, tensors, metadata_types=smol.metadata_types)
     assert out.stat().st_size == smollm2_path.stat().st_size
     with open(out, "rb") as a, open(smollm2_path, "rb") as b:
         while chunk := a.read(1 << 24):

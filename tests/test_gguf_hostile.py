@@ -294,14 +294,10 @@ def _key(name: str) -> bytes:
 
 def test_nested_arrays(tmp_path: Path) -> None:
     depth = 10
-    nested = (
-        _key("deep") + _u32(V.ARRAY) + (_u32(V.ARRAY) + _u64(1)) * depth + _u32(V.UINT8) + _u64(1) + b"\x01"
-    )
+    nested = _key("deep") + _u32(V.ARRAY) + (_u32(V.ARRAY) + _u64(1)) * depth + _u32(V.UINT8) + _u64(1) + b"\x01"
     assert_rejected(_write(tmp_path / "deep.gguf", _file(nested + b"\0" * 64)), "'deep'", "nested deeper")
     wide = _key("wide") + _u32(V.ARRAY) + _u32(V.ARRAY) + _u64(2**59) + b"\0" * 64
-    assert_rejected(
-        _write(tmp_path / "wide.gguf", _file(wide)), "'wide'", "array of 576460752303423488 arrays"
-    )
+    assert_rejected(_write(tmp_path / "wide.gguf", _file(wide)), "'wide'", "array of 576460752303423488 arrays")
     ok = _key("ok") + _u32(V.ARRAY) + _u32(V.ARRAY) + _u64(2) + (_u32(V.INT16) + _u64(2) + b"\1\0\2\0") * 2
     with GGUFFile(_write(tmp_path / "ok.gguf", _file(ok))) as f:
         assert [a.tolist() for a in f.metadata["ok"]] == [[1, 2], [1, 2]]

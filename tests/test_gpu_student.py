@@ -34,8 +34,10 @@ def _problem(seed: int, qtype: int):
     rng = np.random.default_rng(seed)
     w = reference.random_weights(CFG, seed, np.float32)
     if qtype != Q.F32:  # the reference sees exactly the quantized values the GPU decodes
-        w = {n: dequantize(quantize(a, qtype), qtype, a.shape) if a.ndim == 2 and n.startswith("blk.") else a
-             for n, a in w.items()}
+        w = {
+            n: dequantize(quantize(a, qtype), qtype, a.shape) if a.ndim == 2 and n.startswith("blk.") else a
+            for n, a in w.items()
+        }
     lora = reference.init_lora(CFG, list(LORA_TARGETS), R, seed)
     lora = {key: reference.LoraPair(p.A, rng.normal(0, 0.2, p.B.shape).astype(np.float32)) for key, p in lora.items()}
     ids = rng.integers(0, CFG.vocab, (B, T))
@@ -51,8 +53,19 @@ def _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, sc
     n_total = mask.sum()
     loss, grads = 0.0, {}
     for s in range(B):
-        ls, gs = reference.loss_and_grads(w64, CFG, ids[s], l64, scale, tids[s], tlp[s].astype(np.float64),
-                                          ttail[s].astype(np.float64), targets[s], mask[s], loss_cfg)
+        ls, gs = reference.loss_and_grads(
+            w64,
+            CFG,
+            ids[s],
+            l64,
+            scale,
+            tids[s],
+            tlp[s].astype(np.float64),
+            ttail[s].astype(np.float64),
+            targets[s],
+            mask[s],
+            loss_cfg,
+        )
         c = mask[s].sum() / n_total
         loss += c * ls
         for key, (da, db) in gs.items():
@@ -79,8 +92,9 @@ def test_step_matches_reference(qtype: int, loss_cfg: LossConfig) -> None:
     tids, tlp, ttail = _teacher(rng, loss_cfg.tau)
     scale = 2.0
     weights = StudentWeights.from_arrays(dev, CFG, w, qtype)
-    st = GPUStudent(dev, weights, targets=LORA_TARGETS, r=R, alpha=scale * R, batch=B, seq_len=T, top_k=K,
-                    loss=loss_cfg)
+    st = GPUStudent(
+        dev, weights, targets=LORA_TARGETS, r=R, alpha=scale * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg
+    )
     st.set_adapter(lora)
     st.write_batch(ids, targets, mask, tids, tlp, ttail if loss_cfg.use_tail else None)
     loss = st.loss_and_grads()
@@ -101,8 +115,18 @@ def test_training_reduces_kl_and_is_bitwise_reproducible() -> None:
     weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)
 
     def run(n_steps: int) -> tuple[list[float], np.ndarray]:
-        st = GPUStudent(dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K,
-                        loss=loss_cfg, optim=AdamWConfig(lr=1e-2, max_grad_norm=1.0))
+        st = GPUStudent(
+            dev,
+            weights,
+            targets=LORA_TARGETS,
+            r=R,
+            alpha=2 * R,
+            batch=B,
+            seq_len=T,
+            top_k=K,
+            loss=loss_cfg,
+            optim=AdamWConfig(lr=1e-2, max_grad_norm=1.0),
+        )
         st.set_adapter(reference.init_lora(CFG, list(LORA_TARGETS), R, seed=0))
         st.write_batch(ids, targets, mask, tids, tlp, ttail)
         losses = [st.train_step(lr=1e-2).loss for _ in range(n_steps)]
@@ -139,13 +163,26 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
 
     dev = device_or_skip()
     w, lora, ids, targets, mask, rng = _problem(11, Q.Q4_0)
-    meta = {"general.architecture": "llama", "llama.block_count": CFG.n_layers, "llama.embedding_length": CFG.hidden,
-            "llama.feed_forward_length": CFG.ffn, "llama.attention.head_count": CFG.n_heads,
-            "llama.attention.head_count_kv": CFG.n_kv_heads, "llama.rope.freq_base": CFG.rope_base,
-            "llama.attention.layer_norm_rms_epsilon": CFG.eps, "llama.context_length": CFG.context_length,
-            "llama.vocab_size": CFG.vocab}
-    tensors = [(n, quantize(a, Q.Q4_0) if a.ndim == 2 and n.startswith("blk.") else a,
-                Q.Q4_0 if a.ndim == 2 and n.startswith("blk.") else Q.F32) for n, a in w.items()]
+    meta = {
+        "general.architecture": "llama",
+        "llama.block_count": CFG.n_layers,
+        "llama.embedding_length": CFG.hidden,
+        "llama.feed_forward_length": CFG.ffn,
+        "llama.attention.head_count": CFG.n_heads,
+        "llama.attention.head_count_kv": CFG.n_kv_heads,
+        "llama.rope.freq_base": CFG.rope_base,
+        "llama.attention.layer_norm_rms_epsilon": CFG.eps,
+        "llama.context_length": CFG.context_length,
+        "llama.vocab_size": CFG.vocab,
+    }
+    tensors = [
+        (
+            n,
+            quantize(a, Q.Q4_0) if a.ndim == 2 and n.startswith("blk.") else a,
+            Q.Q4_0 if a.ndim == 2 and n.startswith("blk.") else Q.F32,
+        )
+        for n, a in w.items()
+    ]
     write_gguf(tmp_path / "s.gguf", "llama", meta, tensors)
     seen = []
     streamed = StudentWeights.from_gguf(dev, tmp_path / "s.gguf", progress=lambda info: seen.append(info.name))
@@ -153,8 +190,17 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
     tids, tlp, ttail = _teacher(rng, 1.0)
     losses = []
     for weights in (streamed, StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)):
-        st = GPUStudent(dev, weights, targets=LORA_TARGETS, r=R, alpha=R, batch=B, seq_len=T, top_k=K,
-                        loss=LossConfig("forward_kl", tau=1.0, use_tail=True))
+        st = GPUStudent(
+            dev,
+            weights,
+            targets=LORA_TARGETS,
+            r=R,
+            alpha=R,
+            batch=B,
+            seq_len=T,
+            top_k=K,
+            loss=LossConfig("forward_kl", tau=1.0, use_tail=True),
+        )
         st.set_adapter(lora)
         st.write_batch(ids, targets, mask, tids, tlp, ttail)
         losses.append(st.loss_and_grads())
@@ -179,8 +225,18 @@ def test_tensorcore_step_matches_reference() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    st = GPUStudent(dev, StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0), targets=LORA_TARGETS, r=R, alpha=2 * R,
-                    batch=B, seq_len=T, top_k=K, loss=loss_cfg, precision="tensorcore")
+    st = GPUStudent(
+        dev,
+        StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0),
+        targets=LORA_TARGETS,
+        r=R,
+        alpha=2 * R,
+        batch=B,
+        seq_len=T,
+        top_k=K,
+        loss=loss_cfg,
+        precision="tensorcore",
+    )
     st.set_adapter(lora)
     st.write_batch(ids, targets, mask, tids, tlp, ttail)
     loss = st.loss_and_grads()

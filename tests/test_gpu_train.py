@@ -75,12 +75,22 @@ def problem(tmp_path_factory: pytest.TempPathFactory) -> dict:
     rng = np.random.default_rng(3)
     train, ev = _split(rng, 10, 0), _split(rng, 3, 10)
     tok = root / "tokens"
-    write_token_shards(train, ev, tok, dataset_fingerprint="0" * 64, tokenizer_sha256="0" * 64,
-                       vocab_size=CFG.vocab, seq_len=SEQ)
+    write_token_shards(
+        train, ev, tok, dataset_fingerprint="0" * 64, tokenizer_sha256="0" * 64, vocab_size=CFG.vocab, seq_len=SEQ
+    )
     topk = root / "topk"
     plans = S.plan_all(train, ev, shard_positions=40)
-    S.open_manifest(topk, TeacherManifest(teacher_sha256="a" * 64, k=K, temperature=TAU, vocab_size=CFG.vocab,
-                                          token_shards_hash="b" * 64, shards=tuple(plans)))
+    S.open_manifest(
+        topk,
+        TeacherManifest(
+            teacher_sha256="a" * 64,
+            k=K,
+            temperature=TAU,
+            vocab_size=CFG.vocab,
+            token_shards_hash="b" * 64,
+            shards=tuple(plans),
+        ),
+    )
     fn = partial(teacher_topk, teacher_w, CFG, k=K, temperature=TAU)
     for plan in plans:
         table = train if plan.split == "train" else ev
@@ -90,8 +100,16 @@ def problem(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "teacher": {"top_k": K, "temperature": TAU}, "lora": {"r": 4, "alpha": 8},
         "optim": {"lr": 5e-3, "warmup_steps": 1}, "train": {"epochs": 2, "batch_size": 2, "checkpoint_every": 2},
     })  # fmt: skip
-    return {"root": root, "cfg": cfg, "student": student, "tok": tok, "topk": topk, "student_w": student_w,
-            "ev": ev, "teacher_w": teacher_w}
+    return {
+        "root": root,
+        "cfg": cfg,
+        "student": student,
+        "tok": tok,
+        "topk": topk,
+        "student_w": student_w,
+        "ev": ev,
+        "teacher_w": teacher_w,
+    }
 
 
 def _run(p: dict, ckpt: Path, fail_at: int | None = None) -> list:
@@ -144,4 +162,5 @@ def test_epochs_reduce_kl_and_resume_is_bitwise(problem: dict) -> None:
     _run(problem, root / "ckpt-crash")
     assert (root / "ckpt-crash" / "epoch-001" / "adapter.safetensors").read_bytes() == adapter
     assert (root / "ckpt-crash" / "epoch-001" / "optimizer.safetensors").read_bytes() == (
-        root / "ckpt-full" / "epoch-001" / "optimizer.safetensors").read_bytes()
+        root / "ckpt-full" / "epoch-001" / "optimizer.safetensors"
+    ).read_bytes()

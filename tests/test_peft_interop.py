@@ -37,9 +37,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.n
 
 def _hf_model(folder: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file="tiny.gguf", dtype=torch.float32
-    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
     return model.eval()
 
 

@@ -134,9 +134,7 @@ def test_full_run_records_everything(first: tuple[dict, dict]) -> None:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as pc:
-        arts = pc.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["distill-report"]))
-        )
+        arts = pc.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["distill-report"])))
     assert any("before: no adapter" in str(a.data) and s["mlflow"]["run_id"] in str(a.data) for a in arts)
     assert "before: no adapter" in Path(s["report"]).read_text()
 

@@ -55,9 +55,7 @@ def test_rmsnorm(rng: np.random.Generator) -> None:
     x, w, eps = rng.standard_normal((5, 12)), 1 + 0.2 * rng.standard_normal(12), 1e-5
     y = R.rmsnorm_forward(x, w, eps)
     # independent: y / w has unit mean square (up to eps), and is parallel to x row by row
-    np.testing.assert_allclose(
-        np.mean((y / w) ** 2, axis=-1), 1 / (1 + eps / np.mean(x**2, axis=-1)), rtol=1e-12
-    )
+    np.testing.assert_allclose(np.mean((y / w) ** 2, axis=-1), 1 / (1 + eps / np.mean(x**2, axis=-1)), rtol=1e-12)
     np.testing.assert_allclose((y / w) / x, np.broadcast_to(((y / w) / x)[:, :1], x.shape), rtol=1e-12)
     r = rng.standard_normal(y.shape)
     dx = R.rmsnorm_backward(r, x, w, eps)
@@ -84,15 +82,11 @@ def test_rope(rng: np.random.Generator) -> None:
     x, pos = rng.standard_normal((t, h, d)), np.arange(t) + 3
     y = R.rope_forward(x, pos, base)
     # independent: complex multiplication of adjacent pairs
-    z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(
-        1j * pos[:, None, None] * base ** (-np.arange(0, d, 2) / d)
-    )
+    z = (x[..., 0::2] + 1j * x[..., 1::2]) * np.exp(1j * pos[:, None, None] * base ** (-np.arange(0, d, 2) / d))
     np.testing.assert_allclose(y[..., 0::2], z.real, atol=1e-12)
     np.testing.assert_allclose(y[..., 1::2], z.imag, atol=1e-12)
     # the GGUF (NORM, adjacent pairs) variant on GGUF-permuted rows == HF's rotate_half RoPE on HF rows
-    np.testing.assert_allclose(
-        R.rope_forward(_gguf_permute(x), pos, base), _gguf_permute(_hf_rope(x, pos, base))
-    )
+    np.testing.assert_allclose(R.rope_forward(_gguf_permute(x), pos, base), _gguf_permute(_hf_rope(x, pos, base)))
     r = rng.standard_normal(y.shape)
     dx = R.rope_backward(r, pos, base)
     np.testing.assert_allclose(dx, R.rope_forward(r, -pos, base), atol=1e-12)  # inverse rotation
@@ -182,9 +176,7 @@ def _teacher(rng: np.random.Generator, t: int, v: int, k: int, tau: float) -> tu
     return ids, np.take_along_axis(R.log_softmax(zt / tau), ids, axis=1)
 
 
-def _kd_naive(
-    z: np.ndarray, ids: np.ndarray, lt: np.ndarray, target: np.ndarray, mask: np.ndarray, cfg: LossConfig
-):
+def _kd_naive(z: np.ndarray, ids: np.ndarray, lt: np.ndarray, target: np.ndarray, mask: np.ndarray, cfg: LossConfig):
     """Independent per-position formulation in the probability domain."""
     total, count = 0.0, 0
     for t in range(len(z)):

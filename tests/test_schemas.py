@@ -102,9 +102,7 @@ def test_yaml_and_overrides(tmp_path):
 
 
 def test_json_config_and_dump_round_trip(tmp_path):
-    cfg = _cfg(
-        "lora.targets=all", "export.merge=true", "export.merge_quant=[Q6_K, Q8_0]", "optim.betas=[0.8,0.9]"
-    )
+    cfg = _cfg("lora.targets=all", "export.merge=true", "export.merge_quant=[Q6_K, Q8_0]", "optim.betas=[0.8,0.9]")
     yml = tmp_path / "dumped.yaml"
     yml.write_text(dump_config(cfg))
     assert load_config(yml) == cfg
@@ -316,9 +314,7 @@ def test_validate_table_catches_wrong_type_and_columns():
         validate_table(nulls, TOKEN_SHARD_SCHEMA, "s.arrow")
 
 
-@pytest.mark.parametrize(
-    ("vocab", "id_type"), [(300, pa.uint16()), (65536, pa.uint16()), (65537, pa.uint32())]
-)
+@pytest.mark.parametrize(("vocab", "id_type"), [(300, pa.uint16()), (65536, pa.uint16()), (65537, pa.uint32())])
 def test_topk_schema_parquet_round_trip(tmp_path, vocab, id_type):
     k, n = 4, 3
     schema = topk_schema(vocab, k)
@@ -381,9 +377,7 @@ def test_manifests_round_trip_through_json(tmp_path):
     )  # fmt: skip
     manifests = [
         tok,
-        StudentManifest(
-            source_sha256=ref.sha256, file=ref, requantized=True, tensor_types={"Q4_K": 2, "F32": 3}
-        ),
+        StudentManifest(source_sha256=ref.sha256, file=ref, requantized=True, tensor_types={"Q4_K": 2, "F32": 3}),
         TeacherManifest(
             teacher_sha256=ref.sha256,
             k=4,
@@ -392,9 +386,7 @@ def test_manifests_round_trip_through_json(tmp_path):
             token_shards_hash=tok.shards_hash(),
             shards=(shard,),
         ),  # fmt: skip
-        CheckpointManifest(
-            epoch=1, step=10, adapter=ref, optimizer=ref, state=ref, metrics={"loss": float("nan")}
-        ),
+        CheckpointManifest(epoch=1, step=10, adapter=ref, optimizer=ref, state=ref, metrics={"loss": float("nan")}),
         EvalManifest(epoch=None, step=None, kl=0.5, top1=0.7, ce=3.0, ppl=float(np.exp(3.0)), n_positions=40),
         ExportManifest(epoch=1, step=10, peft=(ref, ref), gguf_lora=ref, merged=None),
     ]

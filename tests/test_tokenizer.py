@@ -143,12 +143,8 @@ def test_chatml_render_exact(template: str) -> None:
         {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Hello! How can I help?"},
     ]
-    expected = (
-        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>\n"
-    )
-    system = (
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-    )
+    expected = "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nHello! How can I help?<|im_end|>\n"
+    system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     assert render_chat(template, msgs) == system + expected
     with_system = [{"role": "system", "content": "Be brief."}, *msgs]
     assert render_chat(template, with_system) == "<|im_start|>system\nBe brief.<|im_end|>\n" + expected
@@ -229,19 +225,14 @@ def test_mask_other_template_and_trimmed_content(tok: GGUFTokenizer) -> None:
         {"role": "assistant", "content": "USER: again"},
     ]
     ids, mask = tokenize_chat(tok, tpl, msgs)
-    assert tok.decode(ids).startswith(
-        f"{tok.bos_token}USER: assistant\nASSISTANT: Sure, user.{tok.eos_token}"
-    )
+    assert tok.decode(ids).startswith(f"{tok.bos_token}USER: assistant\nASSISTANT: Sure, user.{tok.eos_token}")
     # "ASSISTANT: Sure" tokenizes as ":" "ĠSure": the token straddling the content start is trained.
     _check_turns(tok, ids, mask, [" Sure, user.", " USER: again"], tok.eos_token)
 
 
 def test_block_whitespace_like_hf() -> None:
     # HF renders with trim_blocks + lstrip_blocks: block tags on their own lines leave no blank lines.
-    tpl = (
-        "{% for m in messages %}\n    {% if m['role'] == 'user' %}\n{{ m['content'] }}\n"
-        "    {% endif %}\n{% endfor %}"
-    )
+    tpl = "{% for m in messages %}\n    {% if m['role'] == 'user' %}\n{{ m['content'] }}\n    {% endif %}\n{% endfor %}"
     msgs = [
         {"role": "user", "content": "a"},
         {"role": "assistant", "content": "x"},

@@ -72,9 +72,7 @@ def test_teacher_topk_matches_direct_numpy(weights: dict[str, np.ndarray]) -> No
     assert got_ids.shape == (10, K) and got_lp.dtype == np.float32 and got_tail.shape == (10,)
 
     z = R.forward(weights, CFG, ids) / TAU
-    logp = (
-        z - np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1, keepdims=True)) - z.max(-1, keepdims=True)
-    )
+    logp = z - np.log(np.sum(np.exp(z - z.max(-1, keepdims=True)), -1, keepdims=True)) - z.max(-1, keepdims=True)
     order = np.argsort(-logp, axis=-1, kind="stable")[:, :K]
     np.testing.assert_array_equal(got_ids, order)
     np.testing.assert_allclose(got_lp, np.take_along_axis(logp, order, -1), rtol=1e-6, atol=1e-6)
@@ -132,9 +130,7 @@ def test_write_verify_read_round_trip(tmp_path: Path, weights: dict[str, np.ndar
     # Read sequences across shards and splits, in a shuffled order; rows follow the masks exactly.
     tables = {s: t for t in (train, held) for s in t.column("seq_id").to_pylist()}
     order = [7, 0, 3, 1, 8, 5]
-    masks = [
-        np.array(tables[s].column("loss_mask").to_pylist()[s - tables[s]["seq_id"][0].as_py()]) for s in order
-    ]
+    masks = [np.array(tables[s].column("loss_mask").to_pylist()[s - tables[s]["seq_id"][0].as_py()]) for s in order]
     got = S.read_topk(tmp_path, order, masks)
     assert got.ids.dtype == np.int32 and got.logprobs.dtype == np.float32 and got.tail.dtype == np.float32
     at = 0
@@ -205,9 +201,7 @@ def test_interrupted_writes_are_not_complete(
             S.write_shard(tmp_path, plans[0], rows, CFG.vocab, K)
     assert not (tmp_path / plans[0].file).exists()
     (tmp_path / f".{plans[0].file}.tmp-999-deadbeef").write_bytes(b"PAR1 left by a killed process")
-    assert [r.shard for r in S.missing_shards(S.read_manifest(tmp_path), tmp_path)] == [
-        p.shard for p in plans
-    ]
+    assert [r.shard for r in S.missing_shards(S.read_manifest(tmp_path), tmp_path)] == [p.shard for p in plans]
 
     # 2. Crash after the rename but before the manifest row: the file exists, the shard is still not done.
     rec = S.write_shard(tmp_path, plans[0], rows, CFG.vocab, K)
@@ -235,15 +229,11 @@ def test_write_shard_rejects_bad_rows(tmp_path: Path, weights: dict[str, np.ndar
     plan = S.plan_shards(table, 1000, "train")[0]
     rows = S.compute_shard_rows(table, plan, partial(teacher_topk, weights, CFG, k=K, temperature=TAU))
     with pytest.raises(ValueError, match="the plan counted"):
-        S.write_shard(
-            tmp_path, plan.model_copy(update={"n_positions": plan.n_positions + 1}), rows, CFG.vocab, K
-        )
+        S.write_shard(tmp_path, plan.model_copy(update={"n_positions": plan.n_positions + 1}), rows, CFG.vocab, K)
     bad_ids = S.TopkRows(rows.seq_id, rows.pos, rows.ids + CFG.vocab, rows.logprobs, rows.tail)
     with pytest.raises(ValueError, match="outside"):
         S.write_shard(tmp_path, plan, bad_ids, CFG.vocab, K)
-    repeated = S.TopkRows(
-        rows.seq_id, rows.pos, np.repeat(rows.ids[:, :1], K, axis=1), rows.logprobs, rows.tail
-    )
+    repeated = S.TopkRows(rows.seq_id, rows.pos, np.repeat(rows.ids[:, :1], K, axis=1), rows.logprobs, rows.tail)
     with pytest.raises(ValueError, match="repeats an id"):
         S.write_shard(tmp_path, plan, repeated, CFG.vocab, K)
     unsorted = S.TopkRows(rows.seq_id[::-1], rows.pos[::-1], rows.ids, rows.logprobs, rows.tail)
