@@ -641,29 +641,21 @@ class GPUStudent(GPUModel):
         w(bufs["teacher_tail"], tail.reshape(-1))
         self._has_tail = teacher_tail is not None
 
+    def _kd_head(self, loss_index: int, backward: bool) -> None:
+        """lm_head + KD loss of the uploaded batch into losses[loss_index]; with backward, dL/dh into a["tmp"]."""
+        cfg, bufs = self.cfg, self._b.bufs
+        tail = bufs["teacher_tail"] if self._has_tail else None
+        kd_head_forward_backward(
+            self.dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
+            bufs["targets"], bufs["mask"], self.loss_cfg, self.a["tmp"], self.losses, self.rows, cfg.hidden,
+            cfg.vocab, self.k, scratch=self.kd, loss_index=loss_index, backward=backward,
+        )  # fmt: skip
+
     def _record_loss_and_grads(self, micro: int) -> None:
-        cfg, dev, bufs = self.cfg, self.dev, self._b.bufs
+        cfg, dev = self.cfg, self.dev
         self._acc_grads = micro > 0
         self._forward_to_head()
-        kd_head_forward_backward(
-            dev,
-            self.a["nf"],
-            self.w.lm_head,
-            bufs["teacher_ids"],
-            bufs["teacher_logprobs"],
-            bufs["teacher_tail"] if self._has_tail else None,
-            bufs["targets"],
-            bufs["mask"],
-            self.loss_cfg,
-            self.a["tmp"],
-            self.losses,
-            self.rows,
-            cfg.hidden,
-            cfg.vocab,
-            self.k,
-            scratch=self.kd,
-            loss_index=micro,
-        )
+        self._kd_head(micro, backward=True)
         rmsnorm_backward(
             dev,
             self.a["tmp"],
@@ -701,14 +693,8 @@ class GPUStudent(GPUModel):
             self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self.losses, loss_index=n - 1)
         stats = self.optim.read_stats()
         losses = self.dev.read(self.losses, np.float32, (n,))
-        stats = StepStats(
-            stats.grad_norm, stats.clip_scale, stats.skipped or not np.isfinite(losses).all(), float(losses.mean())
-        )
-        if stats.skipped:
-            self.skipped_steps += 1
-        else:
-            self.applied_steps += 1
-        return stats
+        skipped = stats.skipped or not np.isfinite(losses).all()
+        return self._count(StepStats(stats.grad_norm, stats.clip_scale, skipped, float(losses.mean())))
 
     def train_step(self, lr: float) -> StepStats:
         """Forward, backward and one AdamW update on the uploaded batch (grad_accum == 1), one encoder."""
@@ -717,7 +703,9 @@ class GPUStudent(GPUModel):
         with self.dev.step():
             self._record_loss_and_grads(0)
             self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self.losses)
-        stats = self.optim.read_stats()
+        return self._count(self.optim.read_stats())
+
+    def _count(self, stats: StepStats) -> StepStats:
         if stats.skipped:
             self.skipped_steps += 1
         else:
@@ -730,28 +718,10 @@ class GPUStudent(GPUModel):
         Returns kd_loss (the batch's masked-mean loss, [1]), ce [rows], top1 [rows] (u32); rows with mask 0 are
         included (callers select masked rows).
         """
-        cfg, dev, bufs = self.cfg, self.dev, self._b.bufs
+        cfg, dev = self.cfg, self.dev
         with dev.step():
             self._forward_to_head()
-            kd_head_forward_backward(
-                dev,
-                self.a["nf"],
-                self.w.lm_head,
-                bufs["teacher_ids"],
-                bufs["teacher_logprobs"],
-                bufs["teacher_tail"] if self._has_tail else None,
-                bufs["targets"],
-                bufs["mask"],
-                self.loss_cfg,
-                self.a["tmp"],
-                self.losses,
-                self.rows,
-                cfg.hidden,
-                cfg.vocab,
-                self.k,
-                scratch=self.kd,
-                backward=False,
-            )
+            self._kd_head(0, backward=False)
             teacher_topk(
                 dev,
                 self.a["nf"],

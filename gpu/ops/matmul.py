@@ -3,12 +3,14 @@ gradient dX = dY.W, plus the general f32 form used by LoRA (transposed A, accumu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from gpu.codegen import MatmulVariant, TileConfig, matmul_source
-from gpu.device import BufferView, Device, DeviceError
+from gpu.device import Device, DeviceError
+from gpu.ops.common import nbytes
 from gpu.weights import QuantTensor
 
 # Tile presets (bench/gemm.py). GPU: 128x128, 8x8 per thread, br=16: 28-32 TFLOP/s f32 at N=4096 on the
@@ -26,8 +28,55 @@ def pick_tile(dev: Device, m: int) -> TileConfig:
     return GPU_TILE_SMALL_M if m <= 16 else GPU_TILE
 
 
-def _nbytes(b: Any) -> int:
-    return b.nbytes if isinstance(b, BufferView) else b.size
+@dataclass(frozen=True)
+class GemmShape:
+    """The checked geometry of C[m, P] (+)= A[m, R] . B for a weight W (n, k) and an orientation."""
+
+    m: int
+    r: int
+    p: int
+    lda: int
+    ldc: int
+
+    def params(self, w: QuantTensor, a_offset: int, c_offset: int, alpha: float) -> np.ndarray:
+        """The uniform block both matmul templates read."""
+        n, k = w.shape
+        alpha_bits = int(np.float32(alpha).view(np.uint32))
+        return np.array(
+            [self.m, self.p, self.r, k, self.lda, self.ldc, a_offset, c_offset, alpha_bits, n, 0, 0], np.uint32
+        )
+
+
+def gemm_shape(
+    op: str,
+    a: Any,
+    w: QuantTensor,
+    c: Any,
+    m: int,
+    orient: str,
+    *,
+    lda: int | None,
+    ldc: int | None,
+    a_offset: int,
+    c_offset: int,
+    trans_a: bool = False,
+    a_elem_bytes: int = 4,
+) -> GemmShape:
+    """Orientation -> (R, P), default strides, and the operand sizes checked (errors name the weight)."""
+    n, k = w.shape
+    if orient not in ("nt", "nn"):
+        raise ValueError(f"{op} orient={orient!r}: expected 'nt' (X.W^T) or 'nn' (dY.W)")
+    r, p = (k, n) if orient == "nt" else (n, k)
+    lda = lda if lda is not None else (m if trans_a else r)
+    ldc = ldc if ldc is not None else p
+    a_need = a_elem_bytes * (a_offset + ((r - 1) * lda + m if trans_a else (m - 1) * lda + r))
+    c_need = 4 * (c_offset + (m - 1) * ldc + p)
+    name = w.name or w.qtype.name
+    if m > 0 and nbytes(a) < a_need:
+        raise DeviceError(f"{op} with {name!r}: input A has {nbytes(a)} bytes, needs {a_need} for m={m}, R={r}")
+    if m > 0 and nbytes(c) < c_need:
+        raise DeviceError(f"{op} with {name!r}: output C has {nbytes(c)} bytes, needs {c_need} for m={m}, P={p}")
+    return GemmShape(m, r, p, lda, ldc)
 
 
 def gemm(
@@ -54,24 +103,9 @@ def gemm(
     stride lda (default m). C (f32) is [m, P] with row stride ldc (default P). Offsets are in elements.
     f32 arithmetic throughout (the parity path). Records into the current `dev.step()` (or submits at
     once)."""
-    n, k = w.shape
-    if orient == "nt":
-        r, p = k, n
-    elif orient == "nn":
-        r, p = n, k
-    else:
-        raise ValueError(f"gemm orient={orient!r}: expected 'nt' (X.W^T) or 'nn' (dY.W)")
+    g = gemm_shape("gemm", a, w, c, m, orient, lda=lda, ldc=ldc, a_offset=a_offset, c_offset=c_offset, trans_a=trans_a)
     if m <= 0:
         return
-    lda = lda if lda is not None else (m if trans_a else r)
-    ldc = ldc if ldc is not None else p
-    a_need = 4 * (a_offset + ((r - 1) * lda + m if trans_a else (m - 1) * lda + r))
-    c_need = 4 * (c_offset + (m - 1) * ldc + p)
-    name = w.name or w.qtype.name
-    if _nbytes(a) < a_need:
-        raise DeviceError(f"gemm with {name!r}: input A has {_nbytes(a)} bytes, needs {a_need} for m={m}, R={r}")
-    if _nbytes(c) < c_need:
-        raise DeviceError(f"gemm with {name!r}: output C has {_nbytes(c)} bytes, needs {c_need} for m={m}, P={p}")
     tile = tile or pick_tile(dev, m)
     tile.validate(
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
@@ -79,10 +113,8 @@ def gemm(
     )
     variant = MatmulVariant(w.qtype.name, orient, tile, trans_a, accumulate)
     pipe = dev.pipeline(variant.key, lambda: matmul_source(variant))
-    alpha_bits = int(np.float32(alpha).view(np.uint32))
-    params = np.array([m, p, r, k, lda, ldc, a_offset, c_offset, alpha_bits, n, 0, 0], np.uint32)
-    grid = (-(-p // tile.bp), -(-m // tile.bm))
-    dev.dispatch(pipe, [params, a, w.binding, c], grid)
+    grid = (-(-g.p // tile.bp), -(-m // tile.bm))
+    dev.dispatch(pipe, [g.params(w, a_offset, c_offset, alpha), a, w.binding, c], grid)
 
 
 def linear(dev: Device, x: Any, w: QuantTensor, y: Any, m: int, **kw: Any) -> None:

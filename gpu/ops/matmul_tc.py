@@ -9,10 +9,9 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import numpy as np
-
 from gpu.codegen_tc import SUBGROUP_SIZE, TCConfig, TCVariant, matmul_tc_source
-from gpu.device import SUBGROUP_MATRIX, BufferView, Device, DeviceError
+from gpu.device import SUBGROUP_MATRIX, Device, DeviceError
+from gpu.ops.matmul import gemm_shape
 from gpu.weights import QuantTensor
 
 # Presets, measured with bench/tc_probe.py on an H200 (F16 GEMM, N = 4096): 16 subgroups of 2 x 2 result
@@ -75,10 +74,6 @@ def has_tensor_cores(dev: Device) -> bool:
     return tensor_core_problem(dev) is None
 
 
-def _nbytes(b: Any) -> int:
-    return b.nbytes if isinstance(b, BufferView) else b.size
-
-
 def gemm_tc(
     dev: Device,
     a: Any,
@@ -104,13 +99,6 @@ def gemm_tc(
     stride ldc, default P). Offsets are in elements. emulate=True runs the same kernel with the matrix
     builtins emulated in plain WGSL (slow; for testing the indexing on adapters without tensor cores).
     Records into the current `dev.step()` (or submits at once)."""
-    n, k = w.shape
-    if orient == "nt":
-        r, p = k, n
-    elif orient == "nn":
-        r, p = n, k
-    else:
-        raise ValueError(f"gemm_tc orient={orient!r}: expected 'nt' (X.W^T) or 'nn' (dY.W)")
     if a_dtype not in ("f32", "f16"):
         raise ValueError(f"gemm_tc a_dtype={a_dtype!r}: expected 'f32' or 'f16'")
     name = w.name or w.qtype.name
@@ -118,32 +106,34 @@ def gemm_tc(
         problem = tensor_core_problem(dev)
         if problem is not None:
             raise DeviceError(f"gemm_tc with {name!r}: {problem}")
+    g = gemm_shape(
+        "gemm_tc",
+        a,
+        w,
+        c,
+        m,
+        orient,
+        lda=lda,
+        ldc=ldc,
+        a_offset=a_offset,
+        c_offset=c_offset,
+        a_elem_bytes=4 if a_dtype == "f32" else 2,
+    )
     if m <= 0:
         return
-    lda = lda if lda is not None else r
-    ldc = ldc if ldc is not None else p
-    esize = 4 if a_dtype == "f32" else 2
-    a_need = esize * (a_offset + (m - 1) * lda + r)
-    c_need = 4 * (c_offset + (m - 1) * ldc + p)
-    if _nbytes(a) < a_need:
-        raise DeviceError(f"gemm_tc with {name!r}: input A has {_nbytes(a)} bytes, needs {a_need} for m={m}, R={r}")
-    if _nbytes(c) < c_need:
-        raise DeviceError(f"gemm_tc with {name!r}: output C has {_nbytes(c)} bytes, needs {c_need} for m={m}, P={p}")
     cfg = cfg or (EMU_TILE if emulate else pick_config(m))
     cfg.validate(
         orient,
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
         max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
     )
-    a_vec = lda % 4 == 0 and a_offset % 4 == 0 and r % 4 == 0
+    a_vec = g.lda % 4 == 0 and a_offset % 4 == 0 and g.r % 4 == 0
     variant = TCVariant(w.qtype.name, orient, cfg, a_dtype, a_vec, accumulate)
     pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_tc_source(variant, emulate=emulate))
-    alpha_bits = int(np.float32(alpha).view(np.uint32))
-    params = np.array([m, p, r, k, lda, ldc, a_offset, c_offset, alpha_bits, n, 0, 0], np.uint32)
-    grid = (-(-p // cfg.bn), -(-m // cfg.bm))
+    grid = (-(-g.p // cfg.bn), -(-m // cfg.bm))
     if max(grid) > int(dev.limits.get("max-compute-workgroups-per-dimension", 65535)):
         raise DeviceError(f"gemm_tc with {name!r}: grid {grid} exceeds the workgroups per dimension")
-    dev.dispatch(pipe, [params, a, w.binding, c], grid)
+    dev.dispatch(pipe, [g.params(w, a_offset, c_offset, alpha), a, w.binding, c], grid)
 
 
 def linear_tc(dev: Device, x: Any, w: QuantTensor, y: Any, m: int, **kw: Any) -> None:
