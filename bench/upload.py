@@ -23,7 +23,7 @@ from train_step import SHAPES, random_tensors  # noqa: E402
 
 from gpu.device import Device  # noqa: E402
 from gpu.student import StudentWeights  # noqa: E402
-from model.gguf import write_gguf  # noqa: E402
+from model.gguf import llama_metadata, write_gguf  # noqa: E402
 
 
 def main() -> None:
@@ -33,18 +33,7 @@ def main() -> None:
     p.add_argument("--backend", default=None)
     args = p.parse_args()
     cfg = SHAPES[args.shape]
-    meta = {
-        "general.architecture": "llama",
-        "llama.block_count": cfg.n_layers,
-        "llama.embedding_length": cfg.hidden,
-        "llama.feed_forward_length": cfg.ffn,
-        "llama.attention.head_count": cfg.n_heads,
-        "llama.attention.head_count_kv": cfg.n_kv_heads,
-        "llama.rope.freq_base": cfg.rope_base,
-        "llama.attention.layer_norm_rms_epsilon": cfg.eps,
-        "llama.context_length": cfg.context_length,
-        "llama.vocab_size": cfg.vocab,
-    }
+    meta = llama_metadata(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model.gguf"
         rng = np.random.default_rng(0)

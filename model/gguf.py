@@ -11,9 +11,10 @@ from model.gguf_reader import (
     describe,
     model_config,
 )
-from model.gguf_writer import write_gguf, write_lora_gguf
+from model.gguf_writer import llama_metadata, write_gguf, write_lora_gguf
 
 __all__ = [
+    "llama_metadata",
     "DEFAULT_ALIGNMENT",
     "SUPPORTED_ARCHITECTURES",
     "GGUFError",

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from model.config import LORA_TARGETS
+from model.config import LORA_TARGETS, ModelConfig
 from model.gguf_reader import GGUFError, gguf_error, model_config
 
 Q = GGMLQuantizationType
@@ -270,3 +270,23 @@ def _check_lora(path: Path, arrays: Mapping[str, np.ndarray], cfg: Any) -> None:
 
 
 __all__ = ["GGUFError", "write_gguf", "write_lora_gguf"]
+
+
+def llama_metadata(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
+    """The general.* / llama.* keys that describe `cfg` (what model_config and transformers' GGUF loader read)."""
+    meta: dict[str, Any] = {
+        "general.architecture": "llama",
+        "llama.block_count": cfg.n_layers,
+        "llama.embedding_length": cfg.hidden,
+        "llama.feed_forward_length": cfg.ffn,
+        "llama.attention.head_count": cfg.n_heads,
+        "llama.attention.head_count_kv": cfg.n_kv_heads,
+        "llama.rope.dimension_count": cfg.head_dim,
+        "llama.rope.freq_base": float(cfg.rope_base),
+        "llama.attention.layer_norm_rms_epsilon": float(cfg.eps),
+        "llama.context_length": cfg.context_length,
+        "llama.vocab_size": cfg.vocab,
+    }
+    if name:
+        meta["general.name"] = name
+    return meta

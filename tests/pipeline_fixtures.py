@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q
 
 from model import reference as R
 from model.config import ModelConfig
-from model.gguf import write_gguf
+from model.gguf import llama_metadata, write_gguf
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Merges of the tiny tokenizer (GPT-2 byte-level alphabet: 'Ġ' is a space); each adds the merged token.
@@ -81,20 +81,7 @@ def write_tiny_llama(path: Path, seed: int = 1, context_length: int = 64, extra_
         n_layers=2, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=vocab, context_length=context_length
     )
     weights = R.random_weights(cfg, seed=seed, dtype=np.float32)
-    meta.update(
-        {
-            "general.name": "tiny-llama",
-            "llama.block_count": cfg.n_layers,
-            "llama.embedding_length": cfg.hidden,
-            "llama.feed_forward_length": cfg.ffn,
-            "llama.attention.head_count": cfg.n_heads,
-            "llama.attention.head_count_kv": cfg.n_kv_heads,
-            "llama.rope.freq_base": float(cfg.rope_base),
-            "llama.attention.layer_norm_rms_epsilon": float(cfg.eps),
-            "llama.context_length": cfg.context_length,
-            "llama.vocab_size": cfg.vocab,
-        }
-    )
+    meta.update(llama_metadata(cfg, name="tiny-llama"))
     write_gguf(path, "llama", meta, ((n, w, Q.F32) for n, w in weights.items()))
     return path
 

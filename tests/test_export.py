@@ -23,6 +23,7 @@ from model.export import (
     peft_key,
 )
 from model.gguf import GGUFFile, write_gguf
+from model.gguf import llama_metadata as gguf_llama_metadata
 
 # ffn 256: ffn_down rows are one K-quant super-block long; every other row length is 64 (Q4_0, not Q4_K)
 CFG = ModelConfig(n_layers=2, hidden=64, ffn=256, n_heads=4, n_kv_heads=2, vocab=96, context_length=64)
@@ -32,19 +33,7 @@ IDS = np.array([1, 17, 5, 90, 33, 2, 64, 8, 41, 0])
 
 def llama_metadata(cfg: ModelConfig) -> dict:
     """The llama.* keys model_config (and transformers' GGUF loader) read."""
-    return {
-        "general.name": "tiny random llama",
-        "llama.block_count": cfg.n_layers,
-        "llama.embedding_length": cfg.hidden,
-        "llama.feed_forward_length": cfg.ffn,
-        "llama.attention.head_count": cfg.n_heads,
-        "llama.attention.head_count_kv": cfg.n_kv_heads,
-        "llama.rope.dimension_count": cfg.head_dim,
-        "llama.rope.freq_base": float(cfg.rope_base),
-        "llama.attention.layer_norm_rms_epsilon": float(cfg.eps),
-        "llama.context_length": cfg.context_length,
-        "llama.vocab_size": cfg.vocab,
-    }
+    return gguf_llama_metadata(cfg, name="tiny random llama")
 
 
 def write_tiny_gguf(

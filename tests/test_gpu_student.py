@@ -159,22 +159,11 @@ def test_teacher_topk_matches_reference() -> None:
 
 def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
     """StudentWeights.from_gguf (read-ahead thread) gives the same step as uploading the arrays directly."""
-    from model.gguf import write_gguf
+    from model.gguf import llama_metadata, write_gguf
 
     dev = device_or_skip()
     w, lora, ids, targets, mask, rng = _problem(11, Q.Q4_0)
-    meta = {
-        "general.architecture": "llama",
-        "llama.block_count": CFG.n_layers,
-        "llama.embedding_length": CFG.hidden,
-        "llama.feed_forward_length": CFG.ffn,
-        "llama.attention.head_count": CFG.n_heads,
-        "llama.attention.head_count_kv": CFG.n_kv_heads,
-        "llama.rope.freq_base": CFG.rope_base,
-        "llama.attention.layer_norm_rms_epsilon": CFG.eps,
-        "llama.context_length": CFG.context_length,
-        "llama.vocab_size": CFG.vocab,
-    }
+    meta = llama_metadata(CFG)
     tensors = [
         (
             n,

@@ -16,7 +16,7 @@ from model import reference as R
 from model import topk_store as S
 from model.config import ModelConfig
 from model.data import write_token_shards
-from model.gguf import GGUFFile, write_gguf
+from model.gguf import GGUFFile, llama_metadata, write_gguf
 from model.kd import log_softmax
 from model.quant import quantize
 from model.teacher_cpu import teacher_topk
@@ -31,16 +31,6 @@ CFG = ModelConfig(n_layers=2, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=
 SEQ, K, TAU = 16, 8, 1.0
 
 
-def _metadata() -> dict:
-    return {
-        "general.architecture": "llama", "llama.block_count": CFG.n_layers, "llama.embedding_length": CFG.hidden,
-        "llama.feed_forward_length": CFG.ffn, "llama.attention.head_count": CFG.n_heads,
-        "llama.attention.head_count_kv": CFG.n_kv_heads, "llama.rope.freq_base": CFG.rope_base,
-        "llama.attention.layer_norm_rms_epsilon": CFG.eps, "llama.context_length": CFG.context_length,
-        "llama.vocab_size": CFG.vocab,
-    }  # fmt: skip
-
-
 def _write_model(path: Path, weights: dict, qtype: int) -> Path:
     def tensors():
         for name, w in weights.items():
@@ -50,7 +40,7 @@ def _write_model(path: Path, weights: dict, qtype: int) -> Path:
             else:
                 yield name, w, Q.F32
 
-    write_gguf(path, "llama", _metadata(), tensors())
+    write_gguf(path, "llama", llama_metadata(CFG), tensors())
     return path
 
 
