@@ -7,7 +7,7 @@ A checkpoint is a folder:
                            cursor, RNG state as plain ints/lists, metrics: anything JSON)
 Every file is written to a temporary name, fsynced and renamed into place, the JSON last (and an old JSON is
 removed before anything else is rewritten), so a checkpoint is complete exactly when its JSON exists and the
-hashes it records match. No pickle: safetensors.numpy and json only.
+hashes it records match. safetensors.numpy and json only (no object deserialisation).
 """
 
 from __future__ import annotations

@@ -4,13 +4,6 @@
 //   dV_j += p dO_i,   ds = p (dO_i . v_j - delta[h, i]),   dK_j += ds (q_i * scale).
 // Query rows, dO rows, L and delta are staged BK at a time in workgroup memory; rows as D/4 vec4s.
 
-struct Params {
-    T: u32,
-    HQ: u32,
-    HKV: u32,
-    scale: f32,
-};
-
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Q: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> K: array<vec4<f32>>;
@@ -20,10 +13,6 @@ struct Params {
 @group(0) @binding(6) var<storage, read> Delta: array<f32>;
 @group(0) @binding(7) var<storage, read_write> dK: array<vec4<f32>>;
 @group(0) @binding(8) var<storage, read_write> dV: array<vec4<f32>>;
-
-const DV: u32 = ${DV}u;
-const BQ: u32 = ${BQ}u;
-const BK: u32 = ${BK}u;   // query rows per staged tile
 
 var<workgroup> Qs: array<vec4<f32>, ${BKDV}>;
 var<workgroup> dOs: array<vec4<f32>, ${BKDV}>;

@@ -3,13 +3,6 @@
 //   dp = dO_i . v_j,  ds = p (dp - delta_i),  dQ_i = scale * sum_j ds k_j   (keys in ascending order).
 // Same workgroup/thread layout, vec4 rows and key tiles as attention_forward.wgsl.
 
-struct Params {
-    T: u32,
-    HQ: u32,
-    HKV: u32,
-    scale: f32,
-};
-
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Q: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> K: array<vec4<f32>>;
@@ -20,9 +13,6 @@ struct Params {
 @group(0) @binding(7) var<storage, read_write> dQ: array<vec4<f32>>;
 @group(0) @binding(8) var<storage, read_write> Delta: array<f32>;
 
-const DV: u32 = ${DV}u;
-const BQ: u32 = ${BQ}u;
-const BK: u32 = ${BK}u;
 
 var<workgroup> Ks: array<vec4<f32>, ${BKDV}>;
 var<workgroup> Vs: array<vec4<f32>, ${BKDV}>;
@@ -58,18 +48,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var tile = 0u; tile < n_tiles; tile++) {
         let j0 = tile * BK;
         workgroupBarrier();
-        for (var u = lid; u < BK * DV; u += BQ) {
-            let j = j0 + u / DV;
-            var kv = vec4<f32>(0.0);
-            var vv = vec4<f32>(0.0);
-            if (j < prm.T) {
-                let src = (j * prm.HKV + g) * DV + u % DV;
-                kv = K[src];
-                vv = V[src];
-            }
-            Ks[u] = kv;
-            Vs[u] = vv;
-        }
+        stage_kv_tile(j0, g, lid);
         workgroupBarrier();
         if (live && j0 <= i) {
             for (var jj = 0u; jj < BK; jj++) {

@@ -5,13 +5,6 @@
 // query, s = (q * scale) . k, exactly as the backward kernels recompute them. Rows are handled as D/4 vec4s.
 // Q, O: [T, HQ, D]; K, V: [T, HKV, D]; L: [HQ, T].
 
-struct Params {
-    T: u32,
-    HQ: u32,
-    HKV: u32,
-    scale: f32,
-};
-
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Q: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> K: array<vec4<f32>>;
@@ -19,10 +12,6 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> O: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> L: array<f32>;
 
-const DV: u32 = ${DV}u;   // head_dim / 4
-const BQ: u32 = ${BQ}u;
-const BK: u32 = ${BK}u;
-const NEG_BIG: f32 = -3.0e38;
 
 var<workgroup> Ks: array<vec4<f32>, ${BKDV}>;
 var<workgroup> Vs: array<vec4<f32>, ${BKDV}>;
@@ -52,18 +41,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var tile = 0u; tile < n_tiles; tile++) {
         let j0 = tile * BK;
         workgroupBarrier();
-        for (var u = lid; u < BK * DV; u += BQ) {
-            let j = j0 + u / DV;
-            var kv = vec4<f32>(0.0);
-            var vv = vec4<f32>(0.0);
-            if (j < prm.T) {
-                let src = (j * prm.HKV + g) * DV + u % DV;
-                kv = K[src];
-                vv = V[src];
-            }
-            Ks[u] = kv;
-            Vs[u] = vv;
-        }
+        stage_kv_tile(j0, g, lid);
         workgroupBarrier();
         if (live && j0 <= i) {
             var s: array<f32, BK>;

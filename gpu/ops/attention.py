@@ -43,7 +43,7 @@ def attention_forward(
     t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
     nq, nkv = t * hq * d, t * hkv * d
     _check(t, hq, hkv, d, {"q": (q, nq), "k": (k, nkv), "v": (v, nkv), "out": (out, nq), "lse": (lse, hq * t)})
-    pipe = pipeline(dev, "attention_forward", **_consts(d))
+    pipe = pipeline(dev, "attention_forward", ("attention_common", "attention_kv_tile"), **_consts(d))
     params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
     dev.dispatch(pipe, [params, q, k, v, out, lse], (math.ceil(t / BQ), hq))
 
@@ -91,7 +91,7 @@ def attention_backward(
     )
     c = _consts(d)
     params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
-    pipe = pipeline(dev, "attention_backward_dq", **c)
+    pipe = pipeline(dev, "attention_backward_dq", ("attention_common", "attention_kv_tile"), **c)
     dev.dispatch(pipe, [params, q, k, v, out, dout, lse, dq, delta], (math.ceil(t / BQ), hq))
-    pipe = pipeline(dev, "attention_backward_dkv", **c)
+    pipe = pipeline(dev, "attention_backward_dkv", ("attention_common",), **c)
     dev.dispatch(pipe, [params, q, k, v, dout, lse, delta, dk, dv], (math.ceil(t / BQ), hkv))

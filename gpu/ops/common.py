@@ -30,10 +30,12 @@ def grid(n_items: int, per_workgroup: int) -> tuple[int, int, int]:
     return grid_1d(max(1, math.ceil(n_items / per_workgroup)))
 
 
-def pipeline(dev: Device, name: str, **values: object) -> Any:
-    """The cached pipeline of gpu/kernels/<name>.wgsl with ${NAME} placeholders filled from `values`."""
-    key = (name, tuple(sorted((k, str(v)) for k, v in values.items())))
-    return dev.pipeline(key, lambda: fill(kernel_text(f"{name}.wgsl"), **values))
+def pipeline(dev: Device, name: str, includes: tuple[str, ...] = (), **values: object) -> Any:
+    """The cached pipeline of gpu/kernels/<name>.wgsl, after the shared snippets gpu/kernels/<include>.wgsl,
+    with ${NAME} placeholders filled from `values`."""
+    key = (name, includes, tuple(sorted((k, str(v)) for k, v in values.items())))
+    parts = [kernel_text(f"{inc}.wgsl") for inc in includes] + [kernel_text(f"{name}.wgsl")]
+    return dev.pipeline(key, lambda: fill("\n".join(parts), **values))
 
 
 def nbytes(buf: Any) -> int:
