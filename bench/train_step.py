@@ -160,6 +160,19 @@ def bench_torch(cfg: ModelConfig, args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+def _cuda_seconds(fn: object, steps: int) -> float:
+    """Seconds per call of fn after one warm-up call, CUDA-synchronised."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
 def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -195,13 +208,7 @@ def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / args.steps
+    dt = _cuda_seconds(step, args.steps)
     emit(
         what="train_step",
         impl="hf+peft",
@@ -221,13 +228,7 @@ def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
             logits = base(input_ids=ids).logits.float()
             torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
 
-        teacher()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            teacher()
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / args.steps
+        dt = _cuda_seconds(teacher, args.steps)
     emit(
         what="teacher_topk",
         impl="hf+torch.topk",

@@ -1,20 +1,12 @@
 // In-place accumulate: Y += B. One thread per element; 2-D grid.
 
-struct Params {
-    n: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> B: array<f32>;
 @group(0) @binding(2) var<storage, read_write> Y: array<f32>;
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    let i = element_index(wid, nwg, lid);
     if (i >= prm.n) {
         return;
     }

@@ -1,28 +1,15 @@
 // SwiGLU backward: dG = dY * U * sig * (1 + g * (1 - sig)), dU = dY * g * sig. One thread per element.
 
-struct Params {
-    n: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> dY: array<f32>;
 @group(0) @binding(2) var<storage, read> G: array<f32>;
 @group(0) @binding(3) var<storage, read> U: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dG: array<f32>;
 @group(0) @binding(5) var<storage, read_write> dU: array<f32>;
 
-fn sigmoid(x: f32) -> f32 {
-    let e = exp(-abs(x));
-    return select(e / (1.0 + e), 1.0 / (1.0 + e), x >= 0.0);
-}
-
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    let i = element_index(wid, nwg, lid);
     if (i >= prm.n) {
         return;
     }
