@@ -37,7 +37,7 @@ def demo_model_path() -> Path:
 def write_kjv_jsonl(path: Path, n_verses: int) -> Path:
     """The first n_verses KJV verses as jsonl {"text": ...}, VERSES_PER_DOCUMENT verses per line; the file is
     rewritten only when its content changes (so its cache keys stay put)."""
-    from model.corpus import kjv_verses
+    from data.corpus import kjv_verses
 
     verses = list(itertools.islice(kjv_verses(), n_verses))
     lines = [

@@ -30,7 +30,7 @@ from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc,
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.ops.swiglu import swiglu_backward, swiglu_forward
-from gpu.ops.topk import TopKState, teacher_topk
+from gpu.ops.topk import TopKState, hidden_topk
 from gpu.weights import QuantTensor, upload_quant
 from model.config import LORA_TARGETS, ModelConfig
 from model.kd import LossConfig
@@ -722,7 +722,7 @@ class GPUStudent(GPUModel):
         with dev.step():
             self._forward_to_head()
             self._kd_head(0, backward=False)
-            teacher_topk(
+            hidden_topk(
                 dev,
                 self.a["nf"],
                 self.w.lm_head,

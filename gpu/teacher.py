@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu.device import Device
-from gpu.ops.topk import TopKState, teacher_topk
+from gpu.ops.topk import TopKState, hidden_topk
 from gpu.student import GPUModel, StudentWeights
 
 
@@ -45,7 +45,7 @@ class GPUTeacher(GPUModel):
         cfg = self.cfg
         with self.dev.step():
             self._forward_to_head()
-            teacher_topk(
+            hidden_topk(
                 self.dev,
                 self.a["nf"],
                 self.w.lm_head,

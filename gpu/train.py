@@ -17,14 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from data.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from data.tokens import read_token_split
+from data.topk import TopkReader
 from gpu.device import Device
 from gpu.ops.adamw import AdamWConfig
 from gpu.student import GPUStudent, StudentWeights
 from model import reference
-from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from model.data import read_token_split
 from model.kd import LossConfig
-from model.topk_store import TopkReader
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest
 
@@ -81,12 +81,12 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Callable[[np.ndarray]
         backend = "numpy" if get_device(cfg.run.gpu_backend).is_cpu else "gpu"
     if backend == "numpy":
         from model.gguf import GGUFFile
-        from model.teacher_cpu import teacher_topk
+        from model.teacher_cpu import reference_topk
 
         with GGUFFile(teacher_gguf) as f:
             mcfg = f.config()
             weights = {name: f.tensor_f32(name) for name in f.tensors}
-        return lambda ids: teacher_topk(weights, mcfg, np.asarray(ids), k, tau)
+        return lambda ids: reference_topk(weights, mcfg, np.asarray(ids), k, tau)
     from gpu.teacher import GPUTeacher
 
     weights = load_student(teacher_gguf, cfg.run.gpu_backend)
@@ -235,7 +235,7 @@ def train_epoch(
     ckpt_root = Path(ckpt_root)
     done = epoch_dir(ckpt_root, epoch)
     if (done / "checkpoint.json").exists():
-        from model.checkpoint import verify_checkpoint
+        from data.checkpoint import verify_checkpoint
 
         state = verify_checkpoint(done)
         return _manifest(done, ckpt_root, state)

@@ -1,6 +1,6 @@
 """The teacher's top-k next-token distribution on the CPU, through the numpy reference forward.
 
-The GPU teacher offers the same `teacher_topk` signature; both feed model.topk_store.
+gpu.teacher.GPUTeacher.topk computes the same on the GPU; both feed data.topk.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _exact_row(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return pick, logp[pick]
 
 
-def teacher_topk(
+def reference_topk(
     weights: Mapping[str, np.ndarray],
     cfg: ModelConfig,
     ids: np.ndarray,

@@ -27,7 +27,7 @@ from typing import Any
 
 from prefect.cache_policies import CachePolicy
 
-from model.data import dataset_fingerprint
+from data.records import dataset_fingerprint
 from schemas.config import RunConfig, config_fingerprint
 from schemas.manifests import sha256_file
 
@@ -112,7 +112,7 @@ class StageCache(CachePolicy):
 
     config_fields: dotted config fields the stage reads (values, never paths).
     files: dotted config fields naming files the stage reads, hashed by content (e.g. "model.student").
-    dataset: fold in model.data.dataset_fingerprint of cfg.data.
+    dataset: fold in data.tokens.dataset_fingerprint of cfg.data.
     inputs: task parameters folded in by content (upstream manifests, an epoch number, a shard plan).
     outputs_problem: (cfg, inputs, key) -> None when the outputs a cached result names are on disk (and
         verify), else what is wrong with them: then the task runs again instead of returning the cached

@@ -8,8 +8,8 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from model.checkpoint import load_checkpoint
-from model.export import export_gguf_lora, export_peft, merge_adapter
+from data.adapters import export_gguf_lora, export_peft, merge_adapter
+from data.checkpoint import load_checkpoint
 from model.gguf import GGUFFile
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, ExportManifest, FileRef

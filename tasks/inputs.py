@@ -1,7 +1,7 @@
 """Preflight: refuse bad inputs before any stage runs (and before a Prefect server is started by the CLI).
 
 Checks what can be checked from file headers: both GGUFs readable llama models with a tokenizer, the same
-vocabulary (model.topk_store.check_vocab), data.seq_len within both context lengths, top_k within the
+vocabulary (data.topk.check_vocab), data.seq_len within both context lengths, top_k within the
 vocabulary, lora.layers within the blocks, the data path present. Record-level problems (an empty dataset, a
 missing field) surface in tokenize with the file and record named.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from model.data import resolve_format
+from data.records import resolve_format
+from data.topk import check_vocab
 from model.gguf import GGUFError, GGUFFile
-from model.topk_store import check_vocab
 from schemas.config import RunConfig
 
 

@@ -3,7 +3,7 @@
 teacher-plan (cached) checks the vocabularies and plans the shards over both token splits; teacher-shard-i
 (cached per shard, and re-run when its file is gone or fails verification) writes shard i atomically and
 records it in the top-k manifest. A crash loses at most the shard being written; a rerun skips every shard
-that verifies (model.topk_store: plan_all -> open_manifest -> missing_shards -> compute_shard_rows ->
+that verifies (data.topk: plan_all -> open_manifest -> missing_shards -> compute_shard_rows ->
 write_shard -> record_shard). The top-k directory is addressed by the plan's cache key.
 """
 
@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 from prefect import get_run_logger, task
 
-from model.data import read_token_split
-from model.gguf import GGUFFile
-from model.topk_store import (
+from data.tokens import read_token_split
+from data.topk import (
     MANIFEST_NAME,
     ShardError,
     bytes_per_position,
@@ -31,6 +30,7 @@ from model.topk_store import (
     verify_shard,
     write_shard,
 )
+from model.gguf import GGUFFile
 from schemas.config import RunConfig
 from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
 from tasks import faults

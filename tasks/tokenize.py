@@ -7,14 +7,8 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from model.data import (
-    MANIFEST_NAME,
-    DataError,
-    dataset_fingerprint,
-    load_records,
-    tokenize_dataset,
-    write_token_shards,
-)
+from data.records import DataError, dataset_fingerprint, load_records
+from data.tokens import MANIFEST_NAME, tokenize_dataset, write_token_shards
 from model.tokenizer import load_tokenizer
 from schemas.config import RunConfig
 from tasks.caching import (

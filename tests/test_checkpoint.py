@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model import reference as R
-from model.checkpoint import (
+from data.checkpoint import (
     ADAPTER_FILE,
     OPTIMIZER_FILE,
     STATE_FILE,
@@ -21,6 +20,7 @@ from model.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from model import reference as R
 from model.config import ModelConfig
 
 CFG = ModelConfig(n_layers=2, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=50)

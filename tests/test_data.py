@@ -13,11 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from model.data import (
-    DataError,
-    Document,
-    dataset_fingerprint,
-    load_records,
+from data.records import DataError, Document, dataset_fingerprint, load_records
+from data.tokens import (
     read_token_split,
     read_tokenize_manifest,
     tokenize_dataset,

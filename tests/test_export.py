@@ -11,9 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
 
-from model import reference as R
-from model.config import LORA_TARGETS, ModelConfig
-from model.export import (
+from data.adapters import (
     ExportError,
     export_gguf_lora,
     export_peft,
@@ -22,6 +20,8 @@ from model.export import (
     merge_adapter,
     peft_key,
 )
+from model import reference as R
+from model.config import LORA_TARGETS, ModelConfig
 from model.gguf import GGUFFile, write_gguf
 from model.gguf import llama_metadata as gguf_llama_metadata
 

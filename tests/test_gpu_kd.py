@@ -8,7 +8,7 @@ import pytest
 
 from gpu.device import Device
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
-from gpu.ops.topk import TopKState, teacher_topk, topk_chunk, topk_finish
+from gpu.ops.topk import TopKState, hidden_topk, topk_chunk, topk_finish
 from model.kd import LossConfig, kd_loss_backward, kd_loss_forward, log_softmax
 from tests.gpu_helpers import make_device, rel_err, twice, up
 
@@ -123,14 +123,14 @@ def test_topk_chunks(dev: Device, t: int, v: int, k: int, chunk: int, tau: float
     assert np.max(np.abs(tail - want_tail)) <= 1e-5
 
 
-def test_teacher_topk_from_hidden(dev: Device) -> None:
+def test_hidden_topk_matches_numpy(dev: Device) -> None:
     rng = np.random.default_rng(11)
     t, h_dim, v, k, tau = 1, 24, 333, 10, 1.5
     h = rng.standard_normal((t, h_dim)).astype(np.float32)
     w = rng.standard_normal((v, h_dim)).astype(np.float32)
     st = TopKState.build(dev, t, k)
     lp, tail = dev.buffer(4 * t * k), dev.buffer(4 * t)
-    teacher_topk(dev, up(dev, h), up(dev, w), st, lp, tail, h_dim, v, tau, chunk=100)
+    hidden_topk(dev, up(dev, h), up(dev, w), st, lp, tail, h_dim, v, tau, chunk=100)
     want_ids, want_lp, want_tail = _topk_ref(h.astype(np.float64) @ w.T.astype(np.float64), k, tau)
     np.testing.assert_array_equal(dev.read(st.ids, np.uint32, (t, k)), want_ids)
     assert rel_err(dev.read(lp, np.float32, (t, k)), want_lp) <= TOL

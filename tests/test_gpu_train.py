@@ -11,15 +11,15 @@ import pyarrow as pa
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from data import topk as S
+from data.tokens import write_token_shards
 from gpu import train as T
 from model import reference as R
-from model import topk_store as S
 from model.config import ModelConfig
-from model.data import write_token_shards
 from model.gguf import GGUFFile, llama_metadata, write_gguf
 from model.kd import log_softmax
 from model.quant import quantize
-from model.teacher_cpu import teacher_topk
+from model.teacher_cpu import reference_topk
 from schemas.config import RunConfig
 from schemas.files import TOKEN_SHARD_SCHEMA
 from schemas.manifests import TeacherManifest
@@ -81,7 +81,7 @@ def problem(tmp_path_factory: pytest.TempPathFactory) -> dict:
             shards=tuple(plans),
         ),
     )
-    fn = partial(teacher_topk, teacher_w, CFG, k=K, temperature=TAU)
+    fn = partial(reference_topk, teacher_w, CFG, k=K, temperature=TAU)
     for plan in plans:
         table = train if plan.split == "train" else ev
         S.record_shard(topk, S.write_shard(topk, plan, S.compute_shard_rows(table, plan, fn), CFG.vocab, K))

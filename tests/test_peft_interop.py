@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from model import export
+from data import adapters as export
+from data.adapters import export_peft, gguf_to_hf_rows
 from model import reference as R
-from model.export import export_peft, gguf_to_hf_rows
 from model.gguf import GGUFFile, write_gguf
 from tests.test_export import ALL, CFG, IDS, random_adapter, write_tiny_gguf
 

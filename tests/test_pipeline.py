@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from data.topk import read_manifest
 from flows.distill import run_pipeline
 from model.gguf import GGUFFile
-from model.topk_store import read_manifest
 from schemas.config import RunConfig
 from schemas.manifests import sha256_file
 from tasks.faults import ENV as FAULT_ENV

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from data import topk as S
 from model import reference as R
-from model import topk_store as S
 from model.config import ModelConfig
-from model.teacher_cpu import teacher_topk, topk_from_logits
+from model.teacher_cpu import reference_topk, topk_from_logits
 from schemas.files import TOKEN_SHARD_SCHEMA, topk_schema, validate_table
 from schemas.manifests import TeacherManifest
 
@@ -54,7 +54,7 @@ def _header(shards: list, k: int = K) -> TeacherManifest:
 
 
 def _fill(out: Path, table: pa.Table, weights: dict, plans: list) -> TeacherManifest:
-    teacher = partial(teacher_topk, weights, CFG, k=K, temperature=TAU)
+    teacher = partial(reference_topk, weights, CFG, k=K, temperature=TAU)
     manifest = None
     for plan in plans:
         rec = S.write_shard(out, plan, S.compute_shard_rows(table, plan, teacher), CFG.vocab, K)
@@ -66,9 +66,9 @@ def _fill(out: Path, table: pa.Table, weights: dict, plans: list) -> TeacherMani
 # ---------------------------------------------------------------------------------------------- teacher
 
 
-def test_teacher_topk_matches_direct_numpy(weights: dict[str, np.ndarray]) -> None:
+def test_reference_topk_matches_direct_numpy(weights: dict[str, np.ndarray]) -> None:
     ids = np.random.default_rng(1).integers(0, CFG.vocab, size=10)
-    got_ids, got_lp, got_tail = teacher_topk(weights, CFG, ids, K, TAU)
+    got_ids, got_lp, got_tail = reference_topk(weights, CFG, ids, K, TAU)
     assert got_ids.shape == (10, K) and got_lp.dtype == np.float32 and got_tail.shape == (10,)
 
     z = R.forward(weights, CFG, ids) / TAU
@@ -136,7 +136,7 @@ def test_write_verify_read_round_trip(tmp_path: Path, weights: dict[str, np.ndar
     at = 0
     for s, mask in zip(order, masks, strict=True):
         row = tables[s].column("input_ids").to_pylist()[s - tables[s]["seq_id"][0].as_py()]
-        want_ids, want_lp, want_tail = teacher_topk(weights, CFG, np.array(row), K, TAU)
+        want_ids, want_lp, want_tail = reference_topk(weights, CFG, np.array(row), K, TAU)
         pos = np.flatnonzero(mask)
         n = len(pos)
         np.testing.assert_array_equal(got.seq_id[at : at + n], s)
@@ -168,7 +168,7 @@ def test_corrupted_shard_is_detected_and_redone(
 
     with pytest.raises(S.ShardError, match=rf"corrupt shard .*{victim.file}: sha256"):
         S.verify_shard(path, victim, CFG.vocab, K)
-    with caplog.at_level(logging.WARNING, logger="model.topk_store"):
+    with caplog.at_level(logging.WARNING, logger="data.topk"):
         todo = S.missing_shards(manifest, tmp_path)
     assert [r.shard for r in todo] == [victim.shard] and not todo[0].complete
     assert f"corrupt shard {path}" in caplog.text
@@ -187,7 +187,7 @@ def test_interrupted_writes_are_not_complete(
     table = _token_table(6, seed=4)
     plans = S.plan_shards(table, 10, "train")
     manifest = S.open_manifest(tmp_path, _header(plans))
-    teacher = partial(teacher_topk, weights, CFG, k=K, temperature=TAU)
+    teacher = partial(reference_topk, weights, CFG, k=K, temperature=TAU)
     rows = S.compute_shard_rows(table, plans[0], teacher)
 
     # 1. Crash while writing: a temp file with partial bytes is all there is.
@@ -227,7 +227,7 @@ def test_open_manifest_resumes_or_starts_over(tmp_path: Path, weights: dict[str,
 def test_write_shard_rejects_bad_rows(tmp_path: Path, weights: dict[str, np.ndarray]) -> None:
     table = _token_table(4, seed=6)
     plan = S.plan_shards(table, 1000, "train")[0]
-    rows = S.compute_shard_rows(table, plan, partial(teacher_topk, weights, CFG, k=K, temperature=TAU))
+    rows = S.compute_shard_rows(table, plan, partial(reference_topk, weights, CFG, k=K, temperature=TAU))
     with pytest.raises(ValueError, match="the plan counted"):
         S.write_shard(tmp_path, plan.model_copy(update={"n_positions": plan.n_positions + 1}), rows, CFG.vocab, K)
     bad_ids = S.TopkRows(rows.seq_id, rows.pos, rows.ids + CFG.vocab, rows.logprobs, rows.tail)

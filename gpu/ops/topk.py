@@ -83,7 +83,7 @@ def topk_finish(dev: Device, st: TopKState, logprobs: Any, tail: Any, tau: float
     dev.dispatch(pipe, [pack(t, k, 1.0 / tau, 0), st.vals, st.lse, logprobs, tail], grid(t, 64))
 
 
-def teacher_topk(
+def hidden_topk(
     dev: Device,
     h: Any,
     w: Any,

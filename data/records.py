@@ -1,0 +1,266 @@
+"""User datasets: local files (jsonl, json, parquet, text, a saved HF dataset) -> Documents, and the
+dataset fingerprint that cache keys use. Errors name the file, record and field."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from model.chat import check_messages
+
+if TYPE_CHECKING:
+    pass
+
+FORMATS = ("jsonl", "json", "parquet", "text", "hf_dir")
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+class DataError(ValueError):
+    """Training data cannot be read or tokenized; the message names the file (and record, field)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document: plain text or a chat (list of {role, content}); `source` + `locator` say where it is."""
+
+    source: str
+    locator: str
+    text: str | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.source} {self.locator}"
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _local_path(path: str | Path) -> Path:
+    """The path, refusing anything that is not an existing local file or directory (never a hub name/URL)."""
+    text = str(path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", text):
+        raise DataError(f"{text}: remote URLs are not read; give a local file or directory")
+    p = Path(text).expanduser()
+    if not p.exists():
+        raise DataError(
+            f"{text}: no such local file or directory (data is read from disk; hub names are not downloaded)"
+        )
+    return p
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / m).is_file() for m in _HF_MARKERS)
+
+
+def resolve_format(path: str | Path, fmt: str = "auto") -> tuple[str, list[Path]]:
+    """(format, files to read in order): a file, a directory of files of one format, or a saved HF dataset."""
+    p = _local_path(path)
+    if fmt not in ("auto", *FORMATS):
+        raise DataError(f"{p}: unknown data format {fmt!r} (one of auto, {', '.join(FORMATS)})")
+    if fmt == "hf_dir" or (fmt == "auto" and _is_hf_dir(p)):
+        if not _is_hf_dir(p):
+            raise DataError(f"{p}: format hf_dir needs a directory written by datasets' save_to_disk")
+        return "hf_dir", [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.parts))
+        files = [f for f in files if fmt != "auto" or f.suffix.lower() in _EXTENSIONS]
+        if fmt != "auto":
+            want = {e for e, name in _EXTENSIONS.items() if name == fmt}
+            files = [f for f in files if f.suffix.lower() in want or fmt == "text"]
+        if not files:
+            raise DataError(f"{p}: directory holds no data files (known extensions: {', '.join(_EXTENSIONS)})")
+        kinds = {_EXTENSIONS.get(f.suffix.lower(), fmt) for f in files} if fmt == "auto" else {fmt}
+        if len(kinds) > 1:
+            raise DataError(f"{p}: directory mixes formats {sorted(kinds)}; give one format per directory")
+        return kinds.pop(), files
+    if fmt == "auto":
+        kind = _EXTENSIONS.get(p.suffix.lower())
+        if kind is None:
+            raise DataError(f"{p}: unknown extension {p.suffix!r}; set data.format ({', '.join(FORMATS)})")
+        return kind, [p]
+    return fmt, [p]
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"line {lineno}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: a .json dataset must be a list of objects, got {type(data).__name__}")
+    for i, item in enumerate(data):
+        yield f"record {i}", item
+
+
+def _columns_present(path: Path, columns: Sequence[str], fields: Sequence[str]) -> list[str]:
+    present = [f for f in fields if f in columns]
+    if not present:
+        raise DataError(
+            f"{path}: no field {' or '.join(repr(f) for f in fields)}; available fields: {', '.join(columns)}"
+        )
+    return present
+
+
+def _read_parquet(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
+    present = _columns_present(path, pf.schema_arrow.names, fields)
+    row = 0
+    for batch in pf.iter_batches(columns=present, batch_size=1024):
+        for item in batch.to_pylist():
+            yield f"row {row}", item
+            row += 1
+
+
+def _read_hf_dir(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise DataError(f"{path}: not a readable datasets directory ({exc})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        names = list(loaded)
+        if len(names) == 1 or "train" in names:
+            loaded = loaded[names[0] if len(names) == 1 else "train"]
+        else:
+            raise DataError(f"{path}: DatasetDict without a 'train' split (splits: {', '.join(names)})")
+    present = _columns_present(path, loaded.column_names, fields)
+    table = loaded.select_columns(present).with_format("arrow")
+    row = 0
+    for start in range(0, len(table), 1024):
+        for item in table[start : start + 1024].to_pylist():
+            yield f"row {row}", item
+            row += 1
+
+
+def _read_text(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    for i, para in enumerate(p.strip() for p in _PARAGRAPH.split(text)):
+        if para:
+            yield f"paragraph {i}", para
+
+
+def _to_document(source: Path, locator: str, item: Any, text_field: str, messages_field: str) -> Document:
+    where = f"{source} {locator}"
+    if isinstance(item, str):
+        return Document(str(source), locator, text=item)
+    if not isinstance(item, Mapping):
+        raise DataError(f"{where}: a record must be an object with '{text_field}' or '{messages_field}'")
+    messages = item.get(messages_field)
+    if messages is not None:
+        try:
+            check_messages(messages)
+        except ValueError as exc:
+            raise DataError(f"{where}: field '{messages_field}': {exc}") from None
+        return Document(str(source), locator, messages=tuple(dict(m) for m in messages))
+    if text_field not in item:
+        raise DataError(
+            f"{where}: no field '{messages_field}' or '{text_field}'; available fields: "
+            f"{', '.join(map(str, item)) or '(none)'}"
+        )
+    text = item[text_field]
+    if not isinstance(text, str):
+        raise DataError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__}")
+    return Document(str(source), locator, text=text)
+
+
+def load_records(
+    path: str | Path,
+    fmt: str = "auto",
+    text_field: str = "text",
+    messages_field: str = "messages",
+    max_documents: int | None = None,
+) -> list[Document]:
+    """Read documents from a local file or directory (never the hub).
+
+    Formats: jsonl (one object per line), json (a list of objects), parquet, hf_dir (datasets.save_to_disk
+    output; a DatasetDict's 'train' split), text (UTF-8; one document per blank-line-separated paragraph,
+    so a file without blank lines is one document). A record is a chat when it has `messages_field`
+    (a list of {role, content}), else text from `text_field`. `max_documents` keeps the first N.
+    """
+    kind, files = resolve_format(path, fmt)
+    fields = (messages_field, text_field)
+    docs: list[Document] = []
+    for file in files:
+        if kind == "jsonl":
+            items = _read_jsonl(file)
+        elif kind == "json":
+            items = _read_json(file)
+        elif kind == "parquet":
+            items = _read_parquet(file, fields)
+        elif kind == "hf_dir":
+            items = _read_hf_dir(file, fields)
+        else:
+            items = _read_text(file)
+        for locator, item in items:
+            if max_documents is not None and len(docs) >= max_documents:
+                return docs
+            docs.append(_to_document(file, locator, item, text_field, messages_field))
+    if not docs:
+        raise DataError(f"{path}: empty dataset (no documents found)")
+    return docs
+
+
+def dataset_fingerprint(
+    path: str | Path,
+    fmt: str = "auto",
+    text_field: str = "text",
+    messages_field: str = "messages",
+    max_documents: int | None = None,
+    **extra: Any,
+) -> str:
+    """sha256 over the data's bytes (every file read, by relative name) and the fields that select records.
+
+    For cache keys: a change to any data file or to these fields changes it; `extra` adds other JSON values.
+    """
+    kind, files = resolve_format(path, fmt)
+    root = Path(path)
+    if kind == "hf_dir":
+        files = sorted(f for f in root.rglob("*") if f.is_file())
+    digest = hashlib.sha256()
+    header = {
+        "format": kind,
+        "text_field": text_field,
+        "messages_field": messages_field,
+        "max_documents": max_documents,
+        **extra,
+    }
+    digest.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    for f in files:
+        name = f.relative_to(root).as_posix() if root.is_dir() else f.name
+        digest.update(f"\n{name}\n{f.stat().st_size}\n".encode())
+        with open(f, "rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+    return digest.hexdigest()

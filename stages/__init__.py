@@ -1,0 +1,1 @@
+"""The pipeline's stages as plain library functions: run(cfg, *upstream) -> Manifest; no Prefect, no MLflow."""

@@ -1,0 +1,1 @@
+"""Training above the engine interface: the epoch loop, LR schedule, checkpoint/resume, evaluation."""
