@@ -36,7 +36,7 @@ MERGED = StageCache(
 def _evaluate(
     cfg: RunConfig, gguf: Path, tokens: dict, teacher: dict, checkpoint: dict | None, label: str
 ) -> dict[str, Any]:
-    from gpu.train import evaluate
+    from training.evaluation import evaluate
 
     ckpt = None if checkpoint is None else CheckpointManifest.model_validate(checkpoint["manifest"])
     metrics = evaluate(

@@ -1,7 +1,7 @@
 """load_student: the student GGUF as given, or requantized to model.student_quant into the workdir.
 
 GPU memory does not outlive a process, so the cached output is the file on disk. The task also streams it
-into GPU memory once (gpu.train's process-wide loader, which train/evaluate then reuse in this process) so an
+into GPU memory once (training.engines' process-wide loader, which train/evaluate then reuse in this process) so an
 unsupported tensor type fails here, and logs the upload: seconds, GiB/s, host peak RSS.
 """
 
@@ -56,7 +56,7 @@ def _tensor_types(path: Path) -> dict[str, int]:
 
 def upload(cfg: RunConfig, path: Path) -> dict[str, float]:
     """Stream the GGUF into GPU memory (once per process) with a progress bar; returns the upload stats."""
-    from gpu.train import load_student, upload_stats
+    from training.engines import load_student, upload_stats
 
     with GGUFFile(path) as f:
         n_tensors = len(f.tensors)

@@ -113,7 +113,7 @@ _TEACHER: dict[tuple, TeacherFn] = {}
 
 
 def _teacher_fn(cfg: RunConfig) -> TeacherFn:
-    from gpu.train import make_teacher_fn
+    from training.teacher import make_teacher_fn
 
     path = Path(cfg.model.teacher).resolve()
     st = path.stat()

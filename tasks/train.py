@@ -1,4 +1,4 @@
-"""train_epoch: one Prefect task per epoch over gpu.train.train_epoch, resumable from its checkpoints.
+"""train_epoch: one Prefect task per epoch over training.loop.train_epoch, resumable from its checkpoints.
 
 Checkpoints live in <workdir>/train/<key>/, addressed by the training key (every input but the epoch), so a
 rerun of a crashed epoch resumes from its newest complete checkpoint and ends with the same adapter bytes,
@@ -29,7 +29,7 @@ STEPS_FILE = "steps.jsonl"
 
 
 def _outputs_problem(cfg: RunConfig, inputs: Mapping[str, Any], key: str) -> str | None:
-    from gpu.train import epoch_dir
+    from training.loop import epoch_dir
 
     root = checkpoint_root(cfg, inputs["student"], inputs["tokens"], inputs["teacher"])
     return missing(epoch_dir(root, inputs["epoch"]) / "checkpoint.json")
@@ -80,8 +80,9 @@ def train_epoch(
 
     Returns {"dir": <the epoch-end checkpoint>, "manifest": CheckpointManifest as JSON}.
     """
-    from gpu.train import epoch_dir, upload_stats
-    from gpu.train import train_epoch as gpu_train_epoch
+    from training.engines import upload_stats
+    from training.loop import epoch_dir
+    from training.loop import train_epoch as gpu_train_epoch
 
     cfg = as_config(cfg)
     log = get_run_logger()

@@ -1,4 +1,4 @@
-"""gpu/train.py on lavapipe: epochs over real token + top-k shards, evaluation against numpy, bitwise resume."""
+"""training/ on lavapipe: epochs over real token + top-k shards, evaluation against numpy, bitwise resume."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from gguf import GGMLQuantizationType as Q
 
 from data import topk as S
 from data.tokens import write_token_shards
-from gpu import train as T
 from model import reference as R
 from model.config import ModelConfig
 from model.gguf import GGUFFile, llama_metadata, write_gguf
@@ -24,6 +23,8 @@ from schemas.config import RunConfig
 from schemas.files import TOKEN_SHARD_SCHEMA
 from schemas.manifests import TeacherManifest
 from tests.gpu_fixtures import device_or_skip
+from training import evaluation as E
+from training import loop as T
 
 pytestmark = pytest.mark.gpu
 
@@ -112,7 +113,7 @@ def _run(p: dict, ckpt: Path, fail_at: int | None = None) -> list:
 
 
 def test_baseline_evaluation_matches_numpy(problem: dict) -> None:
-    got = T.evaluate(problem["cfg"], student_gguf=problem["student"], token_dir=problem["tok"],
+    got = E.evaluate(problem["cfg"], student_gguf=problem["student"], token_dir=problem["tok"],
                      topk_dir=problem["topk"], checkpoint=None)  # fmt: skip
     with GGUFFile(problem["student"]) as f:
         w = {n: f.tensor_f32(n).astype(np.float64) for n in f.tensors}
@@ -141,9 +142,9 @@ def test_epochs_reduce_kl_and_resume_is_bitwise(problem: dict) -> None:
     full = _run(problem, root / "ckpt-full")
     assert full[-1].epoch == 1
     adapter = (root / "ckpt-full" / "epoch-001" / "adapter.safetensors").read_bytes()
-    base = T.evaluate(problem["cfg"], student_gguf=problem["student"], token_dir=problem["tok"],
+    base = E.evaluate(problem["cfg"], student_gguf=problem["student"], token_dir=problem["tok"],
                       topk_dir=problem["topk"], checkpoint=None)  # fmt: skip
-    after = T.evaluate(problem["cfg"], student_gguf=problem["student"], token_dir=problem["tok"],
+    after = E.evaluate(problem["cfg"], student_gguf=problem["student"], token_dir=problem["tok"],
                        topk_dir=problem["topk"], checkpoint=root / "ckpt-full" / "epoch-001")  # fmt: skip
     assert after["kl"] < base["kl"]
     # a crash at step 3 (epoch 0 has 5 steps: checkpoint after step 2), then a rerun resumes to the same bytes

@@ -1,0 +1,47 @@
+"""Token splits as dense arrays and the [B, T] batches (with teacher top-k) an engine takes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data.tokens import read_token_split
+from data.topk import TopkReader
+
+
+# ---- data -------------------------------------------------------------------------------------------------
+@dataclass
+class Split:
+    seq_ids: np.ndarray  # [N]
+    ids: np.ndarray  # [N, T]
+    mask: np.ndarray  # [N, T]
+
+
+def read_split(token_dir: Path, split: str) -> Split:
+    ds = read_token_split(token_dir, split).with_format("numpy")
+    ids = np.stack(ds["input_ids"]) if len(ds) else np.zeros((0, 0), np.int64)
+    mask = np.stack(ds["loss_mask"]) if len(ds) else np.zeros((0, 0), np.uint8)
+    return Split(np.asarray(ds["seq_id"]), ids.astype(np.int64), mask.astype(np.uint8))
+
+
+def batch_arrays(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> tuple[np.ndarray, ...]:
+    """Dense [B, T] inputs for GPUStudent.write_batch; missing rows (the last partial batch) are masked out."""
+    t = split.ids.shape[1]
+    ids = np.zeros((batch, t), np.int64)
+    mask = np.zeros((batch, t), np.uint8)
+    ids[: len(rows)] = split.ids[rows]
+    mask[: len(rows)] = split.mask[rows]
+    targets = np.zeros((batch, t), np.int64)
+    targets[:, :-1] = ids[:, 1:]
+    tids = np.zeros((batch, t, k), np.int64)
+    tlp = np.zeros((batch, t, k), np.float32)
+    tail = np.zeros((batch, t), np.float32)
+    if len(rows):
+        top = reader.read(split.seq_ids[rows].tolist(), masks=list(split.mask[rows]))
+        b_idx, t_idx = np.nonzero(mask)
+        tids[b_idx, t_idx] = top.ids
+        tlp[b_idx, t_idx] = top.logprobs
+        tail[b_idx, t_idx] = top.tail
+    return ids, targets, mask, tids, tlp, tail

@@ -1,0 +1,66 @@
+"""Held-out evaluation: forward KL over the teacher top-k + tail, top-1 agreement, CE, perplexity."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from data.checkpoint import load_checkpoint
+from data.topk import TopkReader
+from model import reference
+from schemas.config import RunConfig
+from training.batches import Split, batch_arrays, read_split
+from training.loop import build_student
+
+
+# ---- evaluation -------------------------------------------------------------------------------------------
+def eval_batches(cfg: RunConfig, split: Split) -> Iterator[np.ndarray]:
+    b = cfg.train.batch_size
+    n_batches = math.ceil(len(split.seq_ids) / b)
+    if cfg.eval.eval_batches:
+        n_batches = min(n_batches, cfg.eval.eval_batches)
+    for i in range(n_batches):
+        yield np.arange(i * b, min((i + 1) * b, len(split.seq_ids)))
+
+
+def evaluate(
+    cfg: RunConfig, *, student_gguf: Path, token_dir: Path, topk_dir: Path, checkpoint: Path | None
+) -> dict[str, float]:
+    """Held-out forward KL(teacher || student) over the top-k + tail, top-1 agreement, CE and perplexity.
+
+    checkpoint None evaluates the student without an adapter (the baseline)."""
+    split = read_split(token_dir, "eval")
+    if len(split.seq_ids) == 0:
+        raise ValueError(f"{token_dir}: the eval split is empty (raise data.eval_fraction)")
+    reader = TopkReader(topk_dir)
+    st = build_student(cfg, student_gguf, split.ids.shape[1], eval_mode=True)
+    if checkpoint is None:
+        st.set_adapter(
+            {
+                key: reference.LoraPair(
+                    np.zeros((st.layout.r, s.d_in), np.float32), np.zeros((s.d_out, st.layout.r), np.float32)
+                )
+                for key, s in st.layout.slots.items()
+            }
+        )
+    else:
+        st.set_adapter(load_checkpoint(checkpoint)[0])
+    tau2 = cfg.teacher.temperature**2
+    kl_sum = ce_sum = top1 = n = 0.0
+    for rows in eval_batches(cfg, split):
+        ids, targets, mask, tids, tlp, tail = batch_arrays(split, rows, cfg.train.batch_size, reader, cfg.teacher.top_k)
+        st.write_batch(ids, targets, mask, tids, tlp, tail)
+        out = st.evaluate_batch()
+        m = mask.reshape(-1) != 0
+        count = int(m.sum())
+        kl_sum += float(out["kd_loss"][0]) * count / tau2
+        ce_sum += float(out["ce"][m].sum())
+        top1 += float((out["top1"][m] == tids.reshape(-1, cfg.teacher.top_k)[m, 0]).sum())
+        n += count
+    if n == 0:
+        raise ValueError(f"{token_dir}: the eval split has no trained positions")
+    ce = ce_sum / n
+    return {"kl": kl_sum / n, "top1": top1 / n, "ce": ce, "ppl": float(math.exp(min(ce, 50.0))), "tokens": n}
