@@ -11,63 +11,20 @@ import pytest
 
 from model import reference as R
 from model.config import ModelConfig
-
-
-def _load_project(path: Path) -> tuple[dict[str, np.ndarray], ModelConfig]:
-    try:
-        from model.gguf import GGUFFile
-    except ImportError:
-        from model.gguf_reader import GGUFFile
-    with GGUFFile(path) as f:
-        return {name: f.tensor_f32(name) for name in f.tensors}, f.config()
-
-
-def _load_gguf_py(path: Path) -> tuple[dict[str, np.ndarray], ModelConfig]:
-    """Fallback loader through gguf-py (shapes come in ggml order: reversed to numpy order)."""
-    import gguf
-    from gguf import quants
-
-    reader = gguf.GGUFReader(path)
-    weights = {
-        t.name: np.asarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(
-            tuple(int(n) for n in reversed(t.shape))
-        )
-        for t in reader.tensors
-    }
-
-    def field(key: str):
-        return reader.fields[key].contents()
-
-    cfg = ModelConfig(
-        n_layers=field("llama.block_count"),
-        hidden=field("llama.embedding_length"),
-        ffn=field("llama.feed_forward_length"),
-        n_heads=field("llama.attention.head_count"),
-        n_kv_heads=field("llama.attention.head_count_kv"),
-        vocab=len(field("tokenizer.ggml.tokens")),
-        rope_base=float(field("llama.rope.freq_base")),
-        eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-        tied_embeddings="output.weight" not in weights,
-    )
-    return weights, cfg
+from model.gguf import GGUFFile
+from model.tokenizer import GGUFTokenizer, load_tokenizer
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path: Path) -> tuple[dict[str, np.ndarray], ModelConfig]:
-    try:
-        return _load_project(smollm2_path)
-    except ImportError:
-        return _load_gguf_py(smollm2_path)
+    """Every tensor dequantized to float32 by our reader (model.gguf), and the config from its metadata."""
+    with GGUFFile(smollm2_path) as f:
+        return {name: f.tensor_f32(name) for name in f.tensors}, f.config()
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_path: Path):
-    try:
-        from model.tokenizer import load_tokenizer
-
-        return load_tokenizer(smollm2_path)
-    except ImportError as exc:
-        pytest.skip(f"model.tokenizer is not usable yet ({exc}); no token ids are hard-coded here")
+def tokenizer(smollm2_path: Path) -> GGUFTokenizer:
+    return load_tokenizer(smollm2_path)
 
 
 def test_config(smollm2: tuple[dict[str, np.ndarray], ModelConfig]) -> None:
@@ -81,7 +38,7 @@ def test_config(smollm2: tuple[dict[str, np.ndarray], ModelConfig]) -> None:
     assert weights["blk.0.ffn_down.weight"].shape == (cfg.hidden, cfg.ffn)
 
 
-def test_capital_of_france(smollm2: tuple[dict[str, np.ndarray], ModelConfig], tokenizer) -> None:
+def test_capital_of_france(smollm2: tuple[dict[str, np.ndarray], ModelConfig], tokenizer: GGUFTokenizer) -> None:
     weights, cfg = smollm2
     ids = tokenizer.encode("The capital of France is")
     logits = R.forward(weights, cfg, np.array(ids))
