@@ -1,7 +1,7 @@
 """The PEFT export checked by its logits: HF transformers loads our tiny llama GGUF (un-permuting Q/K rows),
 peft applies our adapter, and the result must equal model.reference.forward with the same adapter.
 
-Needs the interop extra (torch, transformers, peft); skipped without it.
+Needs the interop extra (torch, transformers, peft), which `make setup` installs: without it these tests fail.
 """
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import peft
 import pytest
+import torch
+import transformers
+from transformers import modeling_gguf_pytorch_utils
 
 from data import adapters as export
 from data.adapters import export_peft, gguf_to_hf_rows
 from model import reference as R
 from model.gguf import GGUFFile, write_gguf
 from tests.test_export import ALL, CFG, IDS, random_adapter, write_tiny_gguf
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
@@ -98,10 +98,8 @@ def test_export_without_the_row_fix_is_caught(base, tmp_path: Path, monkeypatch:
 
 
 def test_row_order_matches_transformers_gguf_loader() -> None:
-    utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
-    processor = getattr(utils, "LlamaTensorProcessor", None)
-    if processor is None or not hasattr(processor, "_reverse_permute_weights"):
-        pytest.skip("this transformers has no LlamaTensorProcessor._reverse_permute_weights")
+    # the pinned transformers (pyproject's interop extra) un-permutes llama Q/K rows with this method
+    processor = modeling_gguf_pytorch_utils.LlamaTensorProcessor
     rng = np.random.default_rng(0)
     for target, heads in (("q", CFG.n_heads), ("k", CFG.n_kv_heads)):
         rows = rng.standard_normal((CFG.target_shape(target)[0], 3))
