@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Start a local Prefect server and an MLflow server on 127.0.0.1, state under one data dir, with pid files.
+# Usage: infra/up.sh [DATA_DIR]        (default runs/servers; ports: PREFECT_PORT=4200, MLFLOW_PORT=5000)
+# Waits until both answer, then prints the URLs and the two exports that point distillery at them.
+# Stop exactly these servers with infra/down.sh [DATA_DIR].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+data="$(realpath -m "${1:-runs/servers}")"
+prefect_port="${PREFECT_PORT:-4200}" mlflow_port="${MLFLOW_PORT:-5000}" wait_s="${SERVER_WAIT_S:-180}"
+mkdir -p "$data/prefect" "$data/mlflow/artifacts" "$data/logs"
+
+alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+start() {  # name pidfile command...: a new session (setsid), so down.sh can stop the whole process group
+  local name=$1 pidfile=$2; shift 2
+  if alive "$pidfile"; then echo "$name: already running (pid $(cat "$pidfile"))"; return; fi
+  setsid "$@" >"$data/logs/$name.log" 2>&1 < /dev/null &
+  echo $! >"$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"
+}
+
+PREFECT_HOME="$data/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false \
+  start prefect "$data/prefect.pid" "$root/.venv/bin/prefect" server start --host 127.0.0.1 --port "$prefect_port"
+MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}" \
+  start mlflow "$data/mlflow.pid" "$root/.venv/bin/mlflow" server --host 127.0.0.1 --port "$mlflow_port" --workers "${MLFLOW_WORKERS:-2}" \
+  --backend-store-uri "sqlite:///$data/mlflow/mlflow.db" --artifacts-destination "$data/mlflow/artifacts"
+
+answers() { "$root/.venv/bin/python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
+deadline=$((SECONDS + wait_s))
+for check in "prefect http://127.0.0.1:$prefect_port/api/health" "mlflow http://127.0.0.1:$mlflow_port/health"; do
+  set -- $check
+  until answers "$2"; do
+    if ! alive "$data/$1.pid"; then echo "$1 exited during start-up; its log ($data/logs/$1.log) ends:" >&2; tail -n 20 "$data/logs/$1.log" >&2; exit 1; fi
+    if [ $SECONDS -ge $deadline ]; then echo "$1 did not answer $2 within ${wait_s}s (SERVER_WAIT_S); log: $data/logs/$1.log" >&2; exit 1; fi
+    sleep 1
+  done
+done
+cat <<MSG
+Prefect UI  http://127.0.0.1:$prefect_port      (state: $data/prefect)
+MLflow UI   http://127.0.0.1:$mlflow_port      (state: $data/mlflow)
+Point distillery at them:
+  export PREFECT_API_URL=http://127.0.0.1:$prefect_port/api
+  distillery run CONFIG --set run.mlflow_uri=http://127.0.0.1:$mlflow_port
+Stop them: infra/down.sh $data
+MSG

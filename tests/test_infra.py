@@ -1,0 +1,50 @@
+"""infra/up.sh and infra/down.sh against real servers on 127.0.0.1: both answer, pid files name them, and down.sh
+leaves no process of theirs behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> None:
+    data = tmp_path / "servers"
+    ports = {"PREFECT_PORT": str(_free_port()), "MLFLOW_PORT": str(_free_port())}
+    env = {**os.environ, **ports, "SERVER_WAIT_S": "240"}
+    try:
+        up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f"export PREFECT_API_URL=http://127.0.0.1:{ports['PREFECT_PORT']}/api" in up.stdout
+        pids = {name: int((data / f"{name}.pid").read_text()) for name in ("prefect", "mlflow")}
+        for url in (
+            f"http://127.0.0.1:{ports['PREFECT_PORT']}/api/health",
+            f"http://127.0.0.1:{ports['MLFLOW_PORT']}/health",
+        ):
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                assert reply.status == 200, url
+        again = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and again.stdout.count("already running") == 2, again.stdout + again.stderr
+    finally:
+        down = subprocess.run([ROOT / "infra/down.sh", data], capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert all(not _group_alive(pgid) for pgid in pids.values()), down.stdout
+    assert not list(data.glob("*.pid"))
