@@ -54,7 +54,7 @@ __all__ = [
 
 
 def embedding_forward(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Rows of table [V, H] at ids [T] -> [T, H]."""
+    """Rows of table [V, H] at ids [T] (or [B, T]) -> [T, H] (or [B, T, H])."""
     return table[np.asarray(ids, dtype=np.intp)]
 
 
@@ -86,7 +86,7 @@ def rope_cos_sin(positions: np.ndarray, head_dim: int, base: float, dtype: np.dt
 
 
 def rope_forward(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
-    """Rotate (x[2i], x[2i+1]) of x [T, n_heads, D] by pos * theta_i."""
+    """Rotate (x[2i], x[2i+1]) of x [..., T, n_heads, D] by pos * theta_i (positions [T])."""
     cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
     x0, x1 = x[..., 0::2], x[..., 1::2]
     y = np.empty_like(x)
@@ -109,20 +109,29 @@ def rope_backward(dy: np.ndarray, positions: np.ndarray, base: float) -> np.ndar
 
 
 def _expand_kv(k: np.ndarray, n_heads: int) -> np.ndarray:
-    """[T, Hkv, D] -> [T, Hq, D] with query head h reading kv head h // (Hq // Hkv)."""
-    return np.repeat(k, n_heads // k.shape[1], axis=1)
+    """[..., T, Hkv, D] -> [..., T, Hq, D] with query head h reading kv head h // (Hq // Hkv)."""
+    return np.repeat(k, n_heads // k.shape[-2], axis=-2)
 
 
 def _reduce_kv(dk: np.ndarray, n_kv_heads: int) -> np.ndarray:
-    """Sum the per-query-head gradients [T, Hq, D] back onto their kv heads -> [T, Hkv, D]."""
-    t, hq, d = dk.shape
-    return dk.reshape(t, n_kv_heads, hq // n_kv_heads, d).sum(axis=2)
+    """Sum the per-query-head gradients [..., T, Hq, D] back onto their kv heads -> [..., T, Hkv, D]."""
+    *lead, hq, d = dk.shape
+    return dk.reshape(*lead, n_kv_heads, hq // n_kv_heads, d).sum(axis=-2)
+
+
+def _heads_first(x: np.ndarray) -> np.ndarray:
+    """[..., T, H, D] -> [..., H, T, D] (a view): attention is one matmul per (sequence, head)."""
+    return np.swapaxes(x, -3, -2)
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    return np.swapaxes(x, -1, -2)
 
 
 def attention_probs(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Causal softmax(q k^T / sqrt(D)) [Hq, T, T] (row = query position, column = key position)."""
-    t, hq, d = q.shape
-    s = np.einsum("thd,shd->hts", q, _expand_kv(k, hq)) * (1.0 / math.sqrt(d))
+    """Causal softmax(q k^T / sqrt(D)) [..., Hq, T, T] (row = query position, column = key position)."""
+    t, hq, d = q.shape[-3:]
+    s = (_heads_first(q) @ _t(_heads_first(_expand_kv(k, hq)))) * (1.0 / math.sqrt(d))
     s = np.where(np.triu(np.ones((t, t), dtype=bool), k=1), -np.inf, s)
     s = s - np.max(s, axis=-1, keepdims=True)
     p = np.exp(s)
@@ -130,33 +139,35 @@ def attention_probs(q: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """out [T, Hq, D] = P V with P = attention_probs(q, k)."""
+    """out [..., T, Hq, D] = P V with P = attention_probs(q, k); q [..., T, Hq, D], k and v [..., T, Hkv, D]
+    (leading axes: independent sequences)."""
     p = attention_probs(q, k)
-    return np.einsum("hts,shd->thd", p, _expand_kv(v, q.shape[1]))
+    return _heads_first(p @ _heads_first(_expand_kv(v, q.shape[-2])))
 
 
 def attention_backward(
     dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq, dk, dv); the probabilities are recomputed, as the GPU does."""
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
     scale = 1.0 / math.sqrt(d)
     p = attention_probs(q, k)
-    kk, vv = _expand_kv(k, hq), _expand_kv(v, hq)
-    dp = np.einsum("thd,shd->hts", dout, vv)
-    dvv = np.einsum("hts,thd->shd", p, dout)
+    kk, vv = _heads_first(_expand_kv(k, hq)), _heads_first(_expand_kv(v, hq))
+    do, qh = _heads_first(dout), _heads_first(q)
+    dp = do @ _t(vv)
+    dvv = _t(p) @ do
     ds = p * (dp - np.sum(dp * p, axis=-1, keepdims=True))  # softmax backward (masked entries have p = 0)
-    dq = np.einsum("hts,shd->thd", ds, kk) * scale
-    dkk = np.einsum("hts,thd->shd", ds, q) * scale
-    return dq, _reduce_kv(dkk, hkv), _reduce_kv(dvv, hkv)
+    dq = (ds @ kk) * scale
+    dkk = (_t(ds) @ qh) * scale
+    return _heads_first(dq), _reduce_kv(_heads_first(dkk), hkv), _reduce_kv(_heads_first(dvv), hkv)
 
 
 # ---------------------------------------------------------------- SwiGLU
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    e = np.exp(-np.abs(x))
-    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    """1 / (1 + e^-x) as (1 + tanh(x / 2)) / 2: no overflow for any x, and one vectorised transcendental."""
+    return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
 def swiglu_forward(g: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -223,21 +234,30 @@ def init_lora(
     return lora
 
 
+def _rows(x: np.ndarray) -> np.ndarray:
+    """[..., n] -> [rows, n]: a batch of sequences goes through a projection as one matrix product."""
+    return x.reshape(-1, x.shape[-1])
+
+
 def project_forward(x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: float) -> np.ndarray:
-    """One projection: linear + LoRA when the target is adapted."""
-    y = linear_forward(x, w)
-    return y if pair is None else y + lora_forward(x, pair.A, pair.B, scale)
+    """One projection of x [..., in]: linear + LoRA when the target is adapted."""
+    x2 = _rows(x)
+    y = linear_forward(x2, w)
+    if pair is not None:
+        y = y + lora_forward(x2, pair.A, pair.B, scale)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def project_backward(
     dy: np.ndarray, x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: float
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-    """(dx, (dA, dB) or None)."""
-    dx = linear_backward_input(dy, w)
+    """(dx, (dA, dB) or None); dy [..., out], x [..., in] (the gradients sum over every row)."""
+    dy2 = _rows(dy)
+    dx = linear_backward_input(dy2, w)
     if pair is None:
-        return dx, None
-    dx_lora, da, db = lora_backward(dy, x, pair.A, pair.B, scale)
-    return dx + dx_lora, (da, db)
+        return dx.reshape(x.shape), None
+    dx_lora, da, db = lora_backward(dy2, _rows(x), pair.A, pair.B, scale)
+    return (dx + dx_lora).reshape(x.shape), (da, db)
 
 
 # ---------------------------------------------------------------- transformer block
@@ -258,19 +278,21 @@ def block_forward(
     lora: LoraMap,
     scale: float,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """h = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))); out = h + down(swiglu(gate(n2), up(n2)))."""
-    t, d = x.shape[0], cfg.head_dim
-    pos = np.arange(t)
+    """h = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))); out = h + down(swiglu(gate(n2), up(n2))).
+
+    x is one sequence [T, H] or a batch [B, T, H] (positions 0..T-1 in each); returns (out, cache)."""
+    lead, d = x.shape[:-1], cfg.head_dim
+    pos = np.arange(x.shape[-2])
 
     def proj(name: str, inp: np.ndarray) -> np.ndarray:
         return project_forward(inp, _w(weights, layer, name), lora.get((layer, name)), scale)
 
     c: dict[str, np.ndarray] = {"x": x}
     c["n1"] = rmsnorm_forward(x, weights[f"blk.{layer}.attn_norm.weight"], cfg.eps)
-    c["q"] = rope_forward(proj("q", c["n1"]).reshape(t, cfg.n_heads, d), pos, cfg.rope_base)
-    c["k"] = rope_forward(proj("k", c["n1"]).reshape(t, cfg.n_kv_heads, d), pos, cfg.rope_base)
-    c["v"] = proj("v", c["n1"]).reshape(t, cfg.n_kv_heads, d)
-    c["att"] = attention_forward(c["q"], c["k"], c["v"]).reshape(t, cfg.q_dim)
+    c["q"] = rope_forward(proj("q", c["n1"]).reshape(*lead, cfg.n_heads, d), pos, cfg.rope_base)
+    c["k"] = rope_forward(proj("k", c["n1"]).reshape(*lead, cfg.n_kv_heads, d), pos, cfg.rope_base)
+    c["v"] = proj("v", c["n1"]).reshape(*lead, cfg.n_kv_heads, d)
+    c["att"] = attention_forward(c["q"], c["k"], c["v"]).reshape(*lead, cfg.q_dim)
     c["h"] = x + proj("o", c["att"])
     c["n2"] = rmsnorm_forward(c["h"], weights[f"blk.{layer}.ffn_norm.weight"], cfg.eps)
     c["g"], c["u"] = proj("gate", c["n2"]), proj("up", c["n2"])
@@ -288,9 +310,9 @@ def block_backward(
     scale: float,
     grads: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]],
 ) -> np.ndarray:
-    """d block input; LoRA gradients of this layer are written into grads."""
-    t, d = dout.shape[0], cfg.head_dim
-    pos = np.arange(t)
+    """d block input (dout [T, H] or [B, T, H]); LoRA gradients of this layer are written into grads."""
+    lead, d = dout.shape[:-1], cfg.head_dim
+    pos = np.arange(dout.shape[-2])
 
     def proj_back(name: str, dy: np.ndarray, inp: np.ndarray) -> np.ndarray:
         dx, g = project_backward(dy, inp, _w(weights, layer, name), lora.get((layer, name)), scale)
@@ -304,11 +326,11 @@ def block_backward(
     dn2 = proj_back("gate", dg, c["n2"]) + proj_back("up", du, c["n2"])
     dh = dout + rmsnorm_backward(dn2, c["h"], weights[f"blk.{layer}.ffn_norm.weight"], cfg.eps)
     # attention half: h = x + o(attn(...))
-    datt = proj_back("o", dh, c["att"]).reshape(t, cfg.n_heads, d)
+    datt = proj_back("o", dh, c["att"]).reshape(*lead, cfg.n_heads, d)
     dq, dk, dv = attention_backward(datt, c["q"], c["k"], c["v"])
-    dq = rope_backward(dq, pos, cfg.rope_base).reshape(t, cfg.q_dim)
-    dk = rope_backward(dk, pos, cfg.rope_base).reshape(t, cfg.kv_dim)
-    dn1 = proj_back("q", dq, c["n1"]) + proj_back("k", dk, c["n1"]) + proj_back("v", dv.reshape(t, -1), c["n1"])
+    dq = rope_backward(dq, pos, cfg.rope_base).reshape(*lead, cfg.q_dim)
+    dk = rope_backward(dk, pos, cfg.rope_base).reshape(*lead, cfg.kv_dim)
+    dn1 = proj_back("q", dq, c["n1"]) + proj_back("k", dk, c["n1"]) + proj_back("v", dv.reshape(*lead, -1), c["n1"])
     return dh + rmsnorm_backward(dn1, c["x"], weights[f"blk.{layer}.attn_norm.weight"], cfg.eps)
 
 
@@ -340,7 +362,7 @@ def forward(
     lora: LoraMap | None = None,
     lora_scale: float = 1.0,
 ) -> np.ndarray:
-    """logits [T, V] for token ids [T] (positions 0..T-1)."""
+    """logits [T, V] for token ids [T] (positions 0..T-1); [B, T, V] for a batch of ids [B, T]."""
     return _forward_cached(weights, cfg, ids, lora, lora_scale)[0]
 
 
@@ -357,11 +379,23 @@ def loss_and_grads(
     mask: np.ndarray,
     loss_cfg: LossConfig,
 ) -> tuple[float, dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]]:
-    """(loss, {(layer, target): (dA, dB)}) by the hand-written backward."""
+    """(loss, {(layer, target): (dA, dB)}) by the hand-written backward.
+
+    One sequence (ids [T], teacher arrays [T, k] / [T]) or a batch (ids [B, T], [B, T, k] / [B, T]): the loss
+    is the mean over every masked position of the batch."""
     logits, caches, x = _forward_cached(weights, cfg, ids, lora, lora_scale)
-    args = (teacher_ids, teacher_logprobs, teacher_tail, targets, mask, loss_cfg)
-    loss = kd_loss_forward(logits, *args)
-    dlogits = kd_loss_backward(logits, *args)
+    k = np.shape(teacher_ids)[-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    args = (
+        np.reshape(teacher_ids, (-1, k)),
+        np.reshape(teacher_logprobs, (-1, k)),
+        None if teacher_tail is None else np.reshape(teacher_tail, -1),
+        np.reshape(targets, -1),
+        np.reshape(mask, -1),
+        loss_cfg,
+    )
+    loss = kd_loss_forward(flat, *args)
+    dlogits = kd_loss_backward(flat, *args).reshape(logits.shape)
     dn = linear_backward_input(dlogits, lm_head_weight(weights))
     dx = rmsnorm_backward(dn, x, weights["output_norm.weight"], cfg.eps)
     grads: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
