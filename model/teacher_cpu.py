@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from model.config import ModelConfig
-from model.reference import forward
+from model.reference import block_forward, embedding_forward, forward, lm_head_weight, rmsnorm_forward
 
 
 def topk_from_logits(logits: np.ndarray, k: int, temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -75,3 +75,108 @@ def reference_topk(
     if len(ids) and (ids.min() < 0 or ids.max() >= cfg.vocab):
         raise ValueError(f"ids outside the teacher vocabulary [0, {cfg.vocab})")
     return topk_from_logits(forward(weights, cfg, ids.astype(np.int64)), k, temperature)
+
+
+# ---------------------------------------------------------------- batched, chunked over the vocabulary
+
+
+def reference_topk_batch(
+    weights: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    ids: np.ndarray,
+    k: int,
+    temperature: float,
+    *,
+    mask: np.ndarray | None = None,
+    vocab_chunk: int = 8192,
+    max_rows: int = 4096,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """reference_topk for many sequences per call: ids [N, T] -> (ids [N, T, k], logprobs [N, T, k], tail [N, T]).
+
+    The forward runs batched in float32 (at most max_rows = N' * T tokens at a time); the lm_head and the top-k
+    run over vocab_chunk ids at a time (topk_chunked), never a [T, V] array. Positions with mask == 0 (when given)
+    are skipped by the head and come back as id 0, logprob 0, tail 0. Same semantics as reference_topk; against
+    it (float64 logits) logprobs differ by ~1e-6 absolute (float32 logits), tails by ~1e-6 relative.
+    """
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be a 2-D [N, T] integer array, got {ids.dtype} shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab):
+        raise ValueError(f"ids outside the teacher vocabulary [0, {cfg.vocab})")
+    n_seq, t = ids.shape
+    keep = np.ones(ids.shape, bool) if mask is None else np.asarray(mask).reshape(ids.shape) != 0
+    w = {name: np.asarray(a, np.float32) for name, a in weights.items()}
+    lm_head = lm_head_weight(w)
+    out_ids = np.zeros((n_seq, t, k), np.int64)
+    out_lp = np.zeros((n_seq, t, k), np.float32)
+    out_tail = np.zeros((n_seq, t), np.float32)
+    group = max(1, max_rows // max(t, 1))
+    for s0 in range(0, n_seq, group):
+        sl = slice(s0, min(n_seq, s0 + group))
+        x = embedding_forward(w["token_embd.weight"], ids[sl].astype(np.intp))
+        for layer in range(cfg.n_layers):
+            x = block_forward(x, w, cfg, layer, {}, 1.0)[0]
+        h = rmsnorm_forward(x, w["output_norm.weight"], cfg.eps)[keep[sl]]
+        top_ids, top_lp, tail = topk_chunked(h, lm_head, k, temperature, vocab_chunk)
+        out_ids[sl][keep[sl]], out_lp[sl][keep[sl]], out_tail[sl][keep[sl]] = top_ids, top_lp, tail
+    return out_ids, out_lp, out_tail
+
+
+def topk_chunked(
+    h: np.ndarray, w: np.ndarray, k: int, temperature: float, chunk: int = 8192
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """topk_from_logits(h W^T) for h [n, H], W [V, H] float32, over `chunk` vocabulary rows at a time.
+
+    Per chunk: z = h W_c^T / tau (float32 GEMM), its k best ids merged into the running k best; the exp-sum of
+    everything outside the running top-k (rescaled to the running max, summed in float64) is the tail, so the
+    tail needs no 1 - sum(top) cancellation. Rows whose k-th value ties with a value left out are redone
+    exactly on their full row (ties keep the smaller ids, as topk_from_logits does)."""
+    n, vocab = h.shape[0], w.shape[0]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be in [1, vocab={vocab}], got {k}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    inv_tau = np.float32(1.0 / temperature)
+    best = np.full((n, k), -np.inf, np.float32)
+    best_ids = np.zeros((n, k), np.int64)
+    m = np.full(n, -np.inf, np.float32)  # running max of z / tau
+    rest = np.zeros(n, np.float64)  # sum exp(z / tau - m) over the ids outside the running top-k
+    runner_up = np.full(n, -np.inf, np.float32)  # the largest value left out so far
+    rows = np.arange(n)[:, None]
+    for c0 in range(0, vocab, chunk):
+        z = h @ w[c0 : c0 + chunk].T
+        z *= inv_tau
+        if not np.isfinite(z).all():
+            raise ValueError("teacher logits contain NaN or inf")
+        nv = z.shape[1]
+        if nv > k:
+            part = np.argpartition(-z, k, axis=1)  # [:, :k] the chunk's k best, [:, k] the next one
+            runner_up = np.maximum(runner_up, z[rows[:, 0], part[:, k]])
+            part = part[:, :k]
+        else:
+            part = np.broadcast_to(np.arange(nv), (n, nv))
+        m_new = np.maximum(m, z.max(axis=1))
+        rest *= np.exp(m - m_new).astype(np.float64)
+        cand = z[rows, part]
+        np.subtract(z, m_new[:, None], out=z)
+        np.exp(z, out=z)
+        z[rows, part] = 0.0  # the candidates are counted below, when they leave the top-k
+        rest += z.sum(axis=1, dtype=np.float64)
+        vals = np.concatenate([best, cand], axis=1)
+        cols = np.concatenate([best_ids, part + c0], axis=1)
+        order = np.argpartition(-vals, k - 1, axis=1)
+        keep, drop = order[:, :k], order[:, k:]
+        out_vals = vals[rows, drop]
+        rest += np.exp(out_vals - m_new[:, None]).sum(axis=1, dtype=np.float64)
+        runner_up = np.maximum(runner_up, out_vals.max(axis=1, initial=-np.inf))
+        best, best_ids, m = vals[rows, keep], cols[rows, keep], m_new
+    top = np.exp(best - m[:, None]).sum(axis=1, dtype=np.float64)
+    lse = m.astype(np.float64) + np.log(top + rest)
+    order = np.lexsort((best_ids, -best), axis=1)  # by -logprob, then id
+    best_ids = np.take_along_axis(best_ids, order, axis=1)
+    logp = np.take_along_axis(best, order, axis=1).astype(np.float64) - lse[:, None]
+    tail = rest / (top + rest)
+    for row in np.flatnonzero(runner_up >= best.min(axis=1)):  # a tie at the k-th value: redo the row exactly
+        r_ids, r_lp, r_tail = topk_from_logits((h[row] @ w.T)[None], k, temperature)
+        best_ids[row], logp[row], tail[row] = r_ids[0], r_lp[0], r_tail[0]
+    return best_ids, logp.astype(np.float32), tail.astype(np.float32)

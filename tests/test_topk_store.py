@@ -15,7 +15,7 @@ import pytest
 from data import topk as S
 from model import reference as R
 from model.config import ModelConfig
-from model.teacher_cpu import reference_topk, topk_from_logits
+from model.teacher_cpu import reference_topk, reference_topk_batch, topk_chunked, topk_from_logits
 from schemas.files import TOKEN_SHARD_SCHEMA, topk_schema, validate_table
 from schemas.manifests import TeacherManifest
 
@@ -93,6 +93,47 @@ def test_topk_from_logits_ties_temperature_and_full_k() -> None:
     assert 0.0 < sharp < soft  # a higher temperature spreads mass outside the top id
     with pytest.raises(ValueError, match="NaN or inf"):
         topk_from_logits(np.array([[0.0, np.nan]]), 1, 1.0)
+
+
+def test_batched_teacher_matches_reference_topk(weights: dict[str, np.ndarray]) -> None:
+    """Many sequences per call, float32, 64 vocabulary ids per chunk (300 = 4 full chunks + 44), 2 sequences per
+    forward: the same ids as reference_topk (float64 here), logprobs within 2e-5, tails within 1e-4 relative."""
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, CFG.vocab, size=(5, SEQ_LEN))
+    mask = rng.random(ids.shape) < 0.7
+    got_ids, got_lp, got_tail = reference_topk_batch(weights, CFG, ids, K, TAU, vocab_chunk=64, max_rows=2 * SEQ_LEN)
+    masked = reference_topk_batch(weights, CFG, ids, K, TAU, mask=mask, vocab_chunk=64)
+    assert got_ids.shape == (5, SEQ_LEN, K) and got_lp.dtype == np.float32 and got_tail.shape == (5, SEQ_LEN)
+    for s in range(len(ids)):
+        want_ids, want_lp, want_tail = reference_topk(weights, CFG, ids[s], K, TAU)
+        np.testing.assert_array_equal(got_ids[s], want_ids)
+        np.testing.assert_allclose(got_lp[s], want_lp, rtol=0, atol=2e-5)
+        np.testing.assert_allclose(got_tail[s], want_tail, rtol=1e-4)
+        np.testing.assert_array_equal(masked[0][s][mask[s]], want_ids[mask[s]])
+        np.testing.assert_allclose(masked[2][s][mask[s]], got_tail[s][mask[s]], rtol=1e-5)
+        assert not masked[0][s][~mask[s]].any() and not masked[2][s][~mask[s]].any()
+
+
+def test_chunked_topk_ties_and_small_tails() -> None:
+    """Exact ties across chunk borders keep the smaller ids (integer logits: exact in float32), and a tail far
+    below float32's 1 - sum(top) resolution keeps its relative precision."""
+    rng = np.random.default_rng(3)
+    w = rng.integers(-3, 4, size=(5, 6)).astype(np.float32)[rng.integers(0, 5, size=40)]  # 40 ids, 5 distinct rows
+    h = rng.integers(-2, 3, size=(9, 6)).astype(np.float32)
+    for k, chunk in ((4, 7), (1, 3), (13, 16), (40, 11)):
+        got = topk_chunked(h, w, k, 1.3, chunk)
+        want = topk_from_logits(h @ w.T, k, 1.3)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_allclose(got[1], want[1], rtol=1e-6)  # z / tau rounded in float32
+        np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-30)
+    sharp = np.zeros((3, 50), np.float32)
+    sharp[:, 7] = 30.0  # one id holds all but ~e^-30 * 49 of the mass
+    logits = sharp + np.eye(3, 50, dtype=np.float32)
+    got = topk_chunked(logits, np.eye(50, dtype=np.float32), 1, 1.0, 8)  # W = I: the logits are h itself
+    want = topk_from_logits(logits, 1, 1.0)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    assert 0 < got[2].max() < 1e-10
 
 
 # ---------------------------------------------------------------------------------------------- store
