@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -321,7 +322,8 @@ class RunSection(Section):
     experiment: str = Field("distillery", min_length=1, description="MLflow experiment name.")
     mlflow_uri: str | None = Field(
         None,
-        description="MLflow tracking URI (null: sqlite:///<workdir>/mlflow.db, artifacts under workdir).",
+        description="MLflow tracking URI, e.g. http://127.0.0.1:5000 from infra/up.sh (null: $MLFLOW_TRACKING_URI "
+        "when set, else sqlite:///<workdir>/mlflow.db with artifacts under workdir).",
     )
     run_name: str | None = Field(None, description="MLflow / Prefect run name (null: generated).")
     gpu_backend: Literal["auto", "wgpu", "dawn"] = Field(
@@ -331,9 +333,12 @@ class RunSection(Section):
     )
 
     def tracking_uri(self) -> str:
-        """mlflow_uri, or the sqlite database under workdir."""
+        """mlflow_uri, else $MLFLOW_TRACKING_URI (how a served worker is pointed at a team server), else the
+        sqlite database under workdir."""
         if self.mlflow_uri:
             return self.mlflow_uri
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            return os.environ["MLFLOW_TRACKING_URI"]
         return f"sqlite:///{(self.workdir / 'mlflow.db').resolve()}"
 
 

@@ -27,6 +27,7 @@ from schemas import (
     FileRef,
     ManifestError,
     RunConfig,
+    RunSection,
     SchemaError,
     ShardRecord,
     StudentManifest,
@@ -437,3 +438,14 @@ def test_manifest_validation_and_verify(tmp_path):
         ),
     )  # fmt: skip
     assert teacher.complete is False
+
+
+def test_tracking_uri_prefers_config_then_environment_then_workdir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = RunSection(workdir=tmp_path)
+    assert run.tracking_uri() == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert run.tracking_uri() == "http://127.0.0.1:5000"
+    assert RunSection(workdir=tmp_path, mlflow_uri="http://team:5000").tracking_uri() == "http://team:5000"
