@@ -68,7 +68,8 @@ def random_tensors(cfg: ModelConfig, qtype: int, rng: np.random.Generator):
 
 def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     from gpu.device import Device
-    from gpu.student import GPUStudent, StudentWeights
+    from gpu.model import StudentWeights
+    from gpu.student import GPUStudent
     from gpu.teacher import GPUTeacher
     from model import reference
     from model.kd import LossConfig

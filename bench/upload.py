@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from train_step import SHAPES, random_tensors  # noqa: E402
 
 from gpu.device import Device  # noqa: E402
-from gpu.student import StudentWeights  # noqa: E402
+from gpu.model import StudentWeights  # noqa: E402
 from model.gguf import llama_metadata, write_gguf  # noqa: E402
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from gpu.device import Device
+from gpu.model import GPUModel, StudentWeights
 from gpu.ops.topk import TopKState, hidden_topk
-from gpu.student import GPUModel, StudentWeights
 
 
 class GPUTeacher(GPUModel):

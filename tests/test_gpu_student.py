@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from gpu.model import StudentWeights
 from gpu.ops.adamw import AdamWConfig
-from gpu.student import GPUStudent, StudentWeights
+from gpu.student import GPUStudent
 from model import reference
 from model.config import LORA_TARGETS, ModelConfig
 from model.kd import LossConfig, log_softmax

@@ -73,7 +73,8 @@ def _engine(w, loss: LossConfig, **kw) -> NumpyEngine:
 
 
 def _gpu_student(dev, w, loss: LossConfig, **kw):
-    from gpu.student import GPUStudent, StudentWeights
+    from gpu.model import StudentWeights
+    from gpu.student import GPUStudent
 
     kw = {"layers": LAYERS, "optim": AdamWConfig(lr=1e-2, weight_decay=0.1), **kw}
     weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)

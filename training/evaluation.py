@@ -1,4 +1,5 @@
-"""Held-out evaluation: forward KL over the teacher top-k + tail, top-1 agreement, CE, perplexity."""
+"""Held-out evaluation above the engine interface: forward KL over the teacher top-k + tail, top-1 agreement, CE,
+perplexity."""
 
 from __future__ import annotations
 
@@ -12,11 +13,20 @@ from data.checkpoint import load_checkpoint
 from data.topk import TopkReader
 from model import reference
 from schemas.config import RunConfig
+from training import engines
 from training.batches import Split, batch_arrays, read_split
-from training.loop import build_student
+from training.engine import AdapterLayout
 
 
 # ---- evaluation -------------------------------------------------------------------------------------------
+def zero_adapter(layout: AdapterLayout) -> dict[tuple[int, str], reference.LoraPair]:
+    """A and B all zero in every slot: the student as it is (the baseline)."""
+    return {
+        key: reference.LoraPair(np.zeros((layout.r, s.d_in), np.float32), np.zeros((s.d_out, layout.r), np.float32))
+        for key, s in layout.slots.items()
+    }
+
+
 def eval_batches(cfg: RunConfig, split: Split) -> Iterator[np.ndarray]:
     b = cfg.train.batch_size
     n_batches = math.ceil(len(split.seq_ids) / b)
@@ -36,24 +46,14 @@ def evaluate(
     if len(split.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the eval split is empty (raise data.eval_fraction)")
     reader = TopkReader(topk_dir)
-    st = build_student(cfg, student_gguf, split.ids.shape[1], eval_mode=True)
-    if checkpoint is None:
-        st.set_adapter(
-            {
-                key: reference.LoraPair(
-                    np.zeros((st.layout.r, s.d_in), np.float32), np.zeros((s.d_out, st.layout.r), np.float32)
-                )
-                for key, s in st.layout.slots.items()
-            }
-        )
-    else:
-        st.set_adapter(load_checkpoint(checkpoint)[0])
+    engine = engines.build_engine(cfg, student_gguf, split.ids.shape[1], eval_mode=True)
+    engine.set_adapter(zero_adapter(engine.layout) if checkpoint is None else load_checkpoint(checkpoint)[0])
     tau2 = cfg.teacher.temperature**2
     kl_sum = ce_sum = top1 = n = 0.0
     for rows in eval_batches(cfg, split):
         ids, targets, mask, tids, tlp, tail = batch_arrays(split, rows, cfg.train.batch_size, reader, cfg.teacher.top_k)
-        st.write_batch(ids, targets, mask, tids, tlp, tail)
-        out = st.evaluate_batch()
+        engine.write_batch(ids, targets, mask, tids, tlp, tail)
+        out = engine.evaluate_batch()
         m = mask.reshape(-1) != 0
         count = int(m.sum())
         kl_sum += float(out["kd_loss"][0]) * count / tau2

@@ -1,0 +1,380 @@
+"""The frozen llama forward on the GPU, shared by the student (training, gpu/student.py) and the teacher
+(top-k, gpu/teacher.py): the weights uploaded still in their GGML types, and GPUModel, the forward over `batch`
+sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by gpu/lora_layout.py).
+
+Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it;
+rows are `batch * seq_len` tokens; only attention works per sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from gpu.device import BufferView, Device, DeviceError
+from gpu.lora_layout import LoraLayout, aligned_floats
+from gpu.ops.add import add
+from gpu.ops.attention import attention_forward
+from gpu.ops.embedding import embedding_forward
+from gpu.ops.lora import lora_forward
+from gpu.ops.matmul import linear, linear_input_grad
+from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
+from gpu.ops.rmsnorm import rmsnorm_forward
+from gpu.ops.rope import RopeTable, rope_forward
+from gpu.ops.swiglu import swiglu_forward
+from gpu.weights import QuantTensor, upload_quant
+from model.config import LORA_TARGETS, ModelConfig
+from model.reference import LoraPair
+
+PREFETCH = 2  # tensors read ahead of the upload
+
+
+# ---- frozen weights --------------------------------------------------------------------------------------
+@dataclass
+class StudentWeights:
+    """The frozen student on the GPU: 2-D projections in their GGML types, norms and lm_head in f32."""
+
+    cfg: ModelConfig
+    embed: QuantTensor
+    lm_head: QuantTensor  # [V, H]; the tied token_embd when there is no output.weight
+    norms: dict[str, Any]
+    proj: dict[tuple[int, str], QuantTensor]
+    nbytes: int = 0
+
+    @classmethod
+    def upload(
+        cls, dev: Device, cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray, int, tuple[int, ...]]]
+    ) -> StudentWeights:
+        """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time."""
+        from model.quant import dequantize
+
+        stem_to_target = {v: k for k, v in LORA_TARGETS.items()}
+        norms: dict[str, Any] = {}
+        proj: dict[tuple[int, str], QuantTensor] = {}
+        embed = lm_head = None
+        total = 0
+        for name, data, qtype, shape in tensors:
+            parts = name.split(".")
+            if name == "token_embd.weight":
+                embed = upload_quant(dev, data, qtype, shape, name)
+                total += embed.nbytes
+                if cfg.tied_embeddings:
+                    lm_head = embed
+            elif name == "output.weight":
+                lm_head = upload_quant(dev, data, qtype, shape, name)
+                total += lm_head.nbytes
+            elif name.endswith("_norm.weight"):
+                norms[name] = _upload_f32(dev, dequantize(data, qtype, shape).reshape(-1), name)
+            elif parts[0] == "blk" and parts[2] in stem_to_target:
+                t = upload_quant(dev, data, qtype, shape, name)
+                proj[(int(parts[1]), stem_to_target[parts[2]])] = t
+                total += t.nbytes
+        missing = [
+            f"blk.{i}.{LORA_TARGETS[t]}.weight" for i in range(cfg.n_layers) for t in LORA_TARGETS if (i, t) not in proj
+        ]
+        missing += [n for n, v in (("token_embd.weight", embed), ("lm_head", lm_head)) if v is None]
+        if missing:
+            raise DeviceError(f"student weights incomplete: missing {', '.join(missing[:5])}")
+        return cls(cfg, embed, lm_head, norms, proj, total)
+
+    @classmethod
+    def from_arrays(cls, dev: Device, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: int = Q.F32):
+        """Upload float weights (GGUF names), quantizing 2-D projections to `qtype` (tests, random models)."""
+        from model.quant import quantize
+
+        def items() -> Iterator[tuple[str, np.ndarray, int, tuple[int, ...]]]:
+            for name, w in weights.items():
+                w = np.asarray(w, np.float32)
+                is_proj = w.ndim == 2 and name.startswith("blk.")
+                t = qtype if is_proj else Q.F32
+                yield name, quantize(w, t) if t != Q.F32 else w, t, w.shape
+
+        return cls.upload(dev, cfg, items())
+
+    @classmethod
+    def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> StudentWeights:
+        """Stream a GGUF tensor by tensor into GPU memory, still quantized.
+
+        A background thread reads the next tensors from the memory map (at most `PREFETCH` in flight, so host
+        memory stays bounded by a few tensors) while this thread uploads; `progress(info)` after each upload."""
+        from model.gguf import GGUFFile
+
+        with GGUFFile(path) as f:
+            cfg = f.config()
+            items: queue.Queue = queue.Queue(maxsize=PREFETCH)
+            stop = threading.Event()
+
+            def read_ahead() -> None:
+                try:
+                    for info, raw in f.iter_tensors():
+                        if stop.is_set():
+                            return
+                        items.put((info, np.array(raw)))  # copy: pages the tensor in off the main thread
+                    items.put(None)
+                except BaseException as exc:  # surfaced on the main thread
+                    items.put(exc)
+
+            reader = threading.Thread(target=read_ahead, name="gguf-read-ahead", daemon=True)
+            reader.start()
+
+            def tensors() -> Iterator[tuple[str, np.ndarray, int, tuple[int, ...]]]:
+                while (item := items.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    info, raw = item
+                    yield info.name, raw, info.ggml_type, info.shape
+                    if progress is not None:
+                        progress(info)
+
+            try:
+                return cls.upload(dev, cfg, tensors())
+            finally:
+                stop.set()
+                while reader.is_alive():  # unblock a reader waiting on a full queue
+                    with contextlib.suppress(queue.Empty):
+                        items.get_nowait()
+                    reader.join(timeout=0.01)
+
+
+def _upload_f32(dev: Device, a: np.ndarray, label: str) -> Any:
+    return dev.upload(np.ascontiguousarray(a, dtype=np.float32), label=label)
+
+
+# ---- activations -----------------------------------------------------------------------------------------
+@dataclass
+class _Buffers:
+    """Every activation / gradient scratch for one (batch, seq_len) shape; built once, reused every step."""
+
+    dev: Device
+    cfg: ModelConfig
+    batch: int
+    seq_len: int
+    r: int
+    k: int
+    bufs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.seq_len
+
+    def get(self, name: str, n_elems: int) -> Any:
+        if name not in self.bufs:
+            self.bufs[name] = self.dev.buffer(4 * max(n_elems, 1), label=f"student {name}")
+        return self.bufs[name]
+
+
+def _resolve_precision(dev: Device, precision: str) -> str:
+    """f32 (portable, strict parity), tensorcore (f16 operands, f32 accumulation), or auto (tensorcore when the
+    device has subgroup matrices)."""
+    if precision == "auto":
+        return "tensorcore" if has_tensor_cores(dev) else "f32"
+    if precision == "tensorcore" and not has_tensor_cores(dev):
+        raise DeviceError(f"precision 'tensorcore' needs Dawn subgroup matrices: {tensor_core_problem(dev)}")
+    if precision not in ("f32", "tensorcore"):
+        raise ValueError(f"precision {precision!r}: expected f32, tensorcore or auto")
+    return precision
+
+
+class GPUModel:
+    """Forward of the frozen model (optionally with LoRA) over `batch` sequences of `seq_len` tokens."""
+
+    def __init__(
+        self,
+        dev: Device,
+        weights: StudentWeights,
+        *,
+        batch: int,
+        seq_len: int,
+        targets: Iterable[str] = (),
+        r: int = 1,
+        alpha: float = 1.0,
+        layers: Iterable[int] | None = None,
+        precision: str = "f32",
+    ) -> None:
+        self.dev, self.w, self.cfg = dev, weights, weights.cfg
+        cfg = self.cfg
+        self.precision = _resolve_precision(dev, precision)
+        self._linear, self._linear_grad = (
+            (linear_tc, linear_input_grad_tc) if self.precision == "tensorcore" else (linear, linear_input_grad)
+        )
+        if seq_len > cfg.context_length:
+            raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
+        self.layout = LoraLayout.build(cfg, targets, r, layers)
+        self.scale = alpha / r
+        self.batch, self.seq_len = batch, seq_len
+        self.rows = batch * seq_len
+        self.params = dev.buffer(4 * max(self.layout.n_params, 1), label="lora params")
+        self.rope = RopeTable.build(dev, cfg.head_dim, cfg.rope_base, seq_len)
+        self._b = _Buffers(dev, cfg, batch, seq_len, r, 0)
+        self._alloc()
+
+    # ---- parameters ------------------------------------------------------------------------------------
+    def set_adapter(self, adapter: Mapping[tuple[int, str], LoraPair]) -> None:
+        self.dev.write(self.params, self.layout.pack(adapter))
+
+    def get_adapter(self) -> dict[tuple[int, str], LoraPair]:
+        return self.layout.unpack(self.dev.read(self.params, np.float32, (self.layout.n_params,)))
+
+    def _view(self, buf: Any, off: int, n: int) -> BufferView:
+        return BufferView(buf, 4 * off, 4 * n)
+
+    def _lora(self, layer: int, target: str, buf: Any) -> tuple[BufferView, BufferView] | None:
+        s = self.layout.slots.get((layer, target))
+        if s is None:
+            return None
+        r = self.layout.r
+        return self._view(buf, s.a_off, r * s.d_in), self._view(buf, s.b_off, s.d_out * r)
+
+    # ---- buffers ---------------------------------------------------------------------------------------
+    def _alloc(self) -> None:
+        cfg, rows, k = self.cfg, self.rows, max(getattr(self, "k", 0), 1)
+        h, f, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
+        self.slot = aligned_floats(rows * h)
+        b = self._b.get
+        self.xs = b("layer inputs", (cfg.n_layers + 1) * self.slot)
+        for name, n in (
+            ("ids", rows),
+            ("positions", rows),
+            ("targets", rows),
+            ("mask", rows),
+            ("teacher_ids", rows * k),
+            ("teacher_logprobs", rows * k),
+            ("teacher_tail", rows),
+            ("loss", 4),
+        ):
+            b(name, n)
+        sizes = {
+            "n1": h,
+            "q": qd,
+            "k": kvd,
+            "v": kvd,
+            "qr": qd,
+            "kr": kvd,
+            "att": qd,
+            "hres": h,
+            "n2": h,
+            "g": f,
+            "u": f,
+            "s": f,
+            "tmp": h,
+            "nf": h,
+            "dx": h,
+            "dh": h,
+            "ds": f,
+            "dg": f,
+            "du": f,
+            "dn": h,
+            "datt": qd,
+            "dqr": qd,
+            "dq": qd,
+            "dkr": kvd,
+            "dk": kvd,
+            "dv": kvd,
+        }
+        self.a = {name: b(name, rows * n) for name, n in sizes.items()}
+        self.seq_q = aligned_floats(self.seq_len * qd)
+        self.seq_kv = aligned_floats(self.seq_len * kvd)
+        self.seq_lse = aligned_floats(cfg.n_heads * self.seq_len)
+        # per-sequence attention tensors live in padded slots so each sequence's view is offset-aligned
+        for name, per in (
+            ("aq", self.seq_q),
+            ("ak", self.seq_kv),
+            ("av", self.seq_kv),
+            ("ao", self.seq_q),
+            ("adq", self.seq_q),
+            ("adk", self.seq_kv),
+            ("adv", self.seq_kv),
+            ("ado", self.seq_q),
+        ):
+            self.a[name] = b(name, self.batch * per)
+        self.lse = b("lse", self.batch * self.seq_lse)
+        self.delta = b("attention delta", cfg.n_heads * self.seq_len)
+        r = self.layout.r
+        self.t_lora = {t: b(f"lora t {t}", rows * r) for t in LORA_TARGETS}
+        self.dt = b("lora dt", rows * r)
+
+    def _x(self, layer: int) -> BufferView:
+        return self._view(self.xs, layer * self.slot, self.rows * self.cfg.hidden)
+
+    # ---- one projection (frozen W + LoRA) ---------------------------------------------------------------
+    def _proj(self, x: Any, layer: int, target: str, y: Any) -> None:
+        d_out, d_in = self.cfg.target_shape(target)
+        self._linear(self.dev, x, self.w.proj[(layer, target)], y, self.rows)
+        ab = self._lora(layer, target, self.params)
+        if ab is not None:
+            lora_forward(self.dev, x, *ab, self.t_lora[target], y, self.rows, d_in, d_out, self.layout.r, self.scale)
+
+    # ---- attention over the batch, one sequence at a time ----------------------------------------------
+    def _scatter(self, src: Any, dst: str, width: int, per: int, to_slots: bool) -> None:
+        """Copy rows between the packed [rows, width] layout and the per-sequence padded slots."""
+        n = 4 * self.seq_len * width
+        for s in range(self.batch):
+            packed, slot = 4 * s * self.seq_len * width, 4 * s * per
+            if to_slots:
+                self.dev.copy(src, self.a[dst], n, packed, slot)
+            else:
+                self.dev.copy(self.a[dst], src, n, slot, packed)
+
+    def _attention(self, q: Any, k: Any, v: Any, out: Any) -> None:
+        cfg, t = self.cfg, self.seq_len
+        qd, kvd = cfg.q_dim, cfg.kv_dim
+        if self.batch == 1:
+            attention_forward(self.dev, q, k, v, out, self.lse, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+            return
+        self._scatter(q, "aq", qd, self.seq_q, True)
+        self._scatter(k, "ak", kvd, self.seq_kv, True)
+        self._scatter(v, "av", kvd, self.seq_kv, True)
+        for s in range(self.batch):
+            attention_forward(
+                self.dev,
+                self._view(self.a["aq"], s * self.seq_q, t * qd),
+                self._view(self.a["ak"], s * self.seq_kv, t * kvd),
+                self._view(self.a["av"], s * self.seq_kv, t * kvd),
+                self._view(self.a["ao"], s * self.seq_q, t * qd),
+                self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
+                t,
+                cfg.n_heads,
+                cfg.n_kv_heads,
+                cfg.head_dim,
+            )
+        self._scatter(out, "ao", qd, self.seq_q, False)
+
+    # ---- one block -------------------------------------------------------------------------------------
+    def _block_forward(self, layer: int) -> None:
+        """x_{l+1} = block(x_l), keeping this block's intermediates in the scratch buffers."""
+        cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
+        h, f = cfg.hidden, cfg.ffn
+        x, x_next = self._x(layer), self._x(layer + 1)
+        pos = self._b.bufs["positions"]
+        rmsnorm_forward(dev, x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["n1"], rows, h, cfg.eps)
+        self._proj(a["n1"], layer, "q", a["q"])
+        self._proj(a["n1"], layer, "k", a["k"])
+        self._proj(a["n1"], layer, "v", a["v"])
+        rope_forward(dev, self.rope, a["q"], a["qr"], rows, cfg.n_heads, positions=pos)
+        rope_forward(dev, self.rope, a["k"], a["kr"], rows, cfg.n_kv_heads, positions=pos)
+        self._attention(a["qr"], a["kr"], a["v"], a["att"])
+        self._proj(a["att"], layer, "o", a["tmp"])
+        add(dev, x, a["tmp"], a["hres"], rows * h)
+        rmsnorm_forward(dev, a["hres"], self.w.norms[f"blk.{layer}.ffn_norm.weight"], a["n2"], rows, h, cfg.eps)
+        self._proj(a["n2"], layer, "gate", a["g"])
+        self._proj(a["n2"], layer, "up", a["u"])
+        swiglu_forward(dev, a["g"], a["u"], a["s"], rows * f)
+        self._proj(a["s"], layer, "down", a["tmp"])
+        add(dev, a["hres"], a["tmp"], x_next, rows * h)
+
+    # ---- whole model -----------------------------------------------------------------------------------
+    def _forward_to_head(self) -> None:
+        cfg, dev = self.cfg, self.dev
+        embedding_forward(dev, self.w.embed, self._b.bufs["ids"], self._x(0), self.rows)
+        for layer in range(cfg.n_layers):
+            self._block_forward(layer)
+        rmsnorm_forward(
+            dev, self._x(cfg.n_layers), self.w.norms["output_norm.weight"], self.a["nf"], self.rows, cfg.hidden, cfg.eps
+        )
