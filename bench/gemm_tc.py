@@ -1,13 +1,15 @@
 """Tensor-core GEMM throughput (Dawn subgroup matrices), printed as JSON, with torch's from the same run.
 
-    python bench/gemm_tc.py                                   # plain F16 GEMM at N = 1024..8192, fused Q4_K/Q4_0
-    python bench/gemm_tc.py --sizes 4096 --cfg 2,2,4,4,32,1   # one tile: sg_m,sg_n,tm,tn,bk,prefetch
+    python bench/gemm_tc.py                                    # the default sizes, shapes and fused runs
+    python bench/gemm_tc.py --sizes 4096 --cfg 2,4,4,2,32,2,8  # one tile: sg_m,sg_n,tm,tn,bk,stages,vec
 
-"plain" is the f16 GEMM C[N, N] = A[N, N] . W^T with f16 A and an F16 weight; "fused" dequantizes Q4_K /
-Q4_0 weights into the f16 tiles, A f32 (as in training), in both orientations (forward "nt", input
-gradient "nn"). TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait).
-Each result carries max_rel_err: |C - ref| / max |ref| over 8 sampled rows, ref in float64 from the
-f16-rounded operands. torch (when importable with CUDA) times torch.matmul in bf16 and fp16.
+"plain" is the f16 GEMM C[N, N] = A[N, N] . W^T with f16 A and an F16 weight; "shapes" are the real
+projection shapes of a TinyLlama-sized student (M = 4096 rows: 2048 -> 5632, 5632 -> 2048, 2048 -> 256),
+plain and fused; "fused" dequantizes Q4_K / Q4_0 weights into the f16 tiles, A f32 (as in training), in
+both orientations (forward "nt", input gradient "nn"), next to plain F16 with the same f32 A.
+TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait). Each result
+carries max_rel_err: |C - ref| / max |ref| over 8 sampled rows, ref in float64 from the f16-rounded
+operands. torch (when importable with CUDA) times torch.matmul in bf16 and fp16 on the same shapes.
 """
 
 from __future__ import annotations
@@ -31,11 +33,17 @@ from gpu.device import Device  # noqa: E402
 from gpu.ops.matmul_tc import gemm_tc, pick_config, tensor_core_problem  # noqa: E402
 from gpu.weights import random_blocks, upload_quant  # noqa: E402
 
+PROJECTIONS = [(4096, 5632, 2048), (4096, 2048, 5632), (4096, 256, 2048)]  # (M, N, K): 2048->5632, ...
+
 
 def parse_cfg(text: str) -> TCConfig:
-    """'sg_m,sg_n,tm,tn,bk,prefetch[,pad]' -> TCConfig."""
-    v = [int(x) for x in text.split(",")]
-    return TCConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]), *(v[6:7] or []))
+    """'sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m]' -> TCConfig."""
+    return TCConfig(*[int(x) for x in text.split(",")])
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """'MxNxK,...' -> [(M, N, K), ...]."""
+    return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]  # type: ignore[misc]
 
 
 def time_gemm(
@@ -61,7 +69,7 @@ def time_gemm(
     a = rng.standard_normal((m, r), dtype=np.float32)
     a_dev = dev.upload(a.astype(np.float16) if a_dtype == "f16" else a)
     c_dev = dev.buffer(m * p * 4)
-    cfg = cfg or pick_config(m)
+    cfg = cfg or pick_config(m, p)
 
     def run(reps: int) -> float:
         t = time.perf_counter()
@@ -82,7 +90,7 @@ def time_gemm(
         "m": m,
         "n": n,
         "k": k,
-        "cfg": cfg_str(cfg),
+        "cfg": cfg.label,
         "ms": round(t * 1e3, 4),
         "tflops": round(2.0 * m * n * k / t / 1e12, 2),
         "reps": reps,
@@ -98,12 +106,9 @@ def time_gemm(
     return out
 
 
-def cfg_str(c: TCConfig) -> str:
-    return f"{c.sg_m},{c.sg_n},{c.tm},{c.tn},{c.bk},{int(c.prefetch)},{c.pad}"
-
-
-def torch_tflops(sizes: list[int], seconds: float = 0.25) -> dict[str, Any]:
-    """torch.matmul TFLOP/s for square bf16 / fp16 products (CUDA events), or why there is none."""
+def torch_tflops(sizes: list[int], shapes: list[tuple[int, int, int]] = (), seconds: float = 0.25) -> dict[str, Any]:
+    """torch.matmul TFLOP/s for square (N) and (M, N, K) bf16 / fp16 products (CUDA events, random data),
+    keyed by "N" or "MxNxK"; or why there is none."""
     try:
         import torch
     except ImportError as e:
@@ -113,9 +118,9 @@ def torch_tflops(sizes: list[int], seconds: float = 0.25) -> dict[str, Any]:
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         res = {}
-        for n in sizes:
-            a = torch.randn(n, n, device="cuda", dtype=dtype)
-            b = torch.randn(n, n, device="cuda", dtype=dtype)
+        for m, n, k in [(s, s, s) for s in sizes] + list(shapes):
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            b = torch.randn(k, n, device="cuda", dtype=dtype)
             torch.matmul(a, b)
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -130,7 +135,8 @@ def torch_tflops(sizes: list[int], seconds: float = 0.25) -> dict[str, Any]:
             end.record()
             torch.cuda.synchronize()
             t = start.elapsed_time(end) / 1e3 / reps
-            res[str(n)] = round(2.0 * n**3 / t / 1e12, 1)
+            key = str(m) if m == n == k else f"{m}x{n}x{k}"
+            res[key] = round(2.0 * m * n * k / t / 1e12, 1)
             del a, b
         out[name] = res
     torch.cuda.empty_cache()
@@ -140,9 +146,10 @@ def torch_tflops(sizes: list[int], seconds: float = 0.25) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,2048,4096,8192", help="N = M = K of the plain f16 GEMM")
+    ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in PROJECTIONS), help="MxNxK,...")
     ap.add_argument("--fused-n", type=int, default=4096, help="N = M = K of the fused Q4_K / Q4_0 runs")
     ap.add_argument("--fused-types", default="Q4_K,Q4_0")
-    ap.add_argument("--cfg", default=None, help="sg_m,sg_n,tm,tn,bk,prefetch[,pad] (default: the preset)")
+    ap.add_argument("--cfg", default=None, help="sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m] (default: presets)")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     dev = Device(backend="dawn")
@@ -152,11 +159,17 @@ def main() -> None:
         sys.exit(1)
     cfg = parse_cfg(args.cfg) if args.cfg else None
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    shapes = parse_shapes(args.shapes)
     plain = [time_gemm(dev, "F16", "nt", n, n, n, cfg=cfg, a_dtype="f16") for n in sizes]
+    proj = [
+        time_gemm(dev, t, o, m, n, k, cfg=cfg, a_dtype=a)
+        for m, n, k in shapes
+        for t, o, a in (("F16", "nt", "f16"), ("Q4_K", "nt", "f32"), ("Q4_K", "nn", "f32"))
+    ]
+    fn = args.fused_n
     fused = [
-        time_gemm(dev, t, o, args.fused_n, args.fused_n, args.fused_n, cfg=cfg)
-        for t in args.fused_types.split(",")
-        if t
+        time_gemm(dev, t, o, fn, fn, fn, cfg=cfg)
+        for t in ["F16", *(t for t in args.fused_types.split(",") if t)]
         for o in ("nt", "nn")
     ]
     out = {
@@ -164,8 +177,9 @@ def main() -> None:
         "adapter": dev.adapter.summary,
         "backend": dev.backend,
         "plain_f16": plain,
+        "shapes": proj,
         "fused": fused,
-        "torch": {} if args.no_torch else torch_tflops(sizes),
+        "torch": {} if args.no_torch else torch_tflops(sizes, shapes),
     }
     print(json.dumps(out, indent=1))
 

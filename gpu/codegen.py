@@ -1,11 +1,12 @@
-"""Compose WGSL kernels from templates in gpu/kernels/: a kernel template + a weight type's decode snippet +
-generated constants and fully unrolled register-blocking code.
+"""Compose WGSL kernels from gpu/kernels/: the kernel text and template filling every kernel uses, the weight
+types' decode snippets, and the f32 matmul generator (generated constants, fully unrolled register blocking).
 
 Every weight type has one snippet `decode_<type>.wgsl` defining `decode4(n, k, K) -> vec4<f32>`
 (= W[n, k..k+3], k % 4 == 0) on a binding named `W`; quantized types also include `decode_common.wgsl`
-(byte helpers). A kernel template uses `${NAME}` placeholders (string.Template). Another matmul template
-registers its generator in MATMUL_TEMPLATES (the tensor-core kernels live in gpu/codegen_tc.py and reuse
-decode_snippet / fill / kernel_text).
+(byte helpers). A kernel template uses `${NAME}` placeholders (string.Template). The op kernels (skeletons,
+includes and bodies joined per variant) are listed in gpu/registry.py. Another matmul template registers its
+generator in MATMUL_TEMPLATES (the tensor-core kernels live in gpu/codegen_tc.py and reuse decode_snippet /
+fill / kernel_text).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from string import Template
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
+MATMUL_PARAMS = "matmul_params.wgsl"  # the uniform block of every matmul kernel (GemmShape.params fills it)
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,7 @@ def _matmul_f32_source(v: MatmulVariant) -> str:
         a_index, a_unit_r, a_unit_m = "m * prm.lda + r", "u % BR", "u / BR"
     return fill(
         kernel_text(v.template),
+        PARAMS=kernel_text(MATMUL_PARAMS),
         DECODE=decode_snippet(v.wtype),
         W_ELEM=WEIGHT_TYPES[v.wtype].w_elem,
         BM=t.bm,

@@ -1,21 +1,23 @@
 """Generate the tensor-core matmul kernels (gpu/kernels/matmul_tc.wgsl) for Dawn's subgroup matrices.
 
 A `TCConfig` fixes the workgroup shape: SG_M x SG_N subgroups of 32 invocations, each owning TM x TN result
-matrices of 16 x 16 (f32), BK reduction steps staged per iteration as f16 in workgroup memory, optionally
-double-buffered with a register prefetch. A `TCVariant` adds what the kernel binds and computes: weight type
-(its decode snippet from gpu/codegen.py), orientation, A's element type and access width, accumulate.
-The reduction and epilogue code is generated fully unrolled, with one named variable per result matrix (no
-private arrays of subgroup matrices, which would spill).
+matrices of 16 x 16 (f32), BK reduction steps staged per iteration as f16 in workgroup memory in units of
+V elements, with 0, 1 or 2 pipeline stages (see matmul_tc.wgsl). A `TCVariant` adds what the kernel binds
+and computes: weight type (its decode snippet from gpu/codegen.py), orientation, A's element type and
+load width, accumulate. The static WGSL lives in gpu/kernels/matmul_tc*.wgsl; this module generates only
+the tile-dependent, fully unrolled parts (staging calls, matrix loads and multiply-accumulates, epilogue),
+with one named variable per result matrix (no private arrays of subgroup matrices, which would spill).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from gpu.codegen import WEIGHT_TYPES, decode_snippet, fill, kernel_text
+from gpu.codegen import MATMUL_PARAMS, WEIGHT_TYPES, decode_snippet, fill, kernel_text
 
 SUBGROUP_SIZE = 32  # invocations per subgroup the kernels are generated for (NVIDIA)
 MATRIX = 16  # side of one subgroup matrix (the f16 -> f32 config M16 N16 K16)
+PROBES = ("", "no_mma", "no_stage")  # timing probes: drop the MMAs / the staging (bench/tc_sweep.py)
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,13 @@ class TCConfig:
     tm: int  # 16 x 16 result matrices per subgroup along M
     tn: int  # ... along P
     bk: int = 32  # reduction steps staged per iteration (multiple of 16)
-    prefetch: bool = False  # register prefetch of the next step + two workgroup buffers
+    stages: int = 1  # 0: load+store in place; 1: register prefetch; 2: register prefetch + two buffers
+    vec: int = 8  # elements per staging unit (4 or 8)
     pad: int = 8  # f16 padding per staged row (keeps the matrix loads off shared bank conflicts)
-    sg_from_lid: bool = False  # subgroup index as local_invocation_index / 32 instead of @builtin(subgroup_id)
+    group_m: int = 8  # workgroup rows per raster group (L2 reuse of B), 0: row-major order
+    direct: bool = True  # interior tiles store results straight to C (else always through the scratch)
+    split: bool = True  # one workgroup array per subgroup row / column block: constant matrix-load offsets
+    probe: str = ""  # timing probe (PROBES); "" for real kernels
 
     @property
     def bm(self) -> int:
@@ -49,18 +55,32 @@ class TCConfig:
 
     @property
     def buffers(self) -> int:
-        return 2 if self.prefetch else 1
+        return 2 if self.stages == 2 else 1
+
+    @property
+    def a_blocks(self) -> int:
+        """Arrays the A tile is split in (per buffer): one per subgroup row when split."""
+        return self.sg_m if self.split else 1
+
+    @property
+    def b_blocks(self) -> int:
+        return self.sg_n if self.split else 1
+
+    @property
+    def a_block(self) -> int:
+        """Elements of one A block: [BM / a_blocks][BK + pad]."""
+        return self.bm // self.a_blocks * (self.bk + self.pad)
 
     def b_stride(self, orient: str) -> int:
-        """Row stride of the staged B tile: [BN][BK] for "nt", [BK][BN] for "nn"."""
-        return self.bk + self.pad if orient == "nt" else self.bn + self.pad
+        """Row stride of a staged B block: [cols][BK] for "nt", [BK][cols] for "nn" (cols = BN / b_blocks)."""
+        return self.bk + self.pad if orient == "nt" else self.bn // self.b_blocks + self.pad
 
-    def b_tile(self, orient: str) -> int:
-        return (self.bn if orient == "nt" else self.bk) * self.b_stride(orient)
+    def b_block(self, orient: str) -> int:
+        return (self.bn // self.b_blocks if orient == "nt" else self.bk) * self.b_stride(orient)
 
     def workgroup_bytes(self, orient: str) -> int:
-        a_tile = self.bm * (self.bk + self.pad)
-        return 2 * self.buffers * (a_tile + self.b_tile(orient)) + 4 * self.subgroups * MATRIX * MATRIX
+        staged = self.a_blocks * self.a_block + self.b_blocks * self.b_block(orient)
+        return 2 * self.buffers * staged + 4 * self.subgroups * MATRIX * MATRIX
 
     def validate(self, orient: str, max_threads: int = 1024, max_workgroup_bytes: int = 49152) -> None:
         """Raise ValueError when the tile cannot be generated or exceeds the given device limits."""
@@ -69,8 +89,16 @@ class TCConfig:
                 raise ValueError(f"TCConfig.{name}={getattr(self, name)} must be positive")
         if self.bk % MATRIX:
             raise ValueError(f"TCConfig.bk={self.bk} must be a multiple of {MATRIX}")
-        if self.pad % 4 or self.pad < 0:
-            raise ValueError(f"TCConfig.pad={self.pad} must be a non-negative multiple of 4")
+        if self.vec not in (4, 8):
+            raise ValueError(f"TCConfig.vec={self.vec} must be 4 or 8")
+        if self.stages not in (0, 1, 2):
+            raise ValueError(f"TCConfig.stages={self.stages} must be 0, 1 or 2")
+        if self.pad % 8 or self.pad < 0:
+            raise ValueError(f"TCConfig.pad={self.pad} must be a non-negative multiple of 8 (16-byte rows)")
+        if self.group_m < 0:
+            raise ValueError(f"TCConfig.group_m={self.group_m} must be >= 0")
+        if self.probe not in PROBES:
+            raise ValueError(f"TCConfig.probe={self.probe!r}: expected one of {PROBES}")
         if self.threads > max_threads:
             raise ValueError(f"TCConfig {self} needs {self.threads} threads; the device allows {max_threads}")
         if self.workgroup_bytes(orient) > max_workgroup_bytes:
@@ -78,6 +106,20 @@ class TCConfig:
                 f"TCConfig {self} ({orient}) needs {self.workgroup_bytes(orient)} B of workgroup memory; "
                 f"the device allows {max_workgroup_bytes}"
             )
+
+    @property
+    def label(self) -> str:
+        """Short name: sg_m x sg_n subgroups, tm x tn matrices each, bk, stages, vec (+ options)."""
+        s = f"{self.sg_m}x{self.sg_n}_{self.tm}x{self.tn}_k{self.bk}_s{self.stages}_v{self.vec}"
+        if self.pad != 8:
+            s += f"_p{self.pad}"
+        if self.group_m != 8:
+            s += f"_g{self.group_m}"
+        if not self.direct:
+            s += "_cs"
+        if not self.split:
+            s += "_flat"
+        return s + (f"_{self.probe}" if self.probe else "")
 
 
 @dataclass(frozen=True)
@@ -88,174 +130,68 @@ class TCVariant:
     orient: str  # "nt": C = A . W^T (forward); "nn": C = A . W (input gradient)
     cfg: TCConfig
     a_type: str = "f32"  # element type of A in memory: "f32" or "f16"
-    a_vec: bool = True  # A read 4 elements at a time (needs lda, a_offset, R multiples of 4)
+    a_width: int = 4  # elements per A load (8 f16 only; 4; 1): lda, a_off and A's binding multiples of it
     accumulate: bool = False  # C += alpha * A.B instead of C = alpha * A.B
+    w_wide: bool = False  # F16 weight bound as vec4<u32> (K % 8 == 0): 16-byte loads, no f32 round trip
+    b_fast: bool = True  # "nn": plain B loaders (weight row length K % vec == 0); else the checked ones
 
     @property
     def key(self) -> tuple:
         return ("matmul_tc", self)
 
 
-_A_LOAD = {
-    ("f32", True): (
-        "vec4<f32>",
-        """fn a4(m: u32, r: u32) -> vec4<f16> {
-    return vec4<f16>(A[(prm.a_off + m * prm.lda + r) / 4u]);
-}""",
-    ),
-    ("f32", False): (
-        "f32",
-        """fn a1(m: u32, r: u32) -> f32 {
-    if (r < prm.R) {
-        return A[prm.a_off + m * prm.lda + r];
-    }
-    return 0.0;
+_A_ACCESS = {  # (a_type, a_width) -> (binding element, snippet)
+    ("f32", 4): ("vec4<f32>", "matmul_tc_a_f32x4.wgsl"),
+    ("f32", 1): ("f32", "matmul_tc_a_f32x1.wgsl"),
+    ("f16", 8): ("vec4<u32>", "matmul_tc_a_f16x8.wgsl"),
+    ("f16", 4): ("vec2<u32>", "matmul_tc_a_f16x4.wgsl"),
+    ("f16", 1): ("u32", "matmul_tc_a_f16x1.wgsl"),
 }
-
-fn a4(m: u32, r: u32) -> vec4<f16> {
-    return vec4<f16>(vec4<f32>(a1(m, r), a1(m, r + 1u), a1(m, r + 2u), a1(m, r + 3u)));
-}""",
-    ),
-    ("f16", True): (
-        "vec2<u32>",
-        """fn a4(m: u32, r: u32) -> vec4<f16> {
-    return ${H4}(A[(prm.a_off + m * prm.lda + r) / 4u]);
-}""",
-    ),
-    ("f16", False): (
-        "u32",
-        """fn a1(m: u32, r: u32) -> f16 {
-    if (r < prm.R) {
-        let i = prm.a_off + m * prm.lda + r;
-        return ${H2}(A[i >> 1u])[i & 1u];
-    }
-    return 0.0h;
-}
-
-fn a4(m: u32, r: u32) -> vec4<f16> {
-    return vec4<f16>(a1(m, r), a1(m, r + 1u), a1(m, r + 2u), a1(m, r + 3u));
-}""",
-    ),
-}
-
-_LOAD_B = {
-    "nt": """let n = p0 + u / (BK / 4u);
-    let k = r0 + (u % (BK / 4u)) * 4u;
-    if (n < prm.N && k < prm.K) {
-        return vec4<f16>(decode4(n, k, prm.K));
-    }
-    return vec4<f16>(0.0h);""",
-    "nn": """let r = r0 + u / (BN / 4u);
-    let p = p0 + (u % (BN / 4u)) * 4u;
-    if (r < prm.N && p < prm.K) {
-        return vec4<f16>(decode4(r, p, prm.K));
-    }
-    return vec4<f16>(0.0h);""",
-}
-_STORE_B_OFFSET = {
-    "nt": "(u / (BK / 4u)) * LDB_S + (u % (BK / 4u)) * 4u",
-    "nn": "(u / (BN / 4u)) * LDB_S + (u % (BN / 4u)) * 4u",
-}
-_B_SG = {"nt": "(sg / SG_M) * (TN * 16u) * LDB_S", "nn": "(sg / SG_M) * (TN * 16u)"}
-
 _LEFT = "subgroup_matrix_left<f16, 16, 16>"
 _RIGHT = "subgroup_matrix_right<f16, 16, 16>"
 _RESULT = "subgroup_matrix_result<f32, 16, 16>"
-
-_DIRECTIVES = """diagnostic(off, chromium.subgroup_matrix_uniformity);
-enable f16;
-enable subgroups;
-enable chromium_experimental_subgroup_matrix;"""
-
-# Emulation: the same kernel without subgroup matrices. A left/right operand is only its load descriptor
-# (the tile it names stays in workgroup memory until the next barrier); a result is distributed like the
-# real thing: invocation `lane` of its logical subgroup (32 consecutive invocations) holds elements
-# lane * 8 .. lane * 8 + 7 (row-major). Element [row][col] maps to memory as the extension defines:
-# row-major off + stride * row + col, column-major off + stride * col + row.
-_EMULATION = """var<private> emu_lane: u32;
-
-struct EmuH { off: u32, col_major: u32, stride: u32 }
-
-// naga has no width-changing bitcast to f16 vectors
-fn emu_h2(q: u32) -> vec2<f16> {
-    return vec2<f16>(unpack2x16float(q));
-}
-
-fn emu_h4(q: vec2<u32>) -> vec4<f16> {
-    return vec4<f16>(emu_h2(q.x), emu_h2(q.y));
-}
-struct EmuF { v: array<f32, 8> }
-
-fn emu_index(off: u32, row: u32, col: u32, col_major: u32, stride: u32) -> u32 {
-    return select(off + stride * row + col, off + stride * col + row, col_major != 0u);
-}
-
-fn emu_mma(a: EmuH, b: EmuH, acc: EmuF) -> EmuF {
-    var out = acc;
-    for (var e = 0u; e < 8u; e++) {
-        let row = (emu_lane * 8u + e) / 16u;
-        let col = (emu_lane * 8u + e) % 16u;
-        var s = out.v[e];
-        for (var k = 0u; k < 16u; k++) {
-            let x = As[emu_index(a.off, row, k, a.col_major, a.stride)];
-            let y = Bs[emu_index(b.off, k, col, b.col_major, b.stride)];
-            s += f32(x) * f32(y);
-        }
-        out.v[e] = s;
-    }
-    return out;
-}
-
-fn emu_store_cs(off: u32, m: EmuF, col_major: u32, stride: u32) {
-    for (var e = 0u; e < 8u; e++) {
-        let row = (emu_lane * 8u + e) / 16u;
-        let col = (emu_lane * 8u + e) % 16u;
-        Cs[emu_index(off, row, col, col_major, stride)] = m.v[e];
-    }
-}
-"""
 
 
 @dataclass(frozen=True)
 class _Dialect:
     """How the generated code spells the subgroup-matrix operations."""
 
-    directives: str
-    emulation: str
     sg_param: str
     sg_let: str
     result_zero: str
-    load_a: str  # format(off=...): left matrix from As, row-major, stride LDA_S
-    load_b: str  # format(off=..., cm=...): right matrix from Bs, stride LDB_S
+    load_a: str  # format(blk=..., off=...): left matrix from As[blk], row-major, stride LDA_S
+    load_b: str  # format(blk=..., off=..., cm=...): right matrix from Bs[blk], stride LDB_S
     mma: str  # format(a=..., b=..., acc=...)
-    store_c: str  # format(acc=...): result to Cs[sg * 256], row-major, stride 16
+    store_cs: str  # format(acc=...): result to Cs[sg], row-major, stride 16
+    store_c: str  # format(off=..., acc=...): result straight to C, row-major, stride ldc
+    load_c: str  # format(off=...): result matrix from C (accumulate)
     h4: str  # vec2<u32> -> vec4<f16> reinterpretation
     h2: str  # u32 -> vec2<f16>
 
 
 _TC = _Dialect(
-    directives=_DIRECTIVES,
-    emulation="",
     sg_param="\n    @builtin(subgroup_id) sg: u32,",
     sg_let="",
     result_zero=f"{_RESULT}()",
-    load_a=f"subgroupMatrixLoad<{_LEFT}>(&As, {{off}}, false, LDA_S)",
-    load_b=f"subgroupMatrixLoad<{_RIGHT}>(&Bs, {{off}}, {{cm}}, LDB_S)",
+    load_a=f"subgroupMatrixLoad<{_LEFT}>(&As[{{blk}}], {{off}}, false, LDA_S)",
+    load_b=f"subgroupMatrixLoad<{_RIGHT}>(&Bs[{{blk}}], {{off}}, {{cm}}, LDB_S)",
     mma="subgroupMatrixMultiplyAccumulate({a}, {b}, {acc})",
-    store_c="subgroupMatrixStore(&Cs, sg * 256u, {acc}, false, 16u)",
+    store_cs="subgroupMatrixStore(&Cs[sg], 0u, {acc}, false, 16u)",
+    store_c="subgroupMatrixStore(&C, {off}, {acc}, false, prm.ldc)",
+    load_c=f"subgroupMatrixLoad<{_RESULT}>(&C, {{off}}, false, prm.ldc)",
     h4="bitcast<vec4<f16>>",
     h2="bitcast<vec2<f16>>",
 )
 _EMU = _Dialect(
-    directives="enable f16;",
-    emulation=_EMULATION,
     sg_param="",
     sg_let="\n    let sg = lid / 32u;\n    emu_lane = lid % 32u;",
     result_zero="EmuF()",
-    load_a="EmuH({off}, 0u, LDA_S)",
-    load_b="EmuH({off}, u32({cm}), LDB_S)",
+    load_a="EmuH({blk}, {off}, 0u, LDA_S)",
+    load_b="EmuH({blk}, {off}, u32({cm}), LDB_S)",
     mma="emu_mma({a}, {b}, {acc})",
-    store_c="emu_store_cs(sg * 256u, {acc}, 0u, 16u)",
+    store_cs="emu_store_cs(sg, {acc}, 16u)",
+    store_c="emu_store_c({off}, {acc}, prm.ldc)",
+    load_c="emu_load_c({off}, prm.ldc)",
     h4="emu_h4",
     h2="emu_h2",
 )
@@ -267,75 +203,152 @@ def _units(total: int, threads: int) -> list[tuple[str, bool]]:
     return [(f"lid + {e}u * THREADS", (e + 1) * threads > total) for e in range(n)]
 
 
-def _staging(c: TCConfig, ind: str, *, load: str | None, store: str | None) -> list[str]:
-    """Staging lines: load (into registers ra*/rb* when store is None), store (from registers when load is
-    None), or both at once (load straight into workgroup memory). `load`/`store` are r0 / buffer exprs."""
-    lines = []
-    for tile, total in (("a", c.bm * c.bk // 4), ("b", c.bn * c.bk // 4)):
-        origin = "m0" if tile == "a" else "p0"
+def _staging(c: TCConfig, orient: str, ind: str, *, load: str | None, store: str | None, edge: bool, b_fast: bool):
+    """Staging lines: loads into registers ra*/rb* (store None), stores from them (load None), or both
+    (load=r0 expression, store=buffer expression). All loads of a step come before any of its stores."""
+    loads, stores = [], []
+    b_loader = f"ld_b_{orient}" + ("_edge" if edge or not b_fast else "")
+    for tile, total, origin, loader in (
+        ("a", c.bm * c.bk // c.vec, "m0", "ld_a" + ("_edge" if edge else "")),
+        ("b", c.bn * c.bk // c.vec, "p0", b_loader),
+    ):
         for e, (u, guard) in enumerate(_units(total, c.threads)):
             reg = f"r{tile}{e}"
-            if load is not None and store is not None:
-                stmt = f"store_{tile}({u}, {store}, load_{tile}({u}, {origin}, {load}));"
-            elif load is not None:
-                stmt = f"{reg} = load_{tile}({u}, {origin}, {load});"
-            else:
-                stmt = f"store_{tile}({u}, {store}, {reg});"
-            lines.append(f"{ind}if ({u} < {total}u) {{ {stmt} }}" if guard else ind + stmt)
-    return lines
+            pairs = []
+            if load is not None:
+                pairs.append((loads, f"{reg} = {loader}({u}, {origin}, {load});"))
+            if store is not None:
+                put = "put_a" if tile == "a" else f"put_b_{orient}"
+                pairs.append((stores, f"{put}({u}, {store}, {reg});"))
+            for out, stmt in pairs:
+                out.append(f"{ind}if ({u} < {total}u) {{ {stmt} }}" if guard else ind + stmt)
+    return loads + stores
+
+
+def _registers(c: TCConfig, ind: str) -> list[str]:
+    n_a = len(_units(c.bm * c.bk // c.vec, c.threads))
+    n_b = len(_units(c.bn * c.bk // c.vec, c.threads))
+    return [f"{ind}var ra{e}: U;" for e in range(n_a)] + [f"{ind}var rb{e}: U;" for e in range(n_b)]
+
+
+def _offset(base: str, value: int) -> str:
+    """An offset expression: a literal when there is no run-time base (split tiles)."""
+    return f"{value}u" if not base else f"{base} + {value}u"
 
 
 def _compute(c: TCConfig, orient: str, buf: str, ind: str, d: _Dialect) -> list[str]:
-    """One staged tile's worth of matrix loads and multiply-accumulates for this subgroup."""
+    """One staged tile's worth of matrix loads and multiply-accumulates for this subgroup. Split tiles
+    address a subgroup's block by array index and its matrices by literal offsets."""
     col_major = "true" if orient == "nt" else "false"
-    lines = [f"{ind}{{", f"{ind}    let ab = {buf} * A_TILE + a_sg;", f"{ind}    let bb = {buf} * B_TILE + b_sg;"]
-    for kk in range(c.bk // MATRIX):
-        lines.append(f"{ind}    {{")
-        body = []
-        for i in range(c.tm):
-            off = f"ab + {i * MATRIX}u * LDA_S + {kk * MATRIX}u"
-            body.append(f"let a{i} = {d.load_a.format(off=off)};")
-        for j in range(c.tn):
-            if orient == "nt":
-                off = f"bb + {j * MATRIX}u * LDB_S + {kk * MATRIX}u"
-            else:
-                off = f"bb + {kk * MATRIX}u * LDB_S + {j * MATRIX}u"
-            body.append(f"let b{j} = {d.load_b.format(off=off, cm=col_major)};")
-        for i in range(c.tm):
-            for j in range(c.tn):
-                mma = d.mma.format(a=f"a{i}", b=f"b{j}", acc=f"acc_{i}_{j}")
-                body.append(f"acc_{i}_{j} = {mma};")
-        lines += [f"{ind}        {s}" for s in body]
-        lines.append(f"{ind}    }}")
+    a_blk = f"{buf} * A_NB" + (" + sg_m" if c.split else "")
+    b_blk = f"{buf} * B_NB" + (" + sg_n" if c.split else "")
+    a_base, b_base = ("", "") if c.split else ("a_sg", "b_sg")
+    lines = [f"{ind}{{", f"{ind}    let ablk = {a_blk};", f"{ind}    let bblk = {b_blk};"]
+    ksteps, tm, tn = (1, 1, 1) if c.probe == "no_mma" else (c.bk // MATRIX, c.tm, c.tn)
+    lda, ldb = c.bk + c.pad, c.b_stride(orient)
+    for kk in range(ksteps):
+        body = [
+            f"let a{i} = {d.load_a.format(blk='ablk', off=_offset(a_base, i * MATRIX * lda + kk * MATRIX))};"
+            for i in range(tm)
+        ]
+        for j in range(tn):
+            rel = j * MATRIX * ldb + kk * MATRIX if orient == "nt" else kk * MATRIX * ldb + j * MATRIX
+            body.append(f"let b{j} = {d.load_b.format(blk='bblk', off=_offset(b_base, rel), cm=col_major)};")
+            body += [f"acc_{i}_{j} = {d.mma.format(a=f'a{i}', b=f'b{j}', acc=f'acc_{i}_{j}')};" for i in range(tm)]
+        lines += [f"{ind}    {{"] + [f"{ind}        {s}" for s in body] + [f"{ind}    }}"]
     lines.append(f"{ind}}}")
     return lines
 
 
-def _main_loop(c: TCConfig, orient: str, d: _Dialect) -> list[str]:
-    ind = " " * 4
-    if not c.prefetch:
+def _main_loop(c: TCConfig, orient: str, d: _Dialect, b_fast: bool) -> list[str]:
+    """The reduction loop: `full` steps with the plain loaders, then a checked tail step if R % BK != 0."""
+    i1, i2, i3 = " " * 4, " " * 8, " " * 12
+
+    def stage(ind: str, r0: str, **kw: str | None) -> list[str]:
+        fast = _staging(c, orient, ind + "    ", edge=False, b_fast=b_fast, load=r0, **kw)
+        edge = _staging(c, orient, ind + "    ", edge=True, b_fast=b_fast, load=r0, **kw)
+        step = "t" if r0 in ("r0", "0u") else "(t + 1u)"
+        return [f"{ind}if ({step} < full) {{"] + fast + [f"{ind}}} else {{"] + edge + [f"{ind}}}"]
+
+    def stores(ind: str, buf: str) -> list[str]:
+        return _staging(c, orient, ind, edge=False, b_fast=b_fast, load=None, store=buf)
+
+    staged = "t == 0u" if c.probe == "no_stage" else "true"
+    if c.stages == 0:
         return (
-            [f"{ind}for (var r0 = 0u; r0 < prm.R; r0 += BK) {{"]
-            + _staging(c, ind * 2, load="r0", store="0u")
-            + [f"{ind * 2}workgroupBarrier();"]
-            + _compute(c, orient, "0u", ind * 2, d)
-            + [f"{ind * 2}workgroupBarrier();", f"{ind}}}"]
+            [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}let r0 = t * BK;", f"{i2}if ({staged}) {{"]
+            + _registers(c, i3)
+            + stage(i3, "r0", store="0u")
+            + [f"{i2}}}", f"{i2}workgroupBarrier();"]
+            + _compute(c, orient, "0u", i2, d)
+            + [f"{i2}workgroupBarrier();", f"{i1}}}"]
         )
-    regs = [f"{ind}var ra{e}: vec4<f16>;" for e in range(len(_units(c.bm * c.bk // 4, c.threads)))]
-    regs += [f"{ind}var rb{e}: vec4<f16>;" for e in range(len(_units(c.bn * c.bk // 4, c.threads)))]
+    nxt = "t + 1u < steps" if c.probe != "no_stage" else "false"
+    first = [f"{i1}let t = 0u;"]
+    if c.stages == 1:
+        return (
+            _registers(c, i1)
+            + [f"{i1}{{"]
+            + [f"    {s}" for s in first + stage(i1, "0u", store=None)]
+            + [f"{i1}}}", f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}if ({staged}) {{"]
+            + stores(i3, "0u")
+            + [f"{i2}}}", f"{i2}workgroupBarrier();", f"{i2}if ({nxt}) {{"]
+            + stage(i3, "(t + 1u) * BK", store=None)
+            + [f"{i2}}}"]
+            + _compute(c, orient, "0u", i2, d)
+            + [f"{i2}workgroupBarrier();", f"{i1}}}"]
+        )
     return (
-        regs
-        + [f"{ind}let steps = (prm.R + BK - 1u) / BK;"]
-        + _staging(c, ind, load="0u", store="0u")
-        + [f"{ind}workgroupBarrier();", f"{ind}for (var t = 0u; t < steps; t++) {{"]
-        + [f"{ind * 2}let cur = t & 1u;", f"{ind * 2}let more = t + 1u < steps;", f"{ind * 2}if (more) {{"]
-        + _staging(c, ind * 3, load="(t + 1u) * BK", store=None)
-        + [f"{ind * 2}}}"]
-        + _compute(c, orient, "cur", ind * 2, d)
-        + [f"{ind * 2}if (more) {{"]
-        + _staging(c, ind * 3, load=None, store="1u - cur")
-        + [f"{ind * 2}}}", f"{ind * 2}workgroupBarrier();", f"{ind}}}"]
+        _registers(c, i1)
+        + [f"{i1}{{"]
+        + [f"    {s}" for s in first + stage(i1, "0u", store=None) + stores(i1, "0u")]
+        + [f"{i1}}}", f"{i1}workgroupBarrier();", f"{i1}for (var t = 0u; t < steps; t++) {{"]
+        + [f"{i2}let cur = t & 1u;", f"{i2}if ({nxt}) {{"]
+        + stage(i3, "(t + 1u) * BK", store=None)
+        + [f"{i2}}}"]
+        + _compute(c, orient, "cur", i2, d)
+        + [f"{i2}if ({nxt}) {{"]
+        + stores(i3, "1u - cur")
+        + [f"{i2}}}", f"{i2}workgroupBarrier();", f"{i1}}}"]
     )
+
+
+def _sg_offsets(c: TCConfig, orient: str) -> str:
+    """Flat tiles: the run-time offsets of this subgroup's rows of A and columns of B in their arrays."""
+    if c.split:
+        return ""
+    b_sg = "sg_n * (TN * 16u) * LDB_S" if orient == "nt" else "sg_n * (TN * 16u)"
+    return f"    let a_sg = sg_m * (TM * 16u) * LDA_S;\n    let b_sg = {b_sg};"
+
+
+def _c_offset(i: int, j: int) -> str:
+    return f"c_sg + {i * MATRIX}u * prm.ldc + {j * MATRIX}u"
+
+
+def _acc_decl(c: TCConfig, d: _Dialect, accumulate: bool) -> list[str]:
+    ind = " " * 4
+    pairs = [(i, j) for i in range(c.tm) for j in range(c.tn)]
+    lines = [f"{ind}var acc_{i}_{j} = {d.result_zero};" for i, j in pairs]
+    if accumulate:  # direct epilogue: start from C itself (alpha = 1)
+        loads = [f"{ind}    acc_{i}_{j} = {d.load_c.format(off=_c_offset(i, j))};" for i, j in pairs]
+        lines += [f"{ind}if (direct) {{"] + loads + [f"{ind}}}"]
+    return lines
+
+
+def _epilogue(c: TCConfig, d: _Dialect) -> list[str]:
+    ind = " " * 4
+    pairs = [(i, j) for i in range(c.tm) for j in range(c.tn)]
+    lines = [f"{ind}if (direct) {{"]
+    lines += [f"{ind}    {d.store_c.format(off=_c_offset(i, j), acc=f'acc_{i}_{j}')};" for i, j in pairs]
+    lines.append(f"{ind}}} else {{")
+    for i, j in pairs:
+        lines += [
+            f"{ind}    {d.store_cs.format(acc=f'acc_{i}_{j}')};",
+            f"{ind}    workgroupBarrier();",
+            f"{ind}    write_out(lid, m0, p0, {i}u, {j}u);",
+            f"{ind}    workgroupBarrier();",
+        ]
+    return lines + [f"{ind}}}"]
 
 
 def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
@@ -343,57 +356,56 @@ def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
     matrices, for checking its indexing on adapters without them)."""
     c = v.cfg
     d = _EMU if emulate else _TC
-    if c.sg_from_lid and not emulate:
-        d = replace(d, sg_param="", sg_let="\n    let sg = lid / 32u;")
     if v.orient not in ("nt", "nn"):
         raise ValueError(f"matmul orientation {v.orient!r}: expected 'nt' or 'nn'")
-    if (v.a_type, v.a_vec) not in _A_LOAD:
-        raise ValueError(f"TCVariant.a_type={v.a_type!r}: expected 'f32' or 'f16'")
+    if (v.a_type, v.a_width) not in _A_ACCESS:
+        raise ValueError(f"TCVariant a_type={v.a_type!r}, a_width={v.a_width}: expected one of {sorted(_A_ACCESS)}")
+    if v.w_wide and v.wtype != "F16":
+        raise ValueError(f"TCVariant.w_wide applies to F16 weights, not {v.wtype}")
     c.validate(v.orient, max_threads=1 << 16, max_workgroup_bytes=1 << 30)
-    a_elem, a_load = _A_LOAD[(v.a_type, v.a_vec)]
-    a_load = fill(a_load, H4=d.h4, H2=d.h2)
+    a_elem, a_file = _A_ACCESS[(v.a_type, v.a_width)]
+    if v.w_wide:
+        decode, w_elem = kernel_text("matmul_tc_w_f16x8.wgsl"), "vec4<u32>"
+    else:
+        decode = decode_snippet(v.wtype) + "\n" + kernel_text("matmul_tc_w_generic.wgsl")
+        w_elem = WEIGHT_TYPES[v.wtype].w_elem
     out = "C[base + p + c]"
     store_expr = f"{out} = {out} + prm.alpha * v;" if v.accumulate else f"{out} = prm.alpha * v;"
-    ind = " " * 4
-    acc_decl = "\n".join(f"{ind}var acc_{i}_{j} = {d.result_zero};" for i in range(c.tm) for j in range(c.tn))
-    epilogue = []
-    for i in range(c.tm):
-        for j in range(c.tn):
-            epilogue += [
-                f"{ind}{d.store_c.format(acc=f'acc_{i}_{j}')};",
-                f"{ind}workgroupBarrier();",
-                f"{ind}write_out(lid, m0, p0, {i}u, {j}u);",
-                f"{ind}workgroupBarrier();",
-            ]
     return fill(
         kernel_text("matmul_tc.wgsl"),
-        DIRECTIVES=d.directives,
-        EMULATION=d.emulation,
+        DIRECTIVES="enable f16;" if emulate else kernel_text("matmul_tc_directives.wgsl"),
+        EMULATION=kernel_text("matmul_tc_emulation.wgsl") if emulate else "",
         SG_PARAM=d.sg_param,
         SG_LET=d.sg_let,
-        DECODE=decode_snippet(v.wtype),
-        W_ELEM=WEIGHT_TYPES[v.wtype].w_elem,
+        DECODE=fill(decode, H4=d.h4),
+        PARAMS=kernel_text(MATMUL_PARAMS),
+        W_ELEM=w_elem,
         A_ELEM=a_elem,
-        A_LOAD=a_load,
+        A_ACCESS=fill(kernel_text(a_file), H4=d.h4, H2=d.h2),
+        STAGING_FNS=kernel_text(f"matmul_tc_stage_v{c.vec}.wgsl"),
         SG_M=c.sg_m,
         TM=c.tm,
         TN=c.tn,
         BM=c.bm,
         BN=c.bn,
         BK=c.bk,
+        V=c.vec,
         THREADS=c.threads,
         NSG=c.subgroups,
+        GROUP_M=c.group_m,
+        A_NB=c.a_blocks,
+        B_NB=c.b_blocks,
         LDA_S=c.bk + c.pad,
         LDB_S=c.b_stride(v.orient),
-        B_TILE=c.b_tile(v.orient),
-        AS_LEN=c.buffers * c.bm * (c.bk + c.pad),
-        BS_LEN=c.buffers * c.b_tile(v.orient),
-        CS_LEN=c.subgroups * MATRIX * MATRIX,
-        LOAD_B=_LOAD_B[v.orient],
-        STORE_B_OFFSET=_STORE_B_OFFSET[v.orient],
-        B_SG=_B_SG[v.orient],
+        BU_ROW=(c.bk if v.orient == "nt" else c.bn) // c.vec,
+        A_BLK=c.a_block,
+        B_BLK=c.b_block(v.orient),
+        A_BLOCKS=c.buffers * c.a_blocks,
+        B_BLOCKS=c.buffers * c.b_blocks,
+        SG_OFFSETS=_sg_offsets(c, v.orient),
+        DIRECT="true" if c.direct else "false",
         STORE_EXPR=store_expr,
-        ACC_DECL=acc_decl,
-        MAIN_LOOP="\n".join(_main_loop(c, v.orient, d)),
-        EPILOGUE="\n".join(epilogue),
+        ACC_DECL="\n".join(_acc_decl(c, d, v.accumulate)),
+        MAIN_LOOP="\n".join(_main_loop(c, v.orient, d, v.b_fast)),
+        EPILOGUE="\n".join(_epilogue(c, d)),
     )

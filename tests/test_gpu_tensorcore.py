@@ -11,6 +11,7 @@ Three layers, so that most of it runs without tensor cores:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,7 +27,9 @@ from gguf.quants import dequantize, quantize
 from gpu.codegen_tc import TCConfig
 from gpu.device import Device, DeviceError
 from gpu.ops.matmul_tc import (
+    EMU_TILE,
     TC_TILE,
+    TC_TILE_NARROW,
     TC_TILE_SMALL_M,
     gemm_tc,
     has_tensor_cores,
@@ -62,37 +65,50 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
-def _check_product(dev: Device, qtype: T, orient: str, m: int, n: int, k: int, seed: int, **kw: object) -> float:
-    """Run gemm_tc on random operands and return its relative error vs the f16-operand reference."""
+def _check_product(
+    dev: Device, qtype: T, orient: str, m: int, n: int, k: int, seed: int, a_dtype: str = "f32", **kw: object
+) -> float:
+    """Run gemm_tc on random operands (C poisoned with NaN first, so an unwritten element fails) and
+    return its relative error vs the f16-operand reference."""
     rng = np.random.default_rng(seed)
     raw, wd = _weight(qtype, n, k, rng)
     w = upload_quant(dev, raw, qtype, (n, k), name=f"w_{qtype.name}")
     r, p = (k, n) if orient == "nt" else (n, k)
     a = rng.standard_normal((m, r)).astype(np.float32)
-    c = dev.buffer(m * p * 4)
-    (linear_tc if orient == "nt" else linear_input_grad_tc)(dev, dev.upload(a), w, c, m, **kw)
+    c = dev.upload(np.full((m, p), np.nan, np.float32))
+    a_dev = dev.upload(a.astype(np.float16) if a_dtype == "f16" else a)
+    (linear_tc if orient == "nt" else linear_input_grad_tc)(dev, a_dev, w, c, m, a_dtype=a_dtype, **kw)
     ref = _f16(a) @ (wd.T if orient == "nt" else wd)
-    return _rel_err(dev.read(c, np.float32, (m, p)), ref)
+    got = dev.read(c, np.float32, (m, p))
+    assert np.isfinite(got).all(), f"{int((~np.isfinite(got)).sum())} elements of C unwritten or non-finite"
+    return _rel_err(got, ref)
 
 
-def _accumulate_case(dev: Device, tol: float, **kw: object) -> None:
-    """C[:, 8:8+n] += 0.5 * X . W^T inside a wider output, X (f16 in memory) at an offset with a row
-    stride; the columns around the product stay bitwise untouched."""
+# (m, n, k, width, lda, a_offset, c_offset, alpha): alpha 0.5 and odd strides take the checked epilogue;
+# the last case (tile-aligned, alpha 1, 16-byte aligned rows) the direct one, which loads C first.
+ACCUMULATE_CASES = [(19, 36, 64, 52, 70, 6, 8, 0.5), (19, 36, 64, 52, 72, 8, 8, 1.0), (64, 64, 96, 72, 96, 0, 4, 1.0)]
+
+
+def _accumulate_case(
+    dev: Device, tol: float, case: tuple[int, int, int, int, int, int, int, float], **kw: object
+) -> None:
+    """C[:, c_off:c_off+n] += alpha * X . W^T inside a wider output, X (f16 in memory) at an offset with a
+    row stride; the columns around the product stay bitwise untouched."""
+    m, n, k, width, lda, a_off, c_off, alpha = case
     rng = np.random.default_rng(7)
-    m, n, k, width, lda = 19, 36, 64, 52, 70
     raw, wd = _weight(T.Q8_0, n, k, rng)
     w = upload_quant(dev, raw, T.Q8_0, (n, k))
-    xfull = rng.standard_normal(6 + m * lda).astype(np.float16)
-    x = xfull[6:].reshape(m, lda)[:, :k]
+    xfull = rng.standard_normal(a_off + m * lda).astype(np.float16)
+    x = xfull[a_off:].reshape(m, lda)[:, :k]
     c0 = rng.standard_normal((m, width)).astype(np.float32)
     cb = dev.upload(c0)
-    opts = dict(accumulate=True, alpha=0.5, lda=lda, a_offset=6, ldc=width, c_offset=8, a_dtype="f16")
+    opts = dict(accumulate=True, alpha=alpha, lda=lda, a_offset=a_off, ldc=width, c_offset=c_off, a_dtype="f16")
     linear_tc(dev, dev.upload(xfull), w, cb, m, **opts, **kw)
     ref = c0.astype(np.float64)
-    ref[:, 8 : 8 + n] += 0.5 * (_f16(x) @ wd.T)
+    ref[:, c_off : c_off + n] += alpha * (_f16(x) @ wd.T)
     got = dev.read(cb, np.float32, (m, width))
-    np.testing.assert_array_equal(got[:, :8], c0[:, :8])
-    np.testing.assert_array_equal(got[:, 8 + n :], c0[:, 8 + n :])
+    np.testing.assert_array_equal(got[:, :c_off], c0[:, :c_off])
+    np.testing.assert_array_equal(got[:, c_off + n :], c0[:, c_off + n :])
     assert _rel_err(got, ref) <= tol
 
 
@@ -119,21 +135,36 @@ def test_emulated_kernel_matches_reference(emu_dev: Device, qtype: T, orient: st
 
 
 @pytest.mark.gpu
-def test_emulated_accumulate_strides_f16_input(emu_dev: Device) -> None:
-    _accumulate_case(emu_dev, TOL, emulate=True)
+@pytest.mark.parametrize("case", ACCUMULATE_CASES, ids=["checked", "checked-aligned", "direct"])
+def test_emulated_accumulate_strides_f16_input(emu_dev: Device, case: tuple) -> None:
+    _accumulate_case(emu_dev, TOL, case, cfg=EMU_TILE, emulate=True)
+
+
+# Tiles exercising every generator option: subgroups per workgroup, stages 0/1/2, staging units of 4/8,
+# BK = 64, plain raster order, the checked epilogue only.
+EMU_TILES = [
+    TCConfig(2, 2, 1, 1, 32, stages=0, vec=4),
+    TCConfig(1, 2, 2, 1, 64, stages=1, vec=8, group_m=0),
+    TCConfig(2, 1, 1, 2, 32, stages=2, vec=4, group_m=2, direct=False),
+    TCConfig(2, 2, 1, 1, 32, stages=2, vec=8, split=False),
+    TC_TILE_SMALL_M,
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "cfg",
-    [TCConfig(2, 4, 2, 2, 32), TCConfig(1, 2, 2, 1, 64, prefetch=True), TC_TILE_SMALL_M],
-    ids=["8sg-noprefetch", "bk64", "small-m"],
-)
+@pytest.mark.parametrize("cfg", EMU_TILES, ids=lambda c: c.label)
 def test_emulated_other_tiles(emu_dev: Device, cfg: TCConfig) -> None:
-    """Several subgroups per workgroup, single/double buffering, BK = 64; odd N gives the scalar A path."""
-    for qtype, orient in [(T.Q4_K, "nt"), (T.Q4_0, "nn")]:
-        err = _check_product(emu_dev, qtype, orient, 70, 150, 512, seed=3, cfg=cfg, emulate=True)
-        assert err <= TOL, f"{cfg} {qtype.name} {orient}: rel err {err:.2e}"
+    """M, N off the tile grid, reduction tails (R % BK != 0), an "nn" weight with K % 8 != 0 (the checked
+    B loaders), f16 A with the 8-, 4- and 1-wide loads."""
+    for qtype, orient, a_dtype, m, n, k in [
+        (T.Q4_K, "nt", "f32", 40, 72, 256),
+        (T.Q4_0, "nn", "f32", 40, 100, 256),
+        (T.F16, "nt", "f16", 33, 72, 96),
+        (T.F16, "nn", "f16", 33, 72, 100),
+        (T.Q8_0, "nt", "f16", 65, 66, 224),
+    ]:
+        err = _check_product(emu_dev, qtype, orient, m, n, k, seed=3, a_dtype=a_dtype, cfg=cfg, emulate=True)
+        assert err <= TOL, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
 
 
 @pytest.mark.gpu
@@ -149,26 +180,27 @@ def test_refuses_without_tensor_cores(emu_dev: Device) -> None:
 
 _COMPILE_SCRIPT = """
 import json, sys
-from gpu.codegen_tc import TCConfig, TCVariant, matmul_tc_source
+from gpu.codegen_tc import TCConfig, matmul_tc_source
 from gpu.device import Device
+from gpu.ops.matmul_tc import all_variants
 dev = Device(backend="dawn")
-failed = []
-for cfg in [TCConfig(*c[:5], bool(c[5])) for c in json.loads(sys.argv[1])]:
-    for wtype in json.loads(sys.argv[2]):
-        for orient in ("nt", "nn"):
-            for a_type, a_vec in (("f32", True), ("f32", False), ("f16", True), ("f16", False)):
-                v = TCVariant(wtype, orient, cfg, a_type, a_vec, accumulate=a_vec)
-                try:
-                    dev.device.create_shader_module(code=matmul_tc_source(v))
-                except Exception as e:
-                    failed.append(f"{v}: {str(e)[-600:]}")
-print(json.dumps({"adapter": dev.adapter.summary, "failed": failed}))
+failed, count = [], 0
+for cfg in [TCConfig(**c) for c in json.loads(sys.argv[1])]:
+    for v in all_variants(cfg, json.loads(sys.argv[2])):
+        count += 1
+        try:
+            dev.device.create_shader_module(code=matmul_tc_source(v))
+        except Exception as e:
+            failed.append(f"{v}: {str(e)[-600:]}")
+print(json.dumps({"adapter": dev.adapter.summary, "count": count, "failed": failed}))
 """
 
 
 def test_tensor_core_kernels_compile_in_tint() -> None:
+    """Every variant gemm_tc can dispatch with the presets (and the tested tiles) compiles in Tint."""
     pytest.importorskip("wgpudawn")
-    cfgs = [[c.sg_m, c.sg_n, c.tm, c.tn, c.bk, int(c.prefetch)] for c in (TC_TILE, TC_TILE_SMALL_M)]
+    tiles = {TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M, *EMU_TILES, *TC_TILES}
+    cfgs = [dataclasses.asdict(c) for c in tiles]
     env = dict(os.environ, WGPU_BACKEND_TYPE="Null", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(cfgs), json.dumps([t.name for t in ALL_TYPES])],
@@ -182,6 +214,7 @@ def test_tensor_core_kernels_compile_in_tint() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "Null" in result["adapter"]
+    assert result["count"] >= 20 * len(tiles)
     assert not result["failed"], "\n".join(result["failed"][:3])
 
 
@@ -213,21 +246,37 @@ def test_tensor_cores_match_reference(tc_dev: Device, qtype: T, orient: str) -> 
         assert err <= TC_TOL, f"{qtype.name} {orient} M={m} K={k}: rel err {err:.2e}"
 
 
+# The presets plus the generator's other options on the hardware.
+TC_TILES = [
+    TC_TILE,
+    TC_TILE_NARROW,
+    TC_TILE_SMALL_M,
+    TCConfig(4, 4, 2, 2, 32, stages=0, vec=4),
+    TCConfig(2, 2, 4, 4, 64, stages=1, vec=8, group_m=0),
+    TCConfig(4, 2, 2, 4, 32, stages=2, vec=4, direct=False),
+]
+
+
 @pytest.mark.tensorcore
-@pytest.mark.parametrize(
-    "cfg",
-    [TC_TILE, TC_TILE_SMALL_M, TCConfig(2, 2, 4, 4, 32), TCConfig(2, 4, 4, 4, 16, prefetch=True)],
-    ids=["preset", "small-m", "noprefetch", "8sg-bk16"],
-)
+@pytest.mark.parametrize("cfg", TC_TILES, ids=lambda c: c.label)
 def test_tensor_core_tiles_on_larger_shapes(tc_dev: Device, cfg: TCConfig) -> None:
-    for qtype, orient in [(T.F16, "nt"), (T.Q4_K, "nn"), (T.Q6_K, "nt")]:
-        err = _check_product(tc_dev, qtype, orient, 300, 520, 1024, seed=11, cfg=cfg)
-        assert err <= TC_TOL, f"{cfg} {qtype.name} {orient}: rel err {err:.2e}"
+    """Shapes off every tile grid (and one on it: interior tiles store directly); f16 A at all widths."""
+    for qtype, orient, a_dtype, m, n, k in [
+        (T.F16, "nt", "f16", 300, 520, 1024),
+        (T.F16, "nn", "f16", 256, 256, 1000),
+        (T.Q4_K, "nn", "f32", 300, 520, 1024),
+        (T.Q6_K, "nt", "f32", 300, 520, 1024),
+        (T.Q4_0, "nt", "f32", 512, 512, 512),
+        (T.Q8_0, "nn", "f16", 129, 100, 132),
+    ]:
+        err = _check_product(tc_dev, qtype, orient, m, n, k, seed=11, a_dtype=a_dtype, cfg=cfg)
+        assert err <= TC_TOL, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
 
 
 @pytest.mark.tensorcore
-def test_tensor_core_accumulate_strides_f16_input(tc_dev: Device) -> None:
-    _accumulate_case(tc_dev, TC_TOL)
+@pytest.mark.parametrize("case", ACCUMULATE_CASES, ids=["checked", "checked-aligned", "direct"])
+def test_tensor_core_accumulate_strides_f16_input(tc_dev: Device, case: tuple) -> None:
+    _accumulate_case(tc_dev, TC_TOL, case, cfg=TC_TILE_NARROW)
 
 
 @pytest.mark.tensorcore

@@ -10,22 +10,7 @@
 
 ${DECODE}
 
-struct Params {
-    M: u32,
-    P: u32,
-    R: u32,
-    K: u32,      // weight row length
-    lda: u32,
-    ldc: u32,
-    a_off: u32,
-    c_off: u32,
-    alpha: f32,
-    N: u32,      // weight rows
-    _pad0: u32,
-    _pad1: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
+${PARAMS}
 @group(0) @binding(1) var<storage, read> A: array<f32>;
 @group(0) @binding(2) var<storage, read> W: array<${W_ELEM}>;
 @group(0) @binding(3) var<storage, read_write> C: array<f32>;

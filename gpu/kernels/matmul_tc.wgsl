@@ -4,35 +4,29 @@
 //   orientation "nt" (forward,    Y = X . W^T):  B[r, p] = W[p, r]   (R = K, P = N)
 //   orientation "nn" (input grad, dX = dY . W):  B[r, p] = W[r, p]   (R = N, P = K)
 // A is row-major [M, R] (row stride lda), f32 or f16 in memory; it is rounded to f16 while staged.
+//
 // A workgroup of SG_M x SG_N subgroups (32 invocations each) computes a BM x BN tile of C; each subgroup
 // owns TM x TN result matrices of 16 x 16. BK reduction steps at a time are staged in workgroup memory as
-// f16 (the weight is dequantized straight into its f16 tile); with PREFETCH the next step's global loads
-// go into registers while the tensor cores work on the current one (two workgroup buffers).
-// The result goes out through a small f32 workgroup scratch, 16 x 16 per subgroup at a time, so any M, P
-// (M = 1 included), alpha and accumulate are handled in one bounds-checked epilogue.
+// f16 (the weight is dequantized straight into its f16 tile), in units of V consecutive elements: each
+// invocation issues all of its global loads for a step before any of its stores. With `split` tiles each
+// subgroup's rows of A (and output columns of B) live in an array of their own, so every matrix load has a
+// constant offset: Dawn's robustness then needs no bounds predicate around it (it wraps each load with a
+// run-time offset in a branch and a local variable).
+// Bounds without branches: A rows and weight rows past the matrix are clamped to the last one (they only
+// feed rows / columns of C that are never written); the reduction tail (R % BK) is staged by the checked
+// `_edge` loaders, which zero what lies past R. Pipelining (gpu/codegen_tc.py's TCConfig.stages):
+//   0: load and store each step in place (2 barriers a step);
+//   1: the next step's loads go to registers while the tensor cores work on this one (2 barriers);
+//   2: as 1 with two workgroup buffers (1 barrier a step).
+// Epilogue: interior workgroups with alpha = 1 store their results straight to C (accumulate loads them
+// first); the rest go through a small f32 scratch, 16 x 16 per subgroup at a time, bounds-checked.
 // Dollar-brace placeholders are filled by gpu/codegen_tc.py. Its emulation mode swaps the subgroup-matrix
-// builtins for plain WGSL functions (every invocation holds whole matrices) to test the indexing on any
-// adapter with shader-f16, e.g. lavapipe.
+// builtins for plain WGSL (matmul_tc_emulation.wgsl) to test the indexing on any adapter with shader-f16.
 ${DIRECTIVES}
 
 ${DECODE}
 
-struct Params {
-    M: u32,
-    P: u32,
-    R: u32,
-    K: u32,      // weight row length
-    lda: u32,
-    ldc: u32,
-    a_off: u32,
-    c_off: u32,
-    alpha: f32,
-    N: u32,      // weight rows
-    _pad0: u32,
-    _pad1: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
+${PARAMS}
 @group(0) @binding(1) var<storage, read> A: array<${A_ELEM}>;
 @group(0) @binding(2) var<storage, read> W: array<${W_ELEM}>;
 @group(0) @binding(3) var<storage, read_write> C: array<f32>;
@@ -43,50 +37,48 @@ const TN: u32 = ${TN}u;             // ... along P
 const BM: u32 = ${BM}u;
 const BN: u32 = ${BN}u;
 const BK: u32 = ${BK}u;
+const V: u32 = ${V}u;               // elements per staging unit
 const THREADS: u32 = ${THREADS}u;
 const NSG: u32 = ${NSG}u;           // subgroups per workgroup
-const LDA_S: u32 = ${LDA_S}u;       // row stride of the staged A tile [BM][BK] (padded)
-const LDB_S: u32 = ${LDB_S}u;       // row stride of the staged B tile: "nt" [BN][BK], "nn" [BK][BN]
-const A_TILE: u32 = BM * LDA_S;
-const B_TILE: u32 = ${B_TILE}u;
+const GROUP_M: u32 = ${GROUP_M}u;   // workgroup rows per raster group (L2 reuse), 0: plain order
+const A_NB: u32 = ${A_NB}u;         // blocks (arrays) of the A tile per buffer
+const A_RB: u32 = BM / A_NB;        // rows per A block
+const LDA_S: u32 = ${LDA_S}u;       // row stride of a staged A block [A_RB][BK] (padded)
+const B_NB: u32 = ${B_NB}u;         // blocks of the B tile per buffer
+const B_RB: u32 = BN / B_NB;        // output columns per B block
+const LDB_S: u32 = ${LDB_S}u;       // row stride of a staged B block: "nt" [B_RB][BK], "nn" [BK][B_RB]
+const AU_ROW: u32 = BK / V;         // staging units per row of the A tile
+const BU_ROW: u32 = ${BU_ROW}u;     // ... of the B tile
 
-var<workgroup> As: array<f16, ${AS_LEN}>;
-var<workgroup> Bs: array<f16, ${BS_LEN}>;
-var<workgroup> Cs: array<f32, ${CS_LEN}>;   // one 16 x 16 f32 result per subgroup (epilogue)
+var<workgroup> As: array<array<f16, ${A_BLK}>, ${A_BLOCKS}>;   // [buffer * A_NB + block]
+var<workgroup> Bs: array<array<f16, ${B_BLK}>, ${B_BLOCKS}>;
+var<workgroup> Cs: array<array<f32, 256>, NSG>;   // one 16 x 16 f32 result per subgroup (checked epilogue)
+
+// 8 consecutive f16 (a staging unit of V = 8)
+struct H8 {
+    lo: vec4<f16>,
+    hi: vec4<f16>,
+}
 ${EMULATION}
-${A_LOAD}
+${A_ACCESS}
 
-// A unit = 4 consecutive r of one row m of the A tile.
-fn load_a(u: u32, m0: u32, r0: u32) -> vec4<f16> {
-    let m = m0 + u / (BK / 4u);
-    let r = r0 + (u % (BK / 4u)) * 4u;
-    if (m < prm.M && r < prm.R) {
-        return a4(m, r);
+// f16 of A[i] when ok, else 0 (never reads past R)
+fn a_chk(i: u32, ok: bool) -> f16 {
+    if (ok) {
+        return a_at(i);
+    }
+    return 0.0h;
+}
+
+// W[n, k..k+3] as f16 when ok, else 0
+fn w4_chk(n: u32, k: u32, ok: bool) -> vec4<f16> {
+    if (ok) {
+        return vec4<f16>(decode4(n, k, prm.K));
     }
     return vec4<f16>(0.0h);
 }
 
-fn store_a(u: u32, buf: u32, v: vec4<f16>) {
-    let o = buf * A_TILE + (u / (BK / 4u)) * LDA_S + (u % (BK / 4u)) * 4u;
-    As[o] = v.x;
-    As[o + 1u] = v.y;
-    As[o + 2u] = v.z;
-    As[o + 3u] = v.w;
-}
-
-// "nt": a unit = W[n, k..k+3] (4 consecutive r of B column p = n), staged as Bs[n][k].
-// "nn": a unit = W[r, p..p+3] (4 consecutive p of B row r), staged as Bs[r][p].
-fn load_b(u: u32, p0: u32, r0: u32) -> vec4<f16> {
-    ${LOAD_B}
-}
-
-fn store_b(u: u32, buf: u32, v: vec4<f16>) {
-    let o = buf * B_TILE + ${STORE_B_OFFSET};
-    Bs[o] = v.x;
-    Bs[o + 1u] = v.y;
-    Bs[o + 2u] = v.z;
-    Bs[o + 3u] = v.w;
-}
+${STAGING_FNS}
 
 // Write the 16 x 16 result of every subgroup (staged in Cs) for its matrix (i, j) to C, bounds-checked.
 fn write_out(lid: u32, m0: u32, p0: u32, i: u32, j: u32) {
@@ -102,7 +94,7 @@ fn write_out(lid: u32, m0: u32, p0: u32, i: u32, j: u32) {
                 let base = prm.c_off + m * prm.ldc;
                 for (var c = 0u; c < 4u; c++) {
                     if (p + c < prm.P) {
-                        let v = Cs[s * 256u + row * 16u + col + c];
+                        let v = Cs[s][row * 16u + col + c];
                         ${STORE_EXPR}
                     }
                 }
@@ -114,14 +106,32 @@ fn write_out(lid: u32, m0: u32, p0: u32, i: u32, j: u32) {
 @compute @workgroup_size(${THREADS})
 fn main(
     @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,${SG_PARAM}
 ) {${SG_LET}
-    let p0 = wg.x * BN;
-    let m0 = wg.y * BM;
-    let a_sg = (sg % SG_M) * (TM * 16u) * LDA_S;   // this subgroup's rows of the A tile
-    let b_sg = ${B_SG};                            // ... and its columns of the B tile
+    // Raster order: GROUP_M workgroup rows sweep the columns together, so their B tiles stay in L2.
+    var tile_m = wg.y;
+    var tile_p = wg.x;
+    if (GROUP_M > 0u) {
+        let pid = wg.y * nwg.x + wg.x;
+        let width = GROUP_M * nwg.x;
+        let first = (pid / width) * GROUP_M;
+        let rows = min(nwg.y - first, GROUP_M);
+        tile_m = first + (pid % width) % rows;
+        tile_p = (pid % width) / rows;
+    }
+    let p0 = tile_p * BN;
+    let m0 = tile_m * BM;
+    let sg_m = sg % SG_M;                          // this subgroup's rows of the A tile
+    let sg_n = sg / SG_M;                          // ... and its columns of the B tile
+${SG_OFFSETS}
+    let c_sg = prm.c_off + (m0 + sg_m * (TM * 16u)) * prm.ldc + p0 + sg_n * (TN * 16u);
+    let full = prm.R / BK;                         // steps without a reduction tail
+    let steps = (prm.R + BK - 1u) / BK;
+    // Interior tile, alpha = 1, 16-byte aligned rows: results go straight to C.
+    let direct = ${DIRECT} && m0 + BM <= prm.M && p0 + BN <= prm.P && prm.alpha == 1.0
+        && prm.ldc % 4u == 0u && prm.c_off % 4u == 0u;
 ${ACC_DECL}
 ${MAIN_LOOP}
-    // Epilogue: every subgroup stores its matrix (i, j) to Cs, then all invocations write them out.
 ${EPILOGUE}
 }

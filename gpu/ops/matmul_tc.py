@@ -11,22 +11,68 @@ from typing import Any
 
 from gpu.codegen_tc import SUBGROUP_SIZE, TCConfig, TCVariant, matmul_tc_source
 from gpu.device import SUBGROUP_MATRIX, Device, DeviceError
+from gpu.ops.common import nbytes
 from gpu.ops.matmul import gemm_shape
 from gpu.weights import QuantTensor
 
-# Presets, measured with bench/tc_probe.py on an H200 (F16 GEMM, N = 4096): 16 subgroups of 2 x 2 result
-# matrices (128 x 128 tile, BK = 32, single-buffered) ran 69 TFLOP/s (101 with Dawn's robustness off);
-# larger per-subgroup tiles (4 x 4) and the register prefetch were 3-10x slower there. Small M (decode) uses
-# a 16 x 128 tile (checked for every weight type on the H200; its speed is bound by reading W).
-TC_TILE = TCConfig(sg_m=4, sg_n=4, tm=2, tn=2, bk=32)
-TC_TILE_SMALL_M = TCConfig(sg_m=1, sg_n=4, tm=1, tn=2, bk=32, prefetch=True)
+# Presets, measured with bench/tc_sweep.py on an H200 (docs/benchmarks.md, 2026-12-03).
+TC_TILE = TCConfig(sg_m=2, sg_n=4, tm=4, tn=2, bk=32, stages=2, vec=8)
+# Grids of TC_TILE with fewer workgroups than this leave multiprocessors idle: a 64 x 64 tile instead.
+TC_TILE_MIN_GRID = 264
+TC_TILE_NARROW = TCConfig(sg_m=2, sg_n=2, tm=2, tn=2, bk=32, stages=2, vec=8)
+# Small M (decode): its speed is bound by reading W.
+TC_TILE_SMALL_M = TCConfig(sg_m=1, sg_n=4, tm=1, tn=2, bk=32, stages=1, vec=8)
 # Lavapipe-sized tile for the emulated kernel (tests of the indexing without tensor cores).
-EMU_TILE = TCConfig(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, prefetch=True)
+EMU_TILE = TCConfig(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, stages=2, vec=8)
 
 
-def pick_config(m: int) -> TCConfig:
-    """The tile preset for m rows of A."""
-    return TC_TILE_SMALL_M if m <= 16 else TC_TILE
+def pick_config(m: int, p: int | None = None) -> TCConfig:
+    """The tile preset for m rows of A and p columns of C (None: assume a wide C)."""
+    if m <= 16:
+        return TC_TILE_SMALL_M
+    if p is not None and -(-m // TC_TILE.bm) * -(-p // TC_TILE.bn) < TC_TILE_MIN_GRID:
+        return TC_TILE_NARROW
+    return TC_TILE
+
+
+def a_width(a_dtype: str, lda: int, a_offset: int, last: int, binding_bytes: int) -> int:
+    """The widest A load (elements) that lda, a_offset and A's binding allow; `last` = index of the last
+    element read. A binding of vec4s exposes only whole vectors, so the last one must lie inside it."""
+    esize = 4 if a_dtype == "f32" else 2
+    for width in (8, 4) if a_dtype == "f16" else (4,):
+        vec_bytes = width * esize
+        if lda % width == 0 and a_offset % width == 0 and (last // width + 1) * vec_bytes <= binding_bytes:
+            return width
+    return 1
+
+
+def variant_for(
+    w_type: str, w_k: int, orient: str, cfg: TCConfig, a_dtype: str, a_w: int, accumulate: bool
+) -> TCVariant:
+    """The kernel variant gemm_tc dispatches for a weight of type w_type with row length w_k."""
+    return TCVariant(
+        w_type,
+        orient,
+        cfg,
+        a_dtype,
+        min(a_w, cfg.vec),
+        accumulate,
+        w_wide=w_type == "F16" and w_k % 8 == 0,
+        b_fast=orient == "nt" or (w_k % cfg.vec == 0 and w_k >= cfg.vec),
+    )
+
+
+def all_variants(cfg: TCConfig, w_types: list[str]) -> list[TCVariant]:
+    """Every variant gemm_tc can dispatch with tile cfg for these weight types (for compile checks)."""
+    out = set()
+    for w_type in w_types:
+        for w_k in (256, 260):
+            for orient in ("nt", "nn"):
+                for a_dtype, widths in (("f32", (4, 1)), ("f16", (8, 4, 1))):
+                    for a_w in widths:
+                        for acc in (False, True):
+                            out.add(variant_for(w_type, w_k, orient, cfg, a_dtype, a_w, acc))
+    return sorted(out, key=str)
 
 
 def matrix_config(dev: Device) -> dict[str, Any] | None:
@@ -121,14 +167,15 @@ def gemm_tc(
     )
     if m <= 0:
         return
-    cfg = cfg or (EMU_TILE if emulate else pick_config(m))
+    cfg = cfg or (EMU_TILE if emulate else pick_config(m, g.p))
     cfg.validate(
         orient,
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
         max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
     )
-    a_vec = g.lda % 4 == 0 and a_offset % 4 == 0 and g.r % 4 == 0
-    variant = TCVariant(w.qtype.name, orient, cfg, a_dtype, a_vec, accumulate)
+    last = a_offset + (m - 1) * g.lda + g.r - 1
+    a_w = a_width(a_dtype, g.lda, a_offset, last, nbytes(a))
+    variant = variant_for(w.qtype.name, w.k, orient, cfg, a_dtype, a_w, accumulate)
     pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_tc_source(variant, emulate=emulate))
     grid = (-(-g.p // cfg.bn), -(-m // cfg.bm))
     if max(grid) > int(dev.limits.get("max-compute-workgroups-per-dimension", 65535)):
