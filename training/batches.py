@@ -27,7 +27,7 @@ def read_split(token_dir: Path, split: str) -> Split:
 
 
 def batch_arrays(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> tuple[np.ndarray, ...]:
-    """Dense [B, T] inputs for GPUStudent.write_batch; missing rows (the last partial batch) are masked out."""
+    """Dense [B, T] inputs for Engine.write_batch; missing rows (the last partial batch) are masked out."""
     t = split.ids.shape[1]
     ids = np.zeros((batch, t), np.int64)
     mask = np.zeros((batch, t), np.uint8)

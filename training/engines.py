@@ -77,8 +77,8 @@ def build_engine(cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bo
     """The engine for `cfg` on the student at `student_gguf`, for batches of cfg.train.batch_size sequences of
     seq_len tokens; eval_mode builds it for evaluate_batch (evaluation loss, no gradient accumulation).
 
-    The one place a second engine plugs in (issue 9's float32 numpy engine for CPUs): pick it here from the
-    config and return it; the loop and evaluation only see the Engine."""
+    The one place a second engine plugs in (cpu.NumpyEngine, float32 numpy for CPUs, satisfies the same
+    protocol): choose it here from the config; the loop and evaluation only see the Engine."""
     return _wgpu_engine(cfg, student_gguf, seq_len, eval_mode)
 
 
