@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from gpu.device import Device
-from gpu.ops.add import add, add_inplace
+from gpu.ops.add import add, add_inplace, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.lora import lora_backward, lora_forward
@@ -132,15 +132,17 @@ def test_swiglu_and_add(dev: Device, n: int) -> None:
     gb, ub, dyb, bb = up(dev, g), up(dev, u), up(dev, dy), up(dev, b)
 
     def run() -> list[np.ndarray]:
-        y, dg, du, s, acc = (dev.buffer(4 * n) for _ in range(5))
+        y, dg, du, s, acc, sc = (dev.buffer(4 * n) for _ in range(6))
         swiglu_forward(dev, gb, ub, y, n)
         swiglu_backward(dev, dyb, gb, ub, dg, du, n)
         add(dev, y, bb, s, n)
         dev.copy(dyb, acc, 4 * n)
         add_inplace(dev, acc, bb, n)
-        return [dev.read(x, np.float32, (n,)) for x in (y, dg, du, s, acc)]
+        dev.copy(bb, sc, 4 * n)
+        scale_inplace(dev, sc, 0.37, n)
+        return [dev.read(x, np.float32, (n,)) for x in (y, dg, du, s, acc, sc)]
 
-    y, dg, du, s, acc = twice(run)
+    y, dg, du, s, acc, sc = twice(run)
     g64, u64, dy64, b64 = (a.astype(np.float64) for a in (g, u, dy, b))
     assert rel_err(y, ref.swiglu_forward(g64, u64)) <= TOL
     dg_ref, du_ref = ref.swiglu_backward(dy64, g64, u64)
@@ -148,6 +150,14 @@ def test_swiglu_and_add(dev: Device, n: int) -> None:
     assert rel_err(du, du_ref) <= TOL
     assert rel_err(s, y.astype(np.float64) + b64) <= 1e-7
     assert rel_err(acc, dy64 + b64) <= 1e-7
+    np.testing.assert_array_equal(sc, b * np.float32(0.37))  # one f32 multiply
+
+
+def test_attention_refuses_head_dim_without_kernel(dev: Device) -> None:
+    t, h, d = 4, 2, 12
+    bufs = [dev.buffer(4 * t * h * d) for _ in range(4)]
+    with pytest.raises(ValueError, match="head_dim=12 has no kernel variant; gpu/registry.py HEAD_DIMS"):
+        attention_forward(dev, *bufs, dev.buffer(4 * h * t), t, h, h, d)
 
 
 @pytest.mark.parametrize("t,d_in,d_out,r", [(1, 40, 24, 4), (19, 40, 24, 3), (33, 20, 50, 8)])

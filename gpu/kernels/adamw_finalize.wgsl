@@ -1,6 +1,7 @@
-// Global grad norm, pass 2 (one workgroup): norm = sqrt(sum of the partials, fixed order), the clipping
-// scale min(1, max_norm / (norm + 1e-6)) (1 when max_norm <= 0), and the skip flag: 1 when the loss or the
-// norm is not finite. Stats = (norm, scale, skipped, loss); the host reads it once per step and counts skips.
+// Global grad norm, pass 2 (one workgroup): norm = sqrt(sum of the partials: strided per-thread sums, then
+// workgroup_reduce.wgsl's fixed tree), the clipping scale min(1, max_norm / (norm + 1e-6)) (1 when
+// max_norm <= 0), and the skip flag: 1 when the loss or the norm is not finite. Stats = (norm, scale, skipped,
+// loss); the host reads it once per step and counts skips.
 
 struct Params {
     n_partials: u32,
@@ -14,28 +15,22 @@ struct Params {
 @group(0) @binding(2) var<storage, read> Loss: array<f32>;
 @group(0) @binding(3) var<storage, read_write> Stats: array<f32>;
 
-var<workgroup> red: array<f32, 256>;
+const WG: u32 = 256u;
+alias Reduced = f32;
 
 fn is_finite(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7F800000u) != 0x7F800000u;
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32) {
     var s = 0.0;
-    for (var i = lid; i < prm.n_partials; i += 256u) {
+    for (var i = lid; i < prm.n_partials; i += WG) {
         s += Partial[i];
     }
-    red[lid] = s;
-    workgroupBarrier();
-    for (var w = 128u; w > 0u; w >>= 1u) {
-        if (lid < w) {
-            red[lid] += red[lid + w];
-        }
-        workgroupBarrier();
-    }
+    let total = workgroup_reduce(lid, s);
     if (lid == 0u) {
-        let norm = sqrt(red[0]);
+        let norm = sqrt(total);
         let loss = Loss[prm.loss_index];
         var scale = 1.0;
         if (prm.max_norm > 0.0) {

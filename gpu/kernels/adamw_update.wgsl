@@ -1,18 +1,11 @@
-// AdamW update over a flat f32 parameter buffer (PyTorch semantics, decoupled weight decay), skipped
-// entirely when Stats[2] (non-finite loss or grad norm) is set. With g = G * clip_scale:
+// Elementwise body (elementwise.wgsl): AdamW update over a flat f32 parameter buffer (PyTorch semantics,
+// decoupled weight decay), skipped entirely when Stats[2] (non-finite loss or grad norm) is set. With
+// g = G * clip_scale:
 //   p *= 1 - lr * wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
 //   p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 // Hp = (lr, b1, b2, eps, 1 - lr * wd, lr / bc1, 1 / sqrt(bc2), 0), written by the host each step (bias
-// corrections in float64 there). One thread per element; 2-D grid.
+// corrections in float64 there).
 
-struct Params {
-    n: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Hp: array<f32>;
 @group(0) @binding(2) var<storage, read> Stats: array<f32>;
 @group(0) @binding(3) var<storage, read> G: array<f32>;
@@ -20,11 +13,8 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> M: array<f32>;
 @group(0) @binding(6) var<storage, read_write> V: array<f32>;
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i >= prm.n || Stats[2] != 0.0) {
+fn op(i: u32) {
+    if (Stats[2] != 0.0) {
         return;
     }
     let b1 = Hp[1];

@@ -1,15 +1,9 @@
-// Residual add: Y = A + B. One thread per element; 2-D grid.
+// Elementwise body (elementwise.wgsl): residual add, Y = A + B.
 
 @group(0) @binding(1) var<storage, read> A: array<f32>;
 @group(0) @binding(2) var<storage, read> B: array<f32>;
 @group(0) @binding(3) var<storage, read_write> Y: array<f32>;
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let i = element_index(wid, nwg, lid);
-    if (i >= prm.n) {
-        return;
-    }
+fn op(i: u32) {
     Y[i] = A[i] + B[i];
 }

@@ -1,22 +1,29 @@
-// Shared by the elementwise kernels (prepended by gpu/ops/add.py and gpu/ops/swiglu.py): one thread per element
-// over a 2-D grid of 256-thread workgroups (gpu/ops/common.py grid), and the uniform block (n, alpha).
+// Elementwise skeleton (as llama.cpp's glu_head/glu_main): a pure elementwise kernel is this file followed by
+// its body file, which declares the op's storage bindings (@binding(1) on) and `fn op(i: u32)`, the work on
+// element i. One thread per element over a 2-D grid of 256-thread workgroups (gpu/ops/common.py grid); the
+// uniform block is (n, alpha). Bodies: add, add_inplace, scale, swiglu_forward, swiglu_backward, adamw_update.
 
 struct Params {
     n: u32,
-    alpha: f32,   // used by scale only
+    alpha: f32,   // scale only
     _pad0: u32,
     _pad1: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
 
-// The element this invocation handles (>= prm.n past the end).
-fn element_index(wid: vec3<u32>, nwg: vec3<u32>, lid: u32) -> u32 {
-    return (wid.x + wid.y * nwg.x) * 256u + lid;
-}
-
 // Overflow-safe logistic function.
 fn sigmoid(x: f32) -> f32 {
     let e = exp(-abs(x));
     return select(e / (1.0 + e), 1.0 / (1.0 + e), x >= 0.0);
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (i >= prm.n) {
+        return;
+    }
+    op(i);
 }

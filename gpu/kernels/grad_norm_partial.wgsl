@@ -1,6 +1,7 @@
 // Global grad norm, pass 1: Partial[w] = sum of G[i]^2 over workgroup w's 4096 elements (thread t takes
-// i = w * 4096 + e * 256 + t for e = 0..15 in order, then a fixed tree). A NaN/inf gradient makes its partial
-// (and so the norm) non-finite, which the finalize pass turns into a skipped step. 2-D grid.
+// i = w * 4096 + e * 256 + t for e = 0..15 in order, then workgroup_reduce.wgsl's fixed tree). A NaN/inf
+// gradient makes its partial (and so the norm) non-finite, which the finalize pass turns into a skipped step.
+// 2-D grid.
 
 struct Params {
     n: u32,
@@ -15,9 +16,9 @@ struct Params {
 
 const WG: u32 = 256u;
 const PER_THREAD: u32 = 16u;
-var<workgroup> red: array<f32, WG>;
+alias Reduced = f32;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let w = wid.x + wid.y * nwg.x;
@@ -32,15 +33,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             s = fma(g, g, s);
         }
     }
-    red[lid] = s;
-    workgroupBarrier();
-    for (var h = WG / 2u; h > 0u; h >>= 1u) {
-        if (lid < h) {
-            red[lid] += red[lid + h];
-        }
-        workgroupBarrier();
-    }
+    let total = workgroup_reduce(lid, s);
     if (lid == 0u) {
-        Partial[w] = red[0];
+        Partial[w] = total;
     }
 }

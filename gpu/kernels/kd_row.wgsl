@@ -1,12 +1,15 @@
 // KD head, per row (after every chunk went through kd_stats): the loss and dL/da of model/kd.py, where
 // a_j = log softmax(z / tau)[ids_j] = ZG[t, j] / tau - lse_tau. One thread per row; sums over the k ids run
-// in ascending order. Variant constants: KIND (0 forward_kl, 1 reverse_kl, 2 jsd), USE_TAIL, TAIL_BUF
-// (teacher tail given as a buffer; else 1 - sum exp(lt)), CE (ce_weight > 0).
-// Writes RowLoss[t] = (tau^2 KD + ce_weight CE) / n (0 on masked rows), DA[t, j] = dL/da_j (already scaled by
-// tau^2 / n) and RI[t] = (lse_tau, lse_1, sum_j DA[t, j], ce_weight / n) for kd_grad.
+// in ascending order. Variant constants: KIND (0 forward_kl, 1 reverse_kl, 2 jsd), TAIL (0: no tail entry;
+// 1: the teacher's tail is 1 - sum exp(lt); 2: it is Tail[t]), CE (ce_weight > 0).
+// n = RI[T].x, the number of unmasked rows (count_nonzero wrote it there). Writes RowLoss[t] = (tau^2 KD +
+// ce_weight CE) / n (0 on masked rows), DA[t, j] = dL/da_j (already scaled by tau^2 / n) and
+// RI[t] = (lse_tau, lse_1, sum_j DA[t, j], ce_weight / n) for kd_grad. 8 storage buffers (WebGPU's default
+// limit): Tail is bound whatever TAIL is (to any buffer of T floats when it is not read).
 
 const KIND: u32 = ${KIND}u;
-const USE_TAIL: bool = ${USE_TAIL};
+const TAIL: u32 = ${TAIL}u;
+const USE_TAIL: bool = TAIL != 0u;
 const CE: bool = ${CE};
 const EPS: f32 = 1e-12;
 const LOG_EPS: f32 = -27.631021115928547;
@@ -28,11 +31,10 @@ struct Params {
 @group(0) @binding(2) var<storage, read> LT: array<f32>;
 @group(0) @binding(3) var<storage, read> ZG: array<f32>;
 @group(0) @binding(4) var<storage, read> S: array<vec4<f32>>;
-@group(0) @binding(5) var<storage, read> Cnt: array<f32>;
-@group(0) @binding(6) var<storage, read_write> RowLoss: array<f32>;
-@group(0) @binding(7) var<storage, read_write> DA: array<f32>;
-@group(0) @binding(8) var<storage, read_write> RI: array<vec4<f32>>;
-${TAIL_DECL}
+@group(0) @binding(5) var<storage, read_write> RowLoss: array<f32>;
+@group(0) @binding(6) var<storage, read_write> DA: array<f32>;
+@group(0) @binding(7) var<storage, read_write> RI: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> Tail: array<f32>;
 
 // 1 - exp(x) for x <= 0, accurate near 0 (= -expm1(x)).
 fn one_minus_exp(x: f32) -> f32 {
@@ -80,7 +82,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         }
         return;
     }
-    let n = max(1.0, Cnt[0]);
+    let n = max(1.0, RI[prm.T].x);
     let st = S[row];
     let lse_t = st.x + log(st.y);
     let lse_1 = st.z + log(st.w);
@@ -98,7 +100,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
     let lse_lt = lt_max + log(lt_sum);
     if (USE_TAIL) {
-        ${TAIL_EXPR}
+        var tail: f32;
+        if (TAIL == 2u) {
+            tail = Tail[row];
+        } else {
+            tail = one_minus_exp(min(lse_lt, 0.0));
+        }
         lp_tail = max(log(max(tail, EPS)), LOG_EPS);
     } else {
         shift = lse_lt;

@@ -1,7 +1,8 @@
 // KD head, pass 1, per vocab chunk: fold the chunk's logits Z[t, 0..nv) (vocab ids c0..c0+nv) into each row's
 // running (max, sum exp) at temperature tau and at 1 -- S[t] = (m_tau, s_tau, m_1, s_1) -- and gather the
 // student logits at the teacher ids and at the target: ZG[t, j] = z[ids[t, j]], ZG[t, k] = z[target[t]].
-// One workgroup per row: per-thread online sums over a strided set of columns, then a fixed tree.
+// One workgroup per row: per-thread online sums (logsumexp.wgsl) over a strided set of columns, then
+// workgroup_reduce.wgsl's fixed tree.
 
 struct Params {
     T: u32,
@@ -23,18 +24,15 @@ struct Params {
 
 const WG: u32 = 64u;
 const NEG_BIG: f32 = -3.0e38;
-var<workgroup> r_mt: array<f32, WG>;
-var<workgroup> r_st: array<f32, WG>;
-var<workgroup> r_m1: array<f32, WG>;
-var<workgroup> r_s1: array<f32, WG>;
 
-// (m, s) of two partial logsumexp states combined.
-fn comb(ma: f32, sa: f32, mb: f32, sb: f32) -> vec2<f32> {
-    let m = max(ma, mb);
-    return vec2<f32>(m, sa * exp(ma - m) + sb * exp(mb - m));
+// Two logsumexp states side by side: (m_tau, s_tau, m_1, s_1).
+alias Reduced = vec4<f32>;
+
+fn combine(a: Reduced, b: Reduced) -> Reduced {
+    return vec4<f32>(lse_merge(a.x, a.y, b.x, b.y), lse_merge(a.z, a.w, b.z, b.w));
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let row = wid.x + wid.y * nwg.x;
@@ -48,38 +46,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var s1 = 0.0;
     for (var c = lid; c < prm.nv; c += WG) {
         let z = Z[base + c];
-        let a = comb(m1, s1, z, 1.0);
+        let a = lse_merge(m1, s1, z, 1.0);
         m1 = a.x;
         s1 = a.y;
-        let b = comb(mt, st, z * prm.inv_tau, 1.0);
+        let b = lse_merge(mt, st, z * prm.inv_tau, 1.0);
         mt = b.x;
         st = b.y;
     }
-    r_mt[lid] = mt;
-    r_st[lid] = st;
-    r_m1[lid] = m1;
-    r_s1[lid] = s1;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if (lid < w) {
-            let a = comb(r_mt[lid], r_st[lid], r_mt[lid + w], r_st[lid + w]);
-            let b = comb(r_m1[lid], r_s1[lid], r_m1[lid + w], r_s1[lid + w]);
-            r_mt[lid] = a.x;
-            r_st[lid] = a.y;
-            r_m1[lid] = b.x;
-            r_s1[lid] = b.y;
-        }
-        workgroupBarrier();
-    }
+    let chunk = workgroup_reduce(lid, vec4<f32>(mt, st, m1, s1));
     if (lid == 0u) {
-        var out = vec4<f32>(r_mt[0], r_st[0], r_m1[0], r_s1[0]);
+        var total = chunk;
         if (prm.first == 0u) {
-            let old = S[row];
-            let a = comb(old.x, old.y, out.x, out.y);
-            let b = comb(old.z, old.w, out.z, out.w);
-            out = vec4<f32>(a, b);
+            total = combine(S[row], chunk);
         }
-        S[row] = out;
+        S[row] = total;
     }
     let kk = prm.k + 1u;
     for (var j = lid; j < kk; j += WG) {

@@ -1,5 +1,7 @@
-// Deterministic sum of n terms by one workgroup: Out[out_index] = alpha * sum_i ${TERM} with x = X[i].
-// Thread t sums i = t, t + 256, ... in order, then a fixed tree combines the 256 partials.
+// Deterministic sum of n terms by one workgroup: Out[out_index] = alpha * sum_i term(i). Thread t sums
+// i = t, t + 256, ... in order, then workgroup_reduce.wgsl's fixed tree combines the 256 partials. The term
+// comes from the body file after this one, which binds the input X at @binding(1) and defines
+// `fn term(i: u32) -> f32`: reduce_term_value.wgsl (X[i]) or reduce_term_nonzero.wgsl (1 per nonzero entry).
 
 struct Params {
     n: u32,
@@ -9,27 +11,19 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> X: array<${ELEM}>;
 @group(0) @binding(2) var<storage, read_write> Out: array<f32>;
 
-var<workgroup> red: array<f32, 256>;
+const WG: u32 = 256u;
+alias Reduced = f32;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(local_invocation_index) lid: u32) {
     var s = 0.0;
-    for (var i = lid; i < prm.n; i += 256u) {
-        let x = X[i];
-        s += ${TERM};
+    for (var i = lid; i < prm.n; i += WG) {
+        s += term(i);
     }
-    red[lid] = s;
-    workgroupBarrier();
-    for (var w = 128u; w > 0u; w >>= 1u) {
-        if (lid < w) {
-            red[lid] += red[lid + w];
-        }
-        workgroupBarrier();
-    }
+    let total = workgroup_reduce(lid, s);
     if (lid == 0u) {
-        Out[prm.out_index] = prm.alpha * red[0];
+        Out[prm.out_index] = prm.alpha * total;
     }
 }

@@ -1,6 +1,7 @@
 // RMSNorm backward (input gradient only; the weight is frozen):
 //   g = dY * w, dX = rstd * g - X * rstd^3 * mean(g * X)   (= rstd * (g - xhat * mean(g * xhat)))
-// One workgroup per row, two fixed-order tree reductions. accumulate != 0: dX += instead of dX =.
+// One workgroup per row; both sums in one fixed-order tree (workgroup_reduce.wgsl on (sum x^2, sum g x)).
+// accumulate != 0: dX += instead of dX =.
 
 struct Params {
     T: u32,
@@ -16,10 +17,9 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> dX: array<f32>;
 
 const WG: u32 = 64u;
-var<workgroup> red_xx: array<f32, WG>;
-var<workgroup> red_gx: array<f32, WG>;
+alias Reduced = vec2<f32>;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let row = wid.x + wid.y * nwg.x;
@@ -34,19 +34,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         sxx = fma(x, x, sxx);
         sgx = fma(dY[base + i] * Wn[i], x, sgx);
     }
-    red_xx[lid] = sxx;
-    red_gx[lid] = sgx;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if (lid < w) {
-            red_xx[lid] += red_xx[lid + w];
-            red_gx[lid] += red_gx[lid + w];
-        }
-        workgroupBarrier();
-    }
+    let sums = workgroup_reduce(lid, vec2<f32>(sxx, sgx));
     let h = f32(prm.H);
-    let rstd = 1.0 / sqrt(red_xx[0] / h + prm.eps);
-    let c = rstd * rstd * rstd * (red_gx[0] / h);
+    let rstd = 1.0 / sqrt(sums.x / h + prm.eps);
+    let c = rstd * rstd * rstd * (sums.y / h);
     for (var i = lid; i < prm.H; i += WG) {
         var d = rstd * (dY[base + i] * Wn[i]) - X[base + i] * c;
         if (prm.accumulate != 0u) {

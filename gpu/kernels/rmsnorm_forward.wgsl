@@ -1,5 +1,5 @@
 // RMSNorm forward: Y[t] = X[t] * rstd * w, rstd = 1 / sqrt(mean(X[t]^2) + eps).
-// One workgroup per row; the sum of squares is a strided per-thread sum then a fixed tree: reproducible.
+// One workgroup per row; the sum of squares is a strided per-thread sum, then workgroup_reduce.wgsl's fixed tree.
 
 struct Params {
     T: u32,
@@ -14,9 +14,9 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> Y: array<f32>;
 
 const WG: u32 = 64u;
-var<workgroup> red: array<f32, WG>;
+alias Reduced = f32;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let row = wid.x + wid.y * nwg.x;
@@ -29,15 +29,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         let x = X[base + i];
         s = fma(x, x, s);
     }
-    red[lid] = s;
-    workgroupBarrier();
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if (lid < w) {
-            red[lid] += red[lid + w];
-        }
-        workgroupBarrier();
-    }
-    let rstd = 1.0 / sqrt(red[0] / f32(prm.H) + prm.eps);
+    let rstd = 1.0 / sqrt(workgroup_reduce(lid, s) / f32(prm.H) + prm.eps);
     for (var i = lid; i < prm.H; i += WG) {
         Y[base + i] = X[base + i] * rstd * Wn[i];
     }

@@ -1,7 +1,8 @@
 // Teacher top-k, per chunk of logits: merge the row's current top-k (Vals, Ids) with the chunk's nv logits
 // (vocab ids v0 ..) and keep the best k, ordered by (logit descending, id ascending) -- a total order, so the
 // result does not depend on the chunking. Also folds the chunk into the row's online logsumexp of z / tau,
-// S[t] = (max, sum exp). One workgroup per row: a bitonic sort of NS (key, id) pairs in workgroup memory.
+// S[t] = (max, sum exp) (logsumexp.wgsl; the threads' states meet in workgroup_reduce.wgsl's fixed tree).
+// One workgroup per row: a bitonic sort of NS (key, id) pairs in workgroup memory.
 
 struct Params {
     T: u32,
@@ -27,12 +28,12 @@ const NO_ID: u32 = 0xFFFFFFFFu;
 
 var<workgroup> sk: array<f32, NS>;
 var<workgroup> si: array<u32, NS>;
-var<workgroup> rm: array<f32, WG>;
-var<workgroup> rs: array<f32, WG>;
 
-fn comb(ma: f32, sa: f32, mb: f32, sb: f32) -> vec2<f32> {
-    let m = max(ma, mb);
-    return vec2<f32>(m, sa * exp(ma - m) + sb * exp(mb - m));
+// A logsumexp state (max, sum exp).
+alias Reduced = vec2<f32>;
+
+fn combine(a: Reduced, b: Reduced) -> Reduced {
+    return lse_merge(a.x, a.y, b.x, b.y);
 }
 
 // a goes before b: larger logit first, ties by smaller id.
@@ -40,7 +41,7 @@ fn before(ka: f32, ia: u32, kb: f32, ib: u32) -> bool {
     return ka > kb || (ka == kb && ia < ib);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let row = wid.x + wid.y * nwg.x;
@@ -62,15 +63,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         } else if (u - k < prm.nv) {
             key = Z[zb + u - k];
             id = prm.v0 + u - k;
-            let c = comb(m, s, key * prm.inv_tau, 1.0);
+            let c = lse_merge(m, s, key * prm.inv_tau, 1.0);
             m = c.x;
             s = c.y;
         }
         sk[u] = key;
         si[u] = id;
     }
-    rm[lid] = m;
-    rs[lid] = s;
     for (var size = 2u; size <= NS; size <<= 1u) {
         for (var stride = size >> 1u; stride > 0u; stride >>= 1u) {
             workgroupBarrier();
@@ -96,20 +95,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         Vals[row * k + u] = sk[u];
         Ids[row * k + u] = si[u];
     }
-    for (var w = WG / 2u; w > 0u; w >>= 1u) {
-        if (lid < w) {
-            let c = comb(rm[lid], rs[lid], rm[lid + w], rs[lid + w]);
-            rm[lid] = c.x;
-            rs[lid] = c.y;
-        }
-        workgroupBarrier();
-    }
+    let chunk = workgroup_reduce(lid, vec2<f32>(m, s));
     if (lid == 0u) {
-        var out = vec2<f32>(rm[0], rs[0]);
+        var total = chunk;
         if (prm.first == 0u) {
-            let old = S[row];
-            out = comb(old.x, old.y, out.x, out.y);
+            total = combine(S[row], chunk);
         }
-        S[row] = out;
+        S[row] = total;
     }
 }

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from gpu.device import Device
-from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.common import grid, need, pack
+from gpu.registry import pipeline
 
 PER_WORKGROUP = 256 * 16  # gradient elements per partial sum (grad_norm_partial.wgsl)
 

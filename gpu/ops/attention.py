@@ -7,29 +7,18 @@ import math
 from typing import Any
 
 from gpu.device import Device
-from gpu.ops.common import need, pack, pipeline
-
-BQ = 64  # rows (threads) per workgroup
-
-
-def key_tile(head_dim: int) -> int:
-    """Keys (or queries) staged per tile: two BK x D f32 tiles stay within 16 KiB of workgroup memory."""
-    return 32 if head_dim <= 64 else 16 if head_dim <= 128 else 8
-
-
-def _consts(head_dim: int) -> dict[str, int]:
-    bk = key_tile(head_dim)
-    return {"D": head_dim, "DV": head_dim // 4, "BQ": BQ, "BK": bk, "BKD": bk * head_dim, "BKDV": bk * head_dim // 4}
+from gpu.ops.common import need, pack
+from gpu.registry import ATTENTION_ROWS, HEAD_DIMS, pipeline
 
 
 def _check(t: int, hq: int, hkv: int, d: int, tensors: dict[str, tuple[Any, int]]) -> None:
-    if d % 4:
-        raise ValueError(f"attention: head_dim={d} must be a multiple of 4")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"attention: head_dim={d} has no kernel variant; gpu/registry.py HEAD_DIMS lists {HEAD_DIMS}")
     if hq % hkv:
         raise ValueError(f"attention: n_heads={hq} is not a multiple of n_kv_heads={hkv}")
     if t <= 0:
         raise ValueError(f"attention: n_tokens={t} must be positive")
-    if math.ceil(t / BQ) > 65535 or hq > 65535:
+    if math.ceil(t / ATTENTION_ROWS) > 65535 or hq > 65535:
         raise ValueError(f"attention: n_tokens={t}, n_heads={hq} exceed the dispatch grid")
     for name, (buf, n) in tensors.items():
         need(buf, n, f"attention {name}")
@@ -43,9 +32,9 @@ def attention_forward(
     t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
     nq, nkv = t * hq * d, t * hkv * d
     _check(t, hq, hkv, d, {"q": (q, nq), "k": (k, nkv), "v": (v, nkv), "out": (out, nq), "lse": (lse, hq * t)})
-    pipe = pipeline(dev, "attention_forward", ("attention_common", "attention_kv_tile"), **_consts(d))
+    pipe = pipeline(dev, "attention_forward", head_dim=d)
     params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
-    dev.dispatch(pipe, [params, q, k, v, out, lse], (math.ceil(t / BQ), hq))
+    dev.dispatch(pipe, [params, q, k, v, out, lse], (math.ceil(t / ATTENTION_ROWS), hq))
 
 
 def attention_backward(
@@ -89,9 +78,8 @@ def attention_backward(
             "delta": (delta, hq * t),
         },
     )
-    c = _consts(d)
     params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
-    pipe = pipeline(dev, "attention_backward_dq", ("attention_common", "attention_kv_tile"), **c)
-    dev.dispatch(pipe, [params, q, k, v, out, dout, lse, dq, delta], (math.ceil(t / BQ), hq))
-    pipe = pipeline(dev, "attention_backward_dkv", ("attention_common",), **c)
-    dev.dispatch(pipe, [params, q, k, v, dout, lse, delta, dk, dv], (math.ceil(t / BQ), hkv))
+    pipe = pipeline(dev, "attention_backward_dq", head_dim=d)
+    dev.dispatch(pipe, [params, q, k, v, out, dout, lse, dq, delta], (math.ceil(t / ATTENTION_ROWS), hq))
+    pipe = pipeline(dev, "attention_backward_dkv", head_dim=d)
+    dev.dispatch(pipe, [params, q, k, v, dout, lse, delta, dk, dv], (math.ceil(t / ATTENTION_ROWS), hkv))

@@ -1,5 +1,5 @@
-"""Small helpers shared by the elementwise / attention / LoRA / KD / AdamW ops: uniform packing, grids,
-cached pipelines from gpu/kernels/<name>.wgsl templates, and size checks with messages naming the tensor."""
+"""Small helpers shared by the ops: uniform packing, grids, and size checks with messages naming the tensor.
+The ops build their kernels' pipelines through gpu/registry.py."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu.codegen import fill, kernel_text
-from gpu.device import BufferView, Device, DeviceError, grid_1d
+from gpu.device import BufferView, DeviceError, grid_1d
 
 
 def pack(*values: int | float | bool) -> np.ndarray:
@@ -28,14 +27,6 @@ def pack(*values: int | float | bool) -> np.ndarray:
 def grid(n_items: int, per_workgroup: int) -> tuple[int, int, int]:
     """A 2-D grid of ceil(n_items / per_workgroup) workgroups (kernels use wid.x + wid.y * nwg.x)."""
     return grid_1d(max(1, math.ceil(n_items / per_workgroup)))
-
-
-def pipeline(dev: Device, name: str, includes: tuple[str, ...] = (), **values: object) -> Any:
-    """The cached pipeline of gpu/kernels/<name>.wgsl, after the shared snippets gpu/kernels/<include>.wgsl,
-    with ${NAME} placeholders filled from `values`."""
-    key = (name, includes, tuple(sorted((k, str(v)) for k, v in values.items())))
-    parts = [kernel_text(f"{inc}.wgsl") for inc in includes] + [kernel_text(f"{name}.wgsl")]
-    return dev.pipeline(key, lambda: fill("\n".join(parts), **values))
 
 
 def nbytes(buf: Any) -> int:

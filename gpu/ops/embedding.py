@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu.codegen import WEIGHT_TYPES, decode_snippet
 from gpu.device import Device
-from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.common import grid, need, pack
+from gpu.registry import pipeline
 from gpu.weights import QuantTensor
 
 
@@ -18,6 +18,5 @@ def embedding_forward(dev: Device, table: QuantTensor, ids: Any, out: Any, n_tok
         raise ValueError(f"embedding_forward: {name!r} row length {h} is not a multiple of 4")
     need(ids, n_tokens, f"embedding_forward ids for {name!r}")
     need(out, n_tokens * h, f"embedding_forward output for {name!r}")
-    wt = table.qtype.name
-    pipe = pipeline(dev, "embedding", DECODE=decode_snippet(wt), W_ELEM=WEIGHT_TYPES[wt].w_elem)
+    pipe = pipeline(dev, "embedding", wtype=table.qtype.name)
     dev.dispatch(pipe, [pack(n_tokens, h, v, 0), table.binding, ids, out], grid(n_tokens * h // 4, 64))

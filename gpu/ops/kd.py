@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu.device import Device
-from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.common import grid, need, pack
 from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.reduce import count_nonzero, reduce_sum
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
+from gpu.registry import pipeline
 from gpu.weights import QuantTensor, check_lm_head, row_slice
 from model.kd import KINDS, LossConfig
 
@@ -23,7 +24,8 @@ from model.kd import KINDS, LossConfig
 @dataclass(frozen=True)
 class KdScratch:
     """Buffers for one (n_tokens, k, chunk) shape; build once and reuse every step (keeps bind groups cached).
-    row_loss [T] holds each row's share of the loss (they sum to the loss)."""
+    row_loss [T] holds each row's share of the loss (they sum to the loss); row_info has one more entry after
+    the rows, whose first float is the number of unmasked rows (keeps kd_row within 8 storage buffers)."""
 
     n_tokens: int
     k: int
@@ -33,8 +35,7 @@ class KdScratch:
     gathered: Any  # [T, k + 1] logits at teacher ids, then at the target
     row_loss: Any  # [T]
     da: Any  # [T, k]
-    row_info: Any  # [T, 4] (lse_tau, lse_1, sum da, ce_weight / n)
-    count: Any  # [1] rows with mask != 0 (f32)
+    row_info: Any  # [T + 1, 4] (lse_tau, lse_1, sum da, ce_weight / n), then (rows with mask != 0, 0, 0, 0)
 
     @classmethod
     def build(cls, dev: Device, n_tokens: int, k: int, chunk: int) -> KdScratch:
@@ -52,8 +53,7 @@ class KdScratch:
             buf(t * (k + 1), "gathered"),
             buf(t, "row loss"),
             buf(t * k, "da"),
-            buf(t * 4, "row info"),
-            buf(1, "count"),
+            buf((t + 1) * 4, "row info"),
         )
 
 
@@ -84,7 +84,7 @@ def kd_head_forward_backward(
     dL/dlogits . W, computed over vocab chunks. teacher_ids u32 [T, k], teacher_logprobs f32 [T, k] (at tau),
     teacher_tail f32 [T] or None (then 1 - sum exp(logprobs)), targets u32 [T], mask u32 [T] (rows != 0 count).
     loss[loss_index] (f32) receives the scalar loss; backward=False skips pass 2 (evaluation: dh untouched).
-    Returns the scratch (row_loss, count) for inspection and reuse."""
+    Returns the scratch (row_loss, row_info) for inspection and reuse."""
     t = n_tokens
     if cfg.kind not in KINDS:
         raise ValueError(f"LossConfig.kind={cfg.kind!r} is not one of {KINDS}")
@@ -121,33 +121,24 @@ def kd_head_forward_backward(
         a, b = row_major(h, hidden), transposed(w, hidden, off=c0 * hidden)
         strided_matmul(dev, a, b, sc.logits, t, nv, hidden, ldc=chunk)
 
-    count_nonzero(dev, mask, sc.count, t)
+    count_nonzero(dev, mask, sc.row_info, t, out_index=4 * t)
     stats_pipe = pipeline(dev, "kd_stats")
     for i, (c0, nv) in enumerate(chunks):
         logits_chunk(c0, nv)
         params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
         dev.dispatch(stats_pipe, [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered], grid(t, 1))
 
-    has_tail = cfg.use_tail and teacher_tail is not None
-    row_pipe = pipeline(
-        dev,
-        "kd_row",
-        KIND=KINDS.index(cfg.kind),
-        USE_TAIL=str(cfg.use_tail).lower(),
-        CE=str(ce).lower(),
-        TAIL_DECL="@group(0) @binding(9) var<storage, read> Tail: array<f32>;" if has_tail else "",
-        TAIL_EXPR="let tail = Tail[row];" if has_tail else "let tail = one_minus_exp(min(lse_lt, 0.0));",
-    )
+    tail = "none" if not cfg.use_tail else "derived" if teacher_tail is None else "given"
+    row_pipe = pipeline(dev, "kd_row", kind=cfg.kind, tail=tail, ce=ce)
     row_params = pack(t, k, cfg.tau, inv_tau, beta, math.log(beta), math.log1p(-beta), cfg.ce_weight if ce else 0.0)
-    bind = [row_params, mask, teacher_logprobs, sc.gathered, sc.lse, sc.count, sc.row_loss, sc.da, sc.row_info]
-    if has_tail:
-        bind.append(teacher_tail)
+    tail_buf = teacher_tail if tail == "given" else sc.gathered  # bound either way; read only when given
+    bind = [row_params, mask, teacher_logprobs, sc.gathered, sc.lse, sc.row_loss, sc.da, sc.row_info, tail_buf]
     dev.dispatch(row_pipe, bind, grid(t, 64))
     reduce_sum(dev, sc.row_loss, loss, t, out_index=loss_index)
 
     if not backward:
         return sc
-    grad_pipe = pipeline(dev, "kd_grad", CE=str(ce).lower())
+    grad_pipe = pipeline(dev, "kd_grad", ce=ce)
     for i, (c0, nv) in enumerate(chunks):
         logits_chunk(c0, nv)
         params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)

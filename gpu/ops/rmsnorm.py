@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from gpu.device import Device
-from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.common import grid, need, pack
+from gpu.registry import pipeline
 
 
 def rmsnorm_forward(dev: Device, x: Any, w: Any, y: Any, n_rows: int, hidden: int, eps: float) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from gpu.device import Device
-from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.common import grid, need, pack
+from gpu.registry import pipeline
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,11 @@ def _rope(
     if positions is None:
         if start + n_tokens > table.n_positions:
             raise ValueError(f"rope: positions {start}..{start + n_tokens - 1} exceed the table's {table.n_positions}")
-        pipe = pipeline(dev, "rope", POS_DECL="", POS_EXPR="prm.start + t")
+        pipe = pipeline(dev, "rope")
         extra = []
     else:
         need(positions, n_tokens, "rope positions")
-        decl = "@group(0) @binding(4) var<storage, read> positions: array<u32>;"
-        pipe = pipeline(dev, "rope", POS_DECL=decl, POS_EXPR="prm.start + positions[t]")
+        pipe = pipeline(dev, "rope_positions")
         extra = [positions]
     params = pack(n_tokens, n_heads, d, start, sign, table.n_positions, 0, 0)
     dev.dispatch(pipe, [params, table.buffer, x, y, *extra], grid(n_tokens * n_heads * d // 2, 64))

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu.device import Device, DeviceError
-from gpu.ops.common import nbytes, pack, pipeline
+from gpu.ops.common import nbytes, pack
+from gpu.registry import pipeline
 
 TILE = 16
 

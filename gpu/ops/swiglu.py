@@ -5,18 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from gpu.device import Device
-from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.common import grid, need, pack
+from gpu.registry import pipeline
 
 
 def swiglu_forward(dev: Device, g: Any, u: Any, y: Any, n: int) -> None:
     """y = silu(g) * u over n elements."""
     for buf, what in ((g, "g"), (u, "u"), (y, "y")):
         need(buf, n, f"swiglu_forward {what}")
-    dev.dispatch(pipeline(dev, "swiglu_forward", ("elementwise",)), [pack(n, 0, 0, 0), g, u, y], grid(n, 256))
+    dev.dispatch(pipeline(dev, "swiglu_forward"), [pack(n, 0, 0, 0), g, u, y], grid(n, 256))
 
 
 def swiglu_backward(dev: Device, dy: Any, g: Any, u: Any, dg: Any, du: Any, n: int) -> None:
     """(dg, du) of y = silu(g) * u over n elements."""
     for buf, what in ((dy, "dy"), (g, "g"), (u, "u"), (dg, "dg"), (du, "du")):
         need(buf, n, f"swiglu_backward {what}")
-    dev.dispatch(pipeline(dev, "swiglu_backward", ("elementwise",)), [pack(n, 0, 0, 0), dy, g, u, dg, du], grid(n, 256))
+    dev.dispatch(pipeline(dev, "swiglu_backward"), [pack(n, 0, 0, 0), dy, g, u, dg, du], grid(n, 256))

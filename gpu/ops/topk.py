@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu.device import Device
-from gpu.ops.common import grid, need, pack, pipeline
+from gpu.ops.common import grid, need, pack
 from gpu.ops.matmul import linear
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
+from gpu.registry import TOPK_SORT_SIZES, pipeline
 from gpu.weights import QuantTensor, row_slice
 
-MAX_SORT = 2048  # (key, id) pairs sorted per workgroup: 16 KiB of workgroup memory
+MAX_SORT = max(TOPK_SORT_SIZES)  # (key, id) pairs sorted per workgroup
 MAX_K = 256
 
 
@@ -66,7 +67,7 @@ def topk_chunk(
     need(logits, (t - 1) * ld + col_offset + n_cols, "topk logits")
     ns = _sort_size(k, n_cols)
     sub = ns - k
-    pipe = pipeline(dev, "topk", NS=ns)
+    pipe = pipeline(dev, "topk", ns=ns)
     for c in range(0, n_cols, sub):
         nv = min(sub, n_cols - c)
         params = pack(t, nv, ld, col_offset + c, v0 + c, k, 1.0 / tau, first and c == 0)

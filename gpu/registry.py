@@ -1,0 +1,198 @@
+"""Every (kernel, variant) the model can dispatch, and the one way the ops build an op kernel's pipeline.
+
+An op kernel is gpu/kernels/<part>.wgsl files joined in order: shared skeletons and includes (elementwise,
+workgroup_reduce, workgroup_sum, logsumexp, attention_common, ...) and the op's own body, with ${NAME}
+placeholders filled from its variant. KERNELS lists each op kernel with its parts and the values its variant
+parameters may take (as llama.cpp's vulkan-shaders-gen lists each shader with its defines); `pipeline(dev, name,
+**variant)` refuses a variant outside them, so everything the ops dispatch is in `entries()`, which
+tests/test_kernel_registry.py compiles. The matmul kernels come from their generators: every weight type x
+orientation x tile preset x store mode of gpu/codegen.py, and every tensor-core variant of the presets
+gpu/ops/matmul_tc.py picks from (its all_variants()).
+
+Add an op kernel: write gpu/kernels/<name>.wgsl (a body after a skeleton, or a whole kernel), list it here with
+its variant parameters, and call `pipeline(dev, "<name>", **variant)` from its op.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
+from gpu.codegen_tc import matmul_tc_source
+from gpu.device import Device
+from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
+from gpu.ops.matmul_tc import TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M, all_variants
+from model.kd import KINDS
+
+BOOLS = (False, True)
+# Attention: query rows (one thread each) per workgroup, and the head dims of the supported model families
+# (Llama, Qwen, Mistral, SmolLM2: 64/128; Phi: 80/96; Gemma: 256) plus the small test models.
+ATTENTION_ROWS = 64
+HEAD_DIMS = (8, 16, 32, 64, 80, 96, 128, 256)
+# Top-k: (key, id) pairs sorted per workgroup (powers of two); 2048 pairs take 16 KiB of workgroup memory.
+TOPK_SORT_SIZES = tuple(2**e for e in range(1, 12))
+# KD head: where the teacher's tail mass comes from (kd_row.wgsl TAIL): not used, 1 - sum exp(lt), a buffer.
+KD_TAILS = ("none", "derived", "given")
+# The f32 matmul tile presets gemm() picks from (gpu/ops/matmul.py pick_tile), the tensor-core presets gemm_tc()
+# picks from (gpu/ops/matmul_tc.py pick_config).
+MATMUL_TILES = (GPU_TILE, GPU_TILE_SMALL_M, CPU_TILE, CPU_TILE_SMALL_M)
+TC_TILES = (TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M)
+
+
+def attention_key_tile(head_dim: int) -> int:
+    """Keys (or queries) staged per tile: two BK x D f32 tiles stay within 16 KiB of workgroup memory."""
+    return 32 if head_dim <= 64 else 16 if head_dim <= 128 else 8
+
+
+def _attention_values(head_dim: int) -> dict[str, int]:
+    bk = attention_key_tile(head_dim)
+    return {
+        "D": head_dim,
+        "DV": head_dim // 4,
+        "BQ": ATTENTION_ROWS,
+        "BK": bk,
+        "BKD": bk * head_dim,
+        "BKDV": bk * head_dim // 4,
+    }
+
+
+def _embedding_values(wtype: str) -> dict[str, str]:
+    return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
+
+
+def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
+    return {"KIND": KINDS.index(kind), "TAIL": KD_TAILS.index(tail), "CE": ce}
+
+
+def _literal(value: object) -> str:
+    """A template value as WGSL source (bools as true/false)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """An op kernel: its parts (gpu/kernels/<part>.wgsl, joined in order) and, per variant parameter, the values
+    the model can dispatch. `values` maps a variant to the ${NAME} template values; without it parameter `x`
+    fills ${X}."""
+
+    parts: tuple[str, ...]
+    params: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    values: Callable[..., Mapping[str, object]] | None = None
+
+    def variants(self) -> list[dict[str, Any]]:
+        """Every variant: the product of the parameters' values."""
+        names = list(self.params)
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*self.params.values())]
+
+    def source(self, **variant: Any) -> str:
+        """The kernel's WGSL for one variant."""
+        values = self.values(**variant) if self.values else {k.upper(): v for k, v in variant.items()}
+        text = "\n".join(kernel_text(f"{part}.wgsl") for part in self.parts)
+        return fill(text, **{k: _literal(v) for k, v in values.items()})
+
+
+_SUM = ("workgroup_reduce", "workgroup_sum")  # fixed-tree workgroup sums
+_LSE = ("workgroup_reduce", "logsumexp")  # fixed-tree workgroup logsumexp states
+_ATTENTION = ("attention_common", "attention_kv_tile")
+_HEAD_DIM = {"head_dim": HEAD_DIMS}
+
+KERNELS: dict[str, Kernel] = {
+    # elementwise skeleton + body
+    "add": Kernel(("elementwise", "add")),
+    "add_inplace": Kernel(("elementwise", "add_inplace")),
+    "scale": Kernel(("elementwise", "scale")),
+    "swiglu_forward": Kernel(("elementwise", "swiglu_forward")),
+    "swiglu_backward": Kernel(("elementwise", "swiglu_backward")),
+    "adamw_update": Kernel(("elementwise", "adamw_update")),
+    # workgroup reductions
+    "rmsnorm_forward": Kernel((*_SUM, "rmsnorm_forward")),
+    "rmsnorm_backward": Kernel((*_SUM, "rmsnorm_backward")),
+    "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
+    "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
+    "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
+    "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),
+    "kd_stats": Kernel((*_LSE, "kd_stats")),
+    "topk": Kernel((*_LSE, "topk"), {"ns": TOPK_SORT_SIZES}),
+    # one thread per row / item
+    "kd_row": Kernel(("kd_row",), {"kind": KINDS, "tail": KD_TAILS, "ce": BOOLS}, _kd_row_values),
+    "kd_grad": Kernel(("kd_grad",), {"ce": BOOLS}),
+    "topk_finish": Kernel(("topk_finish",)),
+    "embedding": Kernel(("embedding",), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
+    "rope": Kernel(("rope", "rope_position_offset")),
+    "rope_positions": Kernel(("rope", "rope_position_buffer")),
+    # tiled
+    "attention_forward": Kernel((*_ATTENTION, "attention_forward"), _HEAD_DIM, _attention_values),
+    "attention_backward_dq": Kernel((*_ATTENTION, "attention_backward_dq"), _HEAD_DIM, _attention_values),
+    "attention_backward_dkv": Kernel(("attention_common", "attention_backward_dkv"), _HEAD_DIM, _attention_values),
+    "strided_matmul": Kernel(("strided_matmul",)),
+}
+
+
+def kernel_key(name: str, variant: Mapping[str, Any]) -> tuple:
+    """The pipeline-cache key of an op kernel variant."""
+    return (name, tuple(sorted(variant.items())))
+
+
+def _checked(name: str, variant: Mapping[str, Any]) -> Kernel:
+    """KERNELS[name], after checking that the variant is one it lists (errors name this file)."""
+    kernel = KERNELS.get(name)
+    if kernel is None:
+        raise ValueError(f"no kernel {name!r} in gpu/registry.py KERNELS")
+    if set(variant) != set(kernel.params):
+        raise ValueError(f"kernel {name!r}: variant parameters {sorted(variant)}, expected {sorted(kernel.params)}")
+    for param, value in variant.items():
+        if value not in kernel.params[param]:
+            allowed = kernel.params[param]
+            raise ValueError(f"kernel {name!r} has no variant {param}={value!r}; gpu/registry.py lists {allowed}")
+    return kernel
+
+
+def kernel_source(name: str, **variant: Any) -> str:
+    """The WGSL of an op kernel variant."""
+    return _checked(name, variant).source(**variant)
+
+
+def pipeline(dev: Device, name: str, **variant: Any) -> Any:
+    """The cached compute pipeline of op kernel `name` in `variant` (one of the variants KERNELS lists)."""
+    kernel = _checked(name, variant)
+    return dev.pipeline(kernel_key(name, variant), lambda: kernel.source(**variant))
+
+
+def matmul_variants() -> list[MatmulVariant]:
+    """The f32 matmul variants gemm() dispatches: weight type x orientation x tile preset x store mode (the
+    model never reads A transposed)."""
+    return [
+        MatmulVariant(wtype, orient, tile, trans_a=False, accumulate=accumulate)
+        for wtype in WEIGHT_TYPES
+        for orient in ("nt", "nn")
+        for tile in MATMUL_TILES
+        for accumulate in BOOLS
+    ]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One (kernel, variant): the key the ops pass to Device.pipeline, and its WGSL."""
+
+    key: tuple
+    source: Callable[[], str]
+    tensor_cores: bool = False  # needs Dawn's subgroup matrices (compiled by Tint only)
+
+
+def entries() -> list[Entry]:
+    """Every (kernel, variant) the model can dispatch: op kernels, f32 matmuls and tensor-core matmuls."""
+    out = [
+        Entry(kernel_key(name, v), partial(kernel.source, **v))
+        for name, kernel in KERNELS.items()
+        for v in kernel.variants()
+    ]
+    out += [Entry(v.key, partial(matmul_source, v)) for v in matmul_variants()]
+    tc = {v for cfg in TC_TILES for v in all_variants(cfg, list(WEIGHT_TYPES))}
+    out += [Entry((*v.key, False), partial(matmul_tc_source, v), True) for v in sorted(tc, key=str)]
+    return out
