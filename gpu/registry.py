@@ -1,7 +1,7 @@
 """Every (kernel, variant) the model can dispatch, and the one way the ops build an op kernel's pipeline.
 
 An op kernel is gpu/kernels/<part>.wgsl files joined in order: shared skeletons and includes (elementwise,
-workgroup_reduce, workgroup_sum, logsumexp, attention_common, ...) and the op's own body, with ${NAME}
+rows, workgroup_reduce, workgroup_sum, logsumexp, attention_common, ...) and the op's own body, with ${NAME}
 placeholders filled from its variant. KERNELS lists each op kernel with its parts and the values its variant
 parameters may take (as llama.cpp's vulkan-shaders-gen lists each shader with its defines); `pipeline(dev, name,
 **variant)` refuses a variant outside them, so everything the ops dispatch is in `entries()`, which
@@ -99,6 +99,7 @@ class Kernel:
 
 _SUM = ("workgroup_reduce", "workgroup_sum")  # fixed-tree workgroup sums
 _LSE = ("workgroup_reduce", "logsumexp")  # fixed-tree workgroup logsumexp states
+_ROWS = ("rows",)  # one workgroup per row
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
 
@@ -110,18 +111,19 @@ KERNELS: dict[str, Kernel] = {
     "swiglu_forward": Kernel(("elementwise", "swiglu_forward")),
     "swiglu_backward": Kernel(("elementwise", "swiglu_backward")),
     "adamw_update": Kernel(("elementwise", "adamw_update")),
-    # workgroup reductions
-    "rmsnorm_forward": Kernel((*_SUM, "rmsnorm_forward")),
-    "rmsnorm_backward": Kernel((*_SUM, "rmsnorm_backward")),
+    # row skeleton (one workgroup per row) + body
+    "rmsnorm_forward": Kernel((*_ROWS, *_SUM, "rmsnorm_forward")),
+    "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
+    "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats")),
+    "kd_grad": Kernel((*_ROWS, "kd_grad"), {"ce": BOOLS}),
+    "topk": Kernel((*_ROWS, *_LSE, "topk"), {"ns": TOPK_SORT_SIZES}),
+    # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
     "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),
-    "kd_stats": Kernel((*_LSE, "kd_stats")),
-    "topk": Kernel((*_LSE, "topk"), {"ns": TOPK_SORT_SIZES}),
     # one thread per row / item
     "kd_row": Kernel(("kd_row",), {"kind": KINDS, "tail": KD_TAILS, "ce": BOOLS}, _kd_row_values),
-    "kd_grad": Kernel(("kd_grad",), {"ce": BOOLS}),
     "topk_finish": Kernel(("topk_finish",)),
     "embedding": Kernel(("embedding",), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "rope": Kernel(("rope", "rope_position_offset")),

@@ -1,6 +1,6 @@
 // KD head, pass 2, per vocab chunk: overwrite the recomputed chunk logits Z[t, 0..nv) with dL/dz:
 //   dz = (scatter(DA[t], ids) - q_tau * sum(DA[t])) / tau + (ce_weight / n) (softmax(z) - onehot(target))
-// with q_tau = exp(z / tau - lse_tau); zero on masked rows. One workgroup per row: the dense part over a
+// with q_tau = exp(z / tau - lse_tau); zero on masked rows. One workgroup per row (rows.wgsl): the dense part over a
 // strided set of columns, then (after a storage barrier) thread 0 adds the sparse terms id by id in order.
 
 const CE: bool = ${CE};
@@ -26,13 +26,7 @@ struct Params {
 
 const WG: u32 = 64u;
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= prm.T) {
-        return;
-    }
+fn row_main(row: u32, lid: u32) {
     let live = mask[row] != 0u;
     let ri = RI[row];
     let base = row * prm.ldz;

@@ -1,7 +1,7 @@
 // KD head, pass 1, per vocab chunk: fold the chunk's logits Z[t, 0..nv) (vocab ids c0..c0+nv) into each row's
 // running (max, sum exp) at temperature tau and at 1 -- S[t] = (m_tau, s_tau, m_1, s_1) -- and gather the
 // student logits at the teacher ids and at the target: ZG[t, j] = z[ids[t, j]], ZG[t, k] = z[target[t]].
-// One workgroup per row: per-thread online sums (logsumexp.wgsl) over a strided set of columns, then
+// One workgroup per row (rows.wgsl): per-thread online sums (logsumexp.wgsl) over a strided set of columns, then
 // workgroup_reduce.wgsl's fixed tree.
 
 struct Params {
@@ -32,13 +32,7 @@ fn combine(a: Reduced, b: Reduced) -> Reduced {
     return vec4<f32>(lse_merge(a.x, a.y, b.x, b.y), lse_merge(a.z, a.w, b.z, b.w));
 }
 
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= prm.T) {
-        return;
-    }
+fn row_main(row: u32, lid: u32) {
     let base = row * prm.ldz;
     var mt = NEG_BIG;
     var st = 0.0;

@@ -1,6 +1,6 @@
 // RMSNorm backward (input gradient only; the weight is frozen):
 //   g = dY * w, dX = rstd * g - X * rstd^3 * mean(g * X)   (= rstd * (g - xhat * mean(g * xhat)))
-// One workgroup per row; both sums in one fixed-order tree (workgroup_reduce.wgsl on (sum x^2, sum g x)).
+// One workgroup per row (rows.wgsl); both sums in one fixed-order tree (workgroup_reduce.wgsl on (sum x^2, sum g x)).
 // accumulate != 0: dX += instead of dX =.
 
 struct Params {
@@ -19,13 +19,7 @@ struct Params {
 const WG: u32 = 64u;
 alias Reduced = vec2<f32>;
 
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= prm.T) {
-        return;
-    }
+fn row_main(row: u32, lid: u32) {
     let base = row * prm.H;
     var sxx = 0.0;
     var sgx = 0.0;

@@ -1,5 +1,6 @@
 // RMSNorm forward: Y[t] = X[t] * rstd * w, rstd = 1 / sqrt(mean(X[t]^2) + eps).
-// One workgroup per row; the sum of squares is a strided per-thread sum, then workgroup_reduce.wgsl's fixed tree.
+// One workgroup per row (rows.wgsl); the sum of squares is a strided per-thread sum, then workgroup_reduce.wgsl's
+// fixed tree.
 
 struct Params {
     T: u32,
@@ -16,13 +17,7 @@ struct Params {
 const WG: u32 = 64u;
 alias Reduced = f32;
 
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= prm.T) {
-        return;
-    }
+fn row_main(row: u32, lid: u32) {
     let base = row * prm.H;
     var s = 0.0;
     for (var i = lid; i < prm.H; i += WG) {

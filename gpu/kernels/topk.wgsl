@@ -2,7 +2,7 @@
 // (vocab ids v0 ..) and keep the best k, ordered by (logit descending, id ascending) -- a total order, so the
 // result does not depend on the chunking. Also folds the chunk into the row's online logsumexp of z / tau,
 // S[t] = (max, sum exp) (logsumexp.wgsl; the threads' states meet in workgroup_reduce.wgsl's fixed tree).
-// One workgroup per row: a bitonic sort of NS (key, id) pairs in workgroup memory.
+// One workgroup per row (rows.wgsl): a bitonic sort of NS (key, id) pairs in workgroup memory.
 
 struct Params {
     T: u32,
@@ -41,13 +41,7 @@ fn before(ka: f32, ia: u32, kb: f32, ib: u32) -> bool {
     return ka > kb || (ka == kb && ia < ib);
 }
 
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= prm.T) {
-        return;
-    }
+fn row_main(row: u32, lid: u32) {
     let k = prm.k;
     let zb = row * prm.ldz + prm.z_off;
     var m = NEG_BIG;
