@@ -7,7 +7,8 @@
 projection shapes of a TinyLlama-sized student (M = 4096 rows: 2048 -> 5632, 5632 -> 2048, 2048 -> 256),
 plain and fused; "fused" dequantizes Q4_K / Q4_0 weights into the f16 tiles, A f32 (as in training), in
 both orientations (forward "nt", input gradient "nn"), next to plain F16 with the same f32 A.
-TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait). Each result
+TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait), the median of 3
+windows after a warm-up window (spread = their range over the median). Each result
 carries max_rel_err: |C - ref| / max |ref| over 8 sampled rows, ref in float64 from the f16-rounded
 operands. torch (when importable with CUDA) times torch.matmul in bf16 and fp16 on the same shapes.
 """
@@ -82,7 +83,9 @@ def time_gemm(
     first = run(1)  # compile + first run
     one = run(1)
     reps = int(min(500, max(3, seconds / max(one, 1e-6))))
-    t = run(reps) / reps
+    run(reps)  # warm-up window: clocks up after the idle gap of data generation and compilation
+    windows = sorted(run(reps) / reps for _ in range(3))
+    t = windows[1]  # median of 3 windows
     out = {
         "type": qtype,
         "orient": orient,
@@ -94,6 +97,7 @@ def time_gemm(
         "ms": round(t * 1e3, 4),
         "tflops": round(2.0 * m * n * k / t / 1e12, 2),
         "reps": reps,
+        "spread": round((windows[2] - windows[0]) / t, 3),  # (slowest - fastest window) / median
         "first_call_s": round(first, 3),
     }
     if check_rows:

@@ -140,15 +140,6 @@ def worker(job: dict[str, Any]) -> None:
         print(json.dumps({"env": info}), flush=True)
         return
     for run in job["runs"]:
-        if run.get("legacy"):  # the previous kernel, same run (bench/legacy/, not in the repository)
-            try:
-                from bench.legacy.legacy_codegen_tc import legacy_time
-
-                res = {"name": "legacy", "toggles": job["name"], "ok": True, "time": [legacy_time(dev, N)]}
-            except Exception as e:  # noqa: BLE001 - absent or failing: report
-                res = {"name": "legacy", "error": str(e)[-800:]}
-            print(json.dumps(res), flush=True)
-            continue
         cfg = TCConfig(**run["cfg"])
         res: dict[str, Any] = {"name": run["name"], "toggles": job["name"], "cfg": cfg.label}
         t0 = time.perf_counter()
@@ -225,8 +216,6 @@ def main() -> None:
     names = list(tiles)
     for i in range(0, len(names), 7):  # a few tiles per process: device start-up once per group
         runs = [{"name": n, "cfg": tiles[n], "time": [big]} for n in names[i : i + 7]]
-        if i == 0 and not EMULATE:
-            runs.insert(0, {"legacy": True})
         run_job({"name": "default", "runs": runs}, min(150, max(left(), 10)), sink)
     ranked = sorted(
         (r for r in results if r.get("ok") and r.get("time") and r["name"] in tiles), key=lambda r: -tflops(r)
@@ -238,7 +227,7 @@ def main() -> None:
     best = top[0]
     if not args.quick:
         for tname, toggles in TOGGLES.items():
-            if left() < 120:
+            if left() < 60:
                 break
             runs = [{"name": n, "cfg": tiles[n], "time": [big]} for n in top]
             run_job({"name": tname, "toggles": toggles, "runs": runs}, min(90, left()), sink)

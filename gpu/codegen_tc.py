@@ -329,17 +329,20 @@ def _acc_decl(c: TCConfig, d: _Dialect, accumulate: bool) -> list[str]:
     ind = " " * 4
     pairs = [(i, j) for i in range(c.tm) for j in range(c.tn)]
     lines = [f"{ind}var acc_{i}_{j} = {d.result_zero};" for i, j in pairs]
-    if accumulate:  # direct epilogue: start from C itself (alpha = 1)
+    if accumulate and c.direct:  # direct epilogue: start from C itself (alpha = 1)
         loads = [f"{ind}    acc_{i}_{j} = {d.load_c.format(off=_c_offset(i, j))};" for i, j in pairs]
         lines += [f"{ind}if (direct) {{"] + loads + [f"{ind}}}"]
     return lines
 
 
 def _epilogue(c: TCConfig, d: _Dialect) -> list[str]:
+    """Direct stores (emitted only when c.direct: Dawn then requires C's binding to hold one matrix), else
+    the checked path through the scratch."""
     ind = " " * 4
     pairs = [(i, j) for i in range(c.tm) for j in range(c.tn)]
     lines = [f"{ind}if (direct) {{"]
-    lines += [f"{ind}    {d.store_c.format(off=_c_offset(i, j), acc=f'acc_{i}_{j}')};" for i, j in pairs]
+    if c.direct:
+        lines += [f"{ind}    {d.store_c.format(off=_c_offset(i, j), acc=f'acc_{i}_{j}')};" for i, j in pairs]
     lines.append(f"{ind}}} else {{")
     for i, j in pairs:
         lines += [

@@ -7,15 +7,18 @@ the result matches float64 on the f16-rounded operands to ~1e-5 relative (DESIGN
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Any
 
-from gpu.codegen_tc import SUBGROUP_SIZE, TCConfig, TCVariant, matmul_tc_source
+from gpu.codegen_tc import MATRIX, SUBGROUP_SIZE, TCConfig, TCVariant, matmul_tc_source
 from gpu.device import SUBGROUP_MATRIX, Device, DeviceError
 from gpu.ops.common import nbytes
 from gpu.ops.matmul import gemm_shape
 from gpu.weights import QuantTensor
 
-# Presets, measured with bench/tc_sweep.py on an H200 (docs/benchmarks.md, 2026-12-03).
+# Presets, measured on an H200 (docs/benchmarks.md, 2026-12-03): TC_TILE (8 subgroups of 4 x 2 matrices,
+# 128 x 128, BK = 32, two buffers) ran the F16 GEMM at 125 TFLOP/s at N = 4096 (the previous 4 x 4 x (2 x 2)
+# kernel: 70 in the same session). bench/tc_probe.py sweeps the alternatives.
 TC_TILE = TCConfig(sg_m=2, sg_n=4, tm=4, tn=2, bk=32, stages=2, vec=8)
 # Grids of TC_TILE with fewer workgroups than this leave multiprocessors idle: a 64 x 64 tile instead.
 TC_TILE_MIN_GRID = 264
@@ -168,6 +171,8 @@ def gemm_tc(
     if m <= 0:
         return
     cfg = cfg or (EMU_TILE if emulate else pick_config(m, g.p))
+    if cfg.direct and nbytes(c) < 4 * MATRIX * MATRIX:  # Dawn: a matrix load/store binding holds >= 1 matrix
+        cfg = replace(cfg, direct=False)
     cfg.validate(
         orient,
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
