@@ -66,15 +66,17 @@ def variant_for(
 
 
 def all_variants(cfg: TCConfig, w_types: list[str]) -> list[TCVariant]:
-    """Every variant gemm_tc can dispatch with tile cfg for these weight types (for compile checks)."""
+    """Every variant gemm_tc can dispatch with tile cfg for these weight types (for compile checks and the
+    kernel registry)."""
     out = set()
-    for w_type in w_types:
+    cfgs = {cfg, replace(cfg, direct=False)}  # a C smaller than one matrix takes the checked epilogue only
+    for w_type, tile in ((t, c) for t in w_types for c in cfgs):
         for w_k in (256, 260):
             for orient in ("nt", "nn"):
                 for a_dtype, widths in (("f32", (4, 1)), ("f16", (8, 4, 1))):
                     for a_w in widths:
                         for acc in (False, True):
-                            out.add(variant_for(w_type, w_k, orient, cfg, a_dtype, a_w, acc))
+                            out.add(variant_for(w_type, w_k, orient, tile, a_dtype, a_w, acc))
     return sorted(out, key=str)
 
 
