@@ -50,8 +50,13 @@ class NumpyEngine:
         vocab_chunk: int = 4096,
         layers: Iterable[int] | None = None,
         grad_accum: int = 1,
+        precision: str = "f32",
         activation_budget: int = ACTIVATION_BUDGET,
     ) -> None:
+        if precision not in ("f32", "auto"):
+            raise ValueError(
+                f"precision {precision!r}: the numpy engine computes in f32 (train.precision: f32 or auto)"
+            )
         if isinstance(weights, (str, Path)):
             source = str(weights)
             file_cfg, weights = load_gguf_f32(weights)

@@ -342,8 +342,10 @@ def test_from_gguf_matches_weights_dict(tmp_path) -> None:
         NumpyEngine(CFG, {n: a for n, a in w.items() if n != "blk.0.attn_q.weight"}, **kw)
 
 
-def test_write_batch_rejects_ids_outside_the_vocabulary() -> None:
-    st = _engine(_weights(12), CASES[0])
+def test_bad_inputs_fail_with_clear_messages() -> None:
+    with pytest.raises(ValueError, match="train.precision: f32 or auto"):
+        _engine(_weights(12), CASES[0], precision="tensorcore")
+    st = _engine(_weights(12), CASES[0], precision="auto")
     batch = list(_batch(np.random.default_rng(12), 1.0))
     batch[3] = batch[3].copy()
     batch[3][0, 0, 0] = CFG.vocab
