@@ -353,3 +353,12 @@ def test_bad_inputs_fail_with_clear_messages() -> None:
         _write(st, tuple(batch), CASES[0])
     with pytest.raises(RuntimeError, match="write_batch"):
         _engine(_weights(12), CASES[0]).train_step(lr=1e-3)
+
+
+def test_satisfies_the_engine_protocol() -> None:
+    from training.engine import Engine
+
+    st = _engine(_weights(13), CASES[0])
+    assert isinstance(st, Engine)
+    slot = st.layout.slots[(LAYERS[0], "q")]
+    assert (st.layout.r, slot.d_in, slot.d_out) == (RANK, CFG.hidden, CFG.q_dim)
