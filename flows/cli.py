@@ -81,7 +81,7 @@ def _prefect_env(workdir: Path) -> None:
 def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tuple[str, ...] = ()) -> None:
     """Load the config, check inputs (before any Prefect server starts), run the flow, print the report."""
     from schemas.config import load_config
-    from tasks.inputs import check_inputs
+    from stages.inputs import check_inputs
 
     try:
         cfg = load_config(config, [*(overrides or []), *extra])
@@ -127,12 +127,10 @@ def print_report(summary: dict[str, Any], workdir: Path) -> None:
     stages = summary["stages"]
     console.print(f"ran: {', '.join(stages['ran']) or 'nothing (all cached)'}")
     console.print(f"cached: {', '.join(stages['cached']) or 'nothing'}")
-    export = summary.get("export") or {}
-    for key, label in (("peft_dir", "PEFT adapter"), ("gguf_lora", "GGUF LoRA")):
-        if key in export:
-            console.print(f"{label}: {workdir / export[key]}")
-    if "merged" in export:
-        console.print(f"merged GGUF: {workdir / export['merged']['path']}")
+    files = summary.get("files") or {}
+    for key, label in (("peft_dir", "PEFT adapter"), ("gguf_lora", "GGUF LoRA"), ("merged", "merged GGUF")):
+        if key in files:
+            console.print(f"{label}: {workdir / files[key]}")
     if summary.get("registered_model"):
         reg = summary["registered_model"]
         note = "" if reg.get("new", True) else " (this adapter was registered before)"

@@ -1,10 +1,10 @@
 """The distillation flow: tokenize -> student -> teacher top-k -> train -> evaluate -> select -> export.
 
-Every stage is a cached task (tasks/caching.py: content-hash keys), so a rerun resumes where the last one
-stopped and an identical rerun does no work. `run_pipeline` runs it with results stored under the workdir.
+Every stage is a cached task over a library stage (stages/: plain functions returning typed manifests;
+tasks/caching.py: content-hash keys), so a rerun resumes where the last one stopped and an identical rerun does
+no work. `run_pipeline` runs it with results stored under the workdir. No `from __future__ import annotations`
+here: a served deployment resolves the `cfg: RunConfig` annotation at run time to build its parameter schema.
 """
-
-from __future__ import annotations
 
 from typing import Any, Literal
 
@@ -12,12 +12,14 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from schemas.config import RunConfig
-from tasks.caching import as_config, workdir
-from tasks.evaluate import evaluate_baseline, evaluate_checkpoint, evaluate_merged, select_best
+from stages.evaluate import select_best
+from stages.inputs import check_inputs
+from stages.layout import workdir
+from tasks.caching import as_config
+from tasks.evaluate import evaluate_baseline, evaluate_checkpoint, evaluate_merged
 from tasks.export import export_adapter
-from tasks.inputs import check_inputs
-from tasks.student import load_student
-from tasks.teacher import teacher_topk
+from tasks.student import student
+from tasks.teacher import teacher
 from tasks.tokenize import tokenize
 from tasks.tracking import mlflow_run
 from tasks.train import train_epoch
@@ -42,9 +44,9 @@ def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
         return STAGES.index(stage) <= STAGES.index(until)
 
     with mlflow_run(cfg) as r:
-        r.tokens, r.student = tokenize(cfg), load_student(cfg)
+        r.tokens, r.student = tokenize(cfg), student(cfg)
         if reaches("teacher"):
-            r.teacher = teacher_topk(cfg, r.tokens)
+            r.teacher = teacher(cfg, r.tokens)
         if reaches("train"):
             r.checkpoints = [
                 train_epoch(cfg, r.student, r.tokens, r.teacher, epoch, r.id) for epoch in range(cfg.train.epochs)
@@ -55,8 +57,8 @@ def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
             r.best = select_best(cfg, r.evals)
         if reaches("export"):
             r.exported = export_adapter(cfg, r.student, r.checkpoints[r.best])
-            if cfg.export.merge:
-                r.merged = evaluate_merged(cfg, r.exported["merged"], r.tokens, r.teacher)
+            if r.exported.merged is not None:
+                r.merged = evaluate_merged(cfg, r.exported.merged, r.tokens, r.teacher)
         return r.finish()
 
 

@@ -1,14 +1,16 @@
 """Small JSON-serialisable manifests that pipeline stages return (paths, sha256s, counts, metrics).
 
-Never arrays or GPU objects. Paths are strings as written by the stage (relative ones are relative to the run
-workdir; `FileRef.verify(root)` resolves them).
+Never arrays or GPU objects. A stage's manifest knows where its files are: paths are strings relative to the
+run's workdir (absolute when outside it), and `path_in(workdir)` gives the stage's output on disk (its folder,
+or the file for the student). `FileRef.verify(workdir)` checks a file by size and sha256. The same classes
+describe files written by library code (data/), which leaves `dir` empty: such a manifest is not placed yet.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +25,37 @@ class Manifest(BaseModel):
     """Base: immutable, unknown keys rejected, inf/nan written as JSON constants so metrics round-trip."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+
+def stored_path(path: str | Path, workdir: str | Path) -> str:
+    """How a manifest stores a path: relative to the workdir when under it, else absolute (POSIX form)."""
+    path, root = Path(path).resolve(), Path(workdir).resolve()
+    return (path.relative_to(root) if path.is_relative_to(root) else path).as_posix()
+
+
+def _in(path: str, workdir: str | Path) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else Path(workdir) / p
+
+
+class Located(Manifest):
+    """A stage result whose files live in one folder: `dir`, relative to the run's workdir."""
+
+    dir: str = Field(
+        "",
+        exclude_if=lambda v: not v,  # files written by library code (no stage yet) keep their on-disk form
+        description="the stage's output folder, relative to the workdir (absolute when outside it)",
+    )
+
+    def path_in(self, workdir: str | Path) -> Path:
+        """The output folder on disk."""
+        if not self.dir:
+            raise ManifestError(f"{type(self).__name__}: no output folder recorded (not returned by a stage)")
+        return _in(self.dir, workdir)
+
+    def at(self, folder: str | Path, workdir: str | Path) -> Self:
+        """This manifest with `dir` set to `folder` (stored relative to the workdir)."""
+        return self.model_copy(update={"dir": stored_path(folder, workdir)})
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -51,8 +84,11 @@ class FileRef(Manifest):
 
     def resolve(self, root: str | Path | None = None) -> Path:
         """The path on disk (relative paths are taken relative to `root`)."""
-        path = Path(self.path)
-        return Path(root) / path if root is not None and not path.is_absolute() else path
+        return Path(self.path) if root is None else _in(self.path, root)
+
+    def moved(self, path: str | Path, workdir: str | Path) -> FileRef:
+        """The same content recorded at `path` (stored relative to the workdir)."""
+        return self.model_copy(update={"path": stored_path(path, workdir)})
 
     def verify(self, root: str | Path | None = None) -> Path:
         """Check the file exists with the recorded size and sha256; return its path."""
@@ -77,8 +113,8 @@ class TokenSplit(Manifest):
     n_positions: int = Field(ge=0, description="trained positions: sum of loss_mask")
 
 
-class TokenizeManifest(Manifest):
-    """Output of tokenize: train and eval token shards."""
+class TokenizeManifest(Located):
+    """Output of tokenize: train and eval token shards (dir: the folder holding train/ and eval/)."""
 
     dataset_fingerprint: str
     tokenizer_sha256: str = Field(pattern=SHA256, description="sha256 of the GGUF the tokenizer came from")
@@ -96,12 +132,16 @@ class TokenizeManifest(Manifest):
 
 
 class StudentManifest(Manifest):
-    """Output of load_student: the GGUF the student is loaded from (requantized when asked)."""
+    """Output of the student stage: the GGUF the student is loaded from (requantized when asked)."""
 
     source_sha256: str = Field(pattern=SHA256, description="sha256 of model.student as given")
     file: FileRef
     requantized: bool
     tensor_types: dict[str, int] = Field(description="GGUF type name -> number of tensors of that type")
+
+    def path_in(self, workdir: str | Path) -> Path:
+        """The student GGUF on disk."""
+        return self.file.resolve(workdir)
 
 
 class ShardRecord(Manifest):
@@ -117,8 +157,8 @@ class ShardRecord(Manifest):
     complete: bool
 
 
-class TeacherManifest(Manifest):
-    """Output of teacher_topk: the shard set and what it was computed from."""
+class TeacherManifest(Located):
+    """Output of the teacher stage: the top-k shard set (dir: the top-k folder) and what it was computed from."""
 
     teacher_sha256: str = Field(pattern=SHA256)
     k: int = Field(ge=1)
@@ -132,8 +172,9 @@ class TeacherManifest(Manifest):
         return all(s.complete for s in self.shards)
 
 
-class CheckpointManifest(Manifest):
-    """A saved training state: adapter + optimizer safetensors and a JSON with step, cursor, RNG, metrics."""
+class CheckpointManifest(Located):
+    """A saved training state (dir: the checkpoint folder): adapter + optimizer safetensors and a JSON with
+    step, cursor, RNG, metrics."""
 
     epoch: int = Field(ge=0)
     step: int = Field(ge=0, description="optimizer steps taken so far")
@@ -159,11 +200,25 @@ class EvalManifest(Manifest):
         return {"kl": self.kl, "top1": self.top1, "ce": self.ce}[name]
 
 
-class ExportManifest(Manifest):
-    """Files written from the best checkpoint."""
+class ExportManifest(Located):
+    """Files written from the best checkpoint (dir: the export folder)."""
 
     epoch: int = Field(ge=0)
     step: int = Field(ge=0)
     peft: tuple[FileRef, ...] | None = Field(None, description="adapter_model.safetensors and adapter_config.json")
     gguf_lora: FileRef | None = None
     merged: FileRef | None = None
+    merge_report: dict[str, float] | None = Field(
+        None, description="totals of the merge: merged tensors, error_rms, error_max, delta_rms"
+    )
+
+    def files(self) -> dict[str, str]:
+        """What was written, as stored: peft_dir (the folder PEFT loads), gguf_lora, merged."""
+        out = {}
+        if self.peft:
+            out["peft_dir"] = Path(self.peft[0].path).parent.as_posix()
+        if self.gguf_lora is not None:
+            out["gguf_lora"] = self.gguf_lora.path
+        if self.merged is not None:
+            out["merged"] = self.merged.path
+        return out

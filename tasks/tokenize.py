@@ -1,95 +1,30 @@
-"""tokenize: the data files -> train/eval token shards (Arrow through datasets), keyed by the data's bytes."""
+"""tokenize task: stages.tokenize, cached by the data's bytes and the fields it reads."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from prefect import get_run_logger, task
+from prefect import task
 
-from data.records import DataError, dataset_fingerprint, load_records
-from data.tokens import MANIFEST_NAME, tokenize_dataset, write_token_shards
-from model.tokenizer import load_tokenizer
+import stages.tokenize
+from data.tokens import MANIFEST_NAME
 from schemas.config import RunConfig
-from tasks.caching import (
-    StageCache,
-    as_config,
-    file_sha256,
-    missing,
-    relative,
-    stage_dir,
-    stage_options,
-    workdir,
-)
-
-# The held-out split is drawn with a fixed seed, not train.seed: changing the training seed must not
-# re-tokenize the data and recompute the teacher.
-SPLIT_SEED = 0
+from schemas.manifests import TokenizeManifest
+from stages.layout import stage_dir
+from tasks.caching import StageCache, missing, stage_options
+from tasks.logs import prefect_logs
 
 
 def _outputs_problem(cfg: RunConfig, inputs: Mapping[str, Any], key: str) -> str | None:
-    return missing(stage_dir(cfg, "tokens", key) / MANIFEST_NAME)
+    return missing(stage_dir(cfg, stages.tokenize.FOLDER, key) / MANIFEST_NAME)
 
 
-POLICY = StageCache(
-    stage="tokenize",
-    version="1",
-    config_fields=(
-        "data.format",
-        "data.text_field",
-        "data.messages_field",
-        "data.assistant_only",
-        "data.seq_len",
-        "data.eval_fraction",
-        "data.max_documents",
-        "data.pack",
-    ),
-    files=("model.student",),  # the tokenizer comes from the student GGUF
-    dataset=True,
-    outputs_problem=_outputs_problem,
-)
+POLICY = StageCache(spec=stages.tokenize.KEY, outputs_problem=_outputs_problem)
 
 
 @task(**stage_options(POLICY, task_run_name="tokenize"))
-def tokenize(cfg: RunConfig) -> dict[str, Any]:
-    """Read cfg.data, tokenize with the student's tokenizer, pack into seq_len rows, split, write shards.
-
-    Returns {"dir": <token dir, relative to the workdir>, "manifest": TokenizeManifest as JSON}.
-    """
-    cfg = as_config(cfg)
-    log = get_run_logger()
-    root = workdir(cfg)
-    out = stage_dir(cfg, "tokens", POLICY.key(cfg, {}))
-    d = cfg.data
-    fingerprint = dataset_fingerprint(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
-    tokenizer = load_tokenizer(cfg.model.student)
-    docs = load_records(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
-    train, held_out = tokenize_dataset(
-        docs, tokenizer, d.seq_len, d.eval_fraction, SPLIT_SEED, d.pack, d.assistant_only
-    )
-    for name, split in (("train", train), ("eval", held_out)):
-        if len(split) == 0:
-            raise DataError(
-                f"{d.path}: the {name} split is empty ({len(docs)} documents, data.eval_fraction="
-                f"{d.eval_fraction}); give more documents"
-            )
-    manifest = write_token_shards(
-        train,
-        held_out,
-        out,
-        dataset_fingerprint=fingerprint,
-        tokenizer_sha256=file_sha256(cfg.model.student, root),
-        vocab_size=tokenizer.vocab_size,
-        seq_len=d.seq_len,
-        root=root,
-    )
-    log.info(
-        "tokenized %d documents: train %d sequences (%d trained positions), eval %d sequences (%d) -> %s",
-        len(docs),
-        manifest.train.n_sequences,
-        manifest.train.n_positions,
-        manifest.eval.n_sequences,
-        manifest.eval.n_positions,
-        out,
-    )
-    return {"dir": relative(cfg, out), "manifest": manifest.model_dump(mode="json")}
+def tokenize(cfg: RunConfig) -> TokenizeManifest:
+    """Tokenize cfg.data with the student's tokenizer into train/eval token shards."""
+    with prefect_logs():
+        return stages.tokenize.run(cfg)

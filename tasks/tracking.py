@@ -20,9 +20,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from data.topk import bytes_per_position
 from schemas.config import RunConfig, dump_config
-from schemas.manifests import CheckpointManifest, EvalManifest
-from tasks.caching import as_config, located, stage_states, workdir
+from schemas.manifests import (
+    CheckpointManifest,
+    EvalManifest,
+    ExportManifest,
+    StudentManifest,
+    TeacherManifest,
+    TokenizeManifest,
+)
+from stages.layout import workdir
+from stages.train import read_steps
+from tasks.caching import as_config, stage_states
 
 ADAPTER_ARTIFACT = "adapter"
 STEP_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "skipped")
@@ -117,15 +127,15 @@ class RunRecord:
         self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
         self.prefect_url = getattr(flow_run, "ui_url", None)
         self.started = time.perf_counter()
-        self.tokens: dict | None = None
-        self.student: dict | None = None
-        self.teacher: dict | None = None
-        self.checkpoints: list[dict] = []
-        self.baseline: dict | None = None
-        self.evals: list[dict] = []
+        self.tokens: TokenizeManifest | None = None
+        self.student: StudentManifest | None = None
+        self.teacher: TeacherManifest | None = None
+        self.checkpoints: list[CheckpointManifest] = []
+        self.baseline: EvalManifest | None = None
+        self.evals: list[EvalManifest] = []
         self.best: int | None = None
-        self.exported: dict | None = None
-        self.merged: dict | None = None
+        self.exported: ExportManifest | None = None
+        self.merged: EvalManifest | None = None
 
     # ---- metrics ----
     def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
@@ -137,8 +147,6 @@ class RunRecord:
             self.client.log_batch(self.id, metrics=batch)
 
     def _log_training(self) -> None:
-        from tasks.train import read_steps
-
         if not self.checkpoints:
             return
         with _logged_lock:
@@ -147,15 +155,13 @@ class RunRecord:
         if missing:
             log_steps(self.client, self.id, missing)
         for ckpt in self.checkpoints:
-            m = CheckpointManifest.model_validate(ckpt["manifest"])
-            self._metrics({f"epoch/{k}": v for k, v in m.metrics.items()}, step=m.epoch)
+            self._metrics({f"epoch/{k}": v for k, v in ckpt.metrics.items()}, step=ckpt.epoch)
 
     def _log_evals(self) -> None:
         if self.baseline is not None:
             self._metrics({f"baseline/{k}": v for k, v in _eval_values(self.baseline).items()})
         for ev in self.evals:
-            e = EvalManifest.model_validate(ev)
-            self._metrics({f"eval/{k}": v for k, v in _eval_values(ev).items()}, step=e.epoch or 0)
+            self._metrics({f"eval/{k}": v for k, v in _eval_values(ev).items()}, step=ev.epoch or 0)
         if self.best is not None:
             self._metrics({f"best/{k}": v for k, v in _eval_values(self.evals[self.best]).items()})
             self._metrics({"best/epoch": self.best})
@@ -167,6 +173,7 @@ class RunRecord:
         """JSON summary: stages ran/cached, before/after metrics, files, where the records are."""
         states = stage_states(self.flow_run_id)
         best = None if self.best is None else self.evals[self.best]
+        root = workdir(self.cfg)
         return {
             "flow_run_id": self.flow_run_id,
             "flow_run_name": self.flow_run_name,
@@ -181,15 +188,18 @@ class RunRecord:
                 "ran": [name for name, state in states if state == "Completed"],
                 "cached": [name for name, state in states if state == "Cached"],
             },
-            "checkpoints": self.checkpoints,
-            "baseline": self.baseline,
-            "evals": self.evals,
-            "best_epoch": None if best is None else best["epoch"],
-            "best": best,
-            "merged": self.merged,
-            "export": self.exported,
-            "teacher_bytes_per_position": None if self.teacher is None else self.teacher.get("bytes_per_position"),
-            "workdir": str(workdir(self.cfg)),
+            "checkpoints": [_json(c) for c in self.checkpoints],
+            "baseline": _json(self.baseline),
+            "evals": [_json(e) for e in self.evals],
+            "best_epoch": None if best is None else best.epoch,
+            "best": _json(best),
+            "merged": _json(self.merged),
+            "export": _json(self.exported),
+            "files": {} if self.exported is None else self.exported.files(),
+            "teacher_bytes_per_position": None
+            if self.teacher is None
+            else bytes_per_position(self.teacher, self.teacher.path_in(root)),
+            "workdir": str(root),
             "seconds": time.perf_counter() - self.started,
         }
 
@@ -219,20 +229,20 @@ class RunRecord:
         """Tag the run with the sha256 of the models it used."""
         tags = {}
         if self.student is not None:
-            tags["student.source_sha256"] = self.student["manifest"]["source_sha256"]
-            tags["student.sha256"] = self.student["manifest"]["file"]["sha256"]
+            tags["student.source_sha256"] = self.student.source_sha256
+            tags["student.sha256"] = self.student.file.sha256
         if self.teacher is not None:
-            tags["teacher.sha256"] = self.teacher["manifest"]["teacher_sha256"]
+            tags["teacher.sha256"] = self.teacher.teacher_sha256
         for key, value in tags.items():
             self.client.set_tag(self.id, key, value)
 
     def _log_adapter(self) -> dict[str, Any]:
         assert self.exported is not None and self.best is not None
-        ex = self.exported
-        if "peft_dir" in ex:
-            self.client.log_artifacts(self.id, str(located(self.cfg, ex["peft_dir"])), f"{ADAPTER_ARTIFACT}/peft")
-        if "gguf_lora" in ex:
-            self.client.log_artifact(self.id, str(located(self.cfg, ex["gguf_lora"])), ADAPTER_ARTIFACT)
+        root, files = workdir(self.cfg), self.exported.files()
+        if "peft_dir" in files:
+            self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
+        if "gguf_lora" in files:
+            self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
         name = f"{self.cfg.run.experiment}-adapter"
         from mlflow.exceptions import MlflowException
 
@@ -242,7 +252,7 @@ class RunRecord:
             if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
                 raise
         best = self.evals[self.best]
-        adapter_sha = self.checkpoints[self.best]["manifest"]["adapter"]["sha256"]
+        adapter_sha = self.checkpoints[self.best].adapter.sha256
         for existing in self.client.search_model_versions(f"name='{name}'"):
             if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
                 return {
@@ -252,15 +262,20 @@ class RunRecord:
                     "new": False,
                 }
         source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
-        tags = {"epoch": str(best["epoch"]), "kl": f"{best['kl']:.6g}", "top1": f"{best['top1']:.6g}"}
+        tags = {"epoch": str(best.epoch), "kl": f"{best.kl:.6g}", "top1": f"{best.top1:.6g}"}
         version = self.client.create_model_version(
             name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
         )
         return {"name": name, "version": str(version.version), "source": source, "new": True}
 
 
-def _eval_values(ev: Mapping[str, Any]) -> dict[str, float]:
-    return {k: float(ev[k]) for k in ("kl", "top1", "ce", "ppl")}
+def _eval_values(ev: EvalManifest) -> dict[str, float]:
+    return {"kl": ev.kl, "top1": ev.top1, "ce": ev.ce, "ppl": ev.ppl}
+
+
+def _json(manifest: Any) -> Any:
+    """A manifest as the JSON-able dict of the run summary (None stays None)."""
+    return None if manifest is None else manifest.model_dump(mode="json")
 
 
 def mlflow_ui_url(cfg: RunConfig, experiment_id: str, run_id: str) -> str:
@@ -350,15 +365,15 @@ def render_report(cfg: RunConfig, s: Mapping[str, Any]) -> str:
         f"Stages cached: {', '.join(stages.get('cached', [])) or 'none'}",
         "",
     ]
-    ex = s.get("export")
-    if ex:
+    files = s.get("files") or {}
+    if files:
         lines.append("Files (under the workdir):")
         for key, label in (("peft_dir", "PEFT adapter"), ("gguf_lora", "GGUF LoRA (llama.cpp --lora)")):
-            if key in ex:
-                lines.append(f"- {label}: `{ex[key]}`")
-        if "merged" in ex:
-            rms = ex["merge_report"]["error_rms"]
-            lines.append(f"- merged GGUF: `{ex['merged']['path']}` (merge error rms {rms:.3g})")
+            if key in files:
+                lines.append(f"- {label}: `{files[key]}`")
+        if "merged" in files:
+            rms = s["export"]["merge_report"]["error_rms"]
+            lines.append(f"- merged GGUF: `{files['merged']}` (merge error rms {rms:.3g})")
         lines.append("")
     ml = s["mlflow"]
     lines += [
@@ -379,8 +394,6 @@ def write_plots(cfg: RunConfig, record: RunRecord, out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    from tasks.train import read_steps
-
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     steps = read_steps(cfg, record.checkpoints[-1]) if record.checkpoints else []
@@ -394,9 +407,9 @@ def write_plots(cfg: RunConfig, record: RunRecord, out: Path) -> list[Path]:
         paths.append(out / "loss.png")
     if record.evals:
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([e["epoch"] for e in record.evals], [e["kl"] for e in record.evals], "o-", label="with adapter")
+        ax.plot([e.epoch for e in record.evals], [e.kl for e in record.evals], "o-", label="with adapter")
         if record.baseline is not None:
-            ax.axhline(record.baseline["kl"], color="gray", ls="--", label="no adapter")
+            ax.axhline(record.baseline.kl, color="gray", ls="--", label="no adapter")
         ax.set(xlabel="epoch", ylabel="held-out KL(teacher‖student)", title="held-out KL")
         ax.legend()
         fig.tight_layout()

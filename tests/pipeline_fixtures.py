@@ -1,8 +1,8 @@
 """Tiny end-to-end inputs for pipeline tests: a llama GGUF with a small GPT-2 BPE tokenizer, text data, a
-config, and one Prefect test server per test process (prefect_test_harness starts in ~12 s; it is shared by
-every module that asks for it and stopped at the end of the session).
+config, one Prefect test server per test process (prefect_test_harness starts in ~12 s; it is shared by every
+module that asks for it and stopped at the end of the session), and one reference flow run on it.
 
-    from tests.pipeline_fixtures import prefect_harness, tiny_config  # noqa: F401 (a fixture)
+    from tests.pipeline_fixtures import _prefect_harness, _reference_run, tiny_config  # noqa: F401 (fixtures)
 """
 
 from __future__ import annotations
@@ -166,9 +166,29 @@ def stop_prefect_server() -> None:
         _harness.pop().close()
 
 
-@pytest.fixture(scope="session")
-def prefect_harness() -> Iterator[None]:
+@pytest.fixture(scope="session", name="prefect_harness")
+def _prefect_harness() -> Iterator[None]:
     """Session fixture: the shared Prefect test server; import it into a test module to use it."""
     prefect_server()
     yield
     stop_prefect_server()
+
+
+_reference: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+
+@pytest.fixture(scope="session", name="reference_run")
+def _reference_run(prefect_harness: None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config dict, run summary) of one uninterrupted flow run of the tiny config with short epochs, made once
+    per process and shared by the modules that import this fixture (a rerun of the same config is fully
+    cached). What the stages compute is tested without Prefect in tests/test_stages.py, on full epochs."""
+    if not _reference:
+        from flows.distill import run_pipeline
+        from schemas.config import RunConfig
+        from tests.gpu_fixtures import device_or_skip
+
+        device_or_skip()
+        workdir = Path(tempfile.mkdtemp(prefix="distillery-reference-")) / "run"
+        cfg = tiny_config(workdir, train={"max_steps_per_epoch": 4})
+        _reference.append((cfg, run_pipeline(RunConfig.model_validate(cfg))))
+    return _reference[0]

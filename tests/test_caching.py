@@ -1,5 +1,6 @@
 """Stage cache keys (no Prefect server): which config fields, files and upstream contents each stage's key
-reads, the memoised file hashes, and the outputs check that refuses a stale cached result."""
+reads (not locations: moved files, data or workdir keep every key), the memoised file hashes, and the outputs
+check that refuses a stale cached result."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ import pytest
 import yaml
 
 from schemas.config import RunConfig, load_config
+from schemas.manifests import (
+    CheckpointManifest,
+    FileRef,
+    ShardRecord,
+    StudentManifest,
+    TeacherManifest,
+    TokenizeManifest,
+    TokenSplit,
+)
+from stages import keys
 from tasks import caching, evaluate, export, student, teacher, tokenize, train
 from tests.pipeline_fixtures import tiny_config, tiny_inputs, write_texts, write_tiny_llama
 
@@ -27,19 +38,63 @@ POLICIES = {
         export.POLICY,
     )
 }
-# Upstream stage results as the flow passes them (only their manifests count).
-UPSTREAM: dict[str, Any] = {
-    "tokens": {"dir": "tokens/a", "manifest": {"n": 1}},
-    "student": {
-        "path": "student/a/student.gguf",
-        "manifest": {"file": {"sha256": "1" * 64}},
-        "upload": {"s": 1},
-    },
-    "teacher": {"dir": "teacher/a", "manifest": {"shards": [{"sha256": "2" * 64}]}},
-    "checkpoint": {"dir": "train/a/epoch-000", "manifest": {"adapter": {"sha256": "3" * 64}}},
-    "merged": {"path": "export/a/merged.gguf", "manifest": {"sha256": "4" * 64}},
-    "epoch": 0,
-}
+
+
+def _ref(path: str, digit: str) -> FileRef:
+    return FileRef(path=path, sha256=digit * 64, bytes=10)
+
+
+def _upstream(where: str = "", adapter: str = "3", shard: str = "2", metrics: dict | None = None) -> dict[str, Any]:
+    """Upstream stage results as the flow passes them; `where` prefixes every location (a moved workdir)."""
+    split = TokenSplit(
+        shards=(_ref(f"{where}tokens/a/train/x.arrow", "1"),), n_documents=1, n_sequences=2, n_positions=3
+    )
+    tokens = TokenizeManifest(
+        dir=f"{where}tokens/a",
+        dataset_fingerprint="fp",
+        tokenizer_sha256="1" * 64,
+        vocab_size=300,
+        seq_len=8,
+        train=split,
+        eval=split,
+    )
+    row = ShardRecord(
+        shard=0, file="topk.parquet", split="train", seq_start=0, seq_end=2, n_positions=3, sha256=shard * 64,
+        complete=True,
+    )  # fmt: skip
+    ckpt_dir = f"{where}train/a/epoch-000"
+    return {
+        "tokens": tokens,
+        "student": StudentManifest(
+            source_sha256="1" * 64,
+            file=_ref(f"{where}student/a/student.gguf", "1"),
+            requantized=True,
+            tensor_types={"Q4_0": 2},
+        ),
+        "teacher": TeacherManifest(
+            dir=f"{where}teacher/a",
+            teacher_sha256="1" * 64,
+            k=4,
+            temperature=1.0,
+            vocab_size=300,
+            token_shards_hash=tokens.shards_hash(),
+            shards=(row,),
+        ),
+        "checkpoint": CheckpointManifest(
+            dir=ckpt_dir,
+            epoch=0,
+            step=2,
+            adapter=_ref(f"{ckpt_dir}/adapter.safetensors", adapter),
+            optimizer=_ref(f"{ckpt_dir}/optimizer.safetensors", "5"),
+            state=_ref(f"{ckpt_dir}/checkpoint.json", "6"),
+            metrics=metrics or {"train_loss": 1.0},
+        ),
+        "merged": _ref(f"{where}export/a/merged.gguf", "4"),
+        "epoch": 0,
+    }
+
+
+UPSTREAM = _upstream()
 
 
 @pytest.fixture
@@ -94,6 +149,9 @@ def test_keys_follow_file_and_data_contents_not_paths(config_file: Path, tmp_pat
     assert _keys(load_config(config_file)) == before  # stable
     moved = shutil.copy(cfg.model.student, tmp_path / "elsewhere.gguf")
     assert _keys(load_config(config_file, [f"model.student={moved}"])) == before  # same bytes, other path
+    (tmp_path / "moved").mkdir()
+    moved_data = shutil.copy(cfg.data.path, tmp_path / "moved" / Path(cfg.data.path).name)
+    assert _keys(load_config(config_file, [f"data.path={moved_data}"])) == before  # same bytes, other folder
     write_tiny_llama(Path(cfg.model.student), seed=7)  # new weights, same tokenizer
     assert _changed(before, _keys(load_config(config_file))) == {"tokenize", "student"}
     before = _keys(load_config(config_file))
@@ -101,66 +159,60 @@ def test_keys_follow_file_and_data_contents_not_paths(config_file: Path, tmp_pat
     assert _changed(before, _keys(load_config(config_file))) == {"tokenize"}
 
 
-def test_upstream_manifests_count_by_content(config_file: Path) -> None:
+def test_upstream_manifests_count_by_content(config_file: Path, tmp_path: Path) -> None:
     cfg = load_config(config_file)
     before = _keys(cfg)
-    moved = {k: ({**v, "dir": "elsewhere"} if isinstance(v, dict) and "dir" in v else v) for k, v in UPSTREAM.items()}
-    timings = {**UPSTREAM, "student": {**UPSTREAM["student"], "upload": {"s": 99}}}
-    assert _keys(cfg, moved) == before and _keys(cfg, timings) == before
-    new_teacher = {
-        **UPSTREAM,
-        "teacher": {"dir": "teacher/a", "manifest": {"shards": [{"sha256": "5" * 64}]}},
-    }
-    assert _changed(before, _keys(cfg, new_teacher)) == {
+    moved = _upstream(where="/elsewhere/")  # every dir and path differs, the content does not
+    assert _keys(cfg, moved) == before
+    other_workdir = load_config(config_file, [f"run.workdir={tmp_path / 'moved'}"])
+    assert _keys(other_workdir) == before  # a moved workdir with the same content keeps every key
+    assert _changed(before, _keys(cfg, _upstream(shard="5"))) == {
         "train",
         "evaluate-baseline",
         "evaluate",
         "evaluate-merged",
     }
-    new_adapter = {**UPSTREAM, "checkpoint": {"dir": "x", "manifest": {"adapter": {"sha256": "6" * 64}}}}
-    assert _changed(before, _keys(cfg, new_adapter)) == {"evaluate", "export"}
+    assert _changed(before, _keys(cfg, _upstream(adapter="6"))) == {"evaluate", "export"}
     # a checkpoint counts by its adapter, not by the metrics (timings) its run recorded
-    noisy = {
-        **UPSTREAM,
-        "checkpoint": {
-            **UPSTREAM["checkpoint"],
-            "manifest": {**UPSTREAM["checkpoint"]["manifest"], "metrics": {"tokens_per_s": 3.0}},
-        },
-    }
-    assert _keys(cfg, noisy) == before
+    assert _keys(cfg, _upstream(metrics={"tokens_per_s": 3.0})) == before
     assert _changed(before, _keys(cfg, {**UPSTREAM, "epoch": 1})) == {"train"}
 
 
 def test_content_refuses_bare_paths() -> None:
     with pytest.raises(TypeError, match="bare Path"):
-        caching.content({"a": Path("x")})
-    assert caching.content({"dir": "x", "manifest": {"path": "y", "sha256": "z"}}) == {"sha256": "z"}
+        keys.content({"a": Path("x")})
+    assert keys.content(_ref("a/b", "7")) == {"sha256": "7" * 64, "bytes": 10}
+    assert "dir" not in keys.content(UPSTREAM["tokens"]) and "dir" in UPSTREAM["tokens"].model_dump()
 
 
 def test_file_hash_is_memoised_by_path_size_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = tmp_path / "model.gguf"
     f.write_bytes(b"abc")
     calls = []
-    real = caching.sha256_file
-    monkeypatch.setattr(caching, "sha256_file", lambda p: calls.append(p) or real(p))
-    first = caching.file_sha256(f, tmp_path)
+    real = keys.sha256_file
+    monkeypatch.setattr(keys, "sha256_file", lambda p: calls.append(p) or real(p))
+    first = keys.file_sha256(f, tmp_path)
     assert first == real(f) and len(calls) == 1
-    assert caching.file_sha256(f, tmp_path) == first and len(calls) == 1  # from <workdir>/.cache/sha256.json
+    assert keys.file_sha256(f, tmp_path) == first and len(calls) == 1  # from <workdir>/.cache/sha256.json
     assert (tmp_path / ".cache" / "sha256.json").is_file()
     f.write_bytes(b"abd")  # same size, new mtime
-    assert caching.file_sha256(f, tmp_path) == real(f) != first and len(calls) == 2
+    assert keys.file_sha256(f, tmp_path) == real(f) != first and len(calls) == 2
 
 
 def test_stale_cached_result_is_not_used(config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(config_file)
     problem: list[str | None] = [None]
-    policy = caching.StageCache(stage="s", inputs=("x",), outputs_problem=lambda c, i, k: problem[0])
-    inputs = {"cfg": cfg, "x": {"manifest": {"sha256": "7" * 64}}}
+    policy = caching.StageCache(
+        spec=keys.StageKey(stage="s", inputs=("x",)), outputs_problem=lambda c, i, k: problem[0]
+    )
+    inputs = {"cfg": cfg, "x": _ref("a", "7")}
     records: set[str] = set()
     monkeypatch.setattr(caching, "_has_record", lambda key: key in records)
     monkeypatch.setattr("prefect.get_run_logger", lambda: __import__("logging").getLogger("t"))
     key = policy.compute_key(None, inputs, {})
-    assert key is not None and key.startswith("s-")
+    content_key = policy.key(cfg, inputs)
+    # the record key names the result format; its digest is the content key that addresses the stage's folder
+    assert key == f"s-typed-{content_key.removeprefix('s-')}"
     problem[0] = "file gone"
     assert policy.compute_key(None, inputs, {}) == key  # nothing cached yet: compute and cache normally
     records.add(key)

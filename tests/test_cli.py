@@ -1,5 +1,5 @@
 """The `distillery` CLI: help that teaches, bad inputs as one red line + exit 1 (before any Prefect server),
-and a whole run on the tiny model printing the before/after table and where the records are."""
+and a run on the tiny model printing the before/after table, the files and where the records are."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
-from tests.gpu_fixtures import device_or_skip
-from tests.pipeline_fixtures import prefect_harness, tiny_config, write_tiny_llama  # noqa: F401
+from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
+    _prefect_harness,
+    _reference_run,
+    tiny_config,
+    write_tiny_llama,
+)
 
 runner = CliRunner()
 
@@ -95,23 +99,28 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("prefect_harness")
-def test_run_prints_report_then_single_stage_is_cached(tmp_path: Path) -> None:
-    device_or_skip()
-    cfg = _config(tmp_path, train={"epochs": 1}, export={"merge": False})
-    result = runner.invoke(app, ["run", str(cfg)], terminal_width=200)
+def test_run_prints_report_then_single_stage_is_cached(reference_run: tuple[dict, dict], tmp_path: Path) -> None:
+    """`run` on the config of the shared reference flow run (so every stage is cached), then `teacher`."""
+    cfg, summary = reference_run
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    result = runner.invoke(app, ["run", str(path)], terminal_width=200)
     assert result.exit_code == 0, result.output
     out = result.output
+    best = summary["best_epoch"]
     for phrase in (
         "before (no adapter)",
-        "epoch 0 (best)",
+        f"epoch {best} (best)",
         "KL(teacher‖student)",
-        "PEFT adapter:",
+        f"{summary['baseline']['kl']:.4f} → {summary['best']['kl']:.4f}",
+        f"PEFT adapter: {Path(cfg['run']['workdir']) / summary['files']['peft_dir']}",
         "GGUF LoRA:",
+        "merged GGUF:",
+        "ran: nothing (all cached)",
     ):
-        assert phrase in out
+        assert phrase in out, phrase
     assert "infra/mlflow-server.sh" in out and "MLflow run" in out and "Prefect flow run" in out
-    result = runner.invoke(app, ["teacher", str(cfg)], terminal_width=200)
+    result = runner.invoke(app, ["teacher", str(path)], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "ran: nothing (all cached)" in result.output
-    assert "cached: tokenize, student, teacher-plan, teacher-shard-0" in result.output
+    assert "cached: tokenize, student, teacher-plan, teacher-shard-0, teacher-shard-1" in result.output

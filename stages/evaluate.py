@@ -1,0 +1,106 @@
+"""evaluate: held-out metrics of the student (baseline), of each epoch's checkpoint and of a merged GGUF; and
+the choice of the best epoch."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from schemas.config import RunConfig
+from schemas.manifests import (
+    CheckpointManifest,
+    EvalManifest,
+    FileRef,
+    StudentManifest,
+    TeacherManifest,
+    TokenizeManifest,
+)
+from stages.keys import StageKey
+from stages.layout import workdir
+
+log = logging.getLogger(__name__)
+
+# What evaluation reads besides its inputs' content: the batching of the held-out split and the matmul path.
+_EVAL_FIELDS = ("eval.eval_batches", "train.batch_size", "train.precision")
+
+BASELINE_KEY = StageKey(
+    stage="evaluate-baseline", version="1", config_fields=_EVAL_FIELDS, inputs=("student", "tokens", "teacher")
+)
+CHECKPOINT_KEY = StageKey(
+    stage="evaluate",
+    version="1",
+    config_fields=(*_EVAL_FIELDS, "lora"),  # the adapter's layout and alpha/r scale
+    inputs=("student", "tokens", "teacher", "checkpoint"),
+)
+MERGED_KEY = StageKey(
+    stage="evaluate-merged", version="1", config_fields=_EVAL_FIELDS, inputs=("merged", "tokens", "teacher")
+)
+
+
+def _evaluate(
+    cfg: RunConfig,
+    gguf: Path,
+    tokens: TokenizeManifest,
+    teacher: TeacherManifest,
+    checkpoint: CheckpointManifest | None,
+    label: str,
+) -> EvalManifest:
+    from training.evaluation import evaluate
+
+    root = workdir(cfg)
+    metrics = evaluate(
+        cfg,
+        student_gguf=gguf,
+        token_dir=tokens.path_in(root),
+        topk_dir=teacher.path_in(root),
+        checkpoint=None if checkpoint is None else checkpoint.path_in(root),
+    )
+    manifest = EvalManifest(
+        epoch=None if checkpoint is None else checkpoint.epoch,
+        step=None if checkpoint is None else checkpoint.step,
+        kl=metrics["kl"],
+        top1=metrics["top1"],
+        ce=metrics["ce"],
+        ppl=metrics["ppl"],
+        n_positions=int(metrics["tokens"]),
+    )
+    log.info(
+        "%s: KL %.4f, top-1 %.1f%%, CE %.4f (ppl %.2f) on %d positions",
+        label,
+        manifest.kl,
+        100 * manifest.top1,
+        manifest.ce,
+        manifest.ppl,
+        manifest.n_positions,
+    )
+    return manifest
+
+
+def run(
+    cfg: RunConfig,
+    student: StudentManifest,
+    tokens: TokenizeManifest,
+    teacher: TeacherManifest,
+    checkpoint: CheckpointManifest | None = None,
+) -> EvalManifest:
+    """The student with a checkpoint's adapter, or without one (checkpoint None: the baseline, the gap
+    distillation starts from)."""
+    label = "baseline (no adapter)" if checkpoint is None else f"epoch {checkpoint.epoch}"
+    return _evaluate(cfg, student.path_in(workdir(cfg)), tokens, teacher, checkpoint, label)
+
+
+def run_merged(cfg: RunConfig, merged: FileRef, tokens: TokenizeManifest, teacher: TeacherManifest) -> EvalManifest:
+    """A merged GGUF (adapter folded into the weights, requantized) alone."""
+    return _evaluate(cfg, merged.resolve(workdir(cfg)), tokens, teacher, None, "merged GGUF")
+
+
+def select_best(cfg: RunConfig, evals: Sequence[EvalManifest]) -> int:
+    """Index of the best evaluation by cfg.eval.best_metric (ties: the earlier epoch; never a diverged one)."""
+    if not evals:
+        raise ValueError("select_best: no evaluated checkpoints")
+    sign = -1.0 if cfg.eval.higher_is_better else 1.0
+    values = [sign * e.metric(cfg.eval.best_metric) for e in evals]
+    values = [v if math.isfinite(v) else math.inf for v in values]
+    return min(range(len(values)), key=lambda i: (values[i], i))

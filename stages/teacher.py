@@ -1,0 +1,166 @@
+"""teacher: the teacher's top-k next-token distributions as Parquet shards, resumable shard by shard.
+
+plan checks the vocabularies, plans the shards over both token splits and opens the top-k manifest; shard
+computes, writes and records one shard atomically (a shard already complete and verified on disk is kept);
+finish gathers the shard records. run = plan + every shard + finish, for callers without Prefect (tasks/
+runs one cached task per shard). A crash loses at most the shard being written. The top-k folder is addressed
+by the plan's key. Data layout: data.topk (plan_all -> open_manifest -> compute_shard_rows -> write_shard ->
+record_shard).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from data.tokens import read_token_split
+from data.topk import (
+    MANIFEST_NAME,
+    ShardError,
+    bytes_per_position,
+    check_vocab,
+    compute_shard_rows,
+    open_manifest,
+    plan_all,
+    read_manifest,
+    record_shard,
+    verify_shard,
+    write_shard,
+)
+from model.gguf import GGUFFile
+from schemas.config import RunConfig
+from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
+from stages.keys import StageKey, file_sha256
+from stages.layout import stage_dir, workdir
+from stages.progress import BarFactory, no_bar
+
+log = logging.getLogger(__name__)
+
+FOLDER = "teacher"
+KEY = StageKey(
+    stage="teacher-plan",
+    version="1",
+    config_fields=("teacher.top_k", "teacher.temperature", "teacher.shard_tokens"),
+    files=("model.teacher",),
+    inputs=("tokens",),
+)
+
+TeacherFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
+    """Refuse a vocabulary mismatch, plan the shards, open the top-k manifest; every shard pending."""
+    with GGUFFile(cfg.model.teacher) as t, GGUFFile(cfg.model.student) as s:
+        teacher_tokens = list(t.metadata.get("tokenizer.ggml.tokens") or [])
+        check_vocab(teacher_tokens, list(s.metadata.get("tokenizer.ggml.tokens") or []), t.path, s.path)
+    root = workdir(cfg)
+    token_dir = tokens.path_in(root)
+    train = read_token_split(token_dir, "train", tokens, root)
+    held_out = read_token_split(token_dir, "eval", tokens, root)
+    planned = TeacherManifest(
+        teacher_sha256=file_sha256(cfg.model.teacher, root),
+        k=cfg.teacher.top_k,
+        temperature=cfg.teacher.temperature,
+        vocab_size=len(teacher_tokens),
+        token_shards_hash=tokens.shards_hash(),
+        shards=tuple(plan_all(train, held_out, cfg.teacher.shard_tokens)),
+    )
+    out = stage_dir(cfg, FOLDER, KEY.key(cfg, {"tokens": tokens}))
+    open_manifest(out, planned)
+    log.info("teacher top-k: %d shards planned in %s", len(planned.shards), out)
+    return planned.at(out, root)
+
+
+def shard_problem(cfg: RunConfig, planned: TeacherManifest, record: ShardRecord) -> str | None:
+    """None when shard `record` is on disk, complete in the top-k manifest and verifies; else what is wrong."""
+    out = planned.path_in(workdir(cfg))
+    try:
+        current = read_manifest(out)
+        row = next((s for s in current.shards if s.shard == record.shard), None) if current else None
+        if row is None:
+            return f"{out / MANIFEST_NAME}: no row for shard {record.shard}"
+        verify_shard(out / row.file, row, planned.vocab_size, planned.k)
+    except (ShardError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+# One teacher per process, kept across the shards of a run (loading it is the expensive part).
+_TEACHER: dict[tuple, TeacherFn] = {}
+
+
+def teacher_fn(cfg: RunConfig) -> TeacherFn:
+    """The process's teacher for cfg (numpy or GPU per teacher.backend), loaded once."""
+    from training.teacher import make_teacher_fn
+
+    path = Path(cfg.model.teacher).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns, cfg.teacher.top_k, cfg.teacher.temperature, cfg.teacher.backend)
+    if key not in _TEACHER:
+        _TEACHER.clear()
+        _TEACHER[key] = make_teacher_fn(cfg, path)
+    return _TEACHER[key]
+
+
+def release_teacher() -> None:
+    """Drop the process's teacher (its weights) once the shards are done."""
+    _TEACHER.clear()
+
+
+def shard(
+    cfg: RunConfig, tokens: TokenizeManifest, planned: TeacherManifest, record: ShardRecord, bar: BarFactory = no_bar
+) -> ShardRecord:
+    """Compute, write and record one shard of the plan; a shard already complete and verified is kept as is."""
+    root = workdir(cfg)
+    out = planned.path_in(root)
+    current = open_manifest(out, planned)
+    row = next(s for s in current.shards if s.shard == record.shard)
+    if row.complete:
+        try:
+            verify_shard(out / row.file, row, planned.vocab_size, planned.k)
+            log.info("shard %d already complete and verified: kept", record.shard)
+            return row
+        except ShardError as exc:
+            log.warning("%s: recomputing", exc)
+    split = read_token_split(tokens.path_in(root), record.split)
+    n_seq = record.seq_end - record.seq_start
+    teacher = teacher_fn(cfg)
+    with bar(f"teacher shard {record.shard}", n_seq) as b:
+
+        def counted(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            result = teacher(ids)
+            b.advance(1)
+            return result
+
+        rows = compute_shard_rows(split, record, counted)
+    done = write_shard(out, record, rows, planned.vocab_size, planned.k)
+    record_shard(out, done)
+    log.info("shard %d: %d positions, %d sequences -> %s", record.shard, record.n_positions, n_seq, out / record.file)
+    return done
+
+
+def finish(cfg: RunConfig, planned: TeacherManifest, records: Sequence[ShardRecord]) -> TeacherManifest:
+    """The plan with its shards' records: the stage's result."""
+    manifest = planned.model_copy(update={"shards": tuple(records)})
+    out = manifest.path_in(workdir(cfg))
+    log.info(
+        "teacher top-k complete: %d shards, %.1f bytes/position (k=%d) in %s",
+        len(records),
+        bytes_per_position(manifest, out),
+        manifest.k,
+        out / MANIFEST_NAME,
+    )
+    return manifest
+
+
+def run(cfg: RunConfig, tokens: TokenizeManifest, bar: BarFactory = no_bar) -> TeacherManifest:
+    """plan, then every shard in order (complete ones kept), then finish."""
+    planned = plan(cfg, tokens)
+    try:
+        records = [shard(cfg, tokens, planned, record, bar) for record in planned.shards]
+    finally:
+        release_teacher()
+    return finish(cfg, planned, records)

@@ -1,0 +1,76 @@
+"""tokenize: the data files -> train/eval token shards (Arrow through datasets), keyed by the data's bytes."""
+
+from __future__ import annotations
+
+import logging
+
+from data.records import DataError, dataset_fingerprint, load_records
+from data.tokens import tokenize_dataset, write_token_shards
+from model.tokenizer import load_tokenizer
+from schemas.config import RunConfig
+from schemas.manifests import TokenizeManifest
+from stages.keys import StageKey, file_sha256
+from stages.layout import stage_dir, workdir
+
+log = logging.getLogger(__name__)
+
+FOLDER = "tokens"
+# The held-out split is drawn with a fixed seed, not train.seed: changing the training seed must not
+# re-tokenize the data and recompute the teacher.
+SPLIT_SEED = 0
+
+KEY = StageKey(
+    stage="tokenize",
+    version="1",
+    config_fields=(
+        "data.format",
+        "data.text_field",
+        "data.messages_field",
+        "data.assistant_only",
+        "data.seq_len",
+        "data.eval_fraction",
+        "data.max_documents",
+        "data.pack",
+    ),
+    files=("model.student",),  # the tokenizer comes from the student GGUF
+    dataset=True,
+)
+
+
+def run(cfg: RunConfig) -> TokenizeManifest:
+    """Read cfg.data, tokenize with the student's tokenizer, pack into seq_len rows, split, write shards."""
+    root = workdir(cfg)
+    out = stage_dir(cfg, FOLDER, KEY.key(cfg, {}))
+    d = cfg.data
+    fingerprint = dataset_fingerprint(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
+    tokenizer = load_tokenizer(cfg.model.student)
+    docs = load_records(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
+    train, held_out = tokenize_dataset(
+        docs, tokenizer, d.seq_len, d.eval_fraction, SPLIT_SEED, d.pack, d.assistant_only
+    )
+    for name, split in (("train", train), ("eval", held_out)):
+        if len(split) == 0:
+            raise DataError(
+                f"{d.path}: the {name} split is empty ({len(docs)} documents, data.eval_fraction="
+                f"{d.eval_fraction}); give more documents"
+            )
+    manifest = write_token_shards(
+        train,
+        held_out,
+        out,
+        dataset_fingerprint=fingerprint,
+        tokenizer_sha256=file_sha256(cfg.model.student, root),
+        vocab_size=tokenizer.vocab_size,
+        seq_len=d.seq_len,
+        root=root,
+    )
+    log.info(
+        "tokenized %d documents: train %d sequences (%d trained positions), eval %d sequences (%d) -> %s",
+        len(docs),
+        manifest.train.n_sequences,
+        manifest.train.n_positions,
+        manifest.eval.n_sequences,
+        manifest.eval.n_positions,
+        out,
+    )
+    return manifest.at(out, root)
