@@ -28,17 +28,20 @@ class _ToRunLogger(logging.Handler):
 
 @contextmanager
 def prefect_logs() -> Iterator[None]:
-    """Within the block, INFO and above from the library loggers go to the current task or flow run's log."""
+    """Within the block, INFO and above from the library loggers go to the current task or flow run's log
+    (only there: they do not propagate to the root logger meanwhile)."""
     handler = _ToRunLogger(get_run_logger(), threading.get_ident())
     loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
-    levels = [lg.level for lg in loggers]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
     for lg in loggers:
         lg.addHandler(handler)
+        lg.propagate = False  # once, through the run logger (Prefect's root console handler would repeat it)
         if lg.level == logging.NOTSET or lg.level > logging.INFO:
             lg.setLevel(logging.INFO)
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels, strict=True):
+        for lg, (level, propagate) in zip(loggers, saved, strict=True):
             lg.removeHandler(handler)
             lg.setLevel(level)
+            lg.propagate = propagate
