@@ -1,4 +1,9 @@
-"""Model hyper-parameters, built once from GGUF metadata and passed everywhere."""
+"""Model hyper-parameters, built once from GGUF metadata and passed everywhere.
+
+One ModelConfig describes every family distillery runs (llama incl. Llama 3 RoPE scaling and Mistral, qwen2,
+qwen3): what differs between them is data here (biases, q/k norm, RoPE variant and frequency factors, norm form,
+activation, embedding scale, attention windows, tied head), read from the file by model/gguf_reader.py.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ LORA_TARGETS: dict[str, str] = {
     "down": "ffn_down",
 }
 
-# LoRA target short name -> HF/PEFT module path inside model.layers.N.
+# LoRA target short name -> HF/PEFT module path inside model.layers.N (the same for llama, mistral, qwen2, qwen3).
 PEFT_MODULES: dict[str, str] = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -26,10 +31,43 @@ PEFT_MODULES: dict[str, str] = {
     "down": "mlp.down_proj",
 }
 
+# Targets that carry a bias in families with q/k/v biases (qwen2), in GGUF names blk.N.<stem>.bias.
+BIAS_TARGETS = ("q", "k", "v")
+
+# RoPE variants (llama.cpp's names): "norm" rotates adjacent pairs (x[2i], x[2i+1]); "neox" rotates halves
+# (x[i], x[i + D/2]), as HF's rotate_half.
+ROPE_TYPES = ("norm", "neox")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What an architecture fixes: its RoPE variant, whether q/k/v biases and per-head q/k RMSNorm are part of it,
+    and whether its GGUF files store attn_q / attn_k rows permuted for llama.cpp's NORM RoPE."""
+
+    rope_type: str
+    qkv_bias: bool
+    qk_norm: bool
+    qk_rows_permuted: bool
+
+
+# general.architecture -> family. Mistral is `llama` in GGUF. convert_hf_to_gguf.py permutes q/k rows only for
+# the llama family (LlamaModel.permute); qwen2/qwen3 keep HF order and llama.cpp runs them with NEOX RoPE.
+FAMILIES: dict[str, Family] = {
+    "llama": Family(rope_type="norm", qkv_bias=False, qk_norm=False, qk_rows_permuted=True),
+    "qwen2": Family(rope_type="neox", qkv_bias=True, qk_norm=False, qk_rows_permuted=False),
+    "qwen3": Family(rope_type="neox", qkv_bias=False, qk_norm=True, qk_rows_permuted=False),
+}
+
+# Architectures we recognise but cannot run yet, and what is missing (the refusal names it).
+UNSUPPORTED_FAMILIES: dict[str, str] = {
+    "gemma3": "(1+w) RMSNorm, sandwich norms, GELU-tanh gate, embedding scaled by sqrt(hidden), q/k norms and "
+    "sliding-window layers with their own RoPE base are not implemented",
+}
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-family hyper-parameters (names follow the GGUF llama.* keys)."""
+    """Decoder hyper-parameters (names follow the GGUF <arch>.* keys) and the family's per-model settings."""
 
     n_layers: int
     hidden: int
@@ -43,12 +81,35 @@ class ModelConfig:
     context_length: int = 2048
     tied_embeddings: bool = True
     arch: str = "llama"
+    rope_type: str = "norm"  # one of ROPE_TYPES
+    rope_freq_factors: tuple[float, ...] | None = None  # rope_freqs.weight: angle_i = pos * base^(-2i/D) / f_i
+    qkv_bias: bool = False  # q, k, v projections add blk.N.attn_{q,k,v}.bias
+    qk_norm: bool = False  # per-head RMSNorm of q and k (blk.N.attn_{q,k}_norm.weight [D]) before RoPE
+    norm: str = "rms"  # RMSNorm x * rstd * w (the only form implemented)
+    activation: str = "silu"  # SwiGLU gate silu(g) * u (the only form implemented)
+    embedding_scale: float = 1.0  # token embeddings multiplied by this (1: none)
+    attention_windows: tuple[int, ...] = ()  # per layer, 0 = full causal attention; () = every layer full
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type={self.rope_type!r} is not one of {ROPE_TYPES}")
+        unsupported = {
+            "norm": (self.norm, "rms"),
+            "activation": (self.activation, "silu"),
+            "embedding_scale": (self.embedding_scale, 1.0),
+            "attention_windows": (any(self.attention_windows), False),
+        }
+        for name, (value, only) in unsupported.items():
+            if value != only:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not implemented (only {only!r})")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(
+                f"rope_freq_factors has {len(self.rope_freq_factors)} entries, head_dim/2 is {self.head_dim // 2}"
+            )
 
     @property
     def q_dim(self) -> int:
@@ -57,6 +118,17 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def rope_scaling(self) -> str:
+        """'llama3' when frequency factors (rope_freqs.weight) scale the RoPE angles, else 'none'."""
+        return "none" if self.rope_freq_factors is None else "llama3"
+
+    @property
+    def qk_rows_permuted(self) -> bool:
+        """attn_q / attn_k rows are stored permuted for llama.cpp's NORM RoPE (llama-family GGUFs)."""
+        family = FAMILIES.get(self.arch)
+        return family.qk_rows_permuted if family else self.rope_type == "norm"
 
     def target_shape(self, target: str) -> tuple[int, int]:
         """(out_features, in_features) of the projection a LoRA target adapts."""
@@ -70,3 +142,44 @@ class ModelConfig:
             "up": (f, h),
             "down": (h, f),
         }[target]
+
+    def block_tensors(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """GGUF name -> numpy shape of every tensor block `layer` of this model has."""
+        out = {f"blk.{layer}.{LORA_TARGETS[t]}.weight": self.target_shape(t) for t in LORA_TARGETS}
+        out[f"blk.{layer}.attn_norm.weight"] = (self.hidden,)
+        out[f"blk.{layer}.ffn_norm.weight"] = (self.hidden,)
+        if self.qkv_bias:
+            out.update({f"blk.{layer}.{LORA_TARGETS[t]}.bias": (self.target_shape(t)[0],) for t in BIAS_TARGETS})
+        if self.qk_norm:
+            out[f"blk.{layer}.attn_q_norm.weight"] = (self.head_dim,)
+            out[f"blk.{layer}.attn_k_norm.weight"] = (self.head_dim,)
+        return out
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """GGUF name -> numpy shape of every tensor a model file of this config holds (what a reader expects)."""
+        out: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.vocab, self.hidden)}
+        if self.rope_freq_factors is not None:
+            out["rope_freqs.weight"] = (self.head_dim // 2,)
+        for layer in range(self.n_layers):
+            out.update(self.block_tensors(layer))
+        out["output_norm.weight"] = (self.hidden,)
+        if not self.tied_embeddings:
+            out["output.weight"] = (self.vocab, self.hidden)
+        return out
+
+    def settings(self) -> dict[str, object]:
+        """The family-specific settings, for `distillery inspect` and run reports."""
+        return {
+            "architecture": self.arch,
+            "rope": self.rope_type,
+            "rope_base": self.rope_base,
+            "rope_scaling": self.rope_scaling,
+            "qkv_bias": self.qkv_bias,
+            "qk_norm": self.qk_norm,
+            "norm": self.norm,
+            "activation": self.activation,
+            "embedding_scale": self.embedding_scale,
+            "attention": "full causal" if not any(self.attention_windows) else list(self.attention_windows),
+            "lm_head": "tied to token_embd" if self.tied_embeddings else "output.weight",
+            "qk_rows": "permuted (llama.cpp NORM RoPE)" if self.qk_rows_permuted else "HF order",
+        }

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import mmap
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from model.config import LORA_TARGETS, ModelConfig
+from model.config import FAMILIES, LORA_TARGETS, UNSUPPORTED_FAMILIES, ModelConfig
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's LLM_TENSOR_ROPE_FREQS: Llama 3 RoPE frequency factors [D/2]
 MAX_ARRAY_DEPTH = 4  # nested arrays deeper than this are rejected (no legitimate file nests at all)
 
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor_count, kv_count
@@ -370,8 +371,46 @@ class GGUFFile:
         return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
     def config(self) -> ModelConfig:
-        """ModelConfig from the metadata; embeddings are tied when the file has no output.weight."""
-        return model_config(self.metadata, str(self.path), has_output="output.weight" in self.tensors)
+        """ModelConfig from the metadata and tensor names: embeddings are tied when the file has no output.weight,
+        q/k/v biases come with attn_q.bias, Llama 3 RoPE scaling with rope_freqs.weight."""
+        rope_freqs = None
+        if ROPE_FREQS in self.tensors:
+            info = self.tensors[ROPE_FREQS]
+            if len(info.shape) != 1:
+                raise gguf_error(self.path, f"tensor {ROPE_FREQS!r}", "shape", f"{info.shape} is not 1-D")
+            rope_freqs = self.tensor_f32(ROPE_FREQS)
+        return model_config(
+            self.metadata,
+            str(self.path),
+            has_output="output.weight" in self.tensors,
+            tensor_names=self.tensors.keys(),
+            rope_freqs=rope_freqs,
+        )
+
+    def check_model(self) -> ModelConfig:
+        """config(), after checking that the file holds exactly the tensors of that model, with the expected shapes
+        and in types our codecs and kernels decode: a tensor we would not use (an output bias, a sliding-window
+        layer's extra norm) is refused, never silently ignored."""
+        from model.quant import SUPPORTED_TYPES
+
+        cfg = self.config()
+        expected = cfg.tensor_shapes()
+        supported = {int(t) for t in SUPPORTED_TYPES}
+        for name, info in self.tensors.items():
+            item = f"tensor {name!r}"
+            if name not in expected:
+                raise gguf_error(
+                    self.path, item, "name", f"not part of a {cfg.arch} model as distillery runs it (unsupported)"
+                )
+            if info.shape != expected[name]:
+                raise gguf_error(self.path, item, "shape", f"{info.shape}, expected {expected[name]} from the metadata")
+            if info.ggml_type not in supported:
+                names = ", ".join(t.name for t in SUPPORTED_TYPES)
+                raise gguf_error(self.path, item, "type", f"{info.type_name} is not supported (supported: {names})")
+        missing = [name for name in expected if name not in self.tensors]
+        if missing:
+            raise gguf_error(self.path, f"tensor {missing[0]!r}", "name", f"missing ({len(missing)} expected tensors)")
+        return cfg
 
     def close(self) -> None:
         """Release the mapping (deferred until outstanding views are gone)."""
@@ -420,18 +459,50 @@ def _decimal(x: float) -> float:
     return float(str(f32)) if float(f32) == x else x
 
 
-def model_config(metadata: Mapping[str, Any], source: str = "", has_output: bool = False) -> ModelConfig:
-    """ModelConfig from GGUF metadata (llama architecture only); `has_output` = the file has output.weight."""
+def _architecture(metadata: Mapping[str, Any], source: str) -> str:
+    """general.architecture, refused with the reason when distillery cannot run it."""
     arch = metadata.get("general.architecture")
     if arch is None:
         raise gguf_error(source, "key 'general.architecture'", "value", "missing")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in FAMILIES:
+        reason = f": {UNSUPPORTED_FAMILIES[arch]}" if arch in UNSUPPORTED_FAMILIES else ""
         raise gguf_error(
             source,
             "key 'general.architecture'",
             "value",
-            f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            f"architecture {arch!r} is not supported{reason} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
         )
+    return arch
+
+
+def _rope_factors(rope_freqs: Any, arch: str, head_dim: int, source: str) -> tuple[float, ...] | None:
+    """rope_freqs.weight as the config's frequency factors (llama only, as llama.cpp reads it)."""
+    if rope_freqs is None:
+        return None
+    item = f"tensor {ROPE_FREQS!r}"
+    if arch != "llama":
+        raise gguf_error(source, item, "name", f"RoPE frequency factors are not read for {arch} (llama only)")
+    factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    if factors.size != head_dim // 2:
+        raise gguf_error(source, item, "shape", f"{factors.size} factors, expected head_dim/2 = {head_dim // 2}")
+    if not np.all(np.isfinite(factors) & (factors > 0)):
+        raise gguf_error(source, item, "value", "factors must be finite and positive")
+    return tuple(float(f) for f in factors)
+
+
+def model_config(
+    metadata: Mapping[str, Any],
+    source: str = "",
+    has_output: bool = False,
+    tensor_names: Collection[str] | None = None,
+    rope_freqs: Any = None,
+) -> ModelConfig:
+    """ModelConfig from GGUF metadata (llama, qwen2, qwen3); `has_output` = the file has output.weight.
+
+    `tensor_names` (the file's tensors) tell optional pieces apart: q/k/v biases in a llama file. `rope_freqs`
+    (the rope_freqs.weight tensor) gives Llama 3 RoPE scaling's frequency factors."""
+    arch = _architecture(metadata, source)
+    family = FAMILIES[arch]
 
     def get(name: str, kind: type, default: Any = None) -> Any:
         return _get(metadata, f"{arch}.{name}", source, kind, default)
@@ -445,6 +516,11 @@ def model_config(metadata: Mapping[str, Any], source: str = "", has_output: bool
         raise gguf_error(source, f"key '{arch}.vocab_size'", "value", "missing (and no tokenizer.ggml.tokens)")
     hidden = get("embedding_length", int)
     head_dim = get("attention.key_length", int, hidden // n_heads)
+    value_dim = get("attention.value_length", int, head_dim)
+    if value_dim != head_dim:
+        raise gguf_error(
+            source, f"key '{arch}.attention.value_length'", "value", f"{value_dim} != key_length {head_dim}"
+        )
     rope_dim = get("rope.dimension_count", int, head_dim)
     if rope_dim != head_dim:
         raise gguf_error(
@@ -455,9 +531,17 @@ def model_config(metadata: Mapping[str, Any], source: str = "", has_output: bool
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
-        raise gguf_error(source, f"key '{arch}.rope.scaling.type'", "value", f"rope scaling {scaling!r} not supported")
+        raise gguf_error(
+            source,
+            f"key '{arch}.rope.scaling.type'",
+            "value",
+            f"rope scaling {scaling!r} not supported (none, or Llama 3 scaling through {ROPE_FREQS})",
+        )
     if metadata.get(f"{arch}.expert_count", 0):
         raise gguf_error(source, f"key '{arch}.expert_count'", "value", "mixture-of-experts is not supported")
+    qkv_bias = family.qkv_bias
+    if tensor_names is not None and not qkv_bias:
+        qkv_bias = all(f"blk.0.attn_{t}.bias" in tensor_names for t in "qkv")
     try:
         return ModelConfig(
             n_layers=get("block_count", int),
@@ -472,6 +556,10 @@ def model_config(metadata: Mapping[str, Any], source: str = "", has_output: bool
             context_length=get("context_length", int),
             tied_embeddings=not has_output,
             arch=arch,
+            rope_type=family.rope_type,
+            rope_freq_factors=_rope_factors(rope_freqs, arch, head_dim, source),
+            qkv_bias=qkv_bias,
+            qk_norm=family.qk_norm,
         )
     except GGUFError:
         raise
@@ -480,6 +568,16 @@ def model_config(metadata: Mapping[str, Any], source: str = "", has_output: bool
 
 
 # --- summary for `distillery inspect` -----------------------------------------------------------------------
+
+
+def family_name(cfg: ModelConfig, metadata: Mapping[str, Any]) -> str:
+    """The model family as people name it: mistral (llama arch, named so, as transformers tells them apart),
+    llama3 (llama with Llama 3 RoPE scaling), llama, qwen2, qwen3."""
+    if cfg.arch == "llama":
+        if "mistral" in str(metadata.get("general.name", "")).lower():
+            return "mistral"
+        return "llama3" if cfg.rope_scaling == "llama3" else "llama"
+    return cfg.arch
 
 
 def describe(path: str | Path) -> dict[str, Any]:
@@ -509,8 +607,12 @@ def describe(path: str | Path) -> dict[str, Any]:
             out["lora_targets"] = sorted({_lora_stem(n) for n in f.tensors if n.endswith((".lora_a", ".lora_b"))})
         else:
             try:
-                out["config"] = dataclasses.asdict(f.config())
+                cfg = f.check_model()
+                out["family"] = family_name(cfg, md)
+                out["settings"] = cfg.settings()
+                out["config"] = dataclasses.asdict(cfg)
             except GGUFError as exc:
+                out["family"] = None
                 out["config"] = None
                 out["config_error"] = str(exc)
     return out

@@ -269,24 +269,54 @@ def _check_lora(path: Path, arrays: Mapping[str, np.ndarray], cfg: Any) -> None:
                     )
 
 
-__all__ = ["GGUFError", "write_gguf", "write_lora_gguf"]
+__all__ = ["GGUFError", "llama3_rope_factors", "model_metadata", "write_gguf", "write_lora_gguf"]
 
 
-def llama_metadata(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
-    """The general.* / llama.* keys that describe `cfg` (what model_config and transformers' GGUF loader read)."""
+def model_metadata(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
+    """The general.* / <arch>.* keys that describe `cfg` (what model_config and transformers' GGUF loader read).
+
+    Biases, q/k norms and Llama 3 RoPE scaling are told by tensors (blk.N.attn_q.bias, attn_q_norm.weight,
+    rope_freqs.weight), not keys, as llama.cpp's converter writes them."""
+    a = cfg.arch
     meta: dict[str, Any] = {
-        "general.architecture": "llama",
-        "llama.block_count": cfg.n_layers,
-        "llama.embedding_length": cfg.hidden,
-        "llama.feed_forward_length": cfg.ffn,
-        "llama.attention.head_count": cfg.n_heads,
-        "llama.attention.head_count_kv": cfg.n_kv_heads,
-        "llama.rope.dimension_count": cfg.head_dim,
-        "llama.rope.freq_base": float(cfg.rope_base),
-        "llama.attention.layer_norm_rms_epsilon": float(cfg.eps),
-        "llama.context_length": cfg.context_length,
-        "llama.vocab_size": cfg.vocab,
+        "general.architecture": a,
+        f"{a}.block_count": cfg.n_layers,
+        f"{a}.embedding_length": cfg.hidden,
+        f"{a}.feed_forward_length": cfg.ffn,
+        f"{a}.attention.head_count": cfg.n_heads,
+        f"{a}.attention.head_count_kv": cfg.n_kv_heads,
+        f"{a}.attention.key_length": cfg.head_dim,
+        f"{a}.attention.value_length": cfg.head_dim,
+        f"{a}.rope.dimension_count": cfg.head_dim,
+        f"{a}.rope.freq_base": float(cfg.rope_base),
+        f"{a}.attention.layer_norm_rms_epsilon": float(cfg.eps),
+        f"{a}.context_length": cfg.context_length,
+        f"{a}.vocab_size": cfg.vocab,
     }
     if name:
         meta["general.name"] = name
     return meta
+
+
+def llama_metadata(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
+    """model_metadata of a llama config (kept for callers that name the family)."""
+    return model_metadata(cfg, name)
+
+
+def llama3_rope_factors(
+    head_dim: int,
+    base: float,
+    factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_context: int = 8192,
+) -> np.ndarray:
+    """rope_freqs.weight [D/2] for Llama 3 RoPE scaling (HF rope_scaling type llama3), as convert_hf_to_gguf.py
+    computes it: 1 for short wavelengths, `factor` for long ones, a smooth blend between."""
+    freqs = 1.0 / float(base) ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    low_wavelen, high_wavelen = original_context / low_freq_factor, original_context / high_freq_factor
+    smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = 1.0 / ((1.0 - smooth) / factor + smooth)
+    out = np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, factor, blended))
+    return out.astype(np.float32)

@@ -5,9 +5,12 @@ side; the computation dtype follows the inputs (float64 for finite-difference ch
 backward is hand-written from the loss to every LoRA A and B; base weights are frozen (no dW, only dX = dY W).
 
 Conventions: weights are keyed by GGUF tensor names with numpy shapes [out, in]; attn_q / attn_k rows are in
-GGUF order, i.e. permuted for llama.cpp's NORM RoPE, which rotates adjacent pairs (x[2i], x[2i+1]) by
-pos * base^(-2i/D). GQA: query head h reads kv head h // (Hq // Hkv). LoRA (PEFT): y = x W^T + s (x A^T) B^T.
-The KD losses live in model/kd.py and are re-exported here.
+GGUF order. RoPE rotates pair i by pos * base^(-2i/D) / f_i (f = Llama 3's rope_freqs factors, else 1); the
+pairs follow the family (ModelConfig.rope_type): llama.cpp's NORM (llama: adjacent (x[2i], x[2i+1]), on rows the
+converter permuted) or NEOX (qwen2/qwen3: halves (x[i], x[i + D/2]), HF order). qwen2 adds q/k/v biases after
+the projections; qwen3 RMS-normalises each head of q and k (weight [D]) before RoPE. GQA: query head h reads kv
+head h // (Hq // Hkv). LoRA (PEFT): y = x W^T + b + s (x A^T) B^T. The KD losses live in model/kd.py and are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model.config import LORA_TARGETS, ModelConfig
+from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
 from model.kd import KINDS, LossConfig, kd_loss_backward, kd_loss_forward, log_softmax, logsumexp
 
 __all__ = [
@@ -43,8 +46,10 @@ __all__ = [
     "random_weights",
     "rmsnorm_backward",
     "rmsnorm_forward",
+    "rope_args",
     "rope_backward",
     "rope_forward",
+    "rope_inv_freq",
     "swiglu_backward",
     "swiglu_forward",
 ]
@@ -75,34 +80,57 @@ def rmsnorm_backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, eps: float) -
     return rstd * (g - xhat * np.mean(g * xhat, axis=-1, keepdims=True))
 
 
-# ---------------------------------------------------------------- RoPE (llama.cpp NORM: adjacent pairs)
+# ---------------------------------------------------------------- RoPE (NORM: adjacent pairs; NEOX: halves)
 
 
-def rope_cos_sin(positions: np.ndarray, head_dim: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, ...]:
-    """cos, sin [T, 1, D/2] of angle pos * base^(-2i/D); angles in float64, then cast to dtype."""
+def rope_inv_freq(head_dim: int, base: float, factors: np.ndarray | tuple[float, ...] | None = None) -> np.ndarray:
+    """theta_i = base^(-2i/D) / f_i in float64 (f: Llama 3 frequency factors, rope_freqs.weight; None = 1)."""
     inv_freq = float(base) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    angle = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return inv_freq if factors is None else inv_freq / np.asarray(factors, dtype=np.float64)
+
+
+def rope_cos_sin(
+    positions: np.ndarray, head_dim: int, base: float, dtype: np.dtype, factors: np.ndarray | None = None
+) -> tuple[np.ndarray, ...]:
+    """cos, sin [T, 1, D/2] of angle pos * theta_i; angles in float64, then cast to dtype."""
+    angle = np.asarray(positions, dtype=np.float64)[:, None] * rope_inv_freq(head_dim, base, factors)[None, :]
     return np.cos(angle)[:, None, :].astype(dtype), np.sin(angle)[:, None, :].astype(dtype)
 
 
-def rope_forward(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
-    """Rotate (x[2i], x[2i+1]) of x [..., T, n_heads, D] by pos * theta_i (positions [T])."""
-    cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
-    x0, x1 = x[..., 0::2], x[..., 1::2]
+def _pair_slices(d: int, neox: bool) -> tuple[slice, slice]:
+    """Where the two members of each rotated pair sit in a head of size d."""
+    return (slice(0, d // 2), slice(d // 2, d)) if neox else (slice(0, d, 2), slice(1, d, 2))
+
+
+def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    first, second = _pair_slices(x.shape[-1], neox)
+    x0, x1 = x[..., first], x[..., second]
     y = np.empty_like(x)
-    y[..., 0::2] = x0 * cos - x1 * sin
-    y[..., 1::2] = x0 * sin + x1 * cos
+    y[..., first] = x0 * cos - x1 * sin
+    y[..., second] = x0 * sin + x1 * cos
     return y
 
 
-def rope_backward(dy: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+def rope_forward(
+    x: np.ndarray, positions: np.ndarray, base: float, factors: np.ndarray | None = None, neox: bool = False
+) -> np.ndarray:
+    """Rotate each pair of x [..., T, n_heads, D] by pos * theta_i (positions [T]); NORM pairs (x[2i], x[2i+1]),
+    or NEOX pairs (x[i], x[i + D/2]) when `neox`."""
+    cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype, factors)
+    return _rotate(x, cos, sin, neox)
+
+
+def rope_backward(
+    dy: np.ndarray, positions: np.ndarray, base: float, factors: np.ndarray | None = None, neox: bool = False
+) -> np.ndarray:
     """The transpose of a rotation is the rotation by the opposite angle."""
-    cos, sin = rope_cos_sin(positions, dy.shape[-1], base, dy.dtype)
-    dy0, dy1 = dy[..., 0::2], dy[..., 1::2]
-    dx = np.empty_like(dy)
-    dx[..., 0::2] = dy0 * cos + dy1 * sin
-    dx[..., 1::2] = -dy0 * sin + dy1 * cos
-    return dx
+    cos, sin = rope_cos_sin(positions, dy.shape[-1], base, dy.dtype, factors)
+    return _rotate(dy, cos, -sin, neox)
+
+
+def rope_args(cfg: ModelConfig) -> dict:
+    """The keyword arguments rope_forward / rope_backward take for a model (base, factors, pair layout)."""
+    return {"base": cfg.rope_base, "factors": cfg.rope_freq_factors, "neox": cfg.rope_type == "neox"}
 
 
 # ---------------------------------------------------------------- causal GQA attention
@@ -239,10 +267,14 @@ def _rows(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1, x.shape[-1])
 
 
-def project_forward(x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: float) -> np.ndarray:
-    """One projection of x [..., in]: linear + LoRA when the target is adapted."""
+def project_forward(
+    x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: float, bias: np.ndarray | None = None
+) -> np.ndarray:
+    """One projection of x [..., in]: linear (+ frozen bias) + LoRA when the target is adapted."""
     x2 = _rows(x)
     y = linear_forward(x2, w)
+    if bias is not None:
+        y = y + bias
     if pair is not None:
         y = y + lora_forward(x2, pair.A, pair.B, scale)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -251,7 +283,8 @@ def project_forward(x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: 
 def project_backward(
     dy: np.ndarray, x: np.ndarray, w: np.ndarray, pair: LoraPair | None, scale: float
 ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
-    """(dx, (dA, dB) or None); dy [..., out], x [..., in] (the gradients sum over every row)."""
+    """(dx, (dA, dB) or None); dy [..., out], x [..., in] (the gradients sum over every row). A bias changes
+    neither: it is frozen and its Jacobian with respect to x is zero."""
     dy2 = _rows(dy)
     dx = linear_backward_input(dy2, w)
     if pair is None:
@@ -270,6 +303,13 @@ def _w(weights: Mapping[str, np.ndarray], layer: int, target: str) -> np.ndarray
     return weights[f"blk.{layer}.{LORA_TARGETS[target]}.weight"]
 
 
+def _bias(weights: Mapping[str, np.ndarray], cfg: ModelConfig, layer: int, target: str) -> np.ndarray | None:
+    """blk.N.attn_{q,k,v}.bias of a model with q/k/v biases (qwen2), else None."""
+    if not cfg.qkv_bias or target not in BIAS_TARGETS:
+        return None
+    return weights[f"blk.{layer}.{LORA_TARGETS[target]}.bias"]
+
+
 def block_forward(
     x: np.ndarray,
     weights: Mapping[str, np.ndarray],
@@ -278,19 +318,28 @@ def block_forward(
     lora: LoraMap,
     scale: float,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """h = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1))); out = h + down(swiglu(gate(n2), up(n2))).
+    """h = x + o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1))); out = h + down(swiglu(gate(n2), up(n2))).
 
+    qn / kn: per-head RMSNorm when cfg.qk_norm (else identity); q, k, v add their bias when cfg.qkv_bias.
     x is one sequence [T, H] or a batch [B, T, H] (positions 0..T-1 in each); returns (out, cache)."""
     lead, d = x.shape[:-1], cfg.head_dim
     pos = np.arange(x.shape[-2])
+    rope = rope_args(cfg)
 
     def proj(name: str, inp: np.ndarray) -> np.ndarray:
-        return project_forward(inp, _w(weights, layer, name), lora.get((layer, name)), scale)
+        w, pair = _w(weights, layer, name), lora.get((layer, name))
+        return project_forward(inp, w, pair, scale, _bias(weights, cfg, layer, name))
 
     c: dict[str, np.ndarray] = {"x": x}
     c["n1"] = rmsnorm_forward(x, weights[f"blk.{layer}.attn_norm.weight"], cfg.eps)
-    c["q"] = rope_forward(proj("q", c["n1"]).reshape(*lead, cfg.n_heads, d), pos, cfg.rope_base)
-    c["k"] = rope_forward(proj("k", c["n1"]).reshape(*lead, cfg.n_kv_heads, d), pos, cfg.rope_base)
+    q = proj("q", c["n1"]).reshape(*lead, cfg.n_heads, d)
+    k = proj("k", c["n1"]).reshape(*lead, cfg.n_kv_heads, d)
+    if cfg.qk_norm:
+        c["q0"], c["k0"] = q, k
+        q = rmsnorm_forward(q, weights[f"blk.{layer}.attn_q_norm.weight"], cfg.eps)
+        k = rmsnorm_forward(k, weights[f"blk.{layer}.attn_k_norm.weight"], cfg.eps)
+    c["q"] = rope_forward(q, pos, **rope)
+    c["k"] = rope_forward(k, pos, **rope)
     c["v"] = proj("v", c["n1"]).reshape(*lead, cfg.n_kv_heads, d)
     c["att"] = attention_forward(c["q"], c["k"], c["v"]).reshape(*lead, cfg.q_dim)
     c["h"] = x + proj("o", c["att"])
@@ -311,8 +360,9 @@ def block_backward(
     grads: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]],
 ) -> np.ndarray:
     """d block input (dout [T, H] or [B, T, H]); LoRA gradients of this layer are written into grads."""
-    lead, d = dout.shape[:-1], cfg.head_dim
+    lead = dout.shape[:-1]
     pos = np.arange(dout.shape[-2])
+    rope = rope_args(cfg)
 
     def proj_back(name: str, dy: np.ndarray, inp: np.ndarray) -> np.ndarray:
         dx, g = project_backward(dy, inp, _w(weights, layer, name), lora.get((layer, name)), scale)
@@ -326,10 +376,13 @@ def block_backward(
     dn2 = proj_back("gate", dg, c["n2"]) + proj_back("up", du, c["n2"])
     dh = dout + rmsnorm_backward(dn2, c["h"], weights[f"blk.{layer}.ffn_norm.weight"], cfg.eps)
     # attention half: h = x + o(attn(...))
-    datt = proj_back("o", dh, c["att"]).reshape(*lead, cfg.n_heads, d)
+    datt = proj_back("o", dh, c["att"]).reshape(*lead, cfg.n_heads, cfg.head_dim)
     dq, dk, dv = attention_backward(datt, c["q"], c["k"], c["v"])
-    dq = rope_backward(dq, pos, cfg.rope_base).reshape(*lead, cfg.q_dim)
-    dk = rope_backward(dk, pos, cfg.rope_base).reshape(*lead, cfg.kv_dim)
+    dq, dk = rope_backward(dq, pos, **rope), rope_backward(dk, pos, **rope)
+    if cfg.qk_norm:
+        dq = rmsnorm_backward(dq, c["q0"], weights[f"blk.{layer}.attn_q_norm.weight"], cfg.eps)
+        dk = rmsnorm_backward(dk, c["k0"], weights[f"blk.{layer}.attn_k_norm.weight"], cfg.eps)
+    dq, dk = dq.reshape(*lead, cfg.q_dim), dk.reshape(*lead, cfg.kv_dim)
     dn1 = proj_back("q", dq, c["n1"]) + proj_back("k", dk, c["n1"]) + proj_back("v", dv.reshape(*lead, -1), c["n1"])
     return dh + rmsnorm_backward(dn1, c["x"], weights[f"blk.{layer}.attn_norm.weight"], cfg.eps)
 
@@ -420,17 +473,20 @@ def greedy_generate(
 
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: np.dtype = np.float64) -> dict[str, np.ndarray]:
-    """Random GGUF-named weights for a tiny config, scaled so activations and logits stay O(1)."""
+    """Random GGUF-named weights for a tiny config, scaled so activations and logits stay O(1): every tensor of
+    cfg.tensor_shapes() (biases, q/k norms and rope_freqs.weight when the family has them)."""
     rng = np.random.default_rng(seed)
     h = cfg.hidden
 
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(dtype)
 
-    def norm_weight() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(h)).astype(dtype)
+    def norm_weight(n: int = h) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(dtype)
 
     w = {"token_embd.weight": normal((cfg.vocab, h), h**-0.25)}
+    if cfg.rope_freq_factors is not None:
+        w["rope_freqs.weight"] = np.asarray(cfg.rope_freq_factors, dtype=dtype)
     for layer in range(cfg.n_layers):
         w[f"blk.{layer}.attn_norm.weight"] = norm_weight()
         w[f"blk.{layer}.ffn_norm.weight"] = norm_weight()
@@ -438,6 +494,11 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: np.dtype = np.float64) ->
             n_out, n_in = cfg.target_shape(t)
             gain = 0.5 if t in ("o", "down") else 1.0  # residual branches a bit smaller
             w[f"blk.{layer}.{stem}.weight"] = normal((n_out, n_in), gain / np.sqrt(n_in))
+            if cfg.qkv_bias and t in BIAS_TARGETS:
+                w[f"blk.{layer}.{stem}.bias"] = normal((n_out,), 0.5)
+        if cfg.qk_norm:
+            w[f"blk.{layer}.attn_q_norm.weight"] = norm_weight(cfg.head_dim)
+            w[f"blk.{layer}.attn_k_norm.weight"] = norm_weight(cfg.head_dim)
     w["output_norm.weight"] = norm_weight()
     if not cfg.tied_embeddings:
         w["output.weight"] = normal((cfg.vocab, h), 1.0 / np.sqrt(h))

@@ -23,6 +23,18 @@ _QWEN2_REGEX = (
 )
 
 
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_DEFAULT (tokenizer.ggml.pre = "default", or missing in older conversions): four
+# regexes applied one after the other, each splitting every piece the previous one left (matches and the text
+# between them both kept), then byte-level mapping. Punctuation runs are cut off first, so " (x)" becomes
+# " ", "(", "x", ")" where GPT-2's regex gives " (", "x", ")".
+_DEFAULT_REGEXES = (
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"\p{N}+",
+    r"[0-9][0-9][0-9]",
+)
+
+
 def _gpt2() -> PreTokenizer:
     """GPT-2 regex + byte-level mapping."""
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -35,14 +47,12 @@ def _starcoder() -> PreTokenizer:
     )
 
 
-def _split_then_bytes(regex: str) -> Callable[[], PreTokenizer]:
+def _split_then_bytes(*regexes: str) -> Callable[[], PreTokenizer]:
+    """Split by each regex in turn (llama.cpp's unicode_regex_split: matches and gaps kept), then byte-level."""
+
     def build() -> PreTokenizer:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+        return pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
     return build
 
@@ -55,6 +65,7 @@ PRE_TOKENIZERS: dict[str, Callable[[], PreTokenizer]] = {
         ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx", "falcon3"), _split_then_bytes(_LLAMA3_REGEX)
     ),
     **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), _split_then_bytes(_QWEN2_REGEX)),
+    "default": _split_then_bytes(*_DEFAULT_REGEXES),
 }
 
 
@@ -147,8 +158,11 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:cut], merge[cut + 1 :]
 
 
-def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
-    """Byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (tokenizer.ggml.model == "gpt2")."""
+def check_tokenizer_metadata(metadata: Mapping[str, Any]) -> None:
+    """ValueError naming the key when the GGUF's tokenizer is one we cannot build (cheap: nothing is built).
+
+    The model kind (tokenizer.ggml.model: byte-level BPE 'gpt2' only), the pre-tokenizer (tokenizer.ggml.pre),
+    a non-empty vocabulary and a token_type array of the same length."""
     model = metadata.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ValueError(
@@ -159,14 +173,22 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
         raise ValueError(
             f"tokenizer.ggml.pre={pre!r} is not supported; known values: {', '.join(sorted(PRE_TOKENIZERS))}"
         )
-    tokens = list(metadata.get("tokenizer.ggml.tokens") or [])
-    if not tokens:
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None or not len(tokens):
         raise ValueError("tokenizer.ggml.tokens is missing or empty")
+    types = metadata.get("tokenizer.ggml.token_type")
+    if types is not None and len(types) != len(tokens):
+        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries, tokenizer.ggml.tokens has {len(tokens)}")
+
+
+def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
+    """Byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (tokenizer.ggml.model == "gpt2")."""
+    check_tokenizer_metadata(metadata)
+    pre = metadata["tokenizer.ggml.pre"]
+    tokens = list(metadata["tokenizer.ggml.tokens"])
     n = len(tokens)
     types = metadata.get("tokenizer.ggml.token_type")
     types = [TOKEN_NORMAL] * n if types is None else [int(t) for t in types]
-    if len(types) != n:
-        raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries, tokenizer.ggml.tokens has {n}")
     merges = [_split_merge(m) for m in metadata.get("tokenizer.ggml.merges") or []]
 
     bos_id = _opt_id(metadata, "tokenizer.ggml.bos_token_id", n)

@@ -1,9 +1,10 @@
 """Preflight: refuse bad inputs before any stage runs (and before a Prefect server is started by the CLI).
 
-Checks what can be checked from file headers: both GGUFs readable llama models with a tokenizer, the same
-vocabulary (data.topk.check_vocab), data.seq_len within both context lengths, top_k within the
-vocabulary, lora.layers within the blocks, the data path present. Record-level problems (an empty dataset, a
-missing field) surface in tokenize with the file and record named.
+Checks what can be checked from file headers: both GGUFs models distillery can run, tokenizer included
+(model.gguf.check_model_file: architecture, family settings, tensors, quant types), the same vocabulary
+(data.topk.check_vocab), data.seq_len within both context lengths, top_k within the vocabulary, lora.layers
+within the blocks, the data path present. Record-level problems (an empty dataset, a missing field) surface in
+tokenize with the file and record named.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from data.records import resolve_format
 from data.topk import check_vocab
-from model.gguf import GGUFError, GGUFFile
+from model.gguf import GGUFError, GGUFFile, check_model_file
 from schemas.config import RunConfig
 
 
@@ -25,8 +26,8 @@ def _open(path: Path, field: str) -> tuple[list[str], int, int]:
     if not Path(path).is_file():
         raise InputError(f"{field}: {path}: no such GGUF file")
     try:
+        mcfg = check_model_file(path)  # architecture, family settings, tensors, quant types, tokenizer
         with GGUFFile(path) as f:
-            mcfg = f.config()
             tokens = list(f.metadata.get("tokenizer.ggml.tokens") or [])
     except GGUFError as exc:
         raise InputError(f"{field}: {exc}") from None

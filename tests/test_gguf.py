@@ -362,7 +362,10 @@ def test_model_config_variants() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"general.architecture": "gemma3"}, "'gemma3' is not supported \\(supported: llama\\)"),
+        ({"general.architecture": "gemma3"}, "'gemma3' is not supported: .*sandwich norms.*\\(supported: llama, qwen2"),
+        ({"general.architecture": "phi3"}, "'phi3' is not supported \\(supported: llama, qwen2, qwen3\\)"),
+        ({"llama.rope.scaling.type": "yarn"}, "src.gguf: key 'llama.rope.scaling.type': value: rope scaling 'yarn'"),
+        ({"llama.attention.value_length": 8}, "src.gguf: key 'llama.attention.value_length': value: 8 != key_length"),
         ({"general.architecture": None}, "general.architecture'.*missing"),
         ({"llama.block_count": None}, "src.gguf: key 'llama.block_count': value: missing"),
         ({"llama.attention.layer_norm_rms_epsilon": None}, "layer_norm_rms_epsilon'.*missing"),

@@ -384,3 +384,109 @@ def test_model_float32_follows_inputs(rng: np.random.Generator) -> None:
         for a32, a64 in zip(g32[key], g64[key], strict=True):
             assert a32.dtype == np.float32
             np.testing.assert_allclose(a32, a64, atol=1e-4 * np.abs(a64).max())
+
+
+# ---------------------------------------------------------------- model families (qwen2, qwen3, Llama 3 RoPE)
+
+
+def _llama3_factors(d: int, base: float) -> np.ndarray:
+    """Llama 3 scaling factors of a tiny head (original context 32): some kept, some blended, some divided."""
+    from model.gguf import llama3_rope_factors
+
+    f = llama3_rope_factors(d, base, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=32)
+    assert f.min() == 1.0 and f.max() == 8.0 and np.any((f > 1) & (f < 8))
+    return f.astype(np.float64)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_rope_variants(rng: np.random.Generator, neox: bool, scaled: bool) -> None:
+    """NEOX pairs (x[i], x[i + D/2]) and Llama 3 frequency factors: forward against complex multiplication with
+    HF's llama3 inverse frequencies (written independently), backward by finite differences and inversion."""
+    t, h, d, base = 6, 3, 8, 10.0
+    x, pos = rng.standard_normal((2, t, h, d)), np.arange(t) + 3
+    factors = _llama3_factors(d, base) if scaled else None
+    y = R.rope_forward(x, pos, base, factors, neox)
+    inv = base ** (-np.arange(0, d, 2) / d)
+    if scaled:  # transformers' _compute_llama3_parameters (original context 32, factor 8, low 1, high 4)
+        wavelen = 2 * np.pi / inv
+        llama = np.where(wavelen > 32.0, inv / 8.0, inv)
+        smooth = (32.0 / wavelen - 1.0) / 3.0
+        medium = (wavelen >= 8.0) & (wavelen <= 32.0)
+        inv = np.where(medium, (1 - smooth) * llama / 8.0 + smooth * llama, llama)
+    first, second = (slice(0, d // 2), slice(d // 2, d)) if neox else (slice(0, d, 2), slice(1, d, 2))
+    z = (x[..., first] + 1j * x[..., second]) * np.exp(1j * pos[:, None, None] * inv)
+    atol = 1e-6 if scaled else 1e-12  # the factors are stored f32 (rope_freqs.weight), HF's formula is exact
+    np.testing.assert_allclose(y[..., first], z.real, atol=atol)
+    np.testing.assert_allclose(y[..., second], z.imag, atol=atol)
+    r = rng.standard_normal(y.shape)
+    dx = R.rope_backward(r, pos, base, factors, neox)
+    np.testing.assert_allclose(dx, R.rope_forward(r, -pos, base, factors, neox), atol=1e-12)
+    assert fd_rel_error(lambda: float(np.sum(R.rope_forward(x, pos, base, factors, neox) * r)), x, dx, rng) < TOL
+
+
+def test_qk_norm_is_rmsnorm_per_head(rng: np.random.Generator) -> None:
+    """qwen3's q/k norm: RMSNorm over each head's D entries with one weight [D] shared by the heads."""
+    x, w, eps = rng.standard_normal((2, 5, 3, 8)), 1 + 0.2 * rng.standard_normal(8), 1e-6
+    y = R.rmsnorm_forward(x, w, eps)
+    for head in range(3):
+        xh = x[:, :, head]
+        np.testing.assert_allclose(y[:, :, head], xh / np.sqrt(np.mean(xh**2, -1, keepdims=True) + eps) * w)
+    r = rng.standard_normal(y.shape)
+    dx = R.rmsnorm_backward(r, x, w, eps)
+    assert fd_rel_error(lambda: float(np.sum(R.rmsnorm_forward(x, w, eps) * r)), x, dx, rng) < TOL
+
+
+def test_projection_bias(rng: np.random.Generator) -> None:
+    """qwen2's q/k/v bias: added after the projection; dX is the unbiased one (the bias is frozen)."""
+    x, w, b = rng.standard_normal((2, 5, 7)), rng.standard_normal((6, 7)), rng.standard_normal(6)
+    pair = R.LoraPair(rng.standard_normal((3, 7)), rng.standard_normal((6, 3)))
+    y = R.project_forward(x, w, pair, 0.5, b)
+    np.testing.assert_allclose(y - R.project_forward(x, w, pair, 0.5), np.broadcast_to(b, y.shape), atol=1e-12)
+    r = rng.standard_normal(y.shape)
+    dx, (da, db) = R.project_backward(r, x, w, pair, 0.5)
+    for t, g in ((x, dx), (pair.A, da), (pair.B, db)):
+        assert fd_rel_error(lambda: float(np.sum(R.project_forward(x, w, pair, 0.5, b) * r)), t, g, rng) < TOL
+
+
+FAMILY_CASES = {
+    "qwen2": {"arch": "qwen2", "rope_type": "neox", "qkv_bias": True},
+    "qwen3": {"arch": "qwen3", "rope_type": "neox", "qk_norm": True, "head_dim": 16},
+    "llama3": {"rope_freq_factors": tuple(_llama3_factors(8, 100.0))},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CASES))
+def test_family_model_lora_grads(rng: np.random.Generator, family: str) -> None:
+    """Whole-model LoRA gradients by finite differences for each family's pieces, on one sequence and on a
+    batch of two (the batched reference ops)."""
+    cfg = ModelConfig(
+        n_layers=2, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=300, rope_base=100.0, **FAMILY_CASES[family]
+    )
+    w = R.random_weights(cfg, seed=3)
+    assert ("blk.0.attn_q.bias" in w) == cfg.qkv_bias and ("blk.1.attn_k_norm.weight" in w) == cfg.qk_norm
+    s, k = 2.0, 8
+    ids = rng.integers(0, cfg.vocab, (2, 7))
+    lora = _lora_random_b(cfg, rng)
+    loss_cfg = LossConfig("jsd", tau=1.5, beta=0.5, ce_weight=0.2, use_tail=True)
+    t_ids, t_lp = _teacher(rng, 14, cfg.vocab, k, loss_cfg.tau)
+    t_ids, t_lp = t_ids.reshape(2, 7, k), t_lp.reshape(2, 7, k)
+    targets, mask = rng.integers(0, cfg.vocab, (2, 7)), (rng.random((2, 7)) < 0.8).astype(float)
+    args = (t_ids, t_lp, None, targets, mask, loss_cfg)
+    loss, grads = R.loss_and_grads(w, cfg, ids, lora, s, *args)
+
+    flat = (t_ids.reshape(-1, k), t_lp.reshape(-1, k), None, targets.reshape(-1), mask.reshape(-1), loss_cfg)
+
+    def f() -> float:
+        return R.kd_loss_forward(R.forward(w, cfg, ids, lora, s).reshape(-1, cfg.vocab), *flat)
+
+    assert f() == pytest.approx(loss, rel=1e-12)
+    worst = 0.0
+    for key in [(0, "q"), (0, "k"), (1, "q"), (1, "k"), (1, "v"), (0, "down")]:
+        for x, g in zip((lora[key].A, lora[key].B), grads[key], strict=True):
+            err = fd_rel_error(f, x, g, rng, n=10)
+            assert err < TOL, (key, err)
+            worst = max(worst, err)
+    # the batch is two independent sequences
+    np.testing.assert_allclose(R.forward(w, cfg, ids, lora, s)[1], R.forward(w, cfg, ids[1], lora, s), atol=1e-12)
+    print(f"{family}: max FD rel error {worst:.2e}")
