@@ -1,12 +1,14 @@
 """Adapter exports: PEFT (HF row order), GGUF LoRA (llama.cpp, GGUF row order) and a merged GGUF.
 
-Row order of Q/K: llama GGUF files store attn_q / attn_k rows permuted for llama.cpp's RoPE, which rotates
-adjacent pairs (x[2i], x[2i+1]); HF llama rotates halves (x[i], x[i + D/2]). convert_hf_to_gguf.py applies
-`LlamaModel.permute` (per head: reshape(n_head, 2, D/2, ...).swapaxes(1, 2)) and transformers' GGUF loader
-undoes it (`reverse_permute`: reshape(n_head, D/2, 2, ...).swapaxes(1, 2)), with n_head = the query heads
-for q and the kv heads for k. Our adapters are trained on GGUF-order weights, so the output rows of lora_B
-for q_proj and k_proj go back to HF order in the PEFT export; lora_A (input side) is unaffected. The GGUF LoRA
-and the merge keep GGUF order.
+Row order of Q/K: llama-family GGUF files (llama, Mistral, Llama 3) store attn_q / attn_k rows permuted for
+llama.cpp's NORM RoPE, which rotates adjacent pairs (x[2i], x[2i+1]); HF llama rotates halves (x[i], x[i + D/2]).
+convert_hf_to_gguf.py applies `LlamaModel.permute` (per head: reshape(n_head, 2, D/2, ...).swapaxes(1, 2)) and
+transformers' GGUF loader undoes it (`reverse_permute`: reshape(n_head, D/2, 2, ...).swapaxes(1, 2)), with
+n_head = the query heads for q and the kv heads for k. Our adapters are trained on GGUF-order weights, so the
+output rows of lora_B for q_proj and k_proj go back to HF order in the PEFT export; lora_A (input side) is
+unaffected. qwen2 / qwen3 files are not permuted (llama.cpp runs them with NEOX RoPE, which rotates halves like
+HF), so their rows are exported as they are (ModelConfig.qk_rows_permuted). The PEFT module names are the same
+for every family (model.config.PEFT_MODULES). The GGUF LoRA and the merge keep GGUF order.
 """
 
 from __future__ import annotations
@@ -113,12 +115,12 @@ def peft_key(layer: int, target: str, which: str) -> str:
 
 
 def peft_tensors(adapter: Mapping[tuple[int, str], LoraPair], cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """PEFT state dict (f32): A [r, in] as is, B [out, r] with q/k rows put back into HF order."""
+    """PEFT state dict (f32): A [r, in] as is, B [out, r] with q/k rows put back into HF order (llama family)."""
     out = {}
     for layer, target in _ordered(adapter):
         pair = adapter[(layer, target)]
         b = np.asarray(pair.B, dtype=np.float32)
-        if target in _PERMUTED_ROWS:
+        if target in _PERMUTED_ROWS and cfg.qk_rows_permuted:
             b = gguf_to_hf_rows(b, getattr(cfg, _PERMUTED_ROWS[target]))
         out[peft_key(layer, target, "A")] = np.ascontiguousarray(pair.A, dtype=np.float32)
         out[peft_key(layer, target, "B")] = np.ascontiguousarray(b)

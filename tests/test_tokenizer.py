@@ -285,3 +285,93 @@ def test_template_raise_exception_and_sandbox() -> None:
         render_chat(tpl, [{"role": "assistant", "content": "x"}])
     with pytest.raises(SecurityError):
         render_chat("{{ messages.append(1) }}", [])
+
+
+# ---------------------------------------------------------------- pre-tokenizers against transformers' GGUF tokenizer
+
+ORACLE_TEXTS = [
+    *ROUND_TRIP,
+    "Hello, world!! (this) is it... 12345 678 x²½ ³⁄₄ ٣٤٥ 一二三",
+    "I'm you'll WE'D don’t SHE'S it'S — «guillemets» “quotes” ‘single’",
+    "a...b---c $100 +=<>^~| 3.14159 #tag @user https://example.com/a?b=c&d=e",
+    "Ünïcödé: Ελληνικά Русский עברית العربية हिन्दी ไทย 日本語",
+    "line\n\n\nbreaks \r\n  trailing   \t\n",
+    "<|im_start|>user\nHi 👋🏾!<|im_end|>",
+]
+
+
+def _write_tokenizer_gguf(folder: Path, meta: dict[str, Any], pre: str) -> dict[str, Any]:
+    """A GGUF holding only SmolLM2's vocabulary and merges with tokenizer.ggml.pre = `pre`; its metadata."""
+    from model.gguf import write_gguf
+
+    tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")} | {"tokenizer.ggml.pre": pre}
+    write_gguf(folder / f"{pre}.gguf", "llama", tok_meta, [])
+    return tok_meta
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizers(meta: dict[str, Any], tmp_path_factory: pytest.TempPathFactory):
+    """pre -> (ours, transformers' tokenizer built by its GGUF loader from the same file)."""
+    import os
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = tmp_path_factory.mktemp("tokenizers")
+    out = {}
+    for pre in ("qwen2", "llama-bpe", "gpt2"):
+        tok_meta = _write_tokenizer_gguf(folder, meta, pre)
+        hf = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=f"{pre}.gguf")
+        out[pre] = build_tokenizer(tok_meta), hf
+    return out
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt2"])
+def test_ids_match_transformers(hf_tokenizers, pre: str) -> None:
+    """Qwen2's and Llama 3's BPE pre-tokenizers (and GPT-2's): the same ids as transformers on varied Unicode."""
+    ours, hf = hf_tokenizers[pre]
+    for text in ORACLE_TEXTS:
+        assert ours.encode(text, add_bos=False) == hf.encode(text, add_special_tokens=False), (pre, text)
+
+
+def _llama_cpp_default_pieces(text: str) -> list[str]:
+    """llama.cpp's default BPE pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_DEFAULT), written with the `regex` module: each
+    regex splits every current piece into its matches and the text between them, in turn."""
+    import regex
+
+    patterns = (
+        r"[\p{P}\$\+<=>\^~\|]+",
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+        r"\p{N}+",
+        r"[0-9][0-9][0-9]",
+    )
+    pieces = [text]
+    for pattern in patterns:
+        out = []
+        for piece in pieces:
+            start = 0
+            for m in regex.finditer(pattern, piece):
+                if m.start() > start:
+                    out.append(piece[start : m.start()])
+                if m.end() > m.start():
+                    out.append(m.group())
+                start = m.end()
+            if start < len(piece):
+                out.append(piece[start:])
+        pieces = out
+    return pieces
+
+
+def test_default_pre_tokenizer_is_llama_cpps(hf_tokenizers, meta: dict[str, Any]) -> None:
+    """tokenizer.ggml.pre = default: llama.cpp's pieces (an independent regex-module split), each BPE-encoded by
+    transformers; transformers itself maps 'default' to GPT-2's regex, which splits punctuation differently."""
+    ours = build_tokenizer({**meta, "tokenizer.ggml.pre": "default"})
+    _, hf = hf_tokenizers["gpt2"]
+    special = ("<|im_start|>", "<|im_end|>")
+    for text in ORACLE_TEXTS:
+        if any(s in text for s in special):
+            continue  # special tokens are matched before pre-tokenization; covered by the tests above
+        expect = [i for piece in _llama_cpp_default_pieces(text) for i in hf.encode(piece, add_special_tokens=False)]
+        assert ours.encode(text, add_bos=False) == expect, text
+    assert ours.encode(" (x)", add_bos=False) != hf.encode(" (x)", add_special_tokens=False)  # " " "(" vs " ("
+    assert _llama_cpp_default_pieces("Hi, (you) 12345!") == ["Hi", ",", " ", "(", "you", ")", " ", "123", "45", "!"]
