@@ -1,4 +1,5 @@
-"""The frozen llama forward on the GPU, shared by the student (training, gpu/student.py) and the teacher
+"""The frozen decoder forward on the GPU (llama, mistral, qwen2 with q/k/v biases, qwen3 with per-head q/k
+RMSNorm; NORM or NEOX RoPE, Llama 3 frequency factors), shared by the student (training, gpu/student.py) and the teacher
 (top-k, gpu/teacher.py): the weights uploaded still in their GGML types, and GPUModel, the forward over `batch`
 sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by gpu/lora_layout.py).
 
@@ -20,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu.device import BufferView, Device, DeviceError
 from gpu.lora_layout import LoraLayout, aligned_floats
-from gpu.ops.add import add
+from gpu.ops.add import add, add_bias
 from gpu.ops.attention import attention_forward
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.lora import lora_forward
@@ -30,7 +31,7 @@ from gpu.ops.rmsnorm import rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_forward
 from gpu.ops.swiglu import swiglu_forward
 from gpu.weights import QuantTensor, upload_quant
-from model.config import LORA_TARGETS, ModelConfig
+from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
 from model.reference import LoraPair
 
 PREFETCH = 2  # tensors read ahead of the upload
@@ -39,7 +40,8 @@ PREFETCH = 2  # tensors read ahead of the upload
 # ---- frozen weights --------------------------------------------------------------------------------------
 @dataclass
 class StudentWeights:
-    """The frozen student on the GPU: 2-D projections in their GGML types, norms and lm_head in f32."""
+    """The frozen student on the GPU: 2-D projections in their GGML types, lm_head as stored; norms (q/k norms
+    included) and q/k/v biases in f32."""
 
     cfg: ModelConfig
     embed: QuantTensor
@@ -47,6 +49,7 @@ class StudentWeights:
     norms: dict[str, Any]
     proj: dict[tuple[int, str], QuantTensor]
     nbytes: int = 0
+    biases: dict[tuple[int, str], Any] = field(default_factory=dict)
 
     @classmethod
     def upload(
@@ -58,6 +61,7 @@ class StudentWeights:
         stem_to_target = {v: k for k, v in LORA_TARGETS.items()}
         norms: dict[str, Any] = {}
         proj: dict[tuple[int, str], QuantTensor] = {}
+        biases: dict[tuple[int, str], Any] = {}
         embed = lm_head = None
         total = 0
         for name, data, qtype, shape in tensors:
@@ -72,6 +76,10 @@ class StudentWeights:
                 total += lm_head.nbytes
             elif name.endswith("_norm.weight"):
                 norms[name] = _upload_f32(dev, dequantize(data, qtype, shape).reshape(-1), name)
+            elif parts[0] == "blk" and parts[-1] == "bias" and parts[2] in stem_to_target:
+                biases[(int(parts[1]), stem_to_target[parts[2]])] = _upload_f32(
+                    dev, dequantize(data, qtype, shape).reshape(-1), name
+                )
             elif parts[0] == "blk" and parts[2] in stem_to_target:
                 t = upload_quant(dev, data, qtype, shape, name)
                 proj[(int(parts[1]), stem_to_target[parts[2]])] = t
@@ -80,9 +88,14 @@ class StudentWeights:
             f"blk.{i}.{LORA_TARGETS[t]}.weight" for i in range(cfg.n_layers) for t in LORA_TARGETS if (i, t) not in proj
         ]
         missing += [n for n, v in (("token_embd.weight", embed), ("lm_head", lm_head)) if v is None]
+        for i in range(cfg.n_layers):
+            if cfg.qkv_bias:
+                missing += [f"blk.{i}.{LORA_TARGETS[t]}.bias" for t in BIAS_TARGETS if (i, t) not in biases]
+            if cfg.qk_norm:
+                missing += [n for n in (f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight") if n not in norms]
         if missing:
             raise DeviceError(f"student weights incomplete: missing {', '.join(missing[:5])}")
-        return cls(cfg, embed, lm_head, norms, proj, total)
+        return cls(cfg, embed, lm_head, norms, proj, total, biases if cfg.qkv_bias else {})
 
     @classmethod
     def from_arrays(cls, dev: Device, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: int = Q.F32):
@@ -211,7 +224,7 @@ class GPUModel:
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
         self.params = dev.buffer(4 * max(self.layout.n_params, 1), label="lora params")
-        self.rope = RopeTable.build(dev, cfg.head_dim, cfg.rope_base, seq_len)
+        self.rope = RopeTable.for_model(dev, cfg, seq_len)
         self._b = _Buffers(dev, cfg, batch, seq_len, r, 0)
         self._alloc()
 
@@ -278,6 +291,8 @@ class GPUModel:
             "dk": kvd,
             "dv": kvd,
         }
+        if cfg.qk_norm:  # q and k after their per-head RMSNorm, and the gradients there
+            sizes.update({"qn": qd, "kn": kvd, "dqn": qd, "dkn": kvd})
         self.a = {name: b(name, rows * n) for name, n in sizes.items()}
         self.seq_q = aligned_floats(self.seq_len * qd)
         self.seq_kv = aligned_floats(self.seq_len * kvd)
@@ -307,6 +322,9 @@ class GPUModel:
     def _proj(self, x: Any, layer: int, target: str, y: Any) -> None:
         d_out, d_in = self.cfg.target_shape(target)
         self._linear(self.dev, x, self.w.proj[(layer, target)], y, self.rows)
+        bias = self.w.biases.get((layer, target))
+        if bias is not None:
+            add_bias(self.dev, y, bias, self.rows, d_out)
         ab = self._lora(layer, target, self.params)
         if ab is not None:
             lora_forward(self.dev, x, *ab, self.t_lora[target], y, self.rows, d_in, d_out, self.layout.r, self.scale)
@@ -357,8 +375,18 @@ class GPUModel:
         self._proj(a["n1"], layer, "q", a["q"])
         self._proj(a["n1"], layer, "k", a["k"])
         self._proj(a["n1"], layer, "v", a["v"])
-        rope_forward(dev, self.rope, a["q"], a["qr"], rows, cfg.n_heads, positions=pos)
-        rope_forward(dev, self.rope, a["k"], a["kr"], rows, cfg.n_kv_heads, positions=pos)
+        q, k = a["q"], a["k"]
+        if cfg.qk_norm:  # per-head RMSNorm: rows of head_dim
+            norm = self.w.norms
+            rmsnorm_forward(
+                dev, q, norm[f"blk.{layer}.attn_q_norm.weight"], a["qn"], rows * cfg.n_heads, cfg.head_dim, cfg.eps
+            )
+            rmsnorm_forward(
+                dev, k, norm[f"blk.{layer}.attn_k_norm.weight"], a["kn"], rows * cfg.n_kv_heads, cfg.head_dim, cfg.eps
+            )
+            q, k = a["qn"], a["kn"]
+        rope_forward(dev, self.rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
+        rope_forward(dev, self.rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
         self._attention(a["qr"], a["kr"], a["v"], a["att"])
         self._proj(a["att"], layer, "o", a["tmp"])
         add(dev, x, a["tmp"], a["hres"], rows * h)

@@ -107,6 +107,7 @@ KERNELS: dict[str, Kernel] = {
     # elementwise skeleton + body
     "add": Kernel(("elementwise", "add")),
     "add_inplace": Kernel(("elementwise", "add_inplace")),
+    "add_bias": Kernel(("elementwise", "add_bias")),
     "scale": Kernel(("elementwise", "scale")),
     "swiglu_forward": Kernel(("elementwise", "swiglu_forward")),
     "swiglu_backward": Kernel(("elementwise", "swiglu_backward")),
@@ -126,8 +127,8 @@ KERNELS: dict[str, Kernel] = {
     "kd_row": Kernel(("kd_row",), {"kind": KINDS, "tail": KD_TAILS, "ce": BOOLS}, _kd_row_values),
     "topk_finish": Kernel(("topk_finish",)),
     "embedding": Kernel(("embedding",), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
-    "rope": Kernel(("rope", "rope_position_offset")),
-    "rope_positions": Kernel(("rope", "rope_position_buffer")),
+    "rope": Kernel(("rope", "rope_position_offset"), {"neox": BOOLS}),
+    "rope_positions": Kernel(("rope", "rope_position_buffer"), {"neox": BOOLS}),
     # tiled
     "attention_forward": Kernel((*_ATTENTION, "attention_forward"), _HEAD_DIM, _attention_values),
     "attention_backward_dq": Kernel((*_ATTENTION, "attention_backward_dq"), _HEAD_DIM, _attention_values),

@@ -188,11 +188,22 @@ class GPUStudent(GPUModel):
             cfg.eps,
             accumulate=True,
         )
-        # hres = x + o(attn(rope(q(n1)), rope(k(n1)), v(n1)))
+        # hres = x + o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1))), qn / kn: per-head RMSNorm (qwen3) or none
         self._proj_back(a["dh"], a["att"], layer, "o", a["datt"], False)
         self._attention_back(a["datt"], a["qr"], a["kr"], a["v"], a["att"], a["dqr"], a["dkr"], a["dv"])
-        rope_backward(dev, self.rope, a["dqr"], a["dq"], rows, cfg.n_heads, positions=pos)
-        rope_backward(dev, self.rope, a["dkr"], a["dk"], rows, cfg.n_kv_heads, positions=pos)
+        if cfg.qk_norm:  # rope back to the normed q/k, then through the per-head RMSNorm to the projections
+            norm, d, eps = self.w.norms, cfg.head_dim, cfg.eps
+            rope_backward(dev, self.rope, a["dqr"], a["dqn"], rows, cfg.n_heads, positions=pos)
+            rope_backward(dev, self.rope, a["dkr"], a["dkn"], rows, cfg.n_kv_heads, positions=pos)
+            rmsnorm_backward(
+                dev, a["dqn"], a["q"], norm[f"blk.{layer}.attn_q_norm.weight"], a["dq"], rows * cfg.n_heads, d, eps
+            )
+            rmsnorm_backward(
+                dev, a["dkn"], a["k"], norm[f"blk.{layer}.attn_k_norm.weight"], a["dk"], rows * cfg.n_kv_heads, d, eps
+            )
+        else:
+            rope_backward(dev, self.rope, a["dqr"], a["dq"], rows, cfg.n_heads, positions=pos)
+            rope_backward(dev, self.rope, a["dkr"], a["dk"], rows, cfg.n_kv_heads, positions=pos)
         self._proj_back(a["dq"], a["n1"], layer, "q", a["dn"], False)
         self._proj_back(a["dk"], a["n1"], layer, "k", a["dn"], True)
         self._proj_back(a["dv"], a["n1"], layer, "v", a["dn"], True)

@@ -1,12 +1,13 @@
 // Elementwise skeleton (as llama.cpp's glu_head/glu_main): a pure elementwise kernel is this file followed by
 // its body file, which declares the op's storage bindings (@binding(1) on) and `fn op(i: u32)`, the work on
 // element i. One thread per element over a 2-D grid of 256-thread workgroups (gpu/ops/common.py grid); the
-// uniform block is (n, alpha). Bodies: add, add_inplace, scale, swiglu_forward, swiglu_backward, adamw_update.
+// uniform block is (n, alpha, width). Bodies: add, add_inplace, add_bias, scale, swiglu_forward, swiglu_backward,
+// adamw_update.
 
 struct Params {
     n: u32,
     alpha: f32,   // scale only
-    _pad0: u32,
+    width: u32,   // add_bias only: the row length
     _pad1: u32,
 };
 

@@ -1,4 +1,4 @@
-"""Residual add: y = a + b, and the in-place accumulate y += b."""
+"""Residual add: y = a + b, the in-place accumulate y += b, and a row bias y[r, :] += b."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def add_inplace(dev: Device, y: Any, b: Any, n: int) -> None:
     need(y, n, "add_inplace y")
     need(b, n, "add_inplace b")
     dev.dispatch(pipeline(dev, "add_inplace"), [pack(n, 0, 0, 0), b, y], grid(n, 256))
+
+
+def add_bias(dev: Device, y: Any, b: Any, n_rows: int, width: int) -> None:
+    """y[r, j] += b[j] for y [n_rows, width] (a frozen projection bias)."""
+    need(y, n_rows * width, "add_bias y")
+    need(b, width, "add_bias b")
+    n = n_rows * width
+    dev.dispatch(pipeline(dev, "add_bias"), [pack(n, 0, width, 0), b, y], grid(n, 256))
 
 
 def scale_inplace(dev: Device, y: Any, alpha: float, n: int) -> None:

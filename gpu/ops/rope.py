@@ -1,4 +1,5 @@
-"""NORM RoPE (adjacent pairs, llama.cpp) forward and backward from a host-built cos/sin table."""
+"""RoPE forward and backward from a host-built cos/sin table: llama.cpp's NORM pairs (adjacent, llama) or NEOX
+pairs (halves, qwen2/qwen3), angles optionally divided by Llama 3's frequency factors (rope_freqs.weight)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,43 @@ import numpy as np
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
 from gpu.registry import pipeline
+from model.config import ModelConfig
+from model.reference import rope_inv_freq
 
 
 @dataclass(frozen=True)
 class RopeTable:
-    """cos/sin of pos * base^(-2i/D) for pos < n_positions, computed in float64 (as model/reference.py) and
-    stored f32 as [n_positions, D/2] (cos, sin) pairs."""
+    """cos/sin of pos * theta_i for pos < n_positions (theta as model.reference.rope_inv_freq: base^(-2i/D) / f_i),
+    computed in float64 and stored f32 as [n_positions, D/2] (cos, sin) pairs; `neox` picks the pair layout."""
 
     buffer: Any
     head_dim: int
     base: float
     n_positions: int
+    neox: bool = False
 
     @classmethod
-    def build(cls, dev: Device, head_dim: int, base: float, n_positions: int) -> RopeTable:
+    def build(
+        cls,
+        dev: Device,
+        head_dim: int,
+        base: float,
+        n_positions: int,
+        *,
+        factors: tuple[float, ...] | np.ndarray | None = None,
+        neox: bool = False,
+    ) -> RopeTable:
         if head_dim % 2:
             raise ValueError(f"RopeTable: head_dim={head_dim} must be even")
-        inv_freq = float(base) ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-        angle = np.arange(n_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+        angle = np.arange(n_positions, dtype=np.float64)[:, None] * rope_inv_freq(head_dim, base, factors)[None, :]
         cs = np.stack([np.cos(angle), np.sin(angle)], axis=-1).astype(np.float32)
-        return cls(dev.upload(cs, label=f"rope cos/sin D={head_dim}"), head_dim, float(base), n_positions)
+        return cls(dev.upload(cs, label=f"rope cos/sin D={head_dim}"), head_dim, float(base), n_positions, neox)
+
+    @classmethod
+    def for_model(cls, dev: Device, cfg: ModelConfig, n_positions: int) -> RopeTable:
+        """The table of a model's RoPE (its base, Llama 3 factors and pair layout)."""
+        factors, neox = cfg.rope_freq_factors, cfg.rope_type == "neox"
+        return cls.build(dev, cfg.head_dim, cfg.rope_base, n_positions, factors=factors, neox=neox)
 
 
 def _rope(
@@ -41,11 +59,11 @@ def _rope(
     if positions is None:
         if start + n_tokens > table.n_positions:
             raise ValueError(f"rope: positions {start}..{start + n_tokens - 1} exceed the table's {table.n_positions}")
-        pipe = pipeline(dev, "rope")
+        pipe = pipeline(dev, "rope", neox=table.neox)
         extra = []
     else:
         need(positions, n_tokens, "rope positions")
-        pipe = pipeline(dev, "rope_positions")
+        pipe = pipeline(dev, "rope_positions", neox=table.neox)
         extra = [positions]
     params = pack(n_tokens, n_heads, d, start, sign, table.n_positions, 0, 0)
     dev.dispatch(pipe, [params, table.buffer, x, y, *extra], grid(n_tokens * n_heads * d // 2, 64))
