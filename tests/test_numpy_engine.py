@@ -362,3 +362,32 @@ def test_satisfies_the_engine_protocol() -> None:
     assert isinstance(st, Engine)
     slot = st.layout.slots[(LAYERS[0], "q")]
     assert (st.layout.r, slot.d_in, slot.d_out) == (RANK, CFG.hidden, CFG.q_dim)
+
+
+FAMILY_CFGS = {
+    "qwen2": {"arch": "qwen2", "rope_type": "neox", "qkv_bias": True},
+    "qwen3": {"arch": "qwen3", "rope_type": "neox", "qk_norm": True},
+    "llama3-rope": {"rope_freq_factors": tuple(1.0 + np.arange(CFG.head_dim // 2) / 4)},
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CFGS))
+def test_other_families_match_float64_reference(family: str) -> None:
+    """q/k/v biases (qwen2), per-head q/k RMSNorm (qwen3), NEOX RoPE and Llama 3 frequency factors reach the
+    engine through the reference's block ops (and their tensors through cpu/weights.py)."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, **FAMILY_CFGS[family])
+    rng = np.random.default_rng(14)
+    w = R.random_weights(cfg, 14, np.float32)
+    adapter, batch, loss_cfg = _adapter(rng), _batch(rng, 1.0), CASES[0]
+    st = NumpyEngine(cfg, w, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, top_k=K,
+                     loss=loss_cfg, layers=LAYERS, vocab_chunk=CHUNK)  # fmt: skip
+    st.set_adapter(adapter)
+    _write(st, batch, loss_cfg)
+    loss = st.loss_and_grads()
+    w64 = {n: a.astype(np.float64) for n, a in w.items()}
+    lora64 = {k: R.LoraPair(p.A.astype(np.float64), p.B.astype(np.float64)) for k, p in adapter.items()}
+    want_loss, want = R.loss_and_grads(w64, cfg, batch[0], lora64, SCALE, *batch[3:], batch[1], batch[2], loss_cfg)
+    assert abs(loss - want_loss) / abs(want_loss) < REL
+    assert _grad_errors(st.get_grads(), want) < REL
