@@ -48,7 +48,7 @@ def _fail(exc: BaseException) -> None:
 def inspect(
     path: Annotated[Path, typer.Argument(help="A GGUF file (model or LoRA adapter).")],
 ) -> None:
-    """Print a GGUF file's architecture, hyper-parameters, tensors by type, sizes and tokenizer."""
+    """Print a GGUF file's architecture, model family and its settings, tensors by type, sizes and tokenizer."""
     from model.gguf import GGUFError, describe
 
     try:

@@ -589,6 +589,7 @@ def describe(path: str | Path) -> dict[str, Any]:
             by_type[t.type_name] = by_type.get(t.type_name, 0) + 1
         out: dict[str, Any] = {
             "architecture": md.get("general.architecture"),
+            "family": None,  # set below for a model distillery can run
             "type": md.get("general.type", "model"),
             "name": md.get("general.name"),
             "version": f.version,
@@ -598,6 +599,7 @@ def describe(path: str | Path) -> dict[str, Any]:
             "file_bytes": f.file_size,
             "parameters": sum(t.n_elements for t in f.tensors.values()),
             "tokenizer": md.get("tokenizer.ggml.model"),
+            "tokenizer_pre": md.get("tokenizer.ggml.pre"),
             "vocab_size": len(md["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in md else None,
             "chat_template": "tokenizer.chat_template" in md,
         }
@@ -612,7 +614,6 @@ def describe(path: str | Path) -> dict[str, Any]:
                 out["settings"] = cfg.settings()
                 out["config"] = dataclasses.asdict(cfg)
             except GGUFError as exc:
-                out["family"] = None
                 out["config"] = None
                 out["config_error"] = str(exc)
     return out

@@ -27,6 +27,7 @@ from model.gguf import (
     GGUFError,
     GGUFFile,
     check_model_file,
+    describe,
     family_name,
     llama3_rope_factors,
     model_metadata,
@@ -170,6 +171,8 @@ def test_config_read_back(models, name: str) -> None:
     assert settings["rope"] == ("neox" if name.startswith("qwen") else "norm")
     assert settings["rope_scaling"] == ("llama3" if name == "llama3" else "none")
     assert (settings["qkv_bias"], settings["qk_norm"]) == (name == "qwen2", name == "qwen3")
+    info = describe(folder / "model.gguf")  # what `distillery inspect` prints
+    assert info["family"] == name and info["settings"] == settings and "config_error" not in info
 
 
 # ---------------------------------------------------------------- logits: HF transformers vs the reference
