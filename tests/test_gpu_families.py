@@ -163,3 +163,64 @@ def test_student_step_matches_reference(name: str, qtype: int) -> None:
     loss_err = abs(loss - want_loss) / abs(want_loss)
     print(f"{name} {Q(qtype).name}: GPU step vs reference: loss rel err {loss_err:.1e}, grads {worst:.1e}")
     assert loss_err < TOL and worst < TOL, (loss_err, worst)
+
+
+# ---------------------------------------------------------------- the whole pipeline on a qwen3-shaped model
+
+
+def test_pipeline_stages_on_qwen3(tmp_path) -> None:
+    """tokenize -> student (requantized Q4_0) -> teacher -> train -> evaluate -> export on a tiny qwen3 with the
+    tiny tokenizer: the preflight accepts it, distillation lowers the held-out KL, the exports keep the family."""
+    import stages.evaluate
+    import stages.export
+    import stages.student
+    import stages.teacher
+    import stages.tokenize
+    import stages.train
+    from model.gguf import check_model_file, model_metadata, write_gguf
+    from schemas.config import RunConfig
+    from stages.inputs import check_inputs
+    from tests.pipeline_fixtures import tiny_config, tokenizer_metadata
+
+    make_device()
+    meta = tokenizer_metadata()
+    cfg = ModelConfig(
+        n_layers=2,
+        hidden=64,
+        ffn=128,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab=len(meta["tokenizer.ggml.tokens"]),
+        context_length=64,
+        eps=1e-6,
+        rope_base=1e6,
+        arch="qwen3",
+        rope_type="neox",
+        qk_norm=True,
+    )
+    teacher = tmp_path / "qwen3-f32.gguf"
+    weights = ref.random_weights(cfg, seed=5, dtype=np.float32)
+    write_gguf(
+        teacher, "qwen3", {**meta, **model_metadata(cfg, "tiny qwen3")}, ((n, w, Q.F32) for n, w in weights.items())
+    )
+    run = RunConfig.model_validate(
+        tiny_config(
+            tmp_path / "run",
+            model={"student": str(teacher), "teacher": str(teacher)},
+            lora={"r": 4, "alpha": 8.0, "targets": list(LORA_TARGETS)},
+        )
+    )
+    check_inputs(run)
+    tokens = stages.tokenize.run(run)
+    student = stages.student.run(run)
+    top = stages.teacher.run(run, tokens)
+    checkpoints = stages.train.run(run, student, tokens, top)
+    baseline = stages.evaluate.run(run, student, tokens, top)
+    evals = [stages.evaluate.run(run, student, tokens, top, c) for c in checkpoints]
+    best = stages.evaluate.select_best(run, evals)
+    print(f"qwen3 pipeline: held-out KL {baseline.kl:.4f} -> {evals[best].kl:.4f}")
+    assert evals[best].kl < baseline.kl
+    exported = stages.export.run(run, student, checkpoints[best])
+    assert exported.merged is not None
+    assert check_model_file(exported.merged.verify(tmp_path / "run")) == check_model_file(teacher)
