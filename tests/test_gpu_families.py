@@ -165,6 +165,45 @@ def test_student_step_matches_reference(name: str, qtype: int) -> None:
     assert loss_err < TOL and worst < TOL, (loss_err, worst)
 
 
+TC_REL = 2e-2  # tensor cores: activations and dequantized weights rounded to f16, f32 accumulation
+
+
+@pytest.mark.tensorcore
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_tensorcore_step_matches_reference(name: str) -> None:
+    """The same step with every frozen projection on tensor cores (Dawn subgroup matrices; H200 only)."""
+    from gpu.device import DeviceError
+    from gpu.ops.matmul_tc import tensor_core_problem
+
+    try:
+        dev = Device(backend="dawn")
+    except DeviceError as exc:
+        pytest.skip(f"no Dawn adapter: {exc}")
+    if (problem := tensor_core_problem(dev)) is not None:
+        pytest.skip(problem)
+    cfg = FAMILIES[name]
+    w, lora, ids, targets, mask, tids, tlp = _problem(cfg, 9, Q.Q4_0)
+    loss_cfg = LossConfig("forward_kl", tau=1.0)
+    weights = StudentWeights.from_arrays(dev, cfg, w, Q.Q4_0)
+    st = GPUStudent(
+        dev, weights, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
+        precision="tensorcore",
+    )  # fmt: skip
+    st.set_adapter(lora)
+    st.write_batch(ids, targets, mask, tids, tlp, None)
+    loss = st.loss_and_grads()
+    w64 = {n: a.astype(np.float64) for n, a in w.items()}
+    l64 = {k: ref.LoraPair(p.A.astype(np.float64), p.B.astype(np.float64)) for k, p in lora.items()}
+    want_loss, want = ref.loss_and_grads(
+        w64, cfg, ids, l64, SCALE, tids, tlp.astype(np.float64), None, targets, mask, loss_cfg
+    )
+    got = st.get_grads()
+    worst = max(max(rel_err(got[k].A, da), rel_err(got[k].B, db)) for k, (da, db) in want.items())
+    loss_err = abs(loss - want_loss) / abs(want_loss)
+    print(f"{name} tensorcore step: loss rel err {loss_err:.1e}, grads {worst:.1e}")
+    assert loss_err < TC_REL and worst < TC_REL, (loss_err, worst)
+
+
 # ---------------------------------------------------------------- the whole pipeline on a qwen3-shaped model
 
 
