@@ -8,8 +8,8 @@ A shard is complete only when its manifest row says so with the sha256 of the fi
 are written to a temp name, fsynced, then renamed; the manifest is rewritten the same way (under a lock)
 after every shard. A crash leaves at worst a temp file and a row still marked incomplete: it is redone.
 
-Workflow: plan_shards -> open_manifest -> for each of missing_shards: compute_shard_rows -> write_shard ->
-record_shard. The trainer reads with TopkReader / read_topk.
+Workflow: plan_shards -> open_manifest -> for each of missing_shards: compute_shard_rows (a batched teacher:
+many sequences per call) -> write_shard -> record_shard. The trainer reads with TopkReader / read_topk.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ F16_MIN = float(np.finfo(np.float16).min)
 _HEADER_KEYS = ("teacher_sha256", "k", "temperature", "vocab_size", "token_shards_hash")
 _manifest_lock = threading.Lock()
 
-# A teacher: input ids [T] -> (ids [T, k], logprobs [T, k], tail [T]) for every position.
-TeacherFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+# A teacher: ids [N, T] and loss mask [N, T] of N sequences -> (ids [N, T, k], logprobs [N, T, k], tail [N, T]) at
+# every position; rows whose mask is 0 are not stored and may hold anything.
+TeacherFn = Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 class ShardError(ManifestError):
@@ -147,39 +148,54 @@ def plan_all(train: object, eval: object, shard_positions: int) -> list[ShardRec
     return plans + plan_shards(eval, shard_positions, "eval", first_shard=len(plans))
 
 
-def compute_shard_rows(token_split: object, plan: ShardRecord, teacher: TeacherFn) -> TopkRows:
-    """Run `teacher` on every sequence of the shard and keep the rows of positions with loss_mask = 1."""
+def compute_shard_rows(
+    token_split: object,
+    plan: ShardRecord,
+    teacher: TeacherFn,
+    rows_per_call: int = 4096,
+    on_sequences: Callable[[int], None] | None = None,
+) -> TopkRows:
+    """Run `teacher` on the shard's sequences, about rows_per_call positions per call (sequences of one length
+    together), and keep the rows of positions with loss_mask = 1. on_sequences(n) after each call."""
     table = _table(token_split)
     seq = _seq_ids(table, f"{plan.split} split")
     if not len(seq) or plan.seq_start < seq[0] or plan.seq_end > seq[-1] + 1:
         raise ShardError(f"{plan.file}: seq range [{plan.seq_start}, {plan.seq_end}) is not in the token split")
     lo = plan.seq_start - int(seq[0])
     part = table.slice(lo, plan.seq_end - plan.seq_start)
-    chunks: list[tuple[np.ndarray, ...]] = []
-    for seq_id, ids, mask in zip(
-        part.column("seq_id").to_pylist(),
-        part.column("input_ids").to_pylist(),
-        part.column("loss_mask").to_pylist(),
-        strict=True,
-    ):
-        positions = np.flatnonzero(np.asarray(mask, dtype=np.uint8))
-        if not len(positions):
-            continue
-        t_ids, t_lp, t_tail = teacher(np.asarray(ids, dtype=np.int64))
-        seqs = np.full(len(positions), seq_id, np.int64)
-        t_lp, t_tail = np.asarray(t_lp, np.float32), np.asarray(t_tail, np.float32)
-        chunks.append(
-            (
-                seqs,
-                positions.astype(np.int32),
-                np.asarray(t_ids)[positions],
-                t_lp[positions],
-                t_tail[positions],
-            )
-        )
-    if not chunks:  # write_shard reshapes the empty [0, 0] arrays to [0, k]
+    seq_ids = np.asarray(part.column("seq_id").to_numpy(), np.int64)
+    ids_rows = part.column("input_ids").to_pylist()
+    mask_rows = [np.asarray(m, np.uint8) for m in part.column("loss_mask").to_pylist()]
+    trained = [i for i, m in enumerate(mask_rows) if m.any()]
+    skipped = len(seq_ids) - len(trained)
+    if skipped and on_sequences is not None:
+        on_sequences(skipped)
+    results: dict[int, tuple[np.ndarray, ...]] = {}
+    by_length: dict[int, list[int]] = {}
+    for i in trained:
+        by_length.setdefault(len(ids_rows[i]), []).append(i)
+    for t, rows in by_length.items():
+        per_call = max(1, rows_per_call // max(t, 1))
+        for s in range(0, len(rows), per_call):
+            group = rows[s : s + per_call]
+            ids = np.asarray([ids_rows[i] for i in group], np.int64).reshape(len(group), t)
+            mask = np.stack([mask_rows[i] for i in group])
+            t_ids, t_lp, t_tail = teacher(ids, mask)
+            t_ids, t_lp, t_tail = np.asarray(t_ids), np.asarray(t_lp, np.float32), np.asarray(t_tail, np.float32)
+            for j, i in enumerate(group):
+                positions = np.flatnonzero(mask_rows[i])
+                results[i] = (
+                    np.full(len(positions), seq_ids[i], np.int64),
+                    positions.astype(np.int32),
+                    t_ids[j, positions].astype(np.int64),
+                    t_lp[j, positions],
+                    t_tail[j, positions],
+                )
+            if on_sequences is not None:
+                on_sequences(len(group))
+    if not results:  # write_shard reshapes the empty [0, 0] arrays to [0, k]
         return _empty_rows(0)
-    cols = [np.concatenate(c) for c in zip(*chunks, strict=True)]
+    cols = [np.concatenate(c) for c in zip(*(results[i] for i in trained), strict=True)]
     return TopkRows(*cols)
 
 

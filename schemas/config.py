@@ -274,6 +274,21 @@ class TrainSection(Section):
         description="Matmul path: f32 (portable, strict parity with the reference); tensorcore (f16 operands "
         "in subgroup matrices, f32 accumulation); auto: tensorcore where the adapter supports it, else f32.",
     )
+    backend: Literal["auto", "gpu", "numpy"] = Field(
+        "auto",
+        description="The engine that trains and evaluates: gpu (wgpu kernels on Vulkan/Metal/DX12; on a CPU-only "
+        "machine they run on lavapipe at ~10 GFLOP/s), numpy (float32 numpy through BLAS, the same math and "
+        "checkpoints; ~15x faster than lavapipe on 2 cores: bench/cpu_train_step.py), auto (numpy when the only "
+        "adapter is a CPU or there is none, else gpu). The choice and its reason are logged.",
+    )
+    prefix_cache: Literal["auto", "off"] = Field(
+        "auto",
+        description="Frozen-prefix activation cache. When lora.layers leaves out the lowest blocks, the residual "
+        "stream entering the lowest adapted block L depends only on the tokens: auto computes it once per "
+        "sequence (stored as float16, verified by sha256) and every training step and evaluation starts the "
+        "forward at block L, so blocks 0..L-1 cost nothing after the first pass. off: always run the whole "
+        "forward (bitwise the same numbers as before the cache; the cache rounds block L's input to float16).",
+    )
     max_steps_per_epoch: int | None = Field(
         None, ge=1, description="Cut each epoch after N optimizer steps (null: the whole split)."
     )

@@ -22,8 +22,9 @@ from stages.layout import workdir
 
 log = logging.getLogger(__name__)
 
-# What evaluation reads besides its inputs' content: the batching of the held-out split and the matmul path.
-_EVAL_FIELDS = ("eval.eval_batches", "train.batch_size", "train.precision")
+# What evaluation reads besides its inputs' content: the batching of the held-out split, the engine and its
+# matmul path, and whether the input of the lowest adapted block comes from the float16 prefix cache.
+_EVAL_FIELDS = ("eval.eval_batches", "train.batch_size", "train.precision", "train.backend", "train.prefix_cache")
 
 BASELINE_KEY = StageKey(
     stage="evaluate-baseline", version="1", config_fields=_EVAL_FIELDS, inputs=("student", "tokens", "teacher")

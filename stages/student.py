@@ -1,8 +1,9 @@
-"""student: the student GGUF as given, or requantized to model.student_quant into the workdir; then uploaded.
+"""student: the student GGUF as given, or requantized to model.student_quant into the workdir; then loaded.
 
-GPU memory does not outlive a process, so the stage's output is the file on disk. The stage also streams it
-into GPU memory once (training.engines' process-wide loader, which train/evaluate then reuse in this process)
-so an unsupported tensor type fails here, and logs the upload: seconds, GiB/s, host peak RSS.
+GPU memory does not outlive a process, so the stage's output is the file on disk. The stage also loads it once
+where the engine reads it (training.engines' process-wide loaders, which train/evaluate then reuse in this
+process: streamed into GPU memory, or dequantized to float32 for the numpy engine) so an unsupported tensor
+type fails here, and logs the load: seconds, GiB/s, host peak RSS.
 """
 
 from __future__ import annotations
@@ -56,17 +57,18 @@ def prepare(cfg: RunConfig) -> StudentManifest:
 
 
 def upload(cfg: RunConfig, student: StudentManifest, bar: BarFactory = no_bar) -> dict[str, float]:
-    """Stream the student into GPU memory (once per process); returns the upload stats."""
-    from training.engines import load_student, upload_stats
+    """Load the student where the run's engine reads it, once per process: streamed into GPU memory, or
+    dequantized to float32 in host memory for the numpy engine (train.backend); returns the load stats."""
+    from training.engines import preload_student, upload_stats
 
     path = student.path_in(workdir(cfg))
     with GGUFFile(path) as f:
         n_tensors = len(f.tensors)
     with bar("upload student", n_tensors) as b:
-        load_student(path, cfg.run.gpu_backend, progress=lambda info: b.advance(1, tensor=info.name))
+        preload_student(cfg, path, progress=lambda info: b.advance(1, tensor=info.name))
     stats = upload_stats()
     log.info(
-        "student uploaded: %.2f GiB in %.2f s (%.2f GiB/s), host peak RSS %.0f MiB",
+        "student loaded: %.2f GiB in %.2f s (%.2f GiB/s), host peak RSS %.0f MiB",
         stats.get("bytes", 0) / 2**30,
         stats.get("seconds", 0),
         stats.get("gib_per_s", 0),

@@ -11,10 +11,9 @@ record_shard).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from data.tokens import read_token_split
 from data.topk import (
@@ -37,18 +36,19 @@ from stages.keys import StageKey, file_sha256
 from stages.layout import stage_dir, workdir
 from stages.progress import BarFactory, no_bar
 
+if TYPE_CHECKING:
+    from training.teacher import Teacher
+
 log = logging.getLogger(__name__)
 
 FOLDER = "teacher"
 KEY = StageKey(
     stage="teacher-plan",
-    version="1",
+    version="2",  # 2: batched teacher (bytes within reference_topk_batch's stated tolerance of version 1's)
     config_fields=("teacher.top_k", "teacher.temperature", "teacher.shard_tokens"),
     files=("model.teacher",),
     inputs=("tokens",),
 )
-
-TeacherFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
@@ -89,16 +89,17 @@ def shard_problem(cfg: RunConfig, planned: TeacherManifest, record: ShardRecord)
 
 
 # One teacher per process, kept across the shards of a run (loading it is the expensive part).
-_TEACHER: dict[tuple, TeacherFn] = {}
+_TEACHER: dict[tuple, Teacher] = {}
 
 
-def teacher_fn(cfg: RunConfig) -> TeacherFn:
-    """The process's teacher for cfg (numpy or GPU per teacher.backend), loaded once."""
+def teacher_fn(cfg: RunConfig) -> Teacher:
+    """The process's batched teacher for cfg (numpy or GPU per teacher.backend), loaded once."""
     from training.teacher import make_teacher_fn
 
     path = Path(cfg.model.teacher).resolve()
     st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns, cfg.teacher.top_k, cfg.teacher.temperature, cfg.teacher.backend)
+    t = cfg.teacher
+    key = (str(path), st.st_size, st.st_mtime_ns, t.top_k, t.temperature, t.backend, cfg.train.batch_size)
     if key not in _TEACHER:
         _TEACHER.clear()
         _TEACHER[key] = make_teacher_fn(cfg, path)
@@ -129,13 +130,7 @@ def shard(
     n_seq = record.seq_end - record.seq_start
     teacher = teacher_fn(cfg)
     with bar(f"teacher shard {record.shard}", n_seq) as b:
-
-        def counted(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            result = teacher(ids)
-            b.advance(1)
-            return result
-
-        rows = compute_shard_rows(split, record, counted)
+        rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call, lambda n: b.advance(n))
     done = write_shard(out, record, rows, planned.vocab_size, planned.k)
     record_shard(out, done)
     log.info("shard %d: %d positions, %d sequences -> %s", record.shard, record.n_positions, n_seq, out / record.file)

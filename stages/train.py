@@ -44,6 +44,8 @@ KEY = StageKey(
         "train.grad_accum",
         "train.seed",
         "train.precision",
+        "train.backend",
+        "train.prefix_cache",
         "train.max_steps_per_epoch",
     ),
     inputs=("student", "tokens", "teacher", "epoch"),

@@ -5,6 +5,7 @@ training interrupted at a step resumes to the same adapter bytes in a moved work
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from schemas.manifests import (
 from stages.layout import stage_dir
 from tests.gpu_fixtures import device_or_skip
 from tests.pipeline_fixtures import tiny_config, tokenizer_metadata
+from training.teacher import Teacher
 
 pytestmark = pytest.mark.gpu
 
@@ -152,13 +154,14 @@ def test_teacher_rebuilds_a_corrupt_shard_to_the_same_bytes(chain: Chain, monkey
     assert "corrupt shard" in (stages.teacher.shard_problem(c.cfg, t, victim) or "")
     real, calls = stages.teacher.teacher_fn, []
 
-    def counting(cfg: RunConfig) -> stages.teacher.TeacherFn:
-        fn = real(cfg)
-        return lambda ids: calls.append(len(ids)) or fn(ids)
+    def counting(cfg: RunConfig) -> Teacher:
+        teacher = real(cfg)
+        return dataclasses.replace(teacher, fn=lambda ids, mask: calls.append(len(ids)) or teacher(ids, mask))
 
     monkeypatch.setattr(stages.teacher, "teacher_fn", counting)
     assert stages.teacher.run(c.cfg, c.tokens) == t
-    assert len(calls) == victim.seq_end - victim.seq_start  # only the corrupt shard's sequences
+    assert sum(calls) == victim.seq_end - victim.seq_start  # only the corrupt shard's sequences, batched
+    assert len(calls) < sum(calls)
     assert sha256_file(path) == victim.sha256
 
 

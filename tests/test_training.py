@@ -5,9 +5,9 @@ against the Engine protocol; on lavapipe: evaluation against numpy, epochs that 
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import datasets
@@ -24,7 +24,7 @@ from model.config import ModelConfig
 from model.gguf import GGUFFile, llama_metadata, write_gguf
 from model.kd import log_softmax
 from model.quant import quantize
-from model.teacher_cpu import reference_topk
+from model.teacher_cpu import reference_topk_batch
 from schemas.config import RunConfig
 from schemas.files import TOKEN_SHARD_SCHEMA
 from schemas.manifests import TeacherManifest
@@ -65,7 +65,8 @@ def _cfg(root: Path, student: Path, **sections: dict) -> RunConfig:
     raw = {
         "model": {"student": str(student), "teacher": str(student)}, "data": {"path": str(root), "seq_len": SEQ},
         "teacher": {"top_k": K, "temperature": TAU}, "lora": {"r": 4, "alpha": 8},
-        "optim": {"lr": 5e-3, "warmup_steps": 1}, "train": {"epochs": 2, "batch_size": 2, "checkpoint_every": 2},
+        "optim": {"lr": 5e-3, "warmup_steps": 1},
+        "train": {"epochs": 2, "batch_size": 2, "checkpoint_every": 2, "backend": "gpu"},
     }  # fmt: skip
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
@@ -99,7 +100,10 @@ def problem(tmp_path_factory: pytest.TempPathFactory) -> dict:
             shards=tuple(plans),
         ),
     )
-    fn = partial(reference_topk, teacher_w, CFG, k=K, temperature=TAU)
+
+    def fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, ...]:
+        return reference_topk_batch(teacher_w, CFG, ids, K, TAU, mask=mask)
+
     for plan in plans:
         table = train if plan.split == "train" else ev
         S.record_shard(topk, S.write_shard(topk, plan, S.compute_shard_rows(table, plan, fn), CFG.vocab, K))
@@ -282,7 +286,9 @@ def fake_engines(monkeypatch: pytest.MonkeyPatch) -> _Built:
     """Replace the engine factory of training/ with RecordingEngine; returns every engine it builds."""
     built = _Built()
 
-    def build(cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool = False) -> RecordingEngine:
+    def build(
+        cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool = False, start_layer: int = 0
+    ) -> RecordingEngine:
         built.append(RecordingEngine(cfg, seq_len, eval_mode, built.skip_row))
         return built[-1]
 
@@ -462,9 +468,51 @@ def test_the_numpy_engine_satisfies_the_protocol(problem: dict) -> None:
 
 @pytest.mark.gpu
 def test_the_wgpu_engine_satisfies_the_protocol(gpu_problem: dict) -> None:
-    """The factory's engine (GPUStudent), for training and for evaluation."""
+    """The factory's engine for train.backend=gpu (GPUStudent), for training and for evaluation."""
     p = gpu_problem
     for eval_mode in (False, True):
         engine = engines.build_engine(p["cfg"], p["student"], SEQ, eval_mode=eval_mode)
         assert type(engine).__name__ == "GPUStudent"
         _check_engine(engine)
+
+
+def test_the_factory_builds_the_numpy_engine_without_a_device(
+    problem: dict, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """train.backend=numpy builds NumpyEngine and never asks wgpu for an adapter; auto on a CPU-only adapter
+    (or none) picks numpy, on a GPU picks gpu; the choice is logged with its reason."""
+    import gpu.device
+
+    def no_device(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a numpy run asked for a GPU device")
+
+    monkeypatch.setattr(engines, "_DEVICES", {})
+    monkeypatch.setattr(engines, "_LOGGED", set())
+    monkeypatch.setattr(gpu.device, "Device", no_device)
+    cfg = _cfg(problem["root"], problem["student"], train={"backend": "numpy"})
+    with caplog.at_level(logging.INFO, logger="training.engines"):
+        for eval_mode in (False, True):
+            engine = engines.build_engine(cfg, problem["student"], SEQ, eval_mode=eval_mode)
+            assert type(engine).__name__ == "NumpyEngine"
+            _check_engine(engine)
+    assert caplog.text.count("engine: NumpyEngine") == 1 and "train.backend=numpy" in caplog.text
+
+    class FakeDevice:
+        def __init__(self, backend: str | None, is_cpu: bool) -> None:
+            self.is_cpu, self.adapter = is_cpu, type("Adapter", (), {"summary": "fake adapter"})()
+
+    for is_cpu, want in ((True, "numpy"), (False, "gpu")):
+        monkeypatch.setattr(gpu.device, "Device", lambda backend, is_cpu=is_cpu: FakeDevice(backend, is_cpu))
+        monkeypatch.setattr(engines, "_DEVICES", {})
+        assert engines.resolve_backend("auto")[0] == want
+
+    def no_adapter(backend: str | None) -> None:
+        raise gpu.device.DeviceError("no adapter found")
+
+    monkeypatch.setattr(gpu.device, "Device", no_adapter)
+    monkeypatch.setattr(engines, "_DEVICES", {})
+    backend, why = engines.resolve_backend("auto")
+    assert backend == "numpy" and "no GPU adapter" in why
+    with pytest.raises(ValueError, match="tensorcore needs the GPU engine"):
+        engines.build_engine(_cfg(problem["root"], problem["student"], train={"backend": "numpy",
+                             "precision": "tensorcore"}), problem["student"], SEQ)  # fmt: skip

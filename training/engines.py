@@ -1,32 +1,46 @@
 """The engines that train and evaluate a student (training.engine.Engine), built from the run config, and the
-process-wide caches behind the wgpu one: one device and one uploaded student per process (GPU memory does not
-outlive a process)."""
+process-wide caches behind them: one GPU device and one uploaded student per process (GPU memory does not
+outlive a process), or one float32 copy of the student in host memory for the numpy engine.
+
+train.backend picks the engine: gpu (gpu/student.py's GPUStudent, wgpu kernels), numpy (cpu.NumpyEngine, float32
+through BLAS), or auto (numpy when the only adapter is a CPU, such as lavapipe, or there is none; else gpu).
+gpu/ is imported lazily, so a numpy run neither imports wgpu's device code paths nor needs an adapter.
+"""
 
 from __future__ import annotations
 
+import logging
 import resource
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpu.device import Device
-from gpu.model import StudentWeights
-from gpu.ops.adamw import AdamWConfig
-from gpu.student import GPUStudent
 from model.kd import LossConfig
 from schemas.config import RunConfig
 from training.engine import Engine
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from gpu.device import Device
+    from gpu.model import StudentWeights
+
+log = logging.getLogger(__name__)
+
 # ---- one device, one uploaded student per process ---------------------------------------------------------
 _DEVICES: dict[str, Device] = {}
 _STUDENTS: dict[tuple, StudentWeights] = {}
+_HOST_STUDENTS: dict[tuple, tuple[Any, dict[str, np.ndarray]]] = {}
 _UPLOAD_STATS: dict[str, float] = {}
+_LOGGED: set[tuple[str, str, str]] = set()
 
 
 def get_device(backend: str = "auto") -> Device:
     """The process's Device for `backend` (auto, wgpu, dawn), created once."""
+    from gpu.device import Device
+
     if backend not in _DEVICES:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
@@ -34,31 +48,97 @@ def get_device(backend: str = "auto") -> Device:
     return _DEVICES[backend]
 
 
+def _file_key(path: Path, *extra: object) -> tuple:
+    st = Path(path).stat()
+    return (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, *extra)
+
+
+def _record_upload(t0: float, nbytes: int) -> None:
+    dt = time.perf_counter() - t0
+    _UPLOAD_STATS.clear()
+    _UPLOAD_STATS.update(
+        seconds=dt,
+        bytes=float(nbytes),
+        gib_per_s=nbytes / dt / 2**30 if dt > 0 else 0.0,
+        host_peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    )
+
+
 def load_student(path: Path, backend: str = "auto", progress: Callable[[Any], None] | None = None) -> StudentWeights:
     """Stream the GGUF at `path` into GPU memory once per process (keyed by path, size, mtime, backend)."""
-    st = Path(path).stat()
-    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, backend)
+    from gpu.model import StudentWeights
+
+    key = _file_key(path, backend)
     if key not in _STUDENTS:
         dev = get_device(backend)
         t0 = time.perf_counter()
         weights = StudentWeights.from_gguf(dev, path, progress=progress)
         dev.sync()
-        dt = time.perf_counter() - t0
-        _UPLOAD_STATS.clear()
-        _UPLOAD_STATS.update(
-            seconds=dt,
-            bytes=float(weights.nbytes),
-            gib_per_s=weights.nbytes / dt / 2**30 if dt > 0 else 0.0,
-            host_peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        )
+        _record_upload(t0, weights.nbytes)
         _STUDENTS.clear()  # one student resident at a time
         _STUDENTS[key] = weights
     return _STUDENTS[key]
 
 
+def load_host_student(path: Path, progress: Callable[[Any], None] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
+    """(ModelConfig, {GGUF name: float32 array}) of the GGUF at `path`, dequantized once per process (keyed by
+    path, size, mtime): what the numpy engine trains on; progress(info) after each tensor."""
+    from model.gguf import GGUFFile
+
+    key = _file_key(path)
+    if key not in _HOST_STUDENTS:
+        t0 = time.perf_counter()
+        with GGUFFile(path) as f:
+            cfg, weights = f.config(), {}
+            for name, info in f.tensors.items():
+                weights[name] = f.tensor_f32(name)
+                if progress is not None:
+                    progress(info)
+        _record_upload(t0, sum(a.nbytes for a in weights.values()))
+        _HOST_STUDENTS.clear()  # one student resident at a time
+        _HOST_STUDENTS[key] = (cfg, weights)
+    return _HOST_STUDENTS[key]
+
+
 def upload_stats() -> dict[str, float]:
-    """Timing of the last student upload: seconds, bytes, GiB/s, host peak RSS (MiB)."""
+    """Timing of the last student load (GPU upload or host dequantization): seconds, bytes, GiB/s, peak RSS."""
     return dict(_UPLOAD_STATS)
+
+
+# ---- which engine ------------------------------------------------------------------------------------------
+def resolve_backend(choice: str, gpu_backend: str = "auto", what: str = "train.backend") -> tuple[str, str]:
+    """(gpu | numpy, why) for a backend setting `choice` (auto, gpu, numpy); auto asks wgpu for an adapter:
+    numpy when there is none or it is a CPU (BLAS beats a CPU Vulkan driver), gpu otherwise."""
+    if choice in ("gpu", "numpy"):
+        return choice, f"{what}={choice}"
+    if choice != "auto":
+        raise ValueError(f"{what}: {choice!r}: expected auto, gpu or numpy")
+    from gpu.device import DeviceError
+
+    try:
+        dev = get_device(gpu_backend)
+    except DeviceError as exc:
+        return "numpy", f"{what}=auto and no GPU adapter ({exc})"
+    if dev.is_cpu:
+        return "numpy", f"{what}=auto and the only adapter is a CPU ({dev.adapter.summary}): numpy/BLAS is faster"
+    return "gpu", f"{what}=auto and a GPU adapter ({dev.adapter.summary})"
+
+
+def chosen_backend(cfg: RunConfig) -> str:
+    """The engine backend of this run (gpu or numpy); the choice and its reason are logged once per process."""
+    backend, why = resolve_backend(cfg.train.backend, cfg.run.gpu_backend)
+    if (backend, why, "train") not in _LOGGED:
+        _LOGGED.add((backend, why, "train"))
+        log.info("engine: %s (%s)", "NumpyEngine (float32, BLAS)" if backend == "numpy" else "GPUStudent (wgpu)", why)
+    return backend
+
+
+def preload_student(cfg: RunConfig, path: Path, progress: Callable[[Any], None] | None = None) -> None:
+    """Load the student where this run's engine reads it (GPU memory, or host float32 for numpy), once."""
+    if chosen_backend(cfg) == "numpy":
+        load_host_student(path, progress)
+    else:
+        load_student(path, cfg.run.gpu_backend, progress)
 
 
 # ---- the engine of a run ------------------------------------------------------------------------------------
@@ -73,37 +153,58 @@ def loss_config(cfg: RunConfig, eval_mode: bool = False) -> LossConfig:
     )
 
 
-def build_engine(cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool = False) -> Engine:
+def build_engine(
+    cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool = False, start_layer: int = 0
+) -> Engine:
     """The engine for `cfg` on the student at `student_gguf`, for batches of cfg.train.batch_size sequences of
     seq_len tokens; eval_mode builds it for evaluate_batch (evaluation loss, no gradient accumulation).
+    start_layer > 0: the forward starts at that block from the residual stream given to write_batch (the
+    frozen-prefix cache); it must not exceed the lowest adapted block. train.backend picks the engine."""
+    common: dict[str, Any] = {
+        "targets": cfg.lora.targets,
+        "r": cfg.lora.r,
+        "alpha": cfg.lora.alpha,
+        "batch": cfg.train.batch_size,
+        "seq_len": seq_len,
+        "top_k": cfg.teacher.top_k,
+        "loss": loss_config(cfg, eval_mode),
+        "layers": cfg.lora.layers,
+        "grad_accum": 1 if eval_mode else cfg.train.grad_accum,
+        "precision": cfg.train.precision,
+    }
+    if start_layer:
+        common["start_layer"] = start_layer
+    if chosen_backend(cfg) == "numpy":
+        return _numpy_engine(cfg, student_gguf, common)
+    return _wgpu_engine(cfg, student_gguf, common)
 
-    The one place a second engine plugs in (cpu.NumpyEngine, float32 numpy for CPUs, satisfies the same
-    protocol): choose it here from the config; the loop and evaluation only see the Engine."""
-    return _wgpu_engine(cfg, student_gguf, seq_len, eval_mode)
 
+def _adamw(cfg: RunConfig) -> Any:
+    from gpu.ops.adamw import AdamWConfig
 
-def _wgpu_engine(cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool) -> Engine:
-    """gpu/student.py's GPUStudent on the process's device and uploaded student."""
     o = cfg.optim
+    return AdamWConfig(
+        lr=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.grad_clip
+    )
+
+
+def _numpy_engine(cfg: RunConfig, student_gguf: Path, common: dict[str, Any]) -> Engine:
+    """cpu.NumpyEngine on the process's float32 copy of the student."""
+    if cfg.train.precision == "tensorcore":
+        raise ValueError("train.precision: tensorcore needs the GPU engine (train.backend=gpu); numpy computes in f32")
+    from cpu import NumpyEngine
+
+    model_cfg, weights = load_host_student(student_gguf)
+    return NumpyEngine(model_cfg, weights, optim=_adamw(cfg), **common)
+
+
+def _wgpu_engine(cfg: RunConfig, student_gguf: Path, common: dict[str, Any]) -> Engine:
+    """gpu/student.py's GPUStudent on the process's device and uploaded student."""
+    from gpu.student import GPUStudent
+
     return GPUStudent(
         get_device(cfg.run.gpu_backend),
         load_student(student_gguf, cfg.run.gpu_backend),
-        targets=cfg.lora.targets,
-        r=cfg.lora.r,
-        alpha=cfg.lora.alpha,
-        batch=cfg.train.batch_size,
-        seq_len=seq_len,
-        top_k=cfg.teacher.top_k,
-        loss=loss_config(cfg, eval_mode),
-        optim=AdamWConfig(
-            lr=o.lr,
-            beta1=o.betas[0],
-            beta2=o.betas[1],
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            max_grad_norm=o.grad_clip,
-        ),
-        layers=cfg.lora.layers,
-        grad_accum=1 if eval_mode else cfg.train.grad_accum,
-        precision=cfg.train.precision,
+        optim=_adamw(cfg),
+        **common,
     )

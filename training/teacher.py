@@ -1,44 +1,81 @@
-"""The teacher function of the top-k stage: ids -> top-k ids, logprobs, tail (numpy or GPU)."""
+"""The teacher function of the top-k stage: [N, T] token batches -> top-k ids, logprobs, tail (numpy or GPU).
+
+teacher.backend picks where it runs (auto: numpy when the only adapter is a CPU, as train.backend does). Both
+take many sequences per call: the numpy teacher is model.teacher_cpu.reference_topk_batch (float32 forward,
+lm_head + top-k over vocabulary chunks, the head skipped where the loss mask is 0), the GPU teacher
+gpu.teacher.GPUTeacher over train.batch_size sequences per dispatch (the activation memory of a training step).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from data.topk import TeacherFn
 from schemas.config import RunConfig
-from training.engines import get_device, load_student
+from training.engines import get_device, load_student, resolve_backend
+
+log = logging.getLogger(__name__)
+
+# Positions per numpy teacher call: ~5 s on 2 cores for SmolLM2-135M (a progress line per call), and a
+# [rows, vocab_chunk] float32 logits chunk of 32 MiB.
+NUMPY_ROWS_PER_CALL = 1024
 
 
-# ---- teacher ----------------------------------------------------------------------------------------------
-def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Callable[[np.ndarray], tuple[np.ndarray, ...]]:
-    """ids [T] -> (top-k ids [T, k], logprobs [T, k], tail [T]) at cfg.teacher.temperature.
+@dataclass(frozen=True)
+class Teacher:
+    """A batched teacher: fn(ids [N, T], mask [N, T]) -> (ids [N, T, k], logprobs [N, T, k], tail [N, T]) at
+    cfg.teacher.temperature (rows whose mask is 0 hold anything), best called with about rows_per_call
+    positions (N * T) at a time; backend says where it runs."""
 
-    numpy (BLAS) or the GPU per cfg.teacher.backend; auto picks numpy when the only adapter is a CPU."""
+    fn: TeacherFn
+    rows_per_call: int
+    backend: str
+
+    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.fn(ids, mask)
+
+
+def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
+    """The teacher of cfg.teacher (numpy or GPU per teacher.backend; the choice is logged)."""
     k, tau = cfg.teacher.top_k, cfg.teacher.temperature
-    backend = cfg.teacher.backend
-    if backend == "auto":
-        backend = "numpy" if get_device(cfg.run.gpu_backend).is_cpu else "gpu"
+    backend, why = resolve_backend(cfg.teacher.backend, cfg.run.gpu_backend, "teacher.backend")
+    log.info("teacher: %s (%s)", backend, why)
     if backend == "numpy":
         from model.gguf import GGUFFile
-        from model.teacher_cpu import reference_topk
+        from model.teacher_cpu import reference_topk_batch
 
         with GGUFFile(teacher_gguf) as f:
             mcfg = f.config()
             weights = {name: f.tensor_f32(name) for name in f.tensors}
-        return lambda ids: reference_topk(weights, mcfg, np.asarray(ids), k, tau)
+
+        def numpy_fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return reference_topk_batch(weights, mcfg, np.asarray(ids), k, tau, mask=mask)
+
+        return Teacher(numpy_fn, NUMPY_ROWS_PER_CALL, "numpy")
     from gpu.teacher import GPUTeacher
 
     weights = load_student(teacher_gguf, cfg.run.gpu_backend)
     dev = get_device(cfg.run.gpu_backend)
+    batch = cfg.train.batch_size
     teachers: dict[int, GPUTeacher] = {}
 
-    def run(ids: np.ndarray) -> tuple[np.ndarray, ...]:
-        t = len(ids)
+    def gpu_fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids = np.asarray(ids)
+        n, t = ids.shape
         if t not in teachers:
-            teachers[t] = GPUTeacher(dev, weights, batch=1, seq_len=t, top_k=k, tau=tau, precision=cfg.train.precision)
-        out_ids, lp, tail = teachers[t].topk(np.asarray(ids)[None])
-        return out_ids[0].astype(np.int64), lp[0], tail[0]
+            teachers[t] = GPUTeacher(
+                dev, weights, batch=batch, seq_len=t, top_k=k, tau=tau, precision=cfg.train.precision
+            )
+        parts = []
+        for s in range(0, n, batch):  # the last group padded with token 0 to the teacher's batch, then cut
+            group = np.zeros((batch, t), np.int64)
+            group[: min(batch, n - s)] = ids[s : s + batch]
+            out_ids, lp, tail = teachers[t].topk(group)
+            parts.append((out_ids[: n - s].astype(np.int64), lp[: n - s], tail[: n - s]))
+        return tuple(np.concatenate(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
-    return run
+    return Teacher(gpu_fn, batch * cfg.data.seq_len, "gpu")
