@@ -276,5 +276,62 @@ def doctor(
     console.print(table)
 
 
+# ---------------------------------------------------------------------------------------------- operations
+
+
+@app.command()
+def serve(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    cron: Annotated[
+        str | None, typer.Option(help="Cron schedule, e.g. '0 3 * * *' (03:00 daily); omitted: on demand only.")
+    ] = None,
+    name: Annotated[str, typer.Option(help="Deployment name: runs show as distill/NAME.")] = "scheduled",
+    until: Annotated[str, typer.Option(help="Last stage: tokenize, teacher, train, evaluate or export.")] = "export",
+) -> None:
+    """Serve the flow as Prefect deployment distill/NAME (needs PREFECT_API_URL; see infra/up.sh).
+
+    Runs start at each cron tick, from `prefect deployment run distill/NAME`, or from the Prefect UI's run form
+    (every config field with its description); they cache stages under the config's workdir. Ctrl-C stops.
+    """
+    from flows.serve import serve as serve_deployment
+
+    try:
+        serve_deployment(config, set_ or [], cron=cron, name=name, until=until)
+    except KeyboardInterrupt:
+        raise typer.Exit(code=130) from None
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+
+
+@app.command()
+def compare(
+    runs: Annotated[
+        list[str] | None, typer.Argument(help="MLflow run ids (or prefixes) or run names; default: all.")
+    ] = None,
+    experiment: Annotated[
+        str | None, typer.Option(help="MLflow experiment (default: the config's, or distillery).")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="A run config: its run.workdir / mlflow_uri / experiment.")
+    ] = None,
+    workdir: Annotated[
+        Path | None, typer.Option(help="A workdir whose sqlite store to read (default runs/default).")
+    ] = None,
+    tracking_uri: Annotated[str | None, typer.Option(help="MLflow tracking URI, e.g. http://127.0.0.1:5000.")] = None,
+) -> None:
+    """Compare runs from MLflow: the config fields that differ, best KL, top-1, tokens/s, gap closed.
+
+    Gap closed = (baseline KL - best KL) / baseline KL. For a tracking server it also prints the MLflow UI's
+    compare view of the same runs.
+    """
+    from flows.compare import compare_runs
+
+    try:
+        compare_runs(console, list(runs or []), experiment=experiment, config=config, workdir=workdir, uri=tracking_uri)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+
+
 if __name__ == "__main__":
     app()
