@@ -52,6 +52,7 @@ class NumpyEngine:
         grad_accum: int = 1,
         precision: str = "f32",
         activation_budget: int = ACTIVATION_BUDGET,
+        start_layer: int = 0,
     ) -> None:
         if precision not in ("f32", "auto"):
             raise ValueError(
@@ -75,6 +76,12 @@ class NumpyEngine:
         self.layout = LoraLayout.build(cfg, targets, r, layers)
         if self.layout.n_params == 0:
             raise ValueError("NumpyEngine needs at least one LoRA target")
+        if not 0 <= start_layer <= self.layout.lowest_layer:
+            raise ValueError(
+                f"start_layer={start_layer}: must be a block at or below the lowest adapted block "
+                f"{self.layout.lowest_layer} (blocks below it carry no LoRA)"
+            )
+        self.start_layer = start_layer  # > 0: the forward starts here from the prefix write_batch gets
         self.scale = alpha / r
         self.batch, self.seq_len, self.rows, self.k = batch, seq_len, batch * seq_len, top_k
         self.loss_cfg, self.grad_accum = loss, grad_accum
@@ -138,9 +145,19 @@ class NumpyEngine:
         teacher_ids: np.ndarray,
         teacher_logprobs: np.ndarray,
         teacher_tail: np.ndarray | None,
+        prefix: np.ndarray | None = None,
     ) -> None:
-        """Take one batch: ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T] or None."""
+        """Take one batch: ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T] or None;
+        prefix [B, T, H]: the input of block start_layer (required when start_layer > 0, refused otherwise)."""
         bt, v = (self.batch, self.seq_len), self.cfg.vocab
+        if (prefix is None) != (self.start_layer == 0):
+            raise ValueError(f"prefix activations: given {prefix is not None}, start_layer is {self.start_layer}")
+        if prefix is not None:
+            prefix = np.asarray(prefix, np.float32)
+            if prefix.shape != (*bt, self.cfg.hidden):
+                raise ValueError(
+                    f"prefix activations of shape {prefix.shape}, the engine takes {(*bt, self.cfg.hidden)}"
+                )
         ids = np.asarray(ids).reshape(bt).astype(np.intp)
         tids = np.asarray(teacher_ids).reshape(self.rows, self.k).astype(np.intp)
         targets = np.asarray(targets).reshape(-1).astype(np.intp)
@@ -154,6 +171,7 @@ class NumpyEngine:
             "teacher_ids": tids,
             "teacher_logprobs": np.asarray(teacher_logprobs, np.float32).reshape(self.rows, self.k),
             "teacher_tail": None if teacher_tail is None else np.asarray(teacher_tail, np.float32).reshape(-1),
+            "prefix": prefix,
         }
 
     def _inputs(self) -> dict[str, np.ndarray | None]:
@@ -164,10 +182,10 @@ class NumpyEngine:
     # ---- forward / backward ----------------------------------------------------------------------------
     def _forward(self, keep: bool) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray], dict[int, dict]]:
         """(final hidden x [B, T, H], normed [rows, H], adapted blocks' inputs, their caches when kept)."""
-        cfg, w = self.cfg, self.w
-        x = R.embedding_forward(w["token_embd.weight"], self._inputs()["ids"])
+        cfg, w, b = self.cfg, self.w, self._inputs()
+        x = b["prefix"] if self.start_layer else R.embedding_forward(w["token_embd.weight"], b["ids"])
         inputs, caches = {}, {}
-        for layer in range(cfg.n_layers):
+        for layer in range(self.start_layer, cfg.n_layers):
             adapted = keep and layer >= self.layout.lowest_layer
             if adapted:
                 inputs[layer] = x

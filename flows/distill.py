@@ -1,4 +1,5 @@
-"""The distillation flow: tokenize -> student -> teacher top-k -> train -> evaluate -> select -> export.
+"""The distillation flow: tokenize -> student -> teacher top-k -> (prefix cache) -> train -> evaluate -> select ->
+export.
 
 Every stage is a cached task over a library stage (stages/: plain functions returning typed manifests;
 tasks/caching.py: content-hash keys), so a rerun resumes where the last one stopped and an identical rerun does
@@ -11,6 +12,7 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+import stages.prefix
 from schemas.config import RunConfig
 from stages.evaluate import select_best
 from stages.inputs import check_inputs
@@ -18,6 +20,7 @@ from stages.layout import workdir
 from tasks.caching import as_config
 from tasks.evaluate import evaluate_baseline, evaluate_checkpoint, evaluate_merged
 from tasks.export import export_adapter
+from tasks.prefix import prefix_cache
 from tasks.student import student
 from tasks.teacher import teacher
 from tasks.tokenize import tokenize
@@ -47,6 +50,8 @@ def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
         r.tokens, r.student = tokenize(cfg), student(cfg)
         if reaches("teacher"):
             r.teacher = teacher(cfg, r.tokens)
+        if reaches("train") and stages.prefix.layer(cfg):
+            prefix_cache(cfg, r.student, r.tokens, stages.prefix.layer(cfg))  # train/evaluate find it by its key
         if reaches("train"):
             r.checkpoints = [
                 train_epoch(cfg, r.student, r.tokens, r.teacher, epoch, r.id) for epoch in range(cfg.train.epochs)

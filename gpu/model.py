@@ -210,6 +210,7 @@ class GPUModel:
         alpha: float = 1.0,
         layers: Iterable[int] | None = None,
         precision: str = "f32",
+        start_layer: int = 0,
     ) -> None:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
@@ -220,6 +221,12 @@ class GPUModel:
         if seq_len > cfg.context_length:
             raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
         self.layout = LoraLayout.build(cfg, targets, r, layers)
+        if not 0 <= start_layer < cfg.n_layers or (self.layout.slots and start_layer > self.layout.lowest_layer):
+            raise ValueError(
+                f"start_layer={start_layer}: must be a block at or below the lowest adapted block "
+                f"{self.layout.lowest_layer} (blocks below it carry no LoRA)"
+            )
+        self.start_layer = start_layer  # > 0: the forward starts here from a given residual stream (write_prefix)
         self.scale = alpha / r
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
@@ -398,10 +405,36 @@ class GPUModel:
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
 
     # ---- whole model -----------------------------------------------------------------------------------
+    def write_prefix(self, x: np.ndarray) -> None:
+        """The residual stream entering block start_layer, [batch, seq_len, hidden] (the frozen-prefix cache)."""
+        want = (self.batch, self.seq_len, self.cfg.hidden)
+        x = np.asarray(x, np.float32)
+        if x.shape != want:
+            raise ValueError(f"prefix activations of shape {x.shape}, the model takes {want}")
+        self.dev.write(self.xs, x.reshape(-1), offset=4 * self.start_layer * self.slot)
+
+    def residual_stream(self, ids: np.ndarray, layer: int) -> np.ndarray:
+        """The input of block `layer` for ids [batch, seq_len]: the embedding and blocks 0..layer-1 with this
+        model's LoRA (none for a prefix cache), float32 [batch, seq_len, hidden]."""
+        cfg, rows = self.cfg, self.rows
+        ids = np.asarray(ids).reshape(self.batch, self.seq_len)
+        if np.any(ids < 0) or np.any(ids >= cfg.vocab):
+            raise ValueError(f"token ids outside the model's vocabulary [0, {cfg.vocab})")
+        bufs = self._b.bufs
+        self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
+        self.dev.write(bufs["positions"], np.tile(np.arange(self.seq_len, dtype=np.uint32), self.batch))
+        with self.dev.step():
+            embedding_forward(self.dev, self.w.embed, bufs["ids"], self._x(0), rows)
+            for block in range(layer):
+                self._block_forward(block)
+        out = self.dev.read(self.xs, np.float32, (rows * cfg.hidden,), offset=4 * layer * self.slot)
+        return out.reshape(self.batch, self.seq_len, cfg.hidden)
+
     def _forward_to_head(self) -> None:
         cfg, dev = self.cfg, self.dev
-        embedding_forward(dev, self.w.embed, self._b.bufs["ids"], self._x(0), self.rows)
-        for layer in range(cfg.n_layers):
+        if self.start_layer == 0:
+            embedding_forward(dev, self.w.embed, self._b.bufs["ids"], self._x(0), self.rows)
+        for layer in range(self.start_layer, cfg.n_layers):
             self._block_forward(layer)
         rmsnorm_forward(
             dev, self._x(cfg.n_layers), self.w.norms["output_norm.weight"], self.a["nf"], self.rows, cfg.hidden, cfg.eps

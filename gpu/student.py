@@ -51,6 +51,7 @@ class GPUStudent(GPUModel):
         layers: Iterable[int] | None = None,
         grad_accum: int = 1,
         precision: str = "f32",
+        start_layer: int = 0,
     ) -> None:
         self.k, self.loss_cfg = top_k, loss
         super().__init__(
@@ -63,6 +64,7 @@ class GPUStudent(GPUModel):
             alpha=alpha,
             layers=layers,
             precision=precision,
+            start_layer=start_layer,
         )
         self.grad_accum = grad_accum
         self.losses = dev.buffer(4 * grad_accum, label="micro-batch losses")
@@ -221,8 +223,14 @@ class GPUStudent(GPUModel):
         teacher_ids: np.ndarray,
         teacher_logprobs: np.ndarray,
         teacher_tail: np.ndarray | None,
+        prefix: np.ndarray | None = None,
     ) -> None:
-        """Upload one batch: ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T]."""
+        """Upload one batch: ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T]; prefix
+        [B, T, H]: the input of block start_layer (required when start_layer > 0, refused otherwise)."""
+        if (prefix is None) != (self.start_layer == 0):
+            raise ValueError(f"prefix activations: given {prefix is not None}, start_layer is {self.start_layer}")
+        if prefix is not None:
+            self.write_prefix(prefix)
         bt = (self.batch, self.seq_len)
         ids = np.asarray(ids).reshape(bt)
         if np.any(ids < 0) or np.any(ids >= self.cfg.vocab):

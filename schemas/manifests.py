@@ -172,6 +172,35 @@ class TeacherManifest(Located):
         return all(s.complete for s in self.shards)
 
 
+class PrefixShard(Manifest):
+    """One file of the frozen-prefix cache: float16 [n_seq, seq_len, hidden] of sequences [seq_start, seq_end)."""
+
+    file: str = Field(description="file name inside the cache folder")
+    split: Literal["train", "eval"]
+    seq_start: int = Field(ge=0)
+    seq_end: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256)
+    bytes: int = Field(ge=0)
+
+
+class PrefixManifest(Located):
+    """Output of the prefix stage (dir: the cache folder): the residual stream entering block `layer` of the
+    student (the frozen blocks 0..layer-1 applied to the tokens), one float16 row per position."""
+
+    layer: int = Field(ge=1, description="the lowest adapted block: training starts its forward here")
+    hidden: int = Field(ge=1)
+    seq_len: int = Field(ge=1)
+    student_sha256: str = Field(pattern=SHA256)
+    token_shards_hash: str = Field(pattern=SHA256, description="TokenizeManifest.shards_hash()")
+    shards: tuple[PrefixShard, ...]
+
+    def outputs(self) -> tuple[FileRef, ...]:
+        """The shard files (placed manifests only)."""
+        if not self.dir:
+            return ()
+        return tuple(FileRef(path=f"{self.dir}/{s.file}", sha256=s.sha256, bytes=s.bytes) for s in self.shards)
+
+
 class CheckpointManifest(Located):
     """A saved training state (dir: the checkpoint folder): adapter + optimizer safetensors and a JSON with
     step, cursor, RNG, metrics."""

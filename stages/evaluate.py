@@ -13,12 +13,14 @@ from schemas.manifests import (
     CheckpointManifest,
     EvalManifest,
     FileRef,
+    PrefixManifest,
     StudentManifest,
     TeacherManifest,
     TokenizeManifest,
 )
 from stages.keys import StageKey
 from stages.layout import workdir
+from stages.progress import BarFactory, no_bar
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +49,25 @@ def _evaluate(
     teacher: TeacherManifest,
     checkpoint: CheckpointManifest | None,
     label: str,
+    prefix: PrefixManifest | None,
+    bar: BarFactory,
 ) -> EvalManifest:
     from training.evaluation import evaluate
 
     root = workdir(cfg)
-    metrics = evaluate(
-        cfg,
-        student_gguf=gguf,
-        token_dir=tokens.path_in(root),
-        topk_dir=teacher.path_in(root),
-        checkpoint=None if checkpoint is None else checkpoint.path_in(root),
-    )
+    n_seq = tokens.eval.n_sequences
+    if cfg.eval.eval_batches:
+        n_seq = min(n_seq, cfg.eval.eval_batches * cfg.train.batch_size)
+    with bar(f"evaluate {label}", n_seq) as b:
+        metrics = evaluate(
+            cfg,
+            student_gguf=gguf,
+            token_dir=tokens.path_in(root),
+            topk_dir=teacher.path_in(root),
+            checkpoint=None if checkpoint is None else checkpoint.path_in(root),
+            prefix_dir=None if prefix is None else prefix.path_in(root),
+            on_batch=lambda n: b.advance(n),
+        )
     manifest = EvalManifest(
         epoch=None if checkpoint is None else checkpoint.epoch,
         step=None if checkpoint is None else checkpoint.step,
@@ -85,16 +95,23 @@ def run(
     tokens: TokenizeManifest,
     teacher: TeacherManifest,
     checkpoint: CheckpointManifest | None = None,
+    bar: BarFactory = no_bar,
 ) -> EvalManifest:
     """The student with a checkpoint's adapter, or without one (checkpoint None: the baseline, the gap
-    distillation starts from)."""
+    distillation starts from); from the frozen-prefix cache when it applies (stages/prefix.py)."""
+    import stages.prefix
+
     label = "baseline (no adapter)" if checkpoint is None else f"epoch {checkpoint.epoch}"
-    return _evaluate(cfg, student.path_in(workdir(cfg)), tokens, teacher, checkpoint, label)
+    prefix = stages.prefix.cache(cfg, student, tokens)
+    return _evaluate(cfg, student.path_in(workdir(cfg)), tokens, teacher, checkpoint, label, prefix, bar)
 
 
-def run_merged(cfg: RunConfig, merged: FileRef, tokens: TokenizeManifest, teacher: TeacherManifest) -> EvalManifest:
-    """A merged GGUF (adapter folded into the weights, requantized) alone."""
-    return _evaluate(cfg, merged.resolve(workdir(cfg)), tokens, teacher, None, "merged GGUF")
+def run_merged(
+    cfg: RunConfig, merged: FileRef, tokens: TokenizeManifest, teacher: TeacherManifest, bar: BarFactory = no_bar
+) -> EvalManifest:
+    """A merged GGUF (adapter folded into the weights, requantized) alone: the whole forward (its blocks below
+    the adapted ones were requantized too, so the student's prefix cache does not apply)."""
+    return _evaluate(cfg, merged.resolve(workdir(cfg)), tokens, teacher, None, "merged GGUF", None, bar)
 
 
 def select_best(cfg: RunConfig, evals: Sequence[EvalManifest]) -> int:

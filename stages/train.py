@@ -3,7 +3,8 @@
 Checkpoints live in <workdir>/train/<key>/, addressed by the training key (every input but the epoch), so a
 rerun of a crashed epoch resumes from its newest complete checkpoint and ends with the same adapter bytes, and
 a changed setting never resumes another setting's checkpoints. Each optimizer step is appended to steps.jsonl
-there (read_steps reads it back) before the caller's on_step sees it.
+there (read_steps reads it back) before the caller's on_step sees it. With a frozen-prefix cache
+(stages/prefix.py: lora.layers leaves out block 0) every step starts its forward at the lowest adapted block.
 """
 
 from __future__ import annotations
@@ -84,10 +85,12 @@ def run_epoch(
     bar: BarFactory = no_bar,
 ) -> CheckpointManifest:
     """Train epoch `epoch` (0-based), resuming from the newest checkpoint; returns the epoch-end checkpoint."""
+    import stages.prefix
     from training.engines import upload_stats
     from training.loop import epoch_dir, train_epoch
 
     root = workdir(cfg)
+    prefix = stages.prefix.cache(cfg, student, tokens)
     ckpt_root = checkpoint_root(cfg, student, tokens, teacher)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     last_log = [time.monotonic()]
@@ -120,6 +123,7 @@ def run_epoch(
             ckpt_root=ckpt_root,
             epoch=epoch,
             on_step=step,
+            prefix_dir=None if prefix is None else prefix.path_in(root),
         )
     log.info("epoch %d done: %s; upload %s", epoch, manifest.metrics, upload_stats())
     folder = epoch_dir(ckpt_root, epoch)

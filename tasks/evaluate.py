@@ -16,6 +16,7 @@ from schemas.manifests import (
 )
 from tasks.caching import StageCache, stage_options
 from tasks.logs import prefect_logs
+from tasks.progress import bar
 
 BASELINE = StageCache(spec=stages.evaluate.BASELINE_KEY)
 EPOCH = StageCache(spec=stages.evaluate.CHECKPOINT_KEY)
@@ -28,7 +29,7 @@ def evaluate_baseline(
 ) -> EvalManifest:
     """The student without an adapter: the gap distillation starts from."""
     with prefect_logs():
-        return stages.evaluate.run(cfg, student, tokens, teacher)
+        return stages.evaluate.run(cfg, student, tokens, teacher, bar=bar)
 
 
 @task(**stage_options(EPOCH, task_run_name="evaluate-epoch-{checkpoint.epoch}"))
@@ -41,7 +42,7 @@ def evaluate_checkpoint(
 ) -> EvalManifest:
     """The student with a checkpoint's adapter."""
     with prefect_logs():
-        return stages.evaluate.run(cfg, student, tokens, teacher, checkpoint)
+        return stages.evaluate.run(cfg, student, tokens, teacher, checkpoint, bar)
 
 
 @task(**stage_options(MERGED, task_run_name="evaluate-merged"))
@@ -50,4 +51,4 @@ def evaluate_merged(
 ) -> EvalManifest:
     """The merged GGUF (adapter folded into the weights, requantized) alone."""
     with prefect_logs():
-        return stages.evaluate.run_merged(cfg, merged, tokens, teacher)
+        return stages.evaluate.run_merged(cfg, merged, tokens, teacher, bar)

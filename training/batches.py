@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.prefix import PrefixReader
 from data.tokens import read_token_split
 from data.topk import TopkReader
 
@@ -45,3 +46,13 @@ def batch_arrays(split: Split, rows: np.ndarray, batch: int, reader: TopkReader,
         tlp[b_idx, t_idx] = top.logprobs
         tail[b_idx, t_idx] = top.tail
     return ids, targets, mask, tids, tlp, tail
+
+
+def batch_prefix(split: Split, rows: np.ndarray, batch: int, reader: PrefixReader) -> np.ndarray:
+    """[batch, T, hidden] float32 for Engine.write_batch's prefix: the cached input of the engine's start block
+    for each row (missing rows of the last partial batch are zero; their mask is 0)."""
+    m = reader.manifest
+    out = np.zeros((batch, split.ids.shape[1], m.hidden), np.float32)
+    if len(rows):
+        out[: len(rows)] = reader.read(split.seq_ids[rows].tolist())
+    return out

@@ -5,6 +5,10 @@ talk to an `Engine` only; training/engines.py builds one. The wgpu engine is gpu
 satisfies this protocol structurally (gpu/ may not import training/). The types here are protocols for the same
 reason: an engine returns its own objects with these attributes.
 
+Frozen prefix: an engine built with start_layer = L > 0 (at most the lowest adapted block) starts its forward
+at block L from the activations write_batch gets (training/prefix.py, data/prefix.py); the backward stops at
+the lowest adapted block either way.
+
 Shapes: an engine is built for B sequences (cfg.train.batch_size) of T tokens and the teacher's top-k k
 (cfg.teacher.top_k); rows = B * T. Adapters map (layer, target) -> model.reference.LoraPair(A [r, d_in],
 B [d_out, r]) in float32, for exactly the slots of `layout`.
@@ -111,11 +115,14 @@ class Engine(Protocol):
         teacher_ids: np.ndarray,
         teacher_logprobs: np.ndarray,
         teacher_tail: np.ndarray | None,
+        prefix: np.ndarray | None = None,
     ) -> None:
         """Take one batch: ids, targets (the next token) [B, T] int64 in [0, vocab); mask [B, T] uint8 (1 where
         the loss counts); teacher top-k ids [B, T, k] int64 and log-probs [B, T, k] float32 at the teacher
         temperature; tail [B, T] float32, the teacher mass outside the top-k, or None to leave the tail out of
-        the loss. Raises ValueError for ids outside the vocabulary."""
+        the loss; prefix [B, T, hidden] float32, the residual stream entering the engine's start_layer (the
+        frozen-prefix cache: given exactly when the engine was built with start_layer > 0). Raises ValueError
+        for ids outside the vocabulary or a prefix that does not fit."""
         ...
 
     def accumulate(self, micro: int) -> None:

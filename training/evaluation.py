@@ -4,17 +4,18 @@ perplexity."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from data.checkpoint import load_checkpoint
+from data.prefix import PrefixReader
 from data.topk import TopkReader
 from model import reference
 from schemas.config import RunConfig
 from training import engines
-from training.batches import Split, batch_arrays, read_split
+from training.batches import Split, batch_arrays, batch_prefix, read_split
 from training.engine import AdapterLayout
 
 
@@ -37,22 +38,33 @@ def eval_batches(cfg: RunConfig, split: Split) -> Iterator[np.ndarray]:
 
 
 def evaluate(
-    cfg: RunConfig, *, student_gguf: Path, token_dir: Path, topk_dir: Path, checkpoint: Path | None
+    cfg: RunConfig,
+    *,
+    student_gguf: Path,
+    token_dir: Path,
+    topk_dir: Path,
+    checkpoint: Path | None,
+    prefix_dir: Path | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """Held-out forward KL(teacher || student) over the top-k + tail, top-1 agreement, CE and perplexity.
 
-    checkpoint None evaluates the student without an adapter (the baseline)."""
+    checkpoint None evaluates the student without an adapter (the baseline). prefix_dir: a frozen-prefix cache
+    (the engine starts at its block). on_batch(n_sequences) after each batch (progress)."""
     split = read_split(token_dir, "eval")
     if len(split.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the eval split is empty (raise data.eval_fraction)")
     reader = TopkReader(topk_dir)
-    engine = engines.build_engine(cfg, student_gguf, split.ids.shape[1], eval_mode=True)
+    prefix = None if prefix_dir is None else PrefixReader(prefix_dir)
+    start = 0 if prefix is None else prefix.manifest.layer
+    engine = engines.build_engine(cfg, student_gguf, split.ids.shape[1], eval_mode=True, start_layer=start)
     engine.set_adapter(zero_adapter(engine.layout) if checkpoint is None else load_checkpoint(checkpoint)[0])
     tau2 = cfg.teacher.temperature**2
     kl_sum = ce_sum = top1 = n = 0.0
     for rows in eval_batches(cfg, split):
         ids, targets, mask, tids, tlp, tail = batch_arrays(split, rows, cfg.train.batch_size, reader, cfg.teacher.top_k)
-        engine.write_batch(ids, targets, mask, tids, tlp, tail)
+        given = {} if prefix is None else {"prefix": batch_prefix(split, rows, cfg.train.batch_size, prefix)}
+        engine.write_batch(ids, targets, mask, tids, tlp, tail, **given)
         out = engine.evaluate_batch()
         m = mask.reshape(-1) != 0
         count = int(m.sum())
@@ -60,6 +72,8 @@ def evaluate(
         ce_sum += float(out["ce"][m].sum())
         top1 += float((out["top1"][m] == tids.reshape(-1, cfg.teacher.top_k)[m, 0]).sum())
         n += count
+        if on_batch is not None:
+            on_batch(len(rows))
     if n == 0:
         raise ValueError(f"{token_dir}: the eval split has no trained positions")
     ce = ce_sum / n

@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from data.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+from data.prefix import PrefixReader
 from data.topk import TopkReader
 from model import reference
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, FileRef
 from training import engines
-from training.batches import batch_arrays, read_split
+from training.batches import batch_arrays, batch_prefix, read_split
 from training.engine import Engine
 from training.schedule import learning_rate
 
@@ -61,11 +62,13 @@ def train_epoch(
     ckpt_root: Path,
     epoch: int,
     on_step: Callable[[StepRecord], None] | None = None,
+    prefix_dir: Path | None = None,
 ) -> CheckpointManifest:
     """Train one epoch, resuming bitwise from the newest complete checkpoint under ckpt_root.
 
     Checkpoints every cfg.train.checkpoint_every optimizer steps (ckpt_root/step-XXXXXXXX) and at the epoch end
-    (ckpt_root/epoch-EEE, whose manifest is returned). on_step runs after each step and after its checkpoint."""
+    (ckpt_root/epoch-EEE, whose manifest is returned). on_step runs after each step and after its checkpoint.
+    prefix_dir: a frozen-prefix cache (data/prefix.py); the engine then starts its forward at its block."""
     ckpt_root = Path(ckpt_root)
     done = epoch_dir(ckpt_root, epoch)
     if (done / "checkpoint.json").exists():
@@ -75,7 +78,9 @@ def train_epoch(
     if len(train.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the train split is empty: nothing to train on")
     reader = TopkReader(topk_dir)
-    engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1])
+    prefix = None if prefix_dir is None else PrefixReader(prefix_dir)
+    start = 0 if prefix is None else prefix.manifest.layer
+    engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
     steps = _steps_per_epoch(cfg, len(train.seq_ids))
     total = steps * cfg.train.epochs
     cursor, losses, skipped = _restore(cfg, engine, ckpt_root, epoch)
@@ -89,7 +94,8 @@ def train_epoch(
         for micro in range(cfg.train.grad_accum):
             part = rows[micro * cfg.train.batch_size : (micro + 1) * cfg.train.batch_size]
             batch = batch_arrays(train, part, cfg.train.batch_size, reader, cfg.teacher.top_k)
-            engine.write_batch(*batch[:5], batch[5] if cfg.teacher.tail else None)
+            given = {} if prefix is None else {"prefix": batch_prefix(train, part, cfg.train.batch_size, prefix)}
+            engine.write_batch(*batch[:5], batch[5] if cfg.teacher.tail else None, **given)
             engine.accumulate(micro)
             step_tokens += int(batch[2].sum())
         tokens += step_tokens
