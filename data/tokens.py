@@ -10,7 +10,8 @@ seq_len; padding is never a target.
 
 Documents are separated by EOS (trained after text, not after a chat, whose mask is assistant-only). The
 held-out split is chosen per document, before packing, by a hash of (seed, document index): no document is
-in both splits, and the same seed gives byte-identical shards.
+in both splits, and the same seed gives byte-identical shards. Or the held-out documents come from a source of
+their own (data.eval_path): then the split is by source.
 """
 
 from __future__ import annotations
@@ -160,13 +161,16 @@ def tokenize_dataset(
     seed: int,
     pack: bool = True,
     assistant_only: bool = True,
+    eval_records: Sequence[Document] | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, eval) datasets of TOKEN_SHARD_SCHEMA rows, each exactly seq_len ids (see the module docstring).
 
     pack=True: documents end to end (EOS between), windows of seq_len overlapping by one token. pack=False:
     one document per row, truncated to seq_len. seq_id counts train rows first, then eval rows; doc_id is
-    the index in `records` of the document the row starts in. `info.description` holds the split's
-    document count as JSON.
+    the index in `records` (then `eval_records`, numbered after them) of the document the row starts in.
+    `info.description` holds the split's document count as JSON. eval_records: the held-out documents, given
+    apart (a split by source, e.g. other books); then every document of `records` trains and eval_fraction is
+    not used.
     """
     if seq_len < 2:
         raise DataError(f"seq_len must be >= 2, got {seq_len}")
@@ -174,6 +178,11 @@ def tokenize_dataset(
         raise DataError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
     if not records:
         raise DataError("no documents to tokenize")
+    n_train_docs = len(records)
+    if eval_records is not None:
+        if not eval_records:
+            raise DataError("no held-out documents to tokenize (data.eval_path)")
+        records = [*records, *eval_records]
     eos = tokenizer.eos_id
     if eos is None:
         raise DataError("the GGUF has no tokenizer.ggml.eos_token_id: cannot separate documents")
@@ -198,7 +207,10 @@ def tokenize_dataset(
             f"{records[0].source}: no trainable tokens after tokenization ({len(records)} documents; "
             "empty texts, or chats without assistant turns?)"
         )
-    is_eval = split_documents(usable, eval_fraction, seed)
+    if eval_records is None:
+        is_eval = split_documents(usable, eval_fraction, seed)
+    else:
+        is_eval = np.arange(len(records)) >= n_train_docs
     out = []
     first_seq = 0
     for split, held_out in (("train", False), ("eval", True)):

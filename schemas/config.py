@@ -92,6 +92,13 @@ class DataSection(Section):
     """Training text and how it becomes fixed-length token sequences."""
 
     path: Path = Field(description="Training data: a file, or a directory of files of one format.")
+    eval_path: Path | None = Field(
+        None,
+        description="Held-out data in the same format as path: when set, every document of path trains, every "
+        "document of eval_path is held out, and eval_fraction is not used (a split by source, e.g. other books "
+        "than the training ones, so no held-out text overlaps the training text). null: hold out eval_fraction "
+        "of path's documents.",
+    )
     format: Literal["auto", "jsonl", "json", "parquet", "text", "hf_dir"] = Field(
         "auto",
         description="auto: by file extension (.jsonl, .json, .parquet, .txt), or hf_dir for a directory "
@@ -113,7 +120,7 @@ class DataSection(Section):
         gt=0.0,
         lt=1.0,
         description="Fraction of documents held out for evaluation (chosen deterministically by document, "
-        "before packing, so no document is in both splits).",
+        "before packing, so no document is in both splits). Not used when eval_path is set.",
     )
     max_documents: int | None = Field(
         None, ge=1, description="Use only the first N documents (null: all). Handy for smoke runs."

@@ -54,7 +54,10 @@ def check_inputs(cfg: RunConfig) -> None:
     quant = cfg.model.student_quant
     if quant is not None and len(quant) > 2:
         raise InputError(f"model.student_quant: {list(quant)}: give one or two types (preferred, fallback)")
-    try:
-        resolve_format(cfg.data.path, cfg.data.format)
-    except ValueError as exc:
-        raise InputError(f"data.path: {exc}") from None
+    for field, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if path is None:
+            continue
+        try:
+            resolve_format(path, cfg.data.format)
+        except ValueError as exc:
+            raise InputError(f"{field}: {exc}") from None

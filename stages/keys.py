@@ -88,7 +88,7 @@ class StageKey:
 
     config_fields: dotted config fields the stage reads (values, never paths).
     files: dotted config fields naming files the stage reads, hashed by content (e.g. "model.student").
-    dataset: fold in data.records.dataset_fingerprint of cfg.data.
+    dataset: fold in data.records.dataset_fingerprint of cfg.data (data.path, and data.eval_path when set).
     inputs: upstream values folded in by content (manifests, an epoch number, a shard plan), by name.
     """
 
@@ -112,6 +112,10 @@ class StageKey:
         if self.dataset:
             d = cfg.data
             parts["dataset"] = dataset_fingerprint(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
+            if d.eval_path is not None:  # held out by source (absent: the keys of earlier runs stay put)
+                parts["eval_dataset"] = dataset_fingerprint(
+                    d.eval_path, d.format, d.text_field, d.messages_field, d.max_documents
+                )
         for name in self.inputs:
             if name in inputs:
                 parts[f"input:{name}"] = content(inputs[name])

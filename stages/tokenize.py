@@ -45,14 +45,17 @@ def run(cfg: RunConfig) -> TokenizeManifest:
     fingerprint = dataset_fingerprint(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
     tokenizer = load_tokenizer(cfg.model.student)
     docs = load_records(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
+    eval_docs = None
+    if d.eval_path is not None:  # a split by source: every document of eval_path is held out
+        eval_docs = load_records(d.eval_path, d.format, d.text_field, d.messages_field, d.max_documents)
     train, held_out = tokenize_dataset(
-        docs, tokenizer, d.seq_len, d.eval_fraction, SPLIT_SEED, d.pack, d.assistant_only
+        docs, tokenizer, d.seq_len, d.eval_fraction, SPLIT_SEED, d.pack, d.assistant_only, eval_docs
     )
     for name, split in (("train", train), ("eval", held_out)):
         if len(split) == 0:
             raise DataError(
-                f"{d.path}: the {name} split is empty ({len(docs)} documents, data.eval_fraction="
-                f"{d.eval_fraction}); give more documents"
+                f"{d.eval_path if name == 'eval' and d.eval_path else d.path}: the {name} split is empty "
+                f"({len(docs)} documents, data.eval_fraction={d.eval_fraction}); give more documents"
             )
     manifest = write_token_shards(
         train,

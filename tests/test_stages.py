@@ -36,9 +36,10 @@ from schemas.manifests import (
     TokenizeManifest,
     sha256_file,
 )
+from stages.inputs import InputError, check_inputs
 from stages.layout import stage_dir
 from tests.gpu_fixtures import device_or_skip
-from tests.pipeline_fixtures import tiny_config, tokenizer_metadata
+from tests.pipeline_fixtures import tiny_config, tiny_inputs, tokenizer_metadata
 from training.teacher import Teacher
 
 pytestmark = pytest.mark.gpu
@@ -98,6 +99,28 @@ def test_tokenize_writes_verified_shards_where_its_key_says(chain: Chain) -> Non
         assert sum(int(np.sum(m)) for m in ds["loss_mask"]) == part.n_positions
     assert tok.train.n_documents + tok.eval.n_documents == 36  # every document of texts.jsonl, in one split
     assert tok.seq_len == 24 and tok.vocab_size == len(tokenizer_metadata()["tokenizer.ggml.tokens"])
+
+
+def test_tokenize_holds_out_a_separate_source(tmp_path: Path) -> None:
+    """data.eval_path: every document of data.path trains, every document of eval_path is held out (a split by
+    source); the key (and folder) differ from the hash split's; no held-out text is in the train split."""
+    texts = [json.loads(line)["text"] for line in (tiny_inputs() / "texts.jsonl").read_text().splitlines()]
+    train_file, eval_file = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:30]))
+    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[30:]))
+    data = {"path": str(train_file), "eval_path": str(eval_file)}
+    cfg = RunConfig.model_validate(tiny_config(tmp_path / "run", data=data))
+    tok = stages.tokenize.run(cfg)
+    assert (tok.train.n_documents, tok.eval.n_documents) == (30, 6)
+    plain = RunConfig.model_validate(tiny_config(tmp_path / "run", data={"path": str(train_file)}))
+    assert stages.tokenize.KEY.key(cfg, {}) != stages.tokenize.KEY.key(plain, {})
+    root = tmp_path / "run"
+    train_ids = {tuple(r) for r in read_token_split(tok.path_in(root), "train")["input_ids"]}
+    eval_ids = {tuple(r) for r in read_token_split(tok.path_in(root), "eval")["input_ids"]}
+    assert train_ids and eval_ids and not train_ids & eval_ids
+    missing = RunConfig.model_validate(tiny_config(tmp_path / "run", data={"eval_path": str(tmp_path / "no.jsonl")}))
+    with pytest.raises(InputError, match="data.eval_path"):
+        check_inputs(missing)
 
 
 def test_tokenize_names_the_data_file_and_field(tmp_path: Path) -> None:
