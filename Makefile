@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-12)
 VULKAN_STAMP := $(VENV)/.vulkan-ok
+BROWSER_STAMP := $(VENV)/.browser-ok
 export XDG_RUNTIME_DIR ?= /tmp
 export WGPU_BACKEND_TYPE ?= Vulkan
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -30,10 +31,20 @@ $(VULKAN_STAMP): $(STAMP)
 	  $(PY) -m gpu.probe || { echo "still no Vulkan adapter after installing lavapipe" >&2; exit 1; }; fi
 	touch $@
 
+# tests/test_ui.py drives the Prefect and MLflow UIs in Debian's headless chromium through chromedriver and selenium
+# (4.51: 4.52 needs a newer certifi than the index has); no browser is downloaded at run time.
+$(BROWSER_STAMP): $(STAMP)
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then echo "chromium found"; \
+	else echo "installing chromium and chromium-driver (Debian) for the UI test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; fi
+	$(PY) -m pip install -q --disable-pip-version-check selenium==4.51.0
+	touch $@
+
 demo: setup
 	$(VENV)/bin/distillery demo
 
-test: setup
+test: setup $(BROWSER_STAMP)
 	DISTILLERY_REQUIRE_GPU=1 $(PY) -m pytest -q --durations=15
 
 lint: setup

@@ -15,7 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,9 +65,36 @@ class Servers:
         return httpx.Client(base_url=self.api_url, timeout=30)
 
 
+@contextmanager
+def shared(key: str, start: Callable[[], AbstractContextManager[Any]]) -> Iterator[Any]:
+    """One `start()` per session, however many test modules import the fixture that asks for it (each module
+    that imports a fixture gets its own copy of it): started by the first, stopped when the last ends."""
+    if key not in _SHARED:
+        stack = ExitStack()
+        _SHARED[key] = (stack, stack.enter_context(start()))
+    _USERS[key] += 1
+    try:
+        yield _SHARED[key][1]
+    finally:
+        _USERS[key] -= 1
+        if _USERS[key] == 0:
+            _SHARED.pop(key)[0].close()
+
+
+_SHARED: dict[str, tuple[ExitStack, Any]] = {}
+_USERS: Counter[str] = Counter()
+
+
 @pytest.fixture(scope="session", name="servers")
 def _servers() -> Iterator[Servers]:
     """infra/up.sh on free ports in a tmp data dir; infra/down.sh at the end of the session."""
+    with shared("servers", start_servers) as servers:
+        yield servers
+
+
+@contextmanager
+def start_servers() -> Iterator[Servers]:
+    """infra/up.sh on free ports in a tmp data dir; infra/down.sh on exit."""
     servers = Servers(Path(tempfile.mkdtemp(prefix="distillery-servers-")), free_port(), free_port())
     env = {
         **os.environ,
@@ -176,6 +205,13 @@ def _served(servers: Servers) -> Iterator[Served]:
     from tests.gpu_fixtures import device_or_skip
 
     device_or_skip()  # the served runs train on the GPU (lavapipe here)
+    with shared("served", lambda: serve_tiny(servers)) as served:
+        yield served
+
+
+@contextmanager
+def serve_tiny(servers: Servers) -> Iterator[Served]:
+    """`distillery serve` of the tiny config as distill/tiny on `servers` (stopped on exit)."""
     root = Path(tempfile.mkdtemp(prefix="distillery-served-"))
     workdir, home, log = root / "run", root / "prefect-home", root / "serve.log"
     config = root / "tiny.yaml"
@@ -228,6 +264,13 @@ class FinishedRun:
 @pytest.fixture(scope="session", name="default_run")
 def _default_run(served: Served) -> FinishedRun:
     """One run of distill/tiny with the deployment's parameters sent the way the UI's form sends them."""
+    if "default_run" not in _SHARED:
+        _SHARED["default_run"] = (ExitStack(), first_run(served))
+    return _SHARED["default_run"][1]  # type: ignore[no-any-return]
+
+
+def first_run(served: Served) -> FinishedRun:
+    """Trigger distill/tiny with its parameters as the UI's run form sends them; wait until it finishes."""
     run_id = create_run(served.servers, served.deployment_id, served.deployment["parameters"])
     run = wait_run(served.servers, run_id)
     assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{_tail(served.log)}"
