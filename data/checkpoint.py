@@ -328,8 +328,9 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint under `root` (one folder level) with the highest (step, epoch), or None.
+def latest_checkpoint(root: str | Path, max_step: int | None = None) -> Path | None:
+    """The complete checkpoint under `root` (one folder level) with the highest (step, epoch), or None; with
+    `max_step`, the highest at or before that step (where a recomputed epoch starts from).
 
     Incomplete or corrupt folders (no JSON, missing file, hash mismatch) are skipped.
     """
@@ -344,6 +345,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
             state = _read_record(folder)["state"]
             key = (int(state["step"]), int(state["epoch"]))
         except (CheckpointError, KeyError, TypeError, ValueError):
+            continue
+        if max_step is not None and key[0] > max_step:
             continue
         candidates.append((key, folder.name, folder))
     for _, _, folder in sorted(candidates, reverse=True):

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 app = typer.Typer(
     help="Distil a full-precision teacher into a quantized GGUF student with LoRA trained on the GPU "
@@ -19,7 +25,7 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console(soft_wrap=True)  # long paths and URLs stay on one line (copyable)
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # an error stays one line in a log, whatever its width
 
 ConfigArg = Annotated[
     Path | None,
@@ -37,11 +43,42 @@ SetOpt = Annotated[
 ]
 
 
+def _user_error(exc: BaseException | None) -> bool:
+    """Errors a user can act on (bad input, an unusable file): shown as their one-line message."""
+    return isinstance(exc, ValueError | OSError)
+
+
 def _fail(exc: BaseException) -> None:
     message = " ".join(str(exc).split()) if not isinstance(exc, ValueError) else str(exc).strip()
-    kind = "" if isinstance(exc, ValueError | OSError) else f"{type(exc).__name__}: "
-    err_console.print(f"[bold red]error:[/] {kind}{message}", highlight=False)
+    kind = "" if _user_error(exc) else f"{type(exc).__name__}: "
+    err_console.print(Text.assemble(("error:", "bold red"), f" {kind}{message}"), highlight=False)
     raise typer.Exit(code=1)
+
+
+class _OneLineUserErrors(logging.Formatter):
+    """Prefect's console formatter, minus the traceback of a user error (the API's log keeps it)."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not (record.exc_info and _user_error(record.exc_info[1])):
+            return self.inner.format(record)
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def _quiet_prefect_console() -> None:
+    """A failed stage's user error shows on the console as its one line, not a traceback (bugs keep theirs)."""
+    for handler in logging.getLogger().handlers:
+        if type(handler).__name__ == "PrefectConsoleHandler" and handler.formatter is not None:
+            if not isinstance(handler.formatter, _OneLineUserErrors):
+                handler.setFormatter(_OneLineUserErrors(handler.formatter))
 
 
 @app.command()
@@ -66,42 +103,135 @@ def inspect(
 # ---------------------------------------------------------------------------------------------- pipeline
 
 
-def _prefect_env(workdir: Path) -> None:
-    """Keep Prefect's state under the workdir unless the user pointed it elsewhere (only effective before
-    prefect is imported): PREFECT_HOME (the ephemeral server's database), local result storage, no
-    analytics."""
-    if "prefect" in sys.modules:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C is, so a run unwinds the same way."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM and SIGHUP interrupt the run like Ctrl-C (exit 128 + signal number)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
+    saved = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _prefect_env(workdir: Path) -> bool:
+    """Keep Prefect's state under the workdir unless the user pointed it elsewhere (only effective before
+    prefect is imported): PREFECT_HOME (the temporary server's database), local result storage, no
+    analytics. True when the run needs a temporary server (no PREFECT_API_URL, prefect not imported yet)."""
+    if "prefect" in sys.modules:
+        return False
     home = workdir.resolve() / ".prefect"
     os.environ.setdefault("PREFECT_HOME", str(home))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(home / "storage"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    return not os.environ.get("PREFECT_API_URL")
+
+
+@contextlib.contextmanager
+def _prefect_api(workdir: Path) -> Iterator[bool]:
+    """PREFECT_API_URL for the flow: the user's server, or this workdir's temporary one (flows/server.py),
+    started or reused here and left when the block ends. Yields whether it is the temporary one."""
+    if not _prefect_env(workdir):
+        yield False
+        return
+    from flows.server import MARK_ENV, TemporaryServer
+
+    with TemporaryServer(os.environ["PREFECT_HOME"]) as api_url:
+        os.environ.update({"PREFECT_API_URL": api_url, MARK_ENV: "temporary"})
+        try:
+            yield True
+        finally:
+            _drain_prefect()
+            os.environ.pop("PREFECT_API_URL", None)
+            os.environ.pop(MARK_ENV, None)
+
+
+def _drain_prefect() -> None:
+    """Send the run's queued logs and events while its server is up (else Prefect retries them at exit)."""
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=5)
+
+
+def _writable_workdir(path: str | Path) -> Path:
+    """The run's workdir, created; an InputError naming run.workdir when it cannot be written."""
+    from stages.inputs import InputError
+
+    root = Path(path).expanduser().resolve()
+    probe = root / f".write-test-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise InputError(f"run.workdir: {root}: not writable ({exc.strerror or exc})") from None
+    return root
+
+
+def _waiting(root: Path, holder: str) -> None:
+    err_console.print(f"waiting: another run ({holder}) is using {root}; this one continues when it ends")
 
 
 def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tuple[str, ...] = ()) -> None:
-    """Load the config, check inputs (before any Prefect server starts), run the flow, print the report."""
-    from schemas.config import load_config
-    from stages.inputs import check_inputs
-
+    """Load the config, check inputs (before any Prefect server starts), answer a fully cached run from its
+    verified results without Prefect, else run the flow; print the report."""
     try:
-        cfg = load_config(config, [*(overrides or []), *extra])
-        _prefect_env(Path(cfg.run.workdir))
-        check_inputs(cfg)
-        from flows.distill import run_pipeline
+        with _signals_interrupt():
+            from schemas.config import load_config
+            from stages.inputs import check_inputs
 
-        summary = run_pipeline(cfg, until)  # type: ignore[arg-type]
-    except KeyboardInterrupt:
-        err_console.print("[bold red]interrupted[/]: rerun the same command to resume from the cache")
-        raise typer.Exit(code=130) from None
+            cfg = load_config(config, [*(overrides or []), *extra])
+            root = _writable_workdir(cfg.run.workdir)
+            check_inputs(cfg)
+            from flows.cached import cached_run, remember
+            from flows.locks import workdir_lock
+
+            summary = cached_run(cfg, until)
+            if summary is None:
+                with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)):
+                    summary = cached_run(cfg, until)  # the run we waited for may have made everything
+                    if summary is None:
+                        with _prefect_api(root):
+                            from flows.distill import run_pipeline
+
+                            _quiet_prefect_console()
+                            summary = run_pipeline(cfg, until)  # type: ignore[arg-type]
+                        remember(cfg, until, summary)
+    except KeyboardInterrupt as exc:
+        code = 128 + exc.signum if isinstance(exc, Terminated) else 130
+        why = f" by {exc}" if isinstance(exc, Terminated) else ""
+        err_console.print(f"[bold red]interrupted[/]{why}: rerun the same command to resume from the cache")
+        raise typer.Exit(code=code) from None
     except typer.Exit:
         raise
     except Exception as exc:  # noqa: BLE001 -- the one place errors become a message and exit status 1
         _fail(exc)
-    print_report(summary, Path(cfg.run.workdir))
+    print_report(summary, root)
 
 
 def print_report(summary: dict[str, Any], workdir: Path) -> None:
-    """Before/after table, stages ran/cached, files, and where the MLflow / Prefect records are."""
+    """Before/after table, stages ran/cached, files, and where the MLflow / Prefect records are (a cached rerun
+    names the run whose results it reused)."""
     if summary.get("baseline") is not None:
         table = Table(title="held-out: teacher vs student")
         for col in ("student", "KL(teacher‖student)", "top-1", "CE", "ppl"):
@@ -136,16 +266,22 @@ def print_report(summary: dict[str, Any], workdir: Path) -> None:
         note = "" if reg.get("new", True) else " (this adapter was registered before)"
         console.print(f"registered model: {reg['name']} version {reg['version']}{note}")
     ml = summary["mlflow"]
+    reused = summary.get("reused", False)
     console.print(f"report: {summary.get('report')}  ({summary['seconds']:.1f} s)")
-    console.print(f"MLflow run {ml['run_id']} in {ml['tracking_uri']}")
+    if reused:
+        console.print("every stage reused after verifying its files: the records below are the run that made them")
+    console.print(
+        f"MLflow run {ml['run_id']} in {ml['tracking_uri']}" + (" (reused: nothing logged)" if reused else "")
+    )
     if ml["tracking_uri"].startswith("sqlite:"):
         console.print(f"  UI: infra/mlflow-server.sh {workdir}  then open {ml['url']}")
     else:
         console.print(f"  UI: {ml['url']}")
     console.print(f"Prefect flow run {summary['flow_run_name']} ({summary['flow_run_id']})")
-    if os.environ.get("PREFECT_API_URL"):
-        console.print(f"  UI: {summary.get('prefect_url')}")
-    else:
+    url = summary.get("prefect_url")
+    if url and not str(url).startswith("None"):
+        console.print(f"  UI: {url}")
+    else:  # the temporary server is gone: its database stays under the workdir
         home = os.environ.get("PREFECT_HOME", str(workdir / ".prefect"))
         console.print(
             f"  UI: PREFECT_HOME={home} infra/prefect-server.sh  then open "

@@ -2,13 +2,16 @@
 
 Never arrays or GPU objects. A stage's manifest knows where its files are: paths are strings relative to the
 run's workdir (absolute when outside it), and `path_in(workdir)` gives the stage's output on disk (its folder,
-or the file for the student). `FileRef.verify(workdir)` checks a file by size and sha256. The same classes
-describe files written by library code (data/), which leaves `dir` empty: such a manifest is not placed yet.
+or the file for the student). `FileRef.verify(workdir)` checks a file by size and sha256, and a stage's
+manifest lists the files it stands for in `outputs()` (what the stage cache verifies before reusing a result).
+The same classes describe files written by library code (data/), which leaves `dir` empty: such a manifest is
+not placed yet.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Self
 
@@ -25,6 +28,10 @@ class Manifest(BaseModel):
     """Base: immutable, unknown keys rejected, inf/nan written as JSON constants so metrics round-trip."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, ser_json_inf_nan="constants")
+
+    def outputs(self) -> tuple[FileRef, ...]:
+        """The files this result stands for, each with its size and sha256 (none for pure values)."""
+        return ()
 
 
 def stored_path(path: str | Path, workdir: str | Path) -> str:
@@ -90,15 +97,16 @@ class FileRef(Manifest):
         """The same content recorded at `path` (stored relative to the workdir)."""
         return self.model_copy(update={"path": stored_path(path, workdir)})
 
-    def verify(self, root: str | Path | None = None) -> Path:
-        """Check the file exists with the recorded size and sha256; return its path."""
+    def verify(self, root: str | Path | None = None, sha256: Callable[[Path], str] = sha256_file) -> Path:
+        """Check the file exists with the recorded size and sha256; return its path. `sha256` hashes a file
+        (a memoised hasher skips re-reading a large file whose size and mtime are unchanged)."""
         full = self.resolve(root)
         if not full.is_file():
             raise ManifestError(f"{full}: file missing")
         size = full.stat().st_size
         if size != self.bytes:
             raise ManifestError(f"{full}: size {size} bytes, manifest says {self.bytes}")
-        digest = sha256_file(full)
+        digest = sha256(full)
         if digest != self.sha256:
             raise ManifestError(f"{full}: sha256 {digest}, manifest says {self.sha256}")
         return full
@@ -123,6 +131,10 @@ class TokenizeManifest(Located):
     train: TokenSplit
     eval: TokenSplit
 
+    def outputs(self) -> tuple[FileRef, ...]:
+        """The .arrow data files of both splits."""
+        return (*self.train.shards, *self.eval.shards)
+
     def shards_hash(self) -> str:
         """sha256 over the shard hashes of both splits, in order: the token-data part of later cache keys."""
         joined = "\n".join(
@@ -142,6 +154,9 @@ class StudentManifest(Manifest):
     def path_in(self, workdir: str | Path) -> Path:
         """The student GGUF on disk."""
         return self.file.resolve(workdir)
+
+    def outputs(self) -> tuple[FileRef, ...]:
+        return (self.file,)
 
 
 class ShardRecord(Manifest):
@@ -212,6 +227,9 @@ class CheckpointManifest(Located):
     state: FileRef
     metrics: dict[str, float] = Field(default_factory=dict)
 
+    def outputs(self) -> tuple[FileRef, ...]:
+        return (self.adapter, self.optimizer, self.state)
+
 
 class EvalManifest(Manifest):
     """Held-out metrics of one checkpoint (epoch/step None: the student before training)."""
@@ -240,6 +258,9 @@ class ExportManifest(Located):
     merge_report: dict[str, float] | None = Field(
         None, description="totals of the merge: merged tensors, error_rms, error_max, delta_rms"
     )
+
+    def outputs(self) -> tuple[FileRef, ...]:
+        return (*(self.peft or ()), *(ref for ref in (self.gguf_lora, self.merged) if ref is not None))
 
     def files(self) -> dict[str, str]:
         """What was written, as stored: peft_dir (the folder PEFT loads), gguf_lora, merged."""

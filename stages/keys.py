@@ -6,6 +6,11 @@ A stage's key is the sha256 of: the stage name and its code version, the config 
 manifests (locations and run-time measurements dropped, so only hashes, counts and values count: a moved
 workdir with the same content keeps its keys). A stage writes into the folder its key addresses
 (stages.layout.stage_dir); tasks/caching.py uses the same key as the Prefect cache key.
+
+`outputs_problem` verifies a cached result before it is reused: every file its manifest lists (outputs()) on
+disk with the recorded size and sha256, plus format-level checks for the files a manifest does not hash (a
+token split's datasets metadata). Files up to VERIFY_FULL_BYTES are hashed at every check; a larger one through
+the memo, so it is re-read only when its size or mtime changed.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from typing import Any
 
 from data.records import dataset_fingerprint
 from schemas.config import RunConfig, config_fingerprint
-from schemas.manifests import sha256_file
+from schemas.manifests import Manifest, ManifestError, TokenizeManifest, sha256_file
 from stages.layout import workdir
 
 MEMO_FILE = Path(".cache") / "sha256.json"
+VERIFY_FULL_BYTES = 64 << 20
 # Never part of a key: locations (paths, dirs), and what a checkpoint records about the run that wrote it
 # (metrics with timings, the state JSON holding them, the optimizer moments): a checkpoint counts by its
 # adapter.
@@ -128,3 +134,49 @@ def _field(cfg: RunConfig, dotted: str) -> Any:
     for part in dotted.split("."):
         node = getattr(node, part)
     return node
+
+
+# ---------------------------------------------------------------------------------------------- verification
+
+
+def verified_sha256(path: Path, memo_root: str | Path) -> str:
+    """sha256 for verification: read in full up to VERIFY_FULL_BYTES, through the memo above that."""
+    if path.stat().st_size <= VERIFY_FULL_BYTES:
+        return sha256_file(path)
+    return file_sha256(path, memo_root)
+
+
+def outputs_problem(cfg: RunConfig, manifest: Manifest) -> str | None:
+    """None when the files a stage result stands for verify on disk; else one line naming the file and what
+    differs (missing, size, sha256, unreadable metadata)."""
+    root = workdir(cfg)
+    try:
+        for ref in manifest.outputs():
+            ref.verify(root, sha256=lambda p: verified_sha256(p, root))
+    except ManifestError as exc:
+        return str(exc)
+    if isinstance(manifest, TokenizeManifest):
+        return token_splits_problem(manifest, root)
+    return None
+
+
+def token_splits_problem(manifest: TokenizeManifest, root: Path) -> str | None:
+    """Format-level check of the datasets metadata next to each split's .arrow files (not hashed: it holds a
+    random fingerprint): state.json lists exactly the manifest's files, dataset_info.json has the columns."""
+    for split in ("train", "eval"):
+        refs = getattr(manifest, split).shards
+        if not refs:
+            continue
+        folder = refs[0].resolve(root).parent
+        try:
+            state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+            info = json.loads((folder / "dataset_info.json").read_text(encoding="utf-8"))
+            listed = sorted(str(f["filename"]) for f in state["_data_files"])
+            columns = set(info["features"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"{folder}: unreadable datasets metadata ({type(exc).__name__}: {exc})"
+        if listed != sorted(ref.resolve(root).name for ref in refs):
+            return f"{folder / 'state.json'}: lists {listed}, the manifest has {len(refs)} other files"
+        if not {"input_ids", "loss_mask"} <= columns:
+            return f"{folder / 'dataset_info.json'}: columns {sorted(columns)} lack input_ids/loss_mask"
+    return None

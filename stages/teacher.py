@@ -49,6 +49,8 @@ KEY = StageKey(
     files=("model.teacher",),
     inputs=("tokens",),
 )
+# A shard's key: the plan's content (teacher, k, temperature, token shards, every shard's range) and its own row.
+SHARD_KEY = StageKey(stage="teacher-shard", version="1", inputs=("plan", "shard"))
 
 
 def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:

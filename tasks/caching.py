@@ -1,12 +1,13 @@
-"""Prefect cache policy of the pipeline's stages: the stage's content key (stages/keys.py), and a check that
-the files a cached result names are still there.
+"""Prefect cache policy of the pipeline's stages: the stage's content key (stages/keys.py), and a cached result
+reused only after the files it names verify.
 
 Never Prefect's DEFAULT policy (it includes the run id) and never a bare Path (Prefect would hash the string).
 Results are persisted as JSON (tasks return typed manifests, which Prefect's JSON serializer round-trips) into
-the storage the flow runs with, which flows.distill puts under the run's workdir. A policy may also name an
-`outputs_problem` check: when a cached result exists but the files it names are gone or corrupt, compute_key
-returns None and the task runs again (rebuilding them, deterministically) instead of returning a manifest that
-no longer matches the disk.
+the storage the flow runs with, which flows.distill puts under the run's workdir. Before a cached result is
+reused, its manifest's files are checked (stages.keys.outputs_problem: size and sha256 of every output, or a
+stage's own check such as a teacher shard's): when one is missing or differs, one warning line says which and
+the record is dropped, so the task runs again, rebuilds its files (deterministically) and stores a fresh
+record; a stage downstream recomputes when its inputs' content changed (its key changes).
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ from typing import Any
 from prefect.cache_policies import CachePolicy
 
 from schemas.config import RunConfig
-from stages.keys import StageKey
+from schemas.manifests import Manifest
+from stages.keys import StageKey, outputs_problem
+from tasks import faults
 
 # Records are stored as '<stage>-typed-<sha256>': the manifests a task returns now, never the plain dicts that
 # earlier versions stored under '<stage>-<sha256>'. The sha256 (and so every stage folder) is the content key.
 RECORD_FORMAT = "typed"
+
+Verify = Callable[[RunConfig, Mapping[str, Any], Any], str | None]
 
 
 def as_config(cfg: RunConfig | Mapping[str, Any]) -> RunConfig:
@@ -33,19 +38,23 @@ def as_config(cfg: RunConfig | Mapping[str, Any]) -> RunConfig:
     return cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
 
 
+def record_key(stage: str, key: str) -> str:
+    """The Prefect result record of stage `stage`'s content key `key` ('<stage>-<sha256>')."""
+    return f"{stage}-{RECORD_FORMAT}-{key.rsplit('-', 1)[-1]}"
+
+
+def verify_outputs(cfg: RunConfig, inputs: Mapping[str, Any], result: Any) -> str | None:
+    """The default check of a cached result: the files its manifest lists (stages.keys.outputs_problem)."""
+    return outputs_problem(cfg, result) if isinstance(result, Manifest) else None
+
+
 @dataclass
 class StageCache(CachePolicy):
-    """Cache key of one pipeline stage: its content key (`spec`), checked against the disk.
-
-    outputs_problem: (cfg, inputs, content key) -> None when the outputs a cached result names are on disk
-        (and verify), else what is wrong with them: then the task runs again instead of returning the cached
-        result.
-    """
+    """Cache key of one pipeline stage: its content key (`spec`); a cached result is used only when `verify`
+    (cfg, the task's inputs, the cached result) finds nothing wrong with the files it names."""
 
     spec: StageKey = field(kw_only=True)
-    outputs_problem: Callable[[RunConfig, Mapping[str, Any], str], str | None] | None = field(
-        default=None, repr=False, kw_only=True
-    )
+    verify: Verify = field(default=verify_outputs, repr=False, kw_only=True)
 
     @property
     def stage(self) -> str:
@@ -57,7 +66,7 @@ class StageCache(CachePolicy):
 
     def record_key(self, key: str) -> str:
         """The Prefect result record of content key `key`."""
-        return f"{self.stage}-{RECORD_FORMAT}-{key.rsplit('-', 1)[-1]}"
+        return record_key(self.stage, key)
 
     def compute_key(
         self,
@@ -67,29 +76,46 @@ class StageCache(CachePolicy):
         **kwargs: Any,
     ) -> str | None:
         cfg = as_config(inputs["cfg"])
-        key = self.key(cfg, inputs)
-        record = self.record_key(key)
-        problem = None if self.outputs_problem is None else self.outputs_problem(cfg, inputs, key)
-        if problem is None or not _has_record(record):
+        record = self.record_key(self.key(cfg, inputs))
+        cached = _read_record(record)
+        if cached is None:
             return record
-        # A cached result names outputs that are gone or corrupt: run again (rebuilding them), no cache hit.
+        problem = self.verify(cfg, inputs, cached)
+        if problem is None:
+            return record
         from prefect import get_run_logger
 
-        get_run_logger().warning("%s: cached result not used, recomputing", problem)
+        name = getattr(getattr(task_ctx, "task_run", None), "name", None) or self.stage
+        get_run_logger().warning(
+            "%s: cached result not used (%s): recomputing it and what depends on it", name, problem
+        )
+        # Drop the stale record so the rerun stores a fresh one under the same key (else: run, cache nothing).
+        return record if _drop_record(record) else None
+
+
+def _read_record(key: str) -> Any | None:
+    """The value cached under `key` in the current result store, or None (absent or unreadable)."""
+    from prefect.results import get_result_store
+
+    try:
+        return get_result_store().read(key).result
+    except Exception:  # noqa: BLE001 -- an unreadable record is a miss: the task runs and rewrites it
         return None
 
 
-def _has_record(key: str) -> bool:
-    """Whether the current result store holds a cached result under `key`."""
+def _drop_record(key: str) -> bool:
+    """Delete the record `key` from local result storage; False when the storage is not a local folder."""
     from prefect.results import get_result_store
 
-    return get_result_store().exists(key)
-
-
-def missing(*paths: Path) -> str | None:
-    """An outputs_problem answer: None when every path exists, else which one is gone."""
-    gone = [p for p in paths if not p.exists()]
-    return None if not gone else f"{gone[0]}: missing"
+    store = get_result_store()
+    resolve = getattr(store.result_storage, "_resolve_path", None)
+    if resolve is None or store.metadata_storage is not None:
+        return False
+    try:
+        Path(resolve(key)).unlink(missing_ok=True)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- task options
@@ -99,9 +125,12 @@ _STATES: dict[str, list[tuple[str, str]]] = {}
 
 
 def _record_state(task: Any, task_run: Any, state: Any) -> None:
-    """Hook: remember (task run name, state name) per flow run: Completed = ran, Cached = reused."""
+    """Hook: remember (task run name, state name) per flow run: Completed = ran, Cached = reused. A stage that
+    ran is a stage boundary for fault injection (DISTILLERY_FAULT=after=<task run name>)."""
     with _log_lock:
         _STATES.setdefault(str(task_run.flow_run_id), []).append((task_run.name, state.name))
+    if state.name == "Completed":
+        faults.check("after", task_run.name)
 
 
 def stage_states(flow_run_id: str) -> list[tuple[str, str]]:

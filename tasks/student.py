@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from prefect import task
 
 import stages.student
 from schemas.config import RunConfig
 from schemas.manifests import StudentManifest
-from tasks.caching import StageCache, missing, stage_options
+from tasks.caching import StageCache, stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 
-
-def _outputs_problem(cfg: RunConfig, inputs: Mapping[str, Any], key: str) -> str | None:
-    return missing(stages.student.student_file(cfg, key))
-
-
-POLICY = StageCache(spec=stages.student.KEY, outputs_problem=_outputs_problem)
+POLICY = StageCache(spec=stages.student.KEY)
 
 
 @task(**stage_options(POLICY, task_run_name="student"))

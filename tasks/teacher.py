@@ -15,22 +15,18 @@ from prefect import task
 import stages.teacher
 from schemas.config import RunConfig
 from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
-from stages.keys import StageKey
 from tasks import faults
 from tasks.caching import StageCache, stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 
 
-def _shard_problem(cfg: RunConfig, inputs: Mapping[str, Any], key: str) -> str | None:
+def _shard_problem(cfg: RunConfig, inputs: Mapping[str, Any], cached: Any) -> str | None:
     return stages.teacher.shard_problem(cfg, inputs["plan"], inputs["shard"])
 
 
 PLAN = StageCache(spec=stages.teacher.KEY)
-# A shard's key: the plan's content (teacher, k, temperature, token shards, every shard's range) and its own row.
-SHARD = StageCache(
-    spec=StageKey(stage="teacher-shard", version="1", inputs=("plan", "shard")), outputs_problem=_shard_problem
-)
+SHARD = StageCache(spec=stages.teacher.SHARD_KEY, verify=_shard_problem)
 
 
 @task(**stage_options(PLAN, task_run_name="teacher-plan"))

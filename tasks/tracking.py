@@ -12,6 +12,7 @@ sqlite URI the experiment's artifacts go to <workdir>/mlartifacts, where infra/m
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import threading
 import time
@@ -125,7 +126,7 @@ class RunRecord:
     def __init__(self, cfg: RunConfig, client: Any, run_id: str, experiment_id: str, flow_run: Any) -> None:
         self.cfg, self.client, self.id, self.experiment_id = cfg, client, run_id, experiment_id
         self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
-        self.prefect_url = getattr(flow_run, "ui_url", None)
+        self.prefect_url = prefect_ui_url(flow_run)
         self.started = time.perf_counter()
         self.tokens: TokenizeManifest | None = None
         self.student: StudentManifest | None = None
@@ -276,6 +277,15 @@ def _eval_values(ev: EvalManifest) -> dict[str, float]:
 def _json(manifest: Any) -> Any:
     """A manifest as the JSON-able dict of the run summary (None stays None)."""
     return None if manifest is None else manifest.model_dump(mode="json")
+
+
+def prefect_ui_url(flow_run: Any) -> str | None:
+    """The flow run's page in the Prefect UI; None without a UI to open: no server URL (Prefect would give
+    'None/flow-runs/...') or the CLI's temporary server (no UI, gone after the run: DISTILLERY_PREFECT_SERVER)."""
+    url = getattr(flow_run, "ui_url", None)
+    if not url or str(url).startswith("None") or os.environ.get("DISTILLERY_PREFECT_SERVER") == "temporary":
+        return None
+    return str(url)
 
 
 def mlflow_ui_url(cfg: RunConfig, experiment_id: str, run_id: str) -> str:

@@ -7,28 +7,20 @@ to the fault hook.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from prefect import task
 
 import stages.train
-from data.checkpoint import STATE_FILE
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, StudentManifest, TeacherManifest, TokenizeManifest
 from tasks import faults
-from tasks.caching import StageCache, missing, stage_options
+from tasks.caching import StageCache, stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 from tasks.tracking import step_logger
 
-
-def _outputs_problem(cfg: RunConfig, inputs: Mapping[str, Any], key: str) -> str | None:
-    folder = stages.train.epoch_folder(cfg, inputs["student"], inputs["tokens"], inputs["teacher"], inputs["epoch"])
-    return missing(folder / STATE_FILE)
-
-
-POLICY = StageCache(spec=stages.train.KEY, outputs_problem=_outputs_problem)
+POLICY = StageCache(spec=stages.train.KEY)
 
 
 @task(**stage_options(POLICY, task_run_name="train-epoch-{epoch}"))

@@ -4,6 +4,7 @@ check that refuses a stale cached result."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import yaml
 from schemas.config import RunConfig, load_config
 from schemas.manifests import (
     CheckpointManifest,
+    ExportManifest,
     FileRef,
     ShardRecord,
     StudentManifest,
@@ -199,23 +201,106 @@ def test_file_hash_is_memoised_by_path_size_mtime(tmp_path: Path, monkeypatch: p
     assert keys.file_sha256(f, tmp_path) == real(f) != first and len(calls) == 2
 
 
-def test_stale_cached_result_is_not_used(config_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stale_cached_result_is_recomputed_and_its_record_dropped(
+    config_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = load_config(config_file)
     problem: list[str | None] = [None]
-    policy = caching.StageCache(
-        spec=keys.StageKey(stage="s", inputs=("x",)), outputs_problem=lambda c, i, k: problem[0]
-    )
+    policy = caching.StageCache(spec=keys.StageKey(stage="s", inputs=("x",)), verify=lambda c, i, r: problem[0])
     inputs = {"cfg": cfg, "x": _ref("a", "7")}
-    records: set[str] = set()
-    monkeypatch.setattr(caching, "_has_record", lambda key: key in records)
+    records: dict[str, Any] = {}
+    monkeypatch.setattr(caching, "_read_record", records.get)
+    monkeypatch.setattr(caching, "_drop_record", lambda key: records.pop(key, None) is not None)
     monkeypatch.setattr("prefect.get_run_logger", lambda: __import__("logging").getLogger("t"))
     key = policy.compute_key(None, inputs, {})
     content_key = policy.key(cfg, inputs)
     # the record key names the result format; its digest is the content key that addresses the stage's folder
-    assert key == f"s-typed-{content_key.removeprefix('s-')}"
+    assert key == f"s-typed-{content_key.removeprefix('s-')}" == caching.record_key("s", content_key)
     problem[0] = "file gone"
     assert policy.compute_key(None, inputs, {}) == key  # nothing cached yet: compute and cache normally
-    records.add(key)
-    assert policy.compute_key(None, inputs, {}) is None  # cached, but its outputs are gone: run again
+    records[key] = "cached manifest"
+    with caplog.at_level("WARNING", logger="t"):
+        assert policy.compute_key(None, inputs, {}) == key  # cached, outputs broken: record dropped, runs again
+    assert key not in records
+    assert [r.getMessage() for r in caplog.records] == [
+        "s: cached result not used (file gone): recomputing it and what depends on it"
+    ]
+    records[key] = "cached manifest"
     problem[0] = None
-    assert policy.compute_key(None, inputs, {}) == key
+    assert policy.compute_key(None, inputs, {}) == key and key in records  # verified: a hit
+
+
+def _written(root: Path, name: str, data: bytes) -> FileRef:
+    path = root / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return FileRef.of(path.resolve(), root)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_outputs_problem_names_the_damaged_file(tmp_path: Path, damage: str) -> None:
+    cfg = RunConfig.model_validate(tiny_config(tmp_path / "run"))
+    root = tmp_path / "run"
+    refs = [_written(root, f"export/a/{n}", bytes(range(256)) * 8) for n in ("adapter-lora.gguf", "merged.gguf")]
+    exported = ExportManifest(dir="export/a", epoch=0, step=2, gguf_lora=refs[0], merged=refs[1])
+    assert keys.outputs_problem(cfg, exported) is None
+    victim = root / refs[1].path
+    if damage == "truncate":
+        victim.write_bytes(victim.read_bytes()[:1000])
+    elif damage == "flip":
+        blob = bytearray(victim.read_bytes())
+        blob[700] ^= 0x01
+        victim.write_bytes(bytes(blob))
+    else:
+        victim.unlink()
+    problem = keys.outputs_problem(cfg, exported)
+    expected = {"truncate": "size 1000 bytes, manifest says 2048", "flip": "sha256", "delete": "file missing"}
+    assert problem is not None and str(victim) in problem and expected[damage] in problem
+
+
+def test_memoised_hash_of_a_large_output_still_sees_a_rewrite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above VERIFY_FULL_BYTES the hash comes from the memo (path, size, mtime): a rewrite changes the mtime."""
+    monkeypatch.setattr(keys, "VERIFY_FULL_BYTES", 16)
+    cfg = RunConfig.model_validate(tiny_config(tmp_path / "run"))
+    ref = _written(tmp_path / "run", "student/a/student.gguf", b"x" * 64)
+    student = StudentManifest(source_sha256="1" * 64, file=ref, requantized=True, tensor_types={})
+    assert keys.outputs_problem(cfg, student) is None
+    assert (tmp_path / "run" / keys.MEMO_FILE).is_file()
+    (tmp_path / "run" / ref.path).write_bytes(b"y" * 64)
+    assert "sha256" in (keys.outputs_problem(cfg, student) or "")
+
+
+def test_token_split_metadata_is_checked(tmp_path: Path) -> None:
+    """The datasets metadata next to the .arrow files is not hashed (it holds a random fingerprint) but must
+    still load: state.json names exactly the manifest's files."""
+    root = tmp_path / "run"
+    cfg = RunConfig.model_validate(tiny_config(root))
+    splits = {}
+    for split in ("train", "eval"):
+        ref = _written(root, f"tokens/a/{split}/data-00000-of-00001.arrow", b"arrow")
+        (root / f"tokens/a/{split}/state.json").write_text(
+            json.dumps({"_data_files": [{"filename": Path(ref.path).name}]})
+        )
+        (root / f"tokens/a/{split}/dataset_info.json").write_text(
+            json.dumps({"features": {"input_ids": {}, "loss_mask": {}}})
+        )
+        splits[split] = TokenSplit(shards=(ref,), n_documents=1, n_sequences=1, n_positions=1)
+    tokens = TokenizeManifest(
+        dir="tokens/a", dataset_fingerprint="f", tokenizer_sha256="1" * 64, vocab_size=9, seq_len=8, **splits
+    )
+    assert keys.outputs_problem(cfg, tokens) is None
+    (root / "tokens/a/eval/state.json").write_text('{"_data_files": [')
+    assert "tokens/a/eval: unreadable datasets metadata" in (keys.outputs_problem(cfg, tokens) or "")
+    (root / "tokens/a/eval/state.json").write_text(json.dumps({"_data_files": [{"filename": "other.arrow"}]}))
+    assert "state.json: lists ['other.arrow']" in (keys.outputs_problem(cfg, tokens) or "")
+
+
+def test_every_stage_manifest_lists_its_files() -> None:
+    up = UPSTREAM
+    assert up["tokens"].outputs() == (*up["tokens"].train.shards, *up["tokens"].eval.shards)
+    assert up["student"].outputs() == (up["student"].file,)
+    ck = up["checkpoint"]
+    assert ck.outputs() == (ck.adapter, ck.optimizer, ck.state)
+    ex = ExportManifest(dir="e", epoch=0, step=1, peft=(_ref("p/a", "1"), _ref("p/b", "2")), merged=_ref("m", "3"))
+    assert [r.path for r in ex.outputs()] == ["p/a", "p/b", "m"]
+    assert up["teacher"].outputs() == ()  # shards: verified with their top-k manifest rows (verify_shard)

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from data.topk import read_manifest
+from flows.cached import cached_run, remember, walk
 from flows.distill import run_pipeline
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, ExportManifest, sha256_file
@@ -188,19 +188,65 @@ def test_bad_inputs_fail_clearly_and_cache_nothing(prefect_harness: None, tmp_pa
         assert _results(wd) == [], name
 
 
-def test_corrupt_shard_and_deleted_exports_are_rebuilt(reference_run: tuple[dict, dict]) -> None:
+def _damage(path: Path, how: str) -> None:
+    blob = bytearray(path.read_bytes())
+    if how == "flip":
+        blob[len(blob) // 2] ^= 0xFF
+    else:
+        del blob[len(blob) // 2 :]
+    path.write_bytes(bytes(blob))
+
+
+def test_damaged_outputs_of_every_stage_are_rebuilt_to_the_same_bytes(reference_run: tuple[dict, dict]) -> None:
+    """One file of each stage's outputs flipped or truncated, the exports' PEFT dir deleted: the rerun
+    recomputes exactly those stages (their rebuilt bytes are the same, so nothing downstream changes) and the
+    adapter it logs to MLflow is the verified one, never the broken file."""
     cfg, s = reference_run
     wd = Path(s["workdir"])
-    topk = next((wd / "teacher").iterdir())
-    manifest = read_manifest(topk)
-    victim = topk / manifest.shards[2].file
-    blob = bytearray(victim.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    victim.write_bytes(bytes(blob))
-    shutil.rmtree(wd / s["export"]["dir"])  # and the exports are gone
+    found = walk(RunConfig.model_validate(cfg)).values
+    topk = found["teacher"].path_in(wd)
+    exported = ExportManifest.model_validate(s["export"])
+    assert exported.gguf_lora is not None
+    victims = {
+        "tokenize": (found["tokens"].train.shards[0].resolve(wd), "flip"),
+        "student": (found["student"].path_in(wd), "truncate"),
+        "teacher-shard-2": (topk / found["teacher"].shards[2].file, "flip"),
+        "train-epoch-0": (found["checkpoints"][0].adapter.resolve(wd), "flip"),
+        "export": (exported.gguf_lora.resolve(wd), "truncate"),
+    }
+    before = {stage: sha256_file(path) for stage, (path, _) in victims.items()}
+    for path, how in victims.values():
+        _damage(path, how)
+    shutil.rmtree(wd / s["files"]["peft_dir"])
     out = _run(cfg)
-    # both rebuilt, to the same bytes: nothing downstream of them changes
-    assert out["stages"]["ran"] == ["teacher-shard-2", "export"]
-    assert sha256_file(victim) == manifest.shards[2].sha256
-    assert (wd / s["files"]["gguf_lora"]).is_file() and out["export"] == s["export"]
-    assert np.isclose(out["best"]["kl"], s["best"]["kl"])
+    assert out["stages"]["ran"] == list(victims)
+    assert {stage: sha256_file(path) for stage, (path, _) in victims.items()} == before
+    for key in ("export", "files", "baseline", "evals", "merged"):
+        assert out[key] == s[key], key
+    for new, old in zip(out["checkpoints"], s["checkpoints"], strict=True):  # the state JSON holds timings
+        assert (new["adapter"], new["optimizer"], new["step"]) == (old["adapter"], old["optimizer"], old["step"])
+    from mlflow.artifacts import download_artifacts
+
+    logged = download_artifacts(
+        run_id=out["mlflow"]["run_id"],
+        artifact_path="adapter/adapter-lora.gguf",
+        tracking_uri=out["mlflow"]["tracking_uri"],
+    )
+    assert sha256_file(logged) == before["export"]
+
+
+def test_cached_walk_is_the_flows_stages_and_answers_a_remembered_run(reference_run: tuple[dict, dict]) -> None:
+    """flows.cached walks the flow's stages in its order over the same records, without Prefect; once a run's
+    summary is remembered, a fully cached rerun is that run (its MLflow run reused, every stage cached)."""
+    cfg, s = reference_run
+    rc = RunConfig.model_validate(cfg)
+    w = walk(rc)
+    assert [name for name, _ in w.records] == s["stages"]["ran"] + s["stages"]["cached"]
+    assert set(_results(Path(s["workdir"]))) >= {key for _, key in w.records}
+    assert [c.adapter.sha256 for c in w.values["checkpoints"]] == [c["adapter"]["sha256"] for c in s["checkpoints"]]
+    assert remember(rc, "export", s) is not None
+    again = cached_run(rc)
+    assert again is not None and again["reused"]
+    assert again["stages"] == {"ran": [], "cached": [name for name, _ in w.records]}
+    assert again["mlflow"] == s["mlflow"] and again["best"] == s["best"]
+    assert cached_run(rc, "teacher") is None  # another `until`: another run, not remembered

@@ -3,6 +3,7 @@ every N steps, bitwise resume."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+from data.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from data.prefix import PrefixReader
 from data.topk import TopkReader
 from model import reference
@@ -21,6 +22,8 @@ from training import engines
 from training.batches import batch_arrays, batch_prefix, read_split
 from training.engine import Engine
 from training.schedule import learning_rate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,10 @@ def train_epoch(
     ckpt_root = Path(ckpt_root)
     done = epoch_dir(ckpt_root, epoch)
     if (done / "checkpoint.json").exists():
-        state = verify_checkpoint(done)
-        return _manifest(done, ckpt_root, state)
+        try:
+            return _manifest(done, ckpt_root, verify_checkpoint(done))
+        except CheckpointError as exc:  # rewritten below, from the checkpoint before it
+            log.warning("%s: retraining epoch %d from the checkpoint before it", exc, epoch)
     train = read_split(token_dir, "train")
     if len(train.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the train split is empty: nothing to train on")
@@ -83,7 +88,7 @@ def train_epoch(
     engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
     steps = _steps_per_epoch(cfg, len(train.seq_ids))
     total = steps * cfg.train.epochs
-    cursor, losses, skipped = _restore(cfg, engine, ckpt_root, epoch)
+    cursor, losses, skipped = _restore(cfg, engine, ckpt_root, epoch, steps)
     order = _epoch_order(cfg, epoch, len(train.seq_ids))
     per_step = cfg.train.batch_size * cfg.train.grad_accum
     tokens = 0
@@ -128,9 +133,10 @@ def train_epoch(
     return _save(engine, done, ckpt_root, epoch, steps, (epoch + 1) * steps, losses, skipped, metrics, epoch_done=True)
 
 
-def _restore(cfg: RunConfig, engine: Engine, ckpt_root: Path, epoch: int) -> tuple[int, list[float], int]:
-    """Load the newest checkpoint (or initialise at epoch 0); returns (cursor in this epoch, losses, skipped)."""
-    latest = latest_checkpoint(ckpt_root)
+def _restore(cfg: RunConfig, engine: Engine, ckpt_root: Path, epoch: int, steps: int) -> tuple[int, list[float], int]:
+    """Load the newest checkpoint before this epoch's end (or initialise at epoch 0); returns (cursor in this
+    epoch, losses, skipped). Later epochs' checkpoints are passed over: a recomputed epoch starts where it did."""
+    latest = latest_checkpoint(ckpt_root, max_step=(epoch + 1) * steps - 1)
     if latest is None:
         if epoch != 0:
             raise FileNotFoundError(f"{ckpt_root}: no checkpoint to start epoch {epoch} from (train epoch 0 first)")
