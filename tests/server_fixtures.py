@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -147,12 +148,20 @@ def wait_run(servers: Servers, flow_run_id: str, timeout: float = 300) -> dict[s
     pytest.fail(f"flow run {flow_run_id} not finished after {timeout:.0f} s: {run['state']}")
 
 
-def stage_states(servers: Servers, flow_run_id: str) -> dict[str, str]:
-    """{task run name: state name} of a flow run's stage tasks (Completed = ran, Cached = reused)."""
+def stage_states(servers: Servers, flow_run_id: str, since: datetime | None = None) -> dict[str, str]:
+    """{task run name: state name} of a flow run's stage tasks (Completed = ran, Cached = reused), of the task
+    runs created after `since` (a retried flow run keeps its earlier attempts' task runs)."""
+    found: list[dict[str, Any]] = []
     with servers.api() as api:
-        reply = api.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200})
-    reply.raise_for_status()
-    return {t["name"]: t["state"]["name"] for t in reply.json()}
+        while True:
+            body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "limit": 200, "offset": len(found)}
+            reply = api.post("/task_runs/filter", json=body)
+            reply.raise_for_status()
+            found += reply.json()
+            if len(reply.json()) < 200:
+                break
+    runs = [t for t in found if since is None or datetime.fromisoformat(t["created"]) >= since]
+    return {t["name"]: t["state"]["name"] for t in runs}
 
 
 # ---------------------------------------------------------------------------------------------- serving

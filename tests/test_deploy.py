@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
@@ -77,6 +78,24 @@ def test_run_from_the_ui_completes_and_an_unchanged_rerun_is_cached(served: Serv
     rerun = wait_run(served.servers, run_id)
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     stages = stage_states(served.servers, run_id)
+    _check_stage_names(stages)
+    assert set(stages.values()) == {"Cached"}, stages
+
+
+def test_retry_of_a_served_run_reruns_it_from_the_cache(served: Served, default_run: FinishedRun) -> None:
+    retry_from = datetime.now(UTC)
+    retried = subprocess.run(
+        [BIN / "prefect", "flow-run", "retry", default_run.id],
+        env=served.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert retried.returncode == 0, retried.stdout + retried.stderr
+    run = wait_run(served.servers, default_run.id)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["run_count"] >= 2
+    stages = stage_states(served.servers, default_run.id, since=retry_from)
     _check_stage_names(stages)
     assert set(stages.values()) == {"Cached"}, stages
 
