@@ -52,7 +52,7 @@ class RunRow:
 
 def tracking_uri(config: Path | None, workdir: Path | None, uri: str | None) -> tuple[str, str | None]:
     """(tracking URI, the config's experiment or None): --tracking-uri, else the config's run section, else the
-    sqlite store of --workdir (default runs/default, or $MLFLOW_TRACKING_URI)."""
+    sqlite store of --workdir, else $MLFLOW_TRACKING_URI or the sqlite store of runs/default."""
     if uri:
         return uri, None
     if config is not None:
@@ -60,10 +60,11 @@ def tracking_uri(config: Path | None, workdir: Path | None, uri: str | None) -> 
 
         cfg = load_config(config)
         return cfg.run.tracking_uri(), cfg.run.experiment
+    if workdir is not None:  # the workdir's own store (as RunSection.tracking_uri names it), whatever the env says
+        return f"sqlite:///{(workdir / 'mlflow.db').resolve()}", None
     from schemas.config import RunSection
 
-    run = RunSection() if workdir is None else RunSection(workdir=workdir)
-    return run.tracking_uri(), None
+    return RunSection().tracking_uri(), None
 
 
 def find_runs(client: Any, experiment: str, selectors: Sequence[str]) -> list[Any]:

@@ -15,7 +15,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.compare import compare_runs, compare_view_url, differences
+from flows.compare import compare_runs, compare_view_url, differences, tracking_uri
 from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
     _prefect_harness,
     _reference_run,
@@ -95,3 +95,10 @@ def test_differences_and_compare_view_url() -> None:
     assert compare_view_url("sqlite:///x.db", "1", ["a"]) is None
     url = compare_view_url("http://127.0.0.1:5000/", "3", ["a", "b"])
     assert url == "http://127.0.0.1:5000/#/compare-runs?runs=%5B%22a%22%2C+%22b%22%5D&experiments=%5B%223%22%5D"
+
+
+def test_tracking_uri_picks_the_named_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert tracking_uri(None, tmp_path, None) == (f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}", None)
+    assert tracking_uri(None, None, None) == ("http://127.0.0.1:5999", None)
+    assert tracking_uri(None, tmp_path, "http://a:1") == ("http://a:1", None)
