@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from selenium import webdriver  # make test installs it (Makefile: selenium + Debian chromium)
+from selenium.webdriver.chrome.service import Service
 
 from flows.compare import compare_view_url
 from tests.server_fixtures import (  # noqa: F401 (the fixtures servers, served, default_run)
@@ -44,11 +46,6 @@ def _browser() -> Iterator[Any]:
     chromium, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
     if chromium is None or driver_path is None:
         pytest.fail("chromium and chromedriver are not installed: `make test` installs them (Debian packages)")
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        pytest.fail("selenium is not installed: `make test` installs it")
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1280,860"):
