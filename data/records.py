@@ -123,7 +123,8 @@ def _columns_present(path: Path, columns: Sequence[str], fields: Sequence[str]) 
     present = [f for f in fields if f in columns]
     if not present:
         raise DataError(
-            f"{path}: no field {' or '.join(repr(f) for f in fields)}; available fields: {', '.join(columns)}"
+            f"{path}: no field {' or '.join(repr(f) for f in fields)}; available fields: {', '.join(columns)} "
+            "(set data.text_field or data.messages_field)"
         )
     return present
 
@@ -182,16 +183,16 @@ def _to_document(source: Path, locator: str, item: Any, text_field: str, message
         try:
             check_messages(messages)
         except ValueError as exc:
-            raise DataError(f"{where}: field '{messages_field}': {exc}") from None
+            raise DataError(f"{where}: field '{messages_field}': {exc} (data.messages_field)") from None
         return Document(str(source), locator, messages=tuple(dict(m) for m in messages))
     if text_field not in item:
         raise DataError(
             f"{where}: no field '{messages_field}' or '{text_field}'; available fields: "
-            f"{', '.join(map(str, item)) or '(none)'}"
+            f"{', '.join(map(str, item)) or '(none)'} (set data.text_field or data.messages_field)"
         )
     text = item[text_field]
     if not isinstance(text, str):
-        raise DataError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__}")
+        raise DataError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__} (data.text_field)")
     return Document(str(source), locator, text=text)
 
 

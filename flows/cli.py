@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -48,8 +49,17 @@ def _user_error(exc: BaseException | None) -> bool:
     return isinstance(exc, ValueError | OSError)
 
 
+def _one_line(text: str) -> str:
+    """A multi-line message (a config with several bad fields) as one line: 'head: item; item'."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) < 2:
+        return " ".join(text.split())
+    head, items = lines[0], "; ".join(lines[1:])
+    return f"{head} {items}" if head.endswith(":") else f"{head}; {items}"
+
+
 def _fail(exc: BaseException) -> None:
-    message = " ".join(str(exc).split()) if not isinstance(exc, ValueError) else str(exc).strip()
+    message = _one_line(str(exc))
     kind = "" if _user_error(exc) else f"{type(exc).__name__}: "
     err_console.print(Text.assemble(("error:", "bold red"), f" {kind}{message}"), highlight=False)
     raise typer.Exit(code=1)
@@ -173,6 +183,18 @@ def _drain_prefect() -> None:
             worker.drain_all(timeout=5)
 
 
+def _load_config(config: Path | None, overrides: list[str]) -> Any:
+    """load_config, its errors naming the config file too (an override's error names only the override)."""
+    from schemas.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as exc:
+        if config is None or str(config) in str(exc):
+            raise
+        raise ConfigError(f"{config}: {exc}") from None
+
+
 def _writable_workdir(path: str | Path) -> Path:
     """The run's workdir, created; an InputError naming run.workdir when it cannot be written."""
     from stages.inputs import InputError
@@ -192,31 +214,35 @@ def _waiting(root: Path, holder: str) -> None:
     err_console.print(f"waiting: another run ({holder}) is using {root}; this one continues when it ends")
 
 
+def _results(cfg: Any, root: Path, until: str) -> dict[str, Any]:
+    """A fully cached run answered from its verified results without Prefect; else the flow, one run per
+    workdir at a time (a second one waits, then usually finds everything cached)."""
+    from flows.locks import workdir_lock
+    from tasks.cached import cached_run
+
+    if (summary := cached_run(cfg, until)) is not None:
+        return summary
+    with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)):
+        if (summary := cached_run(cfg, until)) is not None:  # the run we waited for made everything
+            return summary
+        with _prefect_api(root):
+            from flows.distill import run_pipeline
+
+            _quiet_prefect_console()
+            return run_pipeline(cfg, until)  # type: ignore[arg-type]
+
+
 def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tuple[str, ...] = ()) -> None:
     """Load the config, check inputs (before any Prefect server starts), answer a fully cached run from its
     verified results without Prefect, else run the flow; print the report."""
     try:
         with _signals_interrupt():
-            from schemas.config import load_config
             from stages.inputs import check_inputs
 
-            cfg = load_config(config, [*(overrides or []), *extra])
+            cfg = _load_config(config, [*(overrides or []), *extra])
             root = _writable_workdir(cfg.run.workdir)
             check_inputs(cfg)
-            from flows.cached import cached_run, remember
-            from flows.locks import workdir_lock
-
-            summary = cached_run(cfg, until)
-            if summary is None:
-                with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)):
-                    summary = cached_run(cfg, until)  # the run we waited for may have made everything
-                    if summary is None:
-                        with _prefect_api(root):
-                            from flows.distill import run_pipeline
-
-                            _quiet_prefect_console()
-                            summary = run_pipeline(cfg, until)  # type: ignore[arg-type]
-                        remember(cfg, until, summary)
+            summary = _results(cfg, root, until)
     except KeyboardInterrupt as exc:
         code = 128 + exc.signum if isinstance(exc, Terminated) else 130
         why = f" by {exc}" if isinstance(exc, Terminated) else ""
@@ -226,6 +252,8 @@ def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tu
         raise
     except Exception as exc:  # noqa: BLE001 -- the one place errors become a message and exit status 1
         _fail(exc)
+    finally:
+        gc.freeze()  # the interpreter's last collection then skips Prefect's and MLflow's modules (seconds)
     print_report(summary, root)
 
 

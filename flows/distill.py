@@ -46,7 +46,7 @@ def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
     def reaches(stage: Stage) -> bool:
         return STAGES.index(stage) <= STAGES.index(until)
 
-    with mlflow_run(cfg) as r:
+    with mlflow_run(cfg, until) as r:
         r.tokens, r.student = tokenize(cfg), student(cfg)
         if reaches("teacher"):
             r.teacher = teacher(cfg, r.tokens)

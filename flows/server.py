@@ -175,7 +175,7 @@ class TemporaryServer:
             if time.monotonic() > deadline:
                 _stop(proc.pid)
                 raise ServerError(
-                    f"the temporary Prefect server did not answer within {self.timeout:.0f} s ({TIMEOUT_ENV}); "
+                    f"the temporary Prefect server did not answer within {self.timeout:g} s ({TIMEOUT_ENV}); "
                     f"see {log_path}, or start one (infra/up.sh) and set PREFECT_API_URL"
                 )
             time.sleep(0.1)

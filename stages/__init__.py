@@ -3,6 +3,7 @@
     tokenize.run(cfg)                                         -> TokenizeManifest
     student.run(cfg)                                          -> StudentManifest (requantized, uploaded)
     teacher.run(cfg, tokens)                                  -> TeacherManifest (plan + shard + finish)
+    prefix.run(cfg, student, tokens)                          -> PrefixManifest | None (frozen-prefix cache)
     train.run(cfg, student, tokens, teacher)                  -> [CheckpointManifest] (run_epoch per epoch)
     evaluate.run(cfg, student, tokens, teacher, checkpoint)   -> EvalManifest; evaluate.select_best
     export.run(cfg, student, checkpoint)                      -> ExportManifest

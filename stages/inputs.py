@@ -40,7 +40,10 @@ def check_inputs(cfg: RunConfig) -> None:
     """Raise InputError (a ValueError) on the first unusable input; returns quietly otherwise."""
     student, s_ctx, n_layers = _open(cfg.model.student, "model.student")
     teacher, t_ctx, _ = _open(cfg.model.teacher, "model.teacher")
-    check_vocab(teacher, student, cfg.model.teacher, cfg.model.student)
+    try:
+        check_vocab(teacher, student, cfg.model.teacher, cfg.model.student)
+    except ValueError as exc:
+        raise InputError(f"model.student: {exc}") from None
     for field, path, ctx in (
         ("model.student", cfg.model.student, s_ctx),
         ("model.teacher", cfg.model.teacher, t_ctx),
@@ -50,7 +53,10 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.teacher.top_k > len(teacher):
         raise InputError(f"teacher.top_k: {cfg.teacher.top_k} exceeds the vocabulary size {len(teacher)}")
     if cfg.lora.layers is not None and max(cfg.lora.layers) >= n_layers:
-        raise InputError(f"lora.layers: {list(cfg.lora.layers)} outside the student's blocks 0..{n_layers - 1}")
+        raise InputError(
+            f"lora.layers: {list(cfg.lora.layers)} outside the blocks 0..{n_layers - 1} of model.student "
+            f"{cfg.model.student}"
+        )
     quant = cfg.model.student_quant
     if quant is not None and len(quant) > 2:
         raise InputError(f"model.student_quant: {list(quant)}: give one or two types (preferred, fallback)")

@@ -119,11 +119,13 @@ def run(
             write_manifest(out, header.model_copy(update={"shards": tuple(shards)}))
     manifest = header.model_copy(update={"shards": tuple(shards)})
     write_manifest(out, manifest)
-    log.info(
-        "prefix cache: input of block %d for %d sequences (%s kept), %.1f MiB float16 in %s",
+    log.log(
+        logging.INFO if todo else logging.DEBUG,  # train and evaluate verify it again: quiet when nothing ran
+        "prefix cache: input of block %d for %d sequences (%d of %d shards kept), %.1f MiB float16 in %s",
         start,
         sum(s.seq_end - s.seq_start for s in shards),
         len(kept),
+        len(shards),
         sum(s.bytes for s in shards) / 2**20,
         out / MANIFEST_NAME,
     )

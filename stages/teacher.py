@@ -132,7 +132,10 @@ def shard(
     n_seq = record.seq_end - record.seq_start
     teacher = teacher_fn(cfg)
     with bar(f"teacher shard {record.shard}", n_seq) as b:
-        rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call, lambda n: b.advance(n))
+        try:
+            rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call, lambda n: b.advance(n))
+        except ValueError as exc:  # e.g. logits not finite: the teacher's weights are at fault, not the shard
+            raise ValueError(f"model.teacher: {cfg.model.teacher}: shard {record.shard}: {exc}") from None
     done = write_shard(out, record, rows, planned.vocab_size, planned.k)
     record_shard(out, done)
     log.info("shard %d: %d positions, %d sequences -> %s", record.shard, record.n_positions, n_seq, out / record.file)

@@ -37,6 +37,15 @@ KEY = StageKey(
 )
 
 
+def _records(cfg: RunConfig, field: str) -> list:
+    """load_records of the file a data field names; its errors name the field."""
+    d = cfg.data
+    try:
+        return load_records(getattr(d, field.split(".")[1]), d.format, d.text_field, d.messages_field, d.max_documents)
+    except DataError as exc:
+        raise DataError(f"{field}: {exc}") from None
+
+
 def run(cfg: RunConfig) -> TokenizeManifest:
     """Read cfg.data, tokenize with the student's tokenizer, pack into seq_len rows, split, write shards."""
     root = workdir(cfg)
@@ -44,10 +53,10 @@ def run(cfg: RunConfig) -> TokenizeManifest:
     d = cfg.data
     fingerprint = dataset_fingerprint(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
     tokenizer = load_tokenizer(cfg.model.student)
-    docs = load_records(d.path, d.format, d.text_field, d.messages_field, d.max_documents)
+    docs = _records(cfg, "data.path")
     eval_docs = None
     if d.eval_path is not None:  # a split by source: every document of eval_path is held out
-        eval_docs = load_records(d.eval_path, d.format, d.text_field, d.messages_field, d.max_documents)
+        eval_docs = _records(cfg, "data.eval_path")
     train, held_out = tokenize_dataset(
         docs, tokenizer, d.seq_len, d.eval_fraction, SPLIT_SEED, d.pack, d.assistant_only, eval_docs
     )

@@ -33,6 +33,7 @@ from schemas.manifests import (
 )
 from stages.layout import workdir
 from stages.train import read_steps
+from tasks.cached import cached_run, remember
 from tasks.caching import as_config, stage_states
 
 ADAPTER_ARTIFACT = "adapter"
@@ -123,8 +124,19 @@ def log_steps(client: Any, run_id: str, rows: list[Mapping[str, Any]]) -> None:
 class RunRecord:
     """What a flow run produced (the flow assigns stage results to its attributes) and its MLflow run."""
 
-    def __init__(self, cfg: RunConfig, client: Any, run_id: str, experiment_id: str, flow_run: Any) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        client: Any,
+        run_id: str,
+        experiment_id: str,
+        flow_run: Any,
+        until: str = "export",
+        reused: dict[str, Any] | None = None,
+    ) -> None:
         self.cfg, self.client, self.id, self.experiment_id = cfg, client, run_id, experiment_id
+        self.until = until
+        self.reused = reused  # the summary of the run whose results this one reuses entirely: log nothing
         self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
         self.prefect_url = prefect_ui_url(flow_run)
         self.started = time.perf_counter()
@@ -205,7 +217,16 @@ class RunRecord:
         }
 
     def finish(self) -> dict[str, Any]:
-        """Log what the run produced, write report.md and plots, register the adapter, end the MLflow run."""
+        """Log what the run produced, write report.md and plots, register the adapter, end the MLflow run,
+        remember the run (tasks.cached). A run that reused every result logs nothing: its summary names the
+        run that made them."""
+        if self.reused is not None:
+            now = self.summary()  # this flow run: its stages (all cached), its ids; the MLflow run reused
+            summary = {**self.reused, **{k: now[k] for k in ("flow_run_id", "flow_run_name", "prefect_url", "stages")}}
+            summary["reused"] = True
+            summary["seconds"] = time.perf_counter() - self.started
+            _prefect_markdown(render_report(self.cfg, summary))
+            return summary
         self._tag_models()
         self._log_training()
         self._log_evals()
@@ -224,6 +245,7 @@ class RunRecord:
             summary["registered_model"] = self._log_adapter()
         _prefect_markdown(report)
         self.client.set_terminated(self.id, "FINISHED")
+        remember(self.cfg, self.until, summary)
         return summary
 
     def _tag_models(self) -> None:
@@ -280,12 +302,15 @@ def _json(manifest: Any) -> Any:
 
 
 def prefect_ui_url(flow_run: Any) -> str | None:
-    """The flow run's page in the Prefect UI; None without a UI to open: no server URL (Prefect would give
-    'None/flow-runs/...') or the CLI's temporary server (no UI, gone after the run: DISTILLERY_PREFECT_SERVER)."""
-    url = getattr(flow_run, "ui_url", None)
-    if not url or str(url).startswith("None") or os.environ.get("DISTILLERY_PREFECT_SERVER") == "temporary":
+    """The flow run's page in the Prefect UI (as Prefect's "View at" line gives it); None without a UI to
+    open: no server URL (not 'None/flow-runs/...') or the CLI's temporary server (no UI, gone after the run:
+    DISTILLERY_PREFECT_SERVER=temporary)."""
+    from prefect.settings import PREFECT_UI_URL
+
+    base = PREFECT_UI_URL.value()
+    if not base or os.environ.get("DISTILLERY_PREFECT_SERVER") == "temporary":
         return None
-    return str(url)
+    return f"{str(base).rstrip('/')}/runs/flow-run/{flow_run.id}"
 
 
 def mlflow_ui_url(cfg: RunConfig, experiment_id: str, run_id: str) -> str:
@@ -302,12 +327,21 @@ def _prefect_markdown(report: str) -> None:
 
 
 @contextmanager
-def mlflow_run(cfg: RunConfig) -> Iterator[RunRecord]:
-    """Start the flow run's MLflow run (params, tags, config.yaml); mark it FAILED if the block raises."""
+def mlflow_run(cfg: RunConfig, until: str = "export") -> Iterator[RunRecord]:
+    """Start the flow run's MLflow run (params, tags, config.yaml); mark it FAILED if the block raises. When
+    every stage up to `until` is a verified cache hit of a remembered run, reuse that run's MLflow run instead
+    (no new run, nothing logged)."""
     from prefect.runtime import flow_run
 
     started = time.perf_counter()
     cfg = as_config(cfg)
+    reused = cached_run(cfg, until)
+    if reused is not None:
+        mlflow = reused["mlflow"]
+        record = RunRecord(cfg, None, mlflow["run_id"], mlflow["experiment_id"], flow_run, until, reused)
+        record.started = started
+        yield record
+        return
     client = client_for(cfg)
     root = workdir(cfg)
     exp = client.get_experiment_by_name(cfg.run.experiment)
@@ -321,7 +355,7 @@ def mlflow_run(cfg: RunConfig) -> Iterator[RunRecord]:
     if commit := git_commit():
         tags["git.commit"] = commit
     run = client.create_run(experiment_id, run_name=cfg.run.run_name or str(flow_run.name), tags=tags)
-    record = RunRecord(cfg, client, run.info.run_id, experiment_id, flow_run)
+    record = RunRecord(cfg, client, run.info.run_id, experiment_id, flow_run, until)
     record.started = started
     try:
         from mlflow.entities import Param

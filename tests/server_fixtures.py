@@ -257,8 +257,9 @@ def serve_tiny(servers: Servers) -> Iterator[Served]:
     finally:
         graceful = _stop(process)
     assert graceful, f"distillery serve ignored SIGTERM for 60 s:\n{_tail(log)}"
-    left = [p.pid for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not left, f"processes of distillery serve still running after it stopped: {left}"
+    _, alive = psutil.wait_procs(descendants, timeout=30)  # children may take a moment after their parent
+    left = [f"{p.pid} {p.cmdline()}" for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, f"processes of distillery serve still running 30 s after it stopped: {left}"
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,11 @@ and a run on the tiny model printing the before/after table, the files and where
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +23,7 @@ from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harnes
 )
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -124,3 +130,141 @@ def test_run_prints_report_then_single_stage_is_cached(reference_run: tuple[dict
     assert result.exit_code == 0, result.output
     assert "ran: nothing (all cached)" in result.output
     assert "cached: tokenize, student, teacher-plan, teacher-shard-0, teacher-shard-1" in result.output
+
+
+# ---------------------------------------------------------------------------------------------- cached reruns
+
+
+def _cli_env(api_url: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+def _timed_run(config: Path, api_url: str | None) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(config)],
+        cwd=ROOT,
+        env=_cli_env(api_url),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return time.perf_counter() - t0, proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+def test_cached_rerun_is_fast_starts_no_server_and_reuses_its_mlflow_run(
+    reference_run: tuple[dict, dict], tmp_path: Path
+) -> None:
+    """The CLI answers a fully cached rerun from the verified records without Prefect: no server started, the
+    MLflow run of the run that made the results reused (none created), within 5 s with PREFECT_API_URL set and
+    10 s without (whole process, measured here)."""
+    import prefect.settings as ps
+
+    from schemas.config import RunConfig
+    from tasks.tracking import client_for
+
+    cfg, _ = reference_run
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    api_url = str(ps.PREFECT_API_URL.value())
+    _timed_run(config, api_url)  # the flow, all cached, unless an earlier test already remembered this run
+    client = client_for(RunConfig.model_validate(cfg))
+    exp = client.get_experiment_by_name(cfg["run"]["experiment"])
+    runs_before = {r.info.run_id for r in client.search_runs([exp.experiment_id])}
+    with_server, out = _timed_run(config, api_url)
+    assert "ran: nothing (all cached)" in out and "(reused: nothing logged)" in out, out
+    without_server, out = _timed_run(config, None)
+    assert "ran: nothing (all cached)" in out and "temporary server" not in out.lower(), out
+    assert not (Path(cfg["run"]["workdir"]) / ".prefect" / "server.json").exists()
+    assert {r.info.run_id for r in client.search_runs([exp.experiment_id])} == runs_before  # no duplicate
+    print(f"cached rerun: {with_server:.1f} s with PREFECT_API_URL, {without_server:.1f} s without")
+    assert with_server <= 5.0 and without_server <= 10.0, (with_server, without_server)
+
+
+# ---------------------------------------------------------------------------------------------- temporary server
+
+
+def _server_pid(home: Path) -> int:
+    return int(json.loads((home / "server.json").read_text())["pid"])
+
+
+def test_temporary_server_is_shared_and_stops_with_its_last_user(tmp_path: Path) -> None:
+    """Two runs on one workdir share one server (the second reuses it); it stops when the last one leaves."""
+    from flows.server import TemporaryServer, _alive, _answers
+
+    home = tmp_path / ".prefect"
+    first, second = TemporaryServer(home), TemporaryServer(home)
+    url = first.__enter__()
+    try:
+        assert second.__enter__() == url and first.started and not second.started
+        pid = _server_pid(home)
+        first.__exit__(None, None, None)
+        assert _alive(pid) and _answers(url)  # the second run still uses it
+    finally:
+        second.__exit__(None, None, None)
+        first.__exit__(None, None, None)
+    assert not _alive(pid) and not (home / "server.json").exists()
+
+
+def test_temporary_server_timeout_is_configurable_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.server import TIMEOUT_ENV, ServerError, TemporaryServer, startup_timeout
+
+    assert startup_timeout() == 180.0
+    monkeypatch.setenv(TIMEOUT_ENV, "soon")
+    with pytest.raises(ServerError, match=f"{TIMEOUT_ENV}='soon'"):
+        startup_timeout()
+    monkeypatch.setenv(TIMEOUT_ENV, "0.5")
+    home = tmp_path / ".prefect"
+    with pytest.raises(ServerError, match=rf"did not answer within 0.5 s \({TIMEOUT_ENV}\); see .*server.log"):
+        with TemporaryServer(home):
+            pass
+    assert not (home / "server.json").exists()
+    left = [p for p in Path("/proc").glob("[0-9]*/cmdline") if str(home).encode() in _read(p)]
+    assert not left, left  # the server that was starting was stopped
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
+
+
+def test_report_prefect_link_is_a_page_or_the_way_to_open_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Never 'None/flow-runs/...': a server's UI page, or (temporary server, gone) how to reopen its database."""
+    from types import SimpleNamespace
+
+    import prefect.settings as ps
+
+    from flows.cli import print_report
+    from tasks.tracking import prefect_ui_url
+
+    run = SimpleNamespace(id="abc")
+    with ps.temporary_settings(updates={ps.PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        assert prefect_ui_url(run) == "http://127.0.0.1:4200/runs/flow-run/abc"
+        monkeypatch.setenv("DISTILLERY_PREFECT_SERVER", "temporary")
+        assert prefect_ui_url(run) is None
+    summary = {
+        "stages": {"ran": [], "cached": []},
+        "mlflow": {"run_id": "r", "tracking_uri": "sqlite:///x.db", "url": "http://127.0.0.1:5000/#/r"},
+        "seconds": 1.0,
+        "flow_run_name": "n",
+        "flow_run_id": "abc",
+        "prefect_url": None,
+    }
+    print_report(summary, Path("/w"))
+    out = capsys.readouterr().out
+    assert "None/" not in out
+    assert "infra/prefect-server.sh  then open http://127.0.0.1:4200/runs/flow-run/abc" in out
+    print_report({**summary, "prefect_url": "http://127.0.0.1:4200/runs/flow-run/abc"}, Path("/w"))
+    assert "  UI: http://127.0.0.1:4200/runs/flow-run/abc" in capsys.readouterr().out

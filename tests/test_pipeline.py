@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from data.topk import read_manifest
-from flows.cached import cached_run, remember, walk
 from flows.distill import run_pipeline
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, ExportManifest, sha256_file
+from tasks.cached import cached_run, remember, walk
 from tasks.faults import ENV as FAULT_ENV
 from tasks.faults import InjectedFault
 from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
@@ -133,7 +133,7 @@ def test_identical_rerun_is_fully_cached(reference_run: tuple[dict, dict]) -> No
     # the cached results are the same typed manifests (read back from the JSON result store)
     for key in ("checkpoints", "baseline", "evals", "best", "export", "files", "merged"):
         assert again[key] == s[key], key
-    assert again["mlflow"]["run_id"] != s["mlflow"]["run_id"]  # one MLflow run per flow run
+    assert again["mlflow"] == s["mlflow"] and again["reused"]  # the run that made the results: no new one
     assert again["registered_model"] == {**s["registered_model"], "new": False}  # the same adapter version
 
 
@@ -236,7 +236,7 @@ def test_damaged_outputs_of_every_stage_are_rebuilt_to_the_same_bytes(reference_
 
 
 def test_cached_walk_is_the_flows_stages_and_answers_a_remembered_run(reference_run: tuple[dict, dict]) -> None:
-    """flows.cached walks the flow's stages in its order over the same records, without Prefect; once a run's
+    """tasks.cached walks the flow's stages in its order over the same records, without Prefect; once a run's
     summary is remembered, a fully cached rerun is that run (its MLflow run reused, every stage cached)."""
     cfg, s = reference_run
     rc = RunConfig.model_validate(cfg)

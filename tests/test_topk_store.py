@@ -15,6 +15,7 @@ from data import topk as S
 from model import reference as R
 from model.config import ModelConfig
 from model.teacher_cpu import reference_topk, reference_topk_batch, topk_chunked, topk_from_logits
+from schemas.config import RunConfig
 from schemas.files import TOKEN_SHARD_SCHEMA, topk_schema, validate_table
 from schemas.manifests import TeacherManifest
 
@@ -180,6 +181,31 @@ def test_shard_rows_come_from_batched_calls(weights: dict[str, np.ndarray]) -> N
         np.testing.assert_array_equal(getattr(batched, name), getattr(single, name))
     np.testing.assert_allclose(batched.logprobs, single.logprobs, rtol=0, atol=1e-5)
     np.testing.assert_allclose(batched.tail, single.tail, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.gpu
+def test_gpu_teacher_takes_batches_like_the_numpy_teacher(tmp_path: Path) -> None:
+    """training.teacher's GPU teacher on [N, T] batches (N not a multiple of its batch: the last group padded)
+    gives the numpy teacher's top-k: the same ids, logprobs within 1e-4, tails within 1e-4 relative."""
+    from tests.gpu_fixtures import device_or_skip
+    from tests.pipeline_fixtures import tiny_config
+    from training.teacher import make_teacher_fn
+
+    device_or_skip()
+    teachers = {}
+    for backend in ("gpu", "numpy"):
+        raw = tiny_config(tmp_path, teacher={"backend": backend}, train={"batch_size": 2})
+        cfg = RunConfig.model_validate(raw)
+        teachers[backend] = make_teacher_fn(cfg, cfg.model.teacher)
+    assert teachers["gpu"].backend == "gpu" and teachers["gpu"].rows_per_call == 2 * 24
+    ids = np.random.default_rng(9).integers(0, 200, size=(5, 24))
+    mask = np.ones_like(ids, np.uint8)
+    g_ids, g_lp, g_tail = teachers["gpu"](ids, mask)
+    n_ids, n_lp, n_tail = teachers["numpy"](ids, mask)
+    assert g_ids.shape == n_ids.shape == (5, 24, 8)
+    np.testing.assert_array_equal(g_ids, n_ids)
+    np.testing.assert_allclose(g_lp, n_lp, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(g_tail, n_tail, rtol=1e-4, atol=1e-7)
 
 
 def test_write_verify_read_round_trip(tmp_path: Path, weights: dict[str, np.ndarray]) -> None:

@@ -199,12 +199,18 @@ def _numpy_engine(cfg: RunConfig, student_gguf: Path, common: dict[str, Any]) ->
 
 
 def _wgpu_engine(cfg: RunConfig, student_gguf: Path, common: dict[str, Any]) -> Engine:
-    """gpu/student.py's GPUStudent on the process's device and uploaded student."""
+    """gpu/student.py's GPUStudent on the process's device and uploaded student. A batch whose buffers exceed
+    the adapter's limits is refused naming the fields that size it."""
+    from gpu.device import DeviceError
     from gpu.student import GPUStudent
 
-    return GPUStudent(
-        get_device(cfg.run.gpu_backend),
-        load_student(student_gguf, cfg.run.gpu_backend),
-        optim=_adamw(cfg),
-        **common,
-    )
+    device, weights = get_device(cfg.run.gpu_backend), load_student(student_gguf, cfg.run.gpu_backend)
+    try:
+        return GPUStudent(device, weights, optim=_adamw(cfg), **common)
+    except DeviceError as exc:
+        if "exceeds this adapter" not in str(exc):
+            raise
+        raise ValueError(
+            f"train.batch_size: {common['batch']} sequences of data.seq_len {common['seq_len']} on {student_gguf}: "
+            f"{exc}; lower train.batch_size or data.seq_len, or set train.backend=numpy"
+        ) from None

@@ -3,10 +3,11 @@ under <workdir>/.prefect/results, each verified (its files' sizes and sha256s) b
 
 `cached_run(cfg, until)` returns the summary of the run that produced those results — its report, its MLflow
 run, reused rather than duplicated — when every stage is a verified hit and that run's summary was remembered;
-None otherwise, and the CLI runs the flow (which recomputes what is missing or broken). `remember` stores a
-finished run's summary under the run's result key: the config, `until` and every stage's record key. Nothing
-here imports Prefect or MLflow (starting the flow costs seconds; this costs a few file reads and hashes).
-The walk mirrors flows.distill.distill; tests/test_caching.py checks both name the same stages and keys.
+None otherwise. The CLI asks before it starts Prefect at all (a cached rerun in ~2 s), the flow before it opens
+an MLflow run (a cached deployment run logs nothing new). `remember` stores a finished run's summary under its
+result key: the config, `until` and every stage's record key; the flow calls it at the end of each run.
+Nothing here imports Prefect or MLflow. The walk mirrors flows.distill.distill; tests/test_pipeline.py checks
+that both name the same stages and records.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""Crashes of the real CLI in subprocesses (tasks/faults.py's kill mode: SIGKILL, as `kill -9`): at stage
+boundaries and in the middle of writing a teacher shard, a checkpoint and an export, each rerun resumes where
+the last one died; the end state is the uninterrupted reference run's, byte for byte (adapter, exports, top-k
+manifest: no shard missing or duplicated). Two concurrent runs on a new workdir and on a used one both succeed
+(the second waits for the first). No process outlives any of it: the CLI's temporary Prefect server stops when
+its run is killed, interrupted by SIGTERM or SIGHUP (exit 143 / 129, the resume hint) or ends.
+
+One shared tiny config (the reference run's, in a workdir of its own); most runs use the session's Prefect test
+server (PREFECT_API_URL), those that check the temporary server start their own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from data.topk import read_manifest
+from schemas.manifests import CheckpointManifest, ExportManifest, sha256_file
+from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
+    _prefect_harness,
+    _reference_run,
+)
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[1]
+KILLED = -signal.SIGKILL
+
+
+def _env(fault: str | None = None, server: str | None = None) -> dict[str, str]:
+    """The subprocess environment: Prefect state under the workdir, the given API URL (None: the CLI starts
+    its temporary server), the fault armed."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    if server:
+        env["PREFECT_API_URL"] = server
+    if fault:
+        env["DISTILLERY_FAULT"] = fault
+    return env
+
+
+def _cli(config: Path, command: str = "run", fault: str | None = None, server: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", command, str(config)],
+        cwd=ROOT,
+        env=_env(fault, server),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of live processes (not zombies) that mention `text`, this one excluded."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(f"{entry.name}: {cmd.strip()}")
+    return found
+
+
+def _no_orphans(root: Path, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while (alive := _processes_naming(str(root))) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not alive, alive
+
+
+@pytest.fixture(scope="module")
+def api_url(prefect_harness: None) -> str:
+    import prefect.settings as ps
+
+    return str(ps.PREFECT_API_URL.value())
+
+
+def _config(root: Path, reference_cfg: dict[str, Any]) -> Path:
+    """The reference run's config with its own workdir under `root`."""
+    cfg = {**reference_cfg, "run": {**reference_cfg["run"], "workdir": str(root / "run")}}
+    path = root / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+# Where each run dies, in pipeline order: (DISTILLERY_FAULT, whether the run uses the temporary server).
+CRASHES = [
+    ("after=tokenize:kill", False),
+    ("after=student:kill", False),
+    ("after=teacher-plan:kill", False),
+    ("write=topk-train-00001.parquet:kill", True),  # mid-write of a teacher shard, the temporary server up
+    ("after=teacher-shard-3:kill", False),
+    ("write=step-00000002/adapter.safetensors:kill", False),  # mid-write of a checkpoint, mid-epoch
+    ("after=train-epoch-0:kill", False),
+    ("after=evaluate-baseline:kill", False),
+    ("write=adapter-lora.gguf:kill", True),  # mid-write of an export
+    ("after=export:kill", False),
+]
+
+
+def test_killed_at_every_boundary_and_mid_write_resumes_to_the_reference_bytes(
+    reference_run: tuple[dict, dict], api_url: str, tmp_path: Path
+) -> None:
+    ref_cfg, ref = reference_run
+    config = _config(tmp_path, ref_cfg)
+    wd = tmp_path / "run"
+    for fault, temporary in CRASHES:
+        code, out = _finish(_cli(config, fault=fault, server=None if temporary else api_url))
+        assert code == KILLED, (fault, out[-3000:])
+        if temporary:
+            _no_orphans(tmp_path)  # the killed run's temporary server went with it
+    code, out = _finish(_cli(config))  # the last run: the temporary server, nothing injected
+    assert code == 0, out[-3000:]
+    _no_orphans(tmp_path)
+    ran = out.split("ran: ", 1)[1].splitlines()[0]
+    assert ran == "evaluate-merged", out[-2000:]  # every other stage was done by a killed run
+
+    # the end state is the uninterrupted run's, byte for byte
+    ref_wd = Path(ref["workdir"])
+    last = CheckpointManifest.model_validate(ref["checkpoints"][-1])
+    assert sha256_file(wd / last.adapter.path) == last.adapter.sha256
+    exported = ExportManifest.model_validate(ref["export"])
+    for ref_file in exported.outputs():
+        assert sha256_file(wd / ref_file.path) == ref_file.sha256, ref_file.path
+    topk = next((wd / "teacher").iterdir())
+    manifest = read_manifest(topk)
+    assert manifest == read_manifest(ref_wd / topk.relative_to(wd))
+    assert [s.shard for s in manifest.shards] == list(range(len(manifest.shards)))  # none missing, none twice
+    assert all(s.complete for s in manifest.shards)
+    assert sorted(p.name for p in topk.glob("topk-*.parquet")) == sorted(s.file for s in manifest.shards)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_and_sighup_stop_the_run_and_its_server_with_the_resume_hint(
+    reference_run: tuple[dict, dict], tmp_path: Path, signum: signal.Signals
+) -> None:
+    config = _config(tmp_path, reference_run[0])
+    proc = _cli(config)
+    server_info = tmp_path / "run" / ".prefect" / "server.json"
+    deadline = time.monotonic() + 240
+    while not server_info.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the server starting, or the flow under way
+    proc.send_signal(signum)
+    code, out = _finish(proc, timeout=60)
+    assert code == 128 + signum, out[-3000:]
+    assert f"interrupted by {signum.name}: rerun the same command to resume from the cache" in out
+    assert "Traceback" not in out
+    _no_orphans(tmp_path)
+
+
+def test_concurrent_runs_on_a_new_and_on_a_used_workdir(reference_run: tuple[dict, dict], tmp_path: Path) -> None:
+    """Two runs at once on a new workdir (each would start a temporary server on the same new Prefect
+    database): both succeed, the second after waiting for the first. Then two on the now used workdir.
+    (`distillery teacher`: the stages up to the teacher's, enough to share a database, a cache and shards.)"""
+    config = _config(tmp_path, reference_run[0])
+    first, second = _cli(config, "teacher"), _cli(config, "teacher")
+    (code_a, out_a), (code_b, out_b) = _finish(first), _finish(second)
+    assert (code_a, code_b) == (0, 0), out_a[-2000:] + out_b[-2000:]
+    assert "waiting: another run" in out_a + out_b
+    assert "ran: nothing (all cached)" in out_a + out_b  # the one that waited reused what the other made
+    again = [_cli(config, "teacher") for _ in range(2)]
+    for code, out in map(_finish, again):
+        assert code == 0 and "ran: nothing (all cached)" in out, out[-2000:]
+    _no_orphans(tmp_path)
