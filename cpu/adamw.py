@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from gpu.ops.adamw import AdamWConfig, StepStats
+from schemas.optim import AdamWConfig, StepStats
 
 
 class NumpyAdamW:

@@ -21,10 +21,10 @@ from cpu.adamw import NumpyAdamW
 from cpu.head import VocabHead, VocabPass, head_backward, kd_rows
 from cpu.weights import check_weights, load_gguf_f32
 from gpu.lora_layout import LoraLayout
-from gpu.ops.adamw import AdamWConfig, StepStats
 from model import reference as R
 from model.config import ModelConfig
 from model.kd import LossConfig
+from schemas.optim import AdamWConfig, StepStats
 
 ACTIVATION_BUDGET = 2 << 30  # bytes of block caches kept between forward and backward before recomputing
 
@@ -296,5 +296,6 @@ class NumpyEngine:
 
 
 def _cache_floats(cfg: ModelConfig) -> int:
-    """Floats per row of one block_forward cache (x, n1, q, k, v, att, h, n2, g, u, act)."""
-    return 4 * cfg.hidden + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn
+    """Floats per row of one block_forward cache (x, n1, q, k, v, att, h, n2, g, u, act; q0, k0 with q/k norm)."""
+    qk_norm_inputs = cfg.q_dim + cfg.kv_dim if cfg.qk_norm else 0
+    return 4 * cfg.hidden + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn + qk_norm_inputs

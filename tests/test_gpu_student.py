@@ -8,12 +8,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu.model import StudentWeights
-from gpu.ops.adamw import AdamWConfig
 from gpu.student import GPUStudent
 from model import reference
 from model.config import LORA_TARGETS, ModelConfig
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
+from schemas.optim import AdamWConfig
 from tests.gpu_fixtures import device_or_skip
 
 pytestmark = pytest.mark.gpu

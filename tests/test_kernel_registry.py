@@ -27,7 +27,6 @@ from gpu.codegen import KERNEL_DIR
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
 from gpu.model import StudentWeights
-from gpu.ops.adamw import AdamWConfig
 from gpu.ops.matmul import pick_tile
 from gpu.ops.matmul_tc import pick_config
 from gpu.registry import MATMUL_TILES, TC_TILES, entries, kernel_source
@@ -36,6 +35,7 @@ from gpu.teacher import GPUTeacher
 from model import reference
 from model.config import LORA_TARGETS, ModelConfig
 from model.kd import LossConfig, log_softmax
+from schemas.optim import AdamWConfig
 from tests.gpu_fixtures import device_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]

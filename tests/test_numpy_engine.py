@@ -9,11 +9,11 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from cpu import NumpyEngine
-from gpu.ops.adamw import AdamWConfig
 from model import reference as R
 from model.config import LORA_TARGETS, ModelConfig
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
+from schemas.optim import AdamWConfig
 from tests.gpu_fixtures import device_or_skip
 
 CFG = ModelConfig(n_layers=3, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=300, context_length=64)
@@ -391,3 +391,28 @@ def test_other_families_match_float64_reference(family: str) -> None:
     want_loss, want = R.loss_and_grads(w64, cfg, batch[0], lora64, SCALE, *batch[3:], batch[1], batch[2], loss_cfg)
     assert abs(loss - want_loss) / abs(want_loss) < REL
     assert _grad_errors(st.get_grads(), want) < REL
+
+
+@pytest.mark.parametrize("family", ["llama", *sorted(FAMILY_CFGS)])
+def test_cache_floats_counts_every_cached_array(family: str) -> None:
+    """The activation budget's floats per row are what block_forward really keeps (qwen3: q0 and k0 too)."""
+    from dataclasses import replace
+
+    from cpu.engine import _cache_floats
+
+    cfg = replace(CFG, **FAMILY_CFGS.get(family, {}))
+    x = np.random.default_rng(15).standard_normal((B, T, cfg.hidden)).astype(np.float32)
+    _, cache = R.block_forward(x, R.random_weights(cfg, 15, np.float32), cfg, 0, {}, SCALE)
+    assert _cache_floats(cfg) == sum(a.size for a in cache.values()) // (B * T)
+
+
+def test_cpu_engine_imports_nothing_of_the_gpu() -> None:
+    """cpu/ reaches AdamWConfig and StepStats through schemas/optim.py, not gpu/ops/adamw.py (wgpu, the device)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "import sys, cpu, cpu.engine; print(sorted(m for m in sys.modules if m.startswith(('gpu', 'wgpu'))))"
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['gpu', 'gpu.lora_layout']"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from model.kd import LossConfig
 from schemas.config import RunConfig
+from schemas.optim import AdamWConfig
 from training.engine import Engine
 
 if TYPE_CHECKING:
@@ -179,9 +180,7 @@ def build_engine(
     return _wgpu_engine(cfg, student_gguf, common)
 
 
-def _adamw(cfg: RunConfig) -> Any:
-    from gpu.ops.adamw import AdamWConfig
-
+def _adamw(cfg: RunConfig) -> AdamWConfig:
     o = cfg.optim
     return AdamWConfig(
         lr=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.grad_clip

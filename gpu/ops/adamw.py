@@ -4,7 +4,6 @@ guard: a step whose loss or grad norm is not finite leaves params and moments un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,30 +11,11 @@ import numpy as np
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
 from gpu.registry import pipeline
+from schemas.optim import AdamWConfig, StepStats
+
+__all__ = ["PER_WORKGROUP", "AdamW", "AdamWConfig", "StepStats"]  # the dataclasses live in schemas/optim.py
 
 PER_WORKGROUP = 256 * 16  # gradient elements per partial sum (grad_norm_partial.wgsl)
-
-
-@dataclass(frozen=True)
-class AdamWConfig:
-    """Hyper-parameters (PyTorch AdamW names); max_grad_norm <= 0 disables clipping."""
-
-    lr: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What the finalize pass wrote: the pre-clip grad norm, the clip scale, whether the step was skipped."""
-
-    grad_norm: float
-    clip_scale: float
-    skipped: bool
-    loss: float
 
 
 class AdamW:
