@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from cpu.engine import ACTIVATION_BUDGET, NumpyEngine
-from gpu.ops.adamw import AdamWConfig
 from model.config import ModelConfig
 from model.dpo import DpoConfig, PairTerms, preference_loss
 from model.kd import LossConfig
+from schemas.optim import AdamWConfig
 
 
 class PreferenceEngine(NumpyEngine):

@@ -337,6 +337,51 @@ class ExportSection(Section):
     )
 
 
+class PreferenceSection(Section):
+    """Preference tuning (run.task: dpo): pairs of a prompt with a chosen and a rejected response."""
+
+    beta: float = Field(
+        0.1, gt=0.0, description="Reward scale beta: reward = beta * (log pi(y) - log pi_ref(y)) summed over y."
+    )
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = Field(
+        "sigmoid",
+        description="sigmoid: DPO, -log sigmoid(margin); ipo: (u - 1/(2 beta))^2 with u = margin / beta; "
+        "hinge: max(0, 1 - margin).",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        description="Conservative DPO: the probability that a pair's labels are flipped (loss_type sigmoid only).",
+    )
+    reference_free: bool = Field(
+        False,
+        description="SimPO form: no reference model; log-probs averaged over the response tokens, margin "
+        "beta * (mean log pi(chosen) - mean log pi(rejected)) - gamma. The reference stage is skipped.",
+    )
+    gamma: float = Field(0.0, ge=0.0, description="SimPO target margin (reference_free only).")
+    reference: Path | None = Field(
+        None,
+        description="Reference GGUF with the student's vocabulary (null: the student itself without an adapter, "
+        "the usual DPO reference).",
+    )
+    prompt_field: str = Field(
+        "prompt", min_length=1, description="Record field of the prompt: a string (one user turn) or a chat."
+    )
+    chosen_field: str = Field(
+        "chosen", min_length=1, description="Record field of the preferred response (a string or assistant turns)."
+    )
+    rejected_field: str = Field("rejected", min_length=1, description="Record field of the dispreferred response.")
+
+    @model_validator(mode="after")
+    def _variant_fields(self) -> PreferenceSection:
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError(f"label_smoothing applies to loss_type sigmoid only (loss_type is {self.loss_type})")
+        if self.gamma and not self.reference_free:
+            raise ValueError("gamma is the SimPO margin: set reference_free=true, or gamma=0")
+        return self
+
+
 class RunSection(Section):
     """Where the run writes and how it is tracked."""
 
@@ -348,6 +393,12 @@ class RunSection(Section):
         "when set, else sqlite:///<workdir>/mlflow.db with artifacts under workdir).",
     )
     run_name: str | None = Field(None, description="MLflow / Prefect run name (null: generated).")
+    task: Literal["distill", "dpo"] = Field(
+        "distill",
+        description="distill: teacher -> student knowledge distillation. dpo: preference tuning of the student's "
+        "adapter on (prompt, chosen, rejected) pairs from data.path (the preference section; model.teacher is "
+        "not read and defaults to model.student).",
+    )
     gpu_backend: Literal["auto", "wgpu", "dawn"] = Field(
         "auto",
         description="wgpu-py backend: wgpu (wgpu-native: Vulkan/Metal/DX12, lavapipe on a CPU), dawn (tensor "
@@ -377,6 +428,20 @@ class RunConfig(Section):
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     export: ExportSection = Field(default_factory=ExportSection, description="Export formats.")
     run: RunSection = Field(default_factory=RunSection, description="Output directory and tracking.")
+    preference: PreferenceSection = Field(
+        default_factory=PreferenceSection, description="Preference tuning (run.task: dpo)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dpo_needs_no_teacher(cls, data: Any) -> Any:
+        run = data.get("run") if isinstance(data, dict) else None
+        if not isinstance(run, dict) or run.get("task") != "dpo":
+            return data
+        model = data.get("model")
+        if isinstance(model, dict) and "teacher" not in model and "student" in model:
+            data = {**data, "model": {**model, "teacher": model["student"]}}
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
