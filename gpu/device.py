@@ -160,7 +160,11 @@ class Device:
             from wgpudawn.backends.dawn import extras
 
             self.device = extras.request_device_sync(
-                self.adapter, required_features=feats, required_limits=wanted, label="distillery"
+                self.adapter,
+                required_features=feats,
+                required_limits=wanted,
+                label="distillery",
+                disable_toggles=["timestamp_quantization"],  # gpu/profile.py times single dispatches
             )
         else:
             self.device = self.adapter.request_device_sync(
@@ -179,6 +183,7 @@ class Device:
         self._bind_groups: dict[tuple, Any] = {}
         self._bg_keys_by_buffer: dict[int, set[tuple]] = {}
         self._rec: Recorder | None = None
+        self.profiler: Any = None  # a gpu.profile.Profiler while one is attached: every dispatch timed
         self.live_bytes = 0  # bytes of the buffers this Device created that are still alive
         self.peak_bytes = 0  # the most live_bytes ever reached (the GPU memory our tensors needed)
         self._fence = self.buffer(4, label="fence")
@@ -413,8 +418,13 @@ class Device:
         self._submit(rec)
 
     def _submit(self, rec: Recorder) -> None:
+        if self.profiler is not None:
+            rec.end_pass()
+            self.profiler.resolve(rec.encoder)
         self.queue.submit([rec.finish()])
         self.stats["submits"] += 1
+        if self.profiler is not None:
+            self.profiler.collect()
 
     def flush(self) -> None:
         """Submit what the current step recorded so far and keep recording into a fresh encoder."""
@@ -442,10 +452,16 @@ class Device:
             return
         bg = self.bind_group(pipeline, bindings)
         with self.step() as rec:
-            cp = rec.compute_pass()
+            if self.profiler is not None:  # its own pass, timestamped (gpu/profile.py)
+                rec.end_pass()
+                cp = rec.encoder.begin_compute_pass(timestamp_writes=self.profiler.timestamp_writes(pipeline.label))
+            else:
+                cp = rec.compute_pass()
             cp.set_pipeline(pipeline)
             cp.set_bind_group(0, bg)
             cp.dispatch_workgroups(*g)
+            if self.profiler is not None:
+                cp.end()
             rec.dispatches += 1
             self.stats["dispatches"] += 1
 

@@ -27,8 +27,15 @@ from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from gpu.ops.swiglu import swiglu_backward
 from gpu.ops.topk import TopKState, hidden_topk
+from gpu.profile import scope
 from model.kd import LossConfig
 from model.reference import LoraPair
+
+MAX_SKIPS_IN_A_ROW = 8  # consecutive non-finite steps before training stops (a diverged or overflowing run)
+
+
+class TrainingDiverged(ValueError):
+    """Too many consecutive steps skipped for a non-finite loss or gradient norm."""
 
 
 class GPUStudent(GPUModel):
@@ -52,6 +59,7 @@ class GPUStudent(GPUModel):
         grad_accum: int = 1,
         precision: str = "f32",
         start_layer: int = 0,
+        max_skips_in_a_row: int = MAX_SKIPS_IN_A_ROW,
     ) -> None:
         self.k, self.loss_cfg = top_k, loss
         super().__init__(
@@ -78,6 +86,8 @@ class GPUStudent(GPUModel):
         self.top1_tail = dev.buffer(4 * self.rows, label="student top-1 tail")
         self.applied_steps = 0
         self.skipped_steps = 0
+        self.skips_in_a_row = 0  # TrainingDiverged when it reaches max_skips_in_a_row
+        self.max_skips_in_a_row = max_skips_in_a_row
         self._acc_grads = False
         self._has_tail = False
 
@@ -251,11 +261,12 @@ class GPUStudent(GPUModel):
         """lm_head + KD loss of the uploaded batch into losses[loss_index]; with backward, dL/dh into a["tmp"]."""
         cfg, bufs = self.cfg, self._b.bufs
         tail = bufs["teacher_tail"] if self._has_tail else None
-        kd_head_forward_backward(
-            self.dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
-            bufs["targets"], bufs["mask"], self.loss_cfg, self.a["tmp"], self.losses, self.rows, cfg.hidden,
-            cfg.vocab, self.k, scratch=self.kd, loss_index=loss_index, backward=backward,
-        )  # fmt: skip
+        with scope(self.dev, "kd head"):
+            kd_head_forward_backward(
+                self.dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
+                bufs["targets"], bufs["mask"], self.loss_cfg, self.a["tmp"], self.losses, self.rows, cfg.hidden,
+                cfg.vocab, self.k, scratch=self.kd, loss_index=loss_index, backward=backward,
+            )  # fmt: skip
 
     def _record_loss_and_grads(self, micro: int) -> None:
         cfg, dev = self.cfg, self.dev
@@ -290,8 +301,8 @@ class GPUStudent(GPUModel):
             self._record_loss_and_grads(micro)
 
     def apply(self, lr: float) -> StepStats:
-        """Average the accumulated gradients and take one AdamW step (skipped when the loss or grad norm is not
-        finite); the returned loss is the mean over the micro-batches."""
+        """Average the accumulated gradients and take one AdamW step (skipped when any micro-batch's loss or the
+        grad norm is not finite); the returned loss is the mean over the micro-batches."""
         n = self.grad_accum
         with self.dev.step():
             if n > 1:
@@ -312,10 +323,25 @@ class GPUStudent(GPUModel):
         return self._count(self.optim.read_stats())
 
     def _count(self, stats: StepStats) -> StepStats:
-        if stats.skipped:
-            self.skipped_steps += 1
-        else:
+        """Count the step as applied or skipped; raise TrainingDiverged after max_skips_in_a_row skips in a row
+        (parameters and moments are those of the last applied step)."""
+        if not stats.skipped:
             self.applied_steps += 1
+            self.skips_in_a_row = 0
+            return stats
+        self.skipped_steps += 1
+        self.skips_in_a_row += 1
+        if self.skips_in_a_row >= self.max_skips_in_a_row:
+            hint = (
+                "the tensor-core path rounds matmul operands to f16 (|x| > 65504 overflows): "
+                "set train.precision=f32, or lower optim.lr"
+                if self.precision == "tensorcore"
+                else "lower optim.lr or check the teacher's top-k shards"
+            )
+            raise TrainingDiverged(
+                f"{self.skips_in_a_row} training steps in a row skipped: the loss or gradient norm was not finite "
+                f"(last loss {stats.loss}, grad norm {stats.grad_norm}); {hint}"
+            )
         return stats
 
     def evaluate_batch(self) -> dict[str, np.ndarray]:

@@ -7,6 +7,7 @@ import numpy as np
 from gpu.device import Device
 from gpu.model import GPUModel, StudentWeights
 from gpu.ops.topk import TopKState, hidden_topk
+from gpu.profile import scope
 
 
 class GPUTeacher(GPUModel):
@@ -45,19 +46,20 @@ class GPUTeacher(GPUModel):
         cfg = self.cfg
         with self.dev.step():
             self._forward_to_head()
-            hidden_topk(
-                self.dev,
-                self.a["nf"],
-                self.w.lm_head,
-                self.state,
-                self.logprobs,
-                self.tail,
-                cfg.hidden,
-                cfg.vocab,
-                self.tau,
-                logits_scratch=self.logits,
-                chunk=self.chunk,
-            )
+            with scope(self.dev, "kd head"):
+                hidden_topk(
+                    self.dev,
+                    self.a["nf"],
+                    self.w.lm_head,
+                    self.state,
+                    self.logprobs,
+                    self.tail,
+                    cfg.hidden,
+                    cfg.vocab,
+                    self.tau,
+                    logits_scratch=self.logits,
+                    chunk=self.chunk,
+                )
         out_ids = self.dev.read(self.state.ids, np.uint32, (b, t, k))
         logprobs = self.dev.read(self.logprobs, np.float32, (b, t, k))
         tail = self.dev.read(self.tail, np.float32, (b, t))

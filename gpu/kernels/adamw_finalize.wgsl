@@ -1,7 +1,8 @@
 // Global grad norm, pass 2 (one workgroup): norm = sqrt(sum of the partials: strided per-thread sums, then
 // workgroup_reduce.wgsl's fixed tree), the clipping scale min(1, max_norm / (norm + 1e-6)) (1 when
-// max_norm <= 0), and the skip flag: 1 when the loss or the norm is not finite. Stats = (norm, scale, skipped,
-// loss); the host reads it once per step and counts skips.
+// max_norm <= 0), and the skip flag: 1 when the norm or any of the losses Loss[0..=loss_index] (every micro-batch
+// of an accumulated step) is not finite. Stats = (norm, scale, skipped, Loss[loss_index]); the host reads it once
+// per step and counts skips.
 
 struct Params {
     n_partials: u32,
@@ -32,11 +33,15 @@ fn main(@builtin(local_invocation_index) lid: u32) {
     if (lid == 0u) {
         let norm = sqrt(total);
         let loss = Loss[prm.loss_index];
+        var losses_finite = true;
+        for (var i = 0u; i <= prm.loss_index; i++) {
+            losses_finite = losses_finite && is_finite(Loss[i]);
+        }
         var scale = 1.0;
         if (prm.max_norm > 0.0) {
             scale = min(1.0, prm.max_norm / (norm + 1e-6));
         }
-        let skip = !(is_finite(norm) && is_finite(loss));
+        let skip = !(is_finite(norm) && losses_finite);
         Stats[0] = norm;
         Stats[1] = select(scale, 0.0, skip);
         Stats[2] = select(0.0, 1.0, skip);
