@@ -136,6 +136,17 @@ class NumpyEngine:
             getattr(self.optim, name)[:] = value
         self.applied_steps = applied_steps
 
+    def gradients(self) -> dict[str, np.ndarray]:
+        return {"grads": self.grads.copy(), "losses": self.losses.copy()}
+
+    def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
+        grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
+        if grads.shape != self.grads.shape or losses.shape != self.losses.shape:
+            raise ValueError(
+                f"gradients {grads.shape}, losses {losses.shape}: expected {self.grads.shape}, {self.losses.shape}"
+            )
+        self.grads[:], self.losses[:] = grads, losses
+
     # ---- inputs ----------------------------------------------------------------------------------------
     def write_batch(
         self,

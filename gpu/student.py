@@ -106,6 +106,25 @@ class GPUStudent(GPUModel):
         self.dev.write(self.optim.v, np.asarray(state["v"], np.float32))
         self.applied_steps = applied_steps
 
+    def gradients(self) -> dict[str, np.ndarray]:
+        """The accumulated gradients (flat f32 [n_params]) and micro-batch losses (f32 [grad_accum])."""
+        n = self.layout.n_params
+        return {
+            "grads": self.dev.read(self.grads, np.float32, (n,)),
+            "losses": self.dev.read(self.losses, np.float32, (self.grad_accum,)),
+        }
+
+    def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace the accumulated gradients and micro-batch losses (e.g. with their sum over workers)."""
+        grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
+        if grads.shape != (self.layout.n_params,) or losses.shape != (self.grad_accum,):
+            raise ValueError(
+                f"gradients {grads.shape}, losses {losses.shape}: "
+                f"expected ({self.layout.n_params},), ({self.grad_accum},)"
+            )
+        self.dev.write(self.grads, grads)
+        self.dev.write(self.losses, losses)
+
     # ---- backward -------------------------------------------------------------------------------------
     def _proj_back(self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool) -> None:
         d_out, d_in = self.cfg.target_shape(target)

@@ -107,6 +107,17 @@ class Engine(Protocol):
         """Restore what optimizer_state() returned and the applied-step count of the checkpoint it came from."""
         ...
 
+    def gradients(self) -> dict[str, np.ndarray]:
+        """The step's gradients so far, for a data-parallel all-reduce (training/data_parallel.py): "grads" (flat
+        float32 [n_params], the engine's parameter order, summed over the micro-batches accumulated, not yet
+        averaged) and "losses" (float32 [grad_accum], each micro-batch's loss; unset slots hold anything)."""
+        ...
+
+    def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace the accumulated gradients and micro-batch losses with `state` (as gradients() returns it, e.g.
+        summed over workers): apply(lr) then steps on them as if this engine had accumulated them."""
+        ...
+
     def write_batch(
         self,
         ids: np.ndarray,
