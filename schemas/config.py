@@ -156,6 +156,12 @@ class TeacherSection(Section):
         description="Where the teacher forward runs: gpu (wgpu kernels), numpy (BLAS; faster than a CPU "
         "Vulkan adapter such as lavapipe), auto (numpy when the only adapter is a CPU, else gpu).",
     )
+    runner: Literal["local", "ray"] = Field(
+        "local",
+        description="Who computes the planned shards: local (this process, one shard after another) or ray (the "
+        "missing shards as Ray tasks on the cluster of scale.ray_address, one GPU each where the cluster has "
+        "GPUs, else one CPU). The shards are byte-identical either way, so the runner is not in the cache key.",
+    )
 
 
 class LossSection(Section):
@@ -299,6 +305,15 @@ class TrainSection(Section):
     max_steps_per_epoch: int | None = Field(
         None, ge=1, description="Cut each epoch after N optimizer steps (null: the whole split)."
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel workers: 1 trains in this process; N > 1 trains on N Ray actors (scale."
+        "ray_address), each with its own engine, each taking whole micro-batches of every step (so N must not "
+        "exceed grad_accum); their gradients are summed in micro-batch order and every worker takes the same "
+        "AdamW step. The result equals the 1-worker run (bitwise on numpy and the f32 GPU path), so workers is "
+        "not in the cache key and checkpoints resume with any N.",
+    )
 
     @property
     def sequences_per_step(self) -> int:
@@ -382,6 +397,19 @@ class PreferenceSection(Section):
         return self
 
 
+class ScaleSection(Section):
+    """Scale-out on Ray (teacher.runner: ray, train.workers > 1); nothing here changes results."""
+
+    ray_address: str = Field(
+        "auto",
+        min_length=1,
+        description="The Ray cluster: auto (the cluster this process is already connected to, else the one "
+        "RAY_ADDRESS or a running local head names, else a new local one), local (always a new local one), or an "
+        "address such as ray://head:10001 or head:6379. The run's workdir and GGUF files must be visible at the "
+        "same paths on every node (a shared filesystem).",
+    )
+
+
 class RunSection(Section):
     """Where the run writes and how it is tracked."""
 
@@ -428,6 +456,7 @@ class RunConfig(Section):
     eval: EvalSection = Field(default_factory=EvalSection, description="Held-out evaluation.")
     export: ExportSection = Field(default_factory=ExportSection, description="Export formats.")
     run: RunSection = Field(default_factory=RunSection, description="Output directory and tracking.")
+    scale: ScaleSection = Field(default_factory=ScaleSection, description="Ray cluster for scale-out.")
     preference: PreferenceSection = Field(
         default_factory=PreferenceSection, description="Preference tuning (run.task: dpo)."
     )
@@ -447,6 +476,11 @@ class RunConfig(Section):
     def _cross_checks(self) -> RunConfig:
         if self.export.merge_quant is not None and not self.export.merge:
             raise ValueError("export.merge_quant: set, but export.merge is false (set export.merge=true)")
+        if self.train.workers > self.train.grad_accum:
+            raise ValueError(
+                f"train.workers: {self.train.workers} exceeds train.grad_accum {self.train.grad_accum}; each worker "
+                "takes whole micro-batches of a step: raise train.grad_accum (or lower train.batch_size with it)"
+            )
         if self.loss.temperature != self.teacher.temperature:
             raise ValueError(
                 f"loss.temperature: {self.loss.temperature} differs from teacher.temperature "
