@@ -1,0 +1,204 @@
+"""MLflow record of a preference run (run.task: dpo): one MLflow run per flow run, as tasks/tracking.py does for
+distillation (params = the flattened config, tags = Prefect ids, git commit, model sha256s; metrics = every
+step, per-epoch train metrics, held-out preference metrics of the baseline and each epoch, the best; artifacts
+= config, report.md and the selected adapter), and the summary the CLI prints."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from schemas.config import RunConfig, dump_config
+from schemas.manifests import CheckpointManifest, ExportManifest, StudentManifest
+from schemas.preferences import PairsManifest, PreferenceEvalManifest, ReferenceManifest
+from stages.layout import workdir
+from tasks.caching import as_config, stage_states
+from tasks.tracking import ADAPTER_ARTIFACT, client_for, flatten, git_commit, log_steps, mlflow_ui_url, prefect_ui_url
+
+STEPS_FILE = "steps.jsonl"
+
+
+class PreferenceRecord:
+    """What a preference flow run produced (the flow assigns stage results) and its MLflow run."""
+
+    def __init__(self, cfg: RunConfig, client: Any, run_id: str, experiment_id: str, flow_run: Any) -> None:
+        self.cfg, self.client, self.id, self.experiment_id = cfg, client, run_id, experiment_id
+        self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
+        self.prefect_url = prefect_ui_url(flow_run)
+        self.started = time.perf_counter()
+        self.pairs: PairsManifest | None = None
+        self.student: StudentManifest | None = None
+        self.reference: ReferenceManifest | None = None
+        self.checkpoints: list[CheckpointManifest] = []
+        self.baseline: PreferenceEvalManifest | None = None
+        self.evals: list[PreferenceEvalManifest] = []
+        self.best: int | None = None
+        self.exported: ExportManifest | None = None
+
+    def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in values.items() if math.isfinite(float(v))]
+        if batch:
+            self.client.log_batch(self.id, metrics=batch)
+
+    def _steps(self) -> list[dict[str, Any]]:
+        import json
+
+        if not self.checkpoints:
+            return []
+        path = self.checkpoints[-1].path_in(workdir(self.cfg)).parent / STEPS_FILE
+        by_step: dict[int, dict[str, Any]] = {}
+        for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+            try:
+                row = json.loads(line)
+                by_step[int(row["step"])] = row
+            except (ValueError, KeyError, TypeError):
+                continue
+        return [by_step[s] for s in sorted(by_step)]
+
+    def summary(self) -> dict[str, Any]:
+        states = stage_states(self.flow_run_id)
+        best = None if self.best is None else self.evals[self.best]
+        dump = lambda m: None if m is None else m.model_dump(mode="json")  # noqa: E731
+        return {
+            "task": "dpo",
+            "flow_run_id": self.flow_run_id,
+            "flow_run_name": self.flow_run_name,
+            "prefect_url": self.prefect_url,
+            "mlflow": {
+                "tracking_uri": self.cfg.run.tracking_uri(),
+                "experiment_id": self.experiment_id,
+                "run_id": self.id,
+                "url": mlflow_ui_url(self.cfg, self.experiment_id, self.id),
+            },
+            "stages": {
+                "ran": [name for name, state in states if state == "Completed"],
+                "cached": [name for name, state in states if state == "Cached"],
+            },
+            "pairs": dump(self.pairs),
+            "reference": dump(self.reference),
+            "checkpoints": [dump(c) for c in self.checkpoints],
+            "preference": {
+                "baseline": dump(self.baseline),
+                "evals": [dump(e) for e in self.evals],
+                "best_epoch": None if best is None else best.epoch,
+                "best": dump(best),
+            },
+            "baseline": None,  # the distillation table's slot: nothing to show for a preference run
+            "export": dump(self.exported),
+            "files": {} if self.exported is None else self.exported.files(),
+            "workdir": str(workdir(self.cfg)),
+            "seconds": time.perf_counter() - self.started,
+        }
+
+    def finish(self) -> dict[str, Any]:
+        """Log steps, epoch and held-out metrics, report.md and the selected adapter; end the MLflow run."""
+        root = workdir(self.cfg)
+        if self.student is not None:
+            self.client.set_tag(self.id, "student.sha256", self.student.file.sha256)
+        if self.reference is not None:
+            self.client.set_tag(self.id, "reference.sha256", self.reference.reference_sha256)
+        steps = self._steps()
+        if steps:
+            log_steps(self.client, self.id, steps)
+        for ckpt in self.checkpoints:
+            self._metrics({f"epoch/{k}": v for k, v in ckpt.metrics.items()}, step=ckpt.epoch)
+        if self.baseline is not None:
+            self._metrics({f"baseline/{k}": v for k, v in self.baseline.metrics().items()})
+        for ev in self.evals:
+            self._metrics({f"eval/{k}": v for k, v in ev.metrics().items()}, step=ev.epoch or 0)
+        if self.best is not None:
+            self._metrics({f"best/{k}": v for k, v in self.evals[self.best].metrics().items()})
+            self._metrics({"best/epoch": float(self.best)})
+        summary = self.summary()
+        out = root / "reports"
+        out.mkdir(parents=True, exist_ok=True)
+        report = out / f"{self.flow_run_name}.md"
+        report.write_text(render_report(summary), encoding="utf-8")
+        summary["report"] = str(report)
+        self.client.log_artifact(self.id, str(report), "report")
+        files = summary["files"]
+        if "peft_dir" in files:
+            self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
+        if "gguf_lora" in files:
+            self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
+        self.client.set_terminated(self.id, "FINISHED")
+        return summary
+
+
+def _row(label: str, ev: Mapping[str, Any] | None) -> str:
+    if ev is None:
+        return f"| {label} | – | – | – | – |"
+    return f"| {label} | {ev['loss']:.4f} | {100 * ev['reward_accuracy']:.1f}% | {ev['margin']:.4f} | {ev['kl']:.5f} |"
+
+
+def table_rows(s: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any] | None]]:
+    """(label, held-out metrics) rows: the baseline, then every epoch (the best one marked)."""
+    p = s.get("preference") or {}
+    rows: list[tuple[str, Mapping[str, Any] | None]] = [("before: no adapter", p.get("baseline"))]
+    for ev in p.get("evals") or []:
+        mark = " (best)" if ev["epoch"] == p.get("best_epoch") else ""
+        rows.append((f"epoch {ev['epoch']}{mark}", ev))
+    return rows
+
+
+def render_report(s: Mapping[str, Any]) -> str:
+    """report.md of a preference run: held-out loss, reward accuracy, margin and KL to the reference."""
+    lines = [f"# distillery preference run `{s['flow_run_name']}`", ""]
+    lines += [
+        "| student | preference loss | reward accuracy | margin | KL(policy‖reference) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [_row(label, ev) for label, ev in table_rows(s)]
+    stages = s.get("stages", {})
+    lines += [
+        "",
+        f"Stages run: {', '.join(stages.get('ran', [])) or 'none'}  ",
+        f"Stages cached: {', '.join(stages.get('cached', [])) or 'none'}",
+        "",
+    ]
+    for key, value in (s.get("files") or {}).items():
+        lines.append(f"- {key}: `{value}`")
+    ml = s["mlflow"]
+    lines += ["", f"MLflow: run `{ml['run_id']}` in `{ml['tracking_uri']}` — {ml['url']}", ""]
+    return "\n".join(lines)
+
+
+@contextmanager
+def preference_run(cfg: RunConfig) -> Iterator[PreferenceRecord]:
+    """Start the flow run's MLflow run (params, tags, config); mark it FAILED if the block raises."""
+    from mlflow.entities import Param
+    from prefect.runtime import flow_run
+
+    cfg = as_config(cfg)
+    client = client_for(cfg)
+    root = workdir(cfg)
+    exp = client.get_experiment_by_name(cfg.run.experiment)
+    if exp is not None:
+        experiment_id = exp.experiment_id
+    elif cfg.run.mlflow_uri is None:
+        experiment_id = client.create_experiment(cfg.run.experiment, (root / "mlartifacts").as_uri())
+    else:
+        experiment_id = client.create_experiment(cfg.run.experiment)
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name), "task": "dpo"}
+    if commit := git_commit():
+        tags["git.commit"] = commit
+    run = client.create_run(experiment_id, run_name=cfg.run.run_name or str(flow_run.name), tags=tags)
+    record = PreferenceRecord(cfg, client, run.info.run_id, experiment_id, flow_run)
+    try:
+        params = [Param(k, v[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+        for i in range(0, len(params), 90):
+            client.log_batch(record.id, params=params[i : i + 90])
+        config_path = Path(root) / "config.resolved.yaml"
+        config_path.write_text(dump_config(cfg), encoding="utf-8")
+        client.log_artifact(record.id, str(config_path))
+        yield record
+    except BaseException:
+        client.set_terminated(record.id, "FAILED")
+        raise

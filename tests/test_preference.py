@@ -1,0 +1,175 @@
+"""Preference tuning (run.task: dpo) end to end on the tiny llama and docs/examples/prefs.jsonl.
+
+Data: records -> chat-rendered pairs with response-only masks, one-line errors naming file, record and field.
+Flow: pairs -> student -> reference -> DPO epochs -> evaluate -> select -> export through Prefect with MLflow;
+the held-out reward accuracy rises from the baseline's 50% (margin 0, no adapter), the KL to the reference
+grows from 0, an identical rerun is fully cached, the exported PEFT adapter is the best checkpoint's. The
+gradient itself is held to torch autograd through PEFT in tests/test_dpo.py.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data.preferences import Fields, load_pairs, pair_batch, tokenize_pairs
+from data.records import DataError
+from model.tokenizer import load_tokenizer
+from schemas.config import ConfigError, RunConfig, load_config
+from stages.inputs import InputError
+from tests.pipeline_fixtures import _prefect_harness, write_tiny_llama  # noqa: F401 (fixture)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "prefs.jsonl"
+
+
+@cache
+def _model() -> Path:
+    folder = Path(tempfile.mkdtemp(prefix="distillery-dpo-"))
+    return write_tiny_llama(folder / "tiny.gguf", context_length=128)
+
+
+def _write(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_pairs_mask_only_the_response(tmp_path: Path) -> None:
+    tok = load_tokenizer(_model())
+    multi = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "the lake?"},
+    ]
+    path = _write(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "Where does the river run?", "chosen": "Over stone and sand.", "rejected": "No."},
+            {"prompt": multi, "chosen": [{"role": "assistant", "content": "By the shore."}], "rejected": "In a mill."},
+        ],
+    )
+    pairs = load_pairs(path)
+    rows = tokenize_pairs(pairs, [0, 1], tok, 128)
+    trained = []
+    for ids, mask in zip(rows.chosen_ids + rows.rejected_ids, rows.chosen_mask + rows.rejected_mask, strict=True):
+        trained.append(tok.decode([int(ids[t + 1]) for t in np.flatnonzero(mask)]))
+    assert trained == [
+        "Over stone and sand.<|im_end|>",
+        "By the shore.<|im_end|>",
+        "No.<|im_end|>",
+        "In a mill.<|im_end|>",
+    ]
+    assert "hello there" in tok.decode(rows.chosen_ids[1].tolist())  # the earlier assistant turn: prompt, not trained
+    ids, mask = pair_batch(rows, np.array([1]), 2, 128)
+    assert ids.shape == mask.shape == (4, 128)
+    assert mask[1].sum() == mask[3].sum() == 0  # the missing pair of a partial batch
+    assert mask[2].sum() == rows.rejected_mask[1].sum()
+    cut = tokenize_pairs(pairs, [0], tok, 24)  # the response starts after token 24: no response token left
+    assert len(cut) == 0 and cut.dropped == 1
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        ({"prompt": "q", "chosen": "a"}, "line 1: no field 'rejected'; available fields: prompt, chosen "
+         "(preference.rejected_field)"),
+        ({"prompt": "q", "chosen": "a", "rejected": 3}, "line 1: field 'rejected': messages must be a list"),
+        ({"prompt": "q", "chosen": "", "rejected": "b"}, "line 1: field 'chosen' is empty"),
+        ({"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
+         "line 1: field 'chosen' must end with an assistant turn"),
+        ({"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"},
+         "field 'prompt': messages[0] has no 'content'"),
+        (["q", "a", "b"], "line 1: a preference record must be an object"),
+    ],
+)  # fmt: skip
+def test_malformed_rows_name_file_row_and_field(tmp_path: Path, row: object, message: str) -> None:
+    path = _write(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(DataError) as err:
+        load_pairs(path, fields=Fields())
+    assert str(err.value).startswith(str(path)) and message in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_config_checks(tmp_path: Path) -> None:
+    base = [f"model.student={_model()}", f"data.path={EXAMPLE}", "run.task=dpo"]
+    cfg = load_config(None, base)
+    assert cfg.model.teacher == cfg.model.student  # not read by a preference run
+    with pytest.raises(ConfigError, match="label_smoothing applies to loss_type sigmoid only"):
+        load_config(None, [*base, "preference.loss_type=ipo", "preference.label_smoothing=0.1"])
+    with pytest.raises(ConfigError, match="gamma is the SimPO margin"):
+        load_config(None, [*base, "preference.gamma=0.5"])
+    from stages.pairs import check_inputs
+
+    with pytest.raises(InputError, match="train.backend: gpu is not supported with run.task=dpo"):
+        check_inputs(load_config(None, [*base, "train.backend=gpu", "data.seq_len=64"]))
+    other = write_tiny_llama(tmp_path / "other.gguf", context_length=128, extra_tokens=("xyz",))
+    with pytest.raises(InputError, match="preference.reference: "):
+        check_inputs(load_config(None, [*base, f"preference.reference={other}", "data.seq_len=64"]))
+
+
+# ---------------------------------------------------------------- the flow
+
+
+def _config(workdir: Path, **preference: object) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "model": {"student": str(_model()), "student_quant": ["Q4_0"]},
+            "data": {"path": str(EXAMPLE), "seq_len": 80, "eval_fraction": 0.25},
+            "lora": {"r": 4, "alpha": 8.0, "targets": ["q", "v", "down"]},
+            "optim": {"lr": 5e-3, "warmup_steps": 1},
+            "train": {"epochs": 2, "batch_size": 4, "max_steps_per_epoch": 3, "backend": "numpy"},
+            "preference": {"beta": 0.5, **preference},
+            "run": {"workdir": str(workdir), "experiment": "tiny-dpo", "task": "dpo"},
+        }
+    )
+
+
+def test_preference_flow_end_to_end(prefect_harness: None, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from data.adapters import peft_tensors
+    from data.checkpoint import load_checkpoint
+    from flows.preference import run_preference
+    from model.gguf import GGUFFile
+    from schemas.manifests import sha256_file
+
+    cfg = _config(tmp_path / "run")
+    summary = run_preference(cfg)
+    p = summary["preference"]
+    base, best = p["baseline"], p["best"]
+    assert base["reward_accuracy"] == 0.5 and base["margin"] == 0.0 and base["kl"] == 0.0
+    assert base["loss"] == pytest.approx(np.log(2))
+    assert best["reward_accuracy"] > 0.5 and best["margin"] > 0 and best["kl"] > 0, best
+    assert best["loss"] < base["loss"]
+    ran = summary["stages"]["ran"]
+    assert ran[:3] == ["pairs", "student", "reference"] and "dpo-epoch-1" in ran and "export" in ran, ran
+    root = Path(summary["workdir"])
+    assert summary["pairs"]["n_train"] + summary["pairs"]["n_eval"] == 48
+    ref = summary["reference"]
+    assert sha256_file(root / ref["file"]["path"]) == ref["file"]["sha256"] and ref["n_pairs"] == 48
+    chosen = summary["checkpoints"][p["best_epoch"]]
+    exported = root / summary["files"]["peft_dir"] / "adapter_model.safetensors"
+    assert exported.is_file()
+    adapter = load_checkpoint(root / chosen["dir"])[0]
+    assert max(float(np.abs(pair.B).max()) for pair in adapter.values()) > 0  # trained
+    with GGUFFile(_model()) as f:
+        expect = peft_tensors(adapter, f.config())
+    got = load_file(exported)
+    assert sorted(got) == sorted(expect) and all(np.array_equal(got[k], expect[k]) for k in expect)
+
+    from tasks.tracking import client_for
+
+    run = client_for(cfg).get_run(summary["mlflow"]["run_id"])
+    assert run.data.metrics["best/reward_accuracy"] == best["reward_accuracy"]
+    assert "train/loss" in run.data.metrics and run.data.params["preference.beta"] == "0.5"
+
+    again = run_preference(cfg)
+    assert again["stages"]["ran"] == [], again["stages"]
+    assert again["preference"]["best"] == best

@@ -1,0 +1,241 @@
+"""Preference tuning above the engine: the reference log-probs, epochs of DPO-family steps with checkpoints and
+bitwise resume (training/loop.py's checkpoint format and restore), and held-out evaluation.
+
+The engine is cpu/preference.py's PreferenceEngine (numpy): the GPU engine's CE head takes no per-token weights
+yet, so train.backend=gpu is refused for run.task=dpo and auto picks numpy. A batch is train.batch_size pairs
+(2 * batch_size sequences); train.grad_accum micro-batches make a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from cpu.preference import PreferenceEngine, kl_rows
+from data.checkpoint import CheckpointError, verify_checkpoint
+from data.preferences import PairRows, pair_batch
+from model.dpo import DpoConfig
+from schemas.config import RunConfig
+from schemas.manifests import CheckpointManifest
+from training import engines
+from training.loop import StepRecord, _epoch_order, _manifest, _restore, _save, epoch_dir
+from training.schedule import learning_rate
+
+log = logging.getLogger(__name__)
+
+
+def dpo_config(cfg: RunConfig) -> DpoConfig:
+    """model/dpo.py's config from the run's preference section."""
+    p = cfg.preference
+    return DpoConfig(p.beta, p.loss_type, p.label_smoothing, p.reference_free, p.gamma)
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """Preference tuning runs on the numpy engine: refuse train.backend=gpu and train.precision=tensorcore."""
+    if cfg.train.backend == "gpu":
+        raise ValueError(
+            "train.backend: gpu is not supported with run.task=dpo yet (the GPU engine's CE head takes no "
+            "per-token weights); set train.backend=numpy or auto"
+        )
+    if cfg.train.precision == "tensorcore":
+        raise ValueError("train.precision: tensorcore needs the GPU engine; run.task=dpo trains in f32 (numpy)")
+
+
+def build_engine(cfg: RunConfig, gguf: Path, seq_len: int, grad_accum: int | None = None) -> PreferenceEngine:
+    """A PreferenceEngine on the GGUF at `gguf` (the host float32 copy, loaded once per process)."""
+    check_backend(cfg)
+    model_cfg, weights = engines.load_host_student(gguf)
+    return PreferenceEngine(
+        model_cfg,
+        weights,
+        targets=cfg.lora.targets,
+        r=cfg.lora.r,
+        alpha=cfg.lora.alpha,
+        pairs=cfg.train.batch_size,
+        seq_len=seq_len,
+        dpo=dpo_config(cfg),
+        optim=engines._adamw(cfg),
+        layers=cfg.lora.layers,
+        grad_accum=cfg.train.grad_accum if grad_accum is None else grad_accum,
+    )
+
+
+def zero_adapter(engine: PreferenceEngine) -> None:
+    """Set B = 0 in every slot (A too): the adapter adds exactly nothing, the engine is the frozen model."""
+    engine.set_adapter(
+        {key: type(p)(np.zeros_like(p.A), np.zeros_like(p.B)) for key, p in engine.get_adapter().items()}
+    )
+
+
+def _batches(n: int, size: int) -> list[np.ndarray]:
+    return [np.arange(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+@dataclass
+class Reference:
+    """Reference log-probs of one split's pairs, by position in its PairRows: [n] each."""
+
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+    def batch(self, index: np.ndarray, pairs: int) -> np.ndarray:
+        """[2 * pairs] in write_pairs order (chosen then rejected), zero for the missing rows."""
+        out = np.zeros(2 * pairs)
+        out[: len(index)] = self.chosen[index]
+        out[pairs : pairs + len(index)] = self.rejected[index]
+        return out
+
+
+def reference_logps(
+    cfg: RunConfig, gguf: Path, rows: PairRows, seq_len: int, on_batch: Callable[[int], None] | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen logp [n], rejected logp [n], chosen tokens [n], rejected tokens [n]) of every pair under the GGUF
+    at `gguf` with no adapter, in batches of train.batch_size pairs of seq_len tokens (as training computes)."""
+    engine = build_engine(cfg, gguf, seq_len, grad_accum=1)
+    zero_adapter(engine)
+    p = cfg.train.batch_size
+    n = len(rows)
+    out = np.zeros((4, n))
+    for index in _batches(n, p):
+        ids, mask = pair_batch(rows, index, p, engine.seq_len)
+        engine.write_pairs(ids, mask)
+        logp, count = engine.sequence_logps()
+        k = len(index)
+        out[0, index], out[1, index] = logp[:k], logp[p : p + k]
+        out[2, index], out[3, index] = count[:k], count[p : p + k]
+        if on_batch is not None:
+            on_batch(k)
+    return out[0], out[1], out[2].astype(np.int32), out[3].astype(np.int32)
+
+
+def steps_per_epoch(cfg: RunConfig, n_pairs: int) -> int:
+    steps = max(1, math.ceil(n_pairs / cfg.train.sequences_per_step))
+    return min(steps, cfg.train.max_steps_per_epoch or steps)
+
+
+def train_epoch(
+    cfg: RunConfig,
+    *,
+    student_gguf: Path,
+    rows: PairRows,
+    reference: Reference | None,
+    seq_len: int,
+    ckpt_root: Path,
+    epoch: int,
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> CheckpointManifest:
+    """Train one epoch of preference steps, resuming bitwise from the newest complete checkpoint (the same
+    checkpoint layout and restore as training/loop.py)."""
+    ckpt_root = Path(ckpt_root)
+    done = epoch_dir(ckpt_root, epoch)
+    if (done / "checkpoint.json").exists():
+        try:
+            return _manifest(done, ckpt_root, verify_checkpoint(done))
+        except CheckpointError as exc:
+            log.warning("%s: retraining epoch %d from the checkpoint before it", exc, epoch)
+    if not len(rows):
+        raise ValueError("the train split has no preference pairs: nothing to train on")
+    engine = build_engine(cfg, student_gguf, seq_len)
+    steps = steps_per_epoch(cfg, len(rows))
+    total = steps * cfg.train.epochs
+    cursor, losses, skipped = _restore(cfg, engine, ckpt_root, epoch, steps)
+    order = _epoch_order(cfg, epoch, len(rows))
+    p, per_step = cfg.train.batch_size, cfg.train.sequences_per_step
+    tokens, t_start = 0, time.perf_counter()
+    for s in range(cursor, steps):
+        t0, step_tokens = time.perf_counter(), 0
+        picked = order[s * per_step : (s + 1) * per_step]
+        for micro in range(cfg.train.grad_accum):
+            index = picked[micro * p : (micro + 1) * p]
+            ids, mask = pair_batch(rows, index, p, seq_len)
+            engine.write_pairs(ids, mask, None if reference is None else reference.batch(index, p))
+            engine.accumulate(micro)
+            step_tokens += int(mask.sum())
+        tokens += step_tokens
+        global_step = epoch * steps + s
+        lr = learning_rate(cfg, global_step, total)
+        stats = engine.apply(lr)
+        losses.append(stats.loss)
+        skipped += int(stats.skipped)
+        record = StepRecord(
+            epoch, global_step + 1, stats.loss, stats.grad_norm, lr, stats.skipped,
+            step_tokens / (time.perf_counter() - t0),
+        )  # fmt: skip
+        every = cfg.train.checkpoint_every
+        if every and (global_step + 1) % every == 0 and s + 1 < steps:
+            _save(engine, ckpt_root / f"step-{global_step + 1:08d}", ckpt_root, epoch, s + 1, global_step + 1, losses,
+                  skipped)  # fmt: skip
+        if on_step is not None:
+            on_step(record)
+    elapsed = time.perf_counter() - t_start
+    metrics = {
+        "train_loss": float(np.mean(losses)) if losses else float("nan"),
+        "skipped_steps": skipped,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+    }
+    return _save(engine, done, ckpt_root, epoch, steps, (epoch + 1) * steps, losses, skipped, metrics, epoch_done=True)
+
+
+def evaluate(
+    cfg: RunConfig,
+    *,
+    student_gguf: Path,
+    rows: PairRows,
+    reference: Reference | None,
+    reference_gguf: Path | None,
+    seq_len: int,
+    adapter: dict | None,
+    max_batches: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, float]:
+    """Held-out metrics of the student with `adapter` (None: without one): mean preference loss, reward accuracy
+    (ties count half), mean margin and rewards, and the mean per-token KL(policy || reference) over the response
+    positions of both responses (reference_gguf: another reference model; None: the student without adapter)."""
+    engine = build_engine(cfg, student_gguf, seq_len, grad_accum=1)
+    ref_engine = None if reference_gguf is None else build_engine(cfg, reference_gguf, seq_len, grad_accum=1)
+    if ref_engine is not None:
+        zero_adapter(ref_engine)
+    p = cfg.train.batch_size
+    losses, margins, chosen, rejected, kls = [], [], [], [], []
+    for b, index in enumerate(_batches(len(rows), p)):
+        if max_batches is not None and b >= max_batches:
+            break
+        ids, mask = pair_batch(rows, index, p, seq_len)
+        engine.write_pairs(ids, mask, None if reference is None else reference.batch(index, p))
+        if adapter is None:
+            zero_adapter(engine)
+        else:
+            engine.set_adapter(adapter)
+        terms = engine.evaluate_pairs()
+        live = np.flatnonzero(terms.valid)
+        losses += terms.pair_loss[live].tolist()
+        margins += terms.margin[live].tolist()
+        chosen += terms.chosen_reward[live].tolist()
+        rejected += terms.rejected_reward[live].tolist()
+        rows_m = np.flatnonzero(engine._inputs()["mask"])
+        h = engine.final_hidden()[rows_m]
+        if ref_engine is None:
+            zero_adapter(engine)
+            h_ref, w_ref = engine.final_hidden()[rows_m], engine.head.w
+        else:
+            ref_engine.write_pairs(ids, mask)
+            h_ref, w_ref = ref_engine.final_hidden()[rows_m], ref_engine.head.w
+        kls += kl_rows(h, engine.head.w, h_ref, w_ref).tolist()
+        if on_batch is not None:
+            on_batch(len(index))
+    m = np.asarray(margins)
+    return {
+        "loss": float(np.mean(losses)) if losses else float("nan"),
+        "reward_accuracy": float(np.mean((m > 0) + 0.5 * (m == 0))) if len(m) else 0.0,
+        "margin": float(m.mean()) if len(m) else 0.0,
+        "chosen_reward": float(np.mean(chosen)) if chosen else 0.0,
+        "rejected_reward": float(np.mean(rejected)) if rejected else 0.0,
+        "kl": float(np.mean(kls)) if kls else 0.0,
+        "n_pairs": len(m),
+    }
