@@ -220,6 +220,8 @@ def _results(cfg: Any, root: Path, until: str) -> dict[str, Any]:
     from flows.locks import workdir_lock
     from tasks.cached import cached_run
 
+    if cfg.run.task == "dpo":
+        return _preference_results(cfg, root, until)
     if (summary := cached_run(cfg, until)) is not None:
         return summary
     with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)):
@@ -232,6 +234,17 @@ def _results(cfg: Any, root: Path, until: str) -> dict[str, Any]:
             return run_pipeline(cfg, until)  # type: ignore[arg-type]
 
 
+def _preference_results(cfg: Any, root: Path, until: str) -> dict[str, Any]:
+    """A preference run (run.task: dpo): flows/preference.py under the workdir lock (its stages cached by content)."""
+    from flows.locks import workdir_lock
+
+    with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)), _prefect_api(root):
+        from flows.preference import run_preference
+
+        _quiet_prefect_console()
+        return run_preference(cfg, until)  # type: ignore[arg-type]
+
+
 def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tuple[str, ...] = ()) -> None:
     """Load the config, check inputs (before any Prefect server starts), answer a fully cached run from its
     verified results without Prefect, else run the flow; print the report."""
@@ -241,6 +254,8 @@ def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tu
 
             cfg = _load_config(config, [*(overrides or []), *extra])
             root = _writable_workdir(cfg.run.workdir)
+            if cfg.run.task == "dpo":
+                from stages.pairs import check_inputs  # the preference preflight (the chat template, the reference)
             check_inputs(cfg)
             summary = _results(cfg, root, until)
     except KeyboardInterrupt as exc:
@@ -260,6 +275,10 @@ def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tu
 def print_report(summary: dict[str, Any], workdir: Path) -> None:
     """Before/after table, stages ran/cached, files, and where the MLflow / Prefect records are (a cached rerun
     names the run whose results it reused)."""
+    if summary.get("task") == "dpo":
+        from flows.preference import print_table
+
+        print_table(summary, console)
     if summary.get("baseline") is not None:
         table = Table(title="held-out: teacher vs student")
         for col in ("student", "KL(teacher‖student)", "top-1", "CE", "ppl"):
