@@ -1,7 +1,8 @@
 """Preference tuning (run.task: dpo) end to end on the tiny llama and docs/examples/prefs.jsonl.
 
 Data: records -> chat-rendered pairs with response-only masks, one-line errors naming file, record and field.
-Flow: pairs -> student -> reference -> DPO epochs -> evaluate -> select -> export through Prefect with MLflow;
+Flow (`distillery run` with run.task=dpo): pairs -> student -> reference -> DPO epochs -> evaluate -> select ->
+export through Prefect with MLflow;
 the held-out reward accuracy rises from the baseline's 50% (margin 0, no adapter), the KL to the reference
 grows from 0, an identical rerun is fully cached, the exported PEFT adapter is the best checkpoint's. The
 gradient itself is held to torch autograd through PEFT in tests/test_dpo.py.
@@ -133,23 +134,33 @@ def _config(workdir: Path, **preference: object) -> RunConfig:
 
 def test_preference_flow_end_to_end(prefect_harness: None, tmp_path: Path) -> None:
     from safetensors.numpy import load_file
+    from typer.testing import CliRunner
 
     from data.adapters import peft_tensors
     from data.checkpoint import load_checkpoint
+    from flows.cli import app
     from flows.preference import run_preference
     from model.gguf import GGUFFile
+    from schemas.config import dump_config
     from schemas.manifests import sha256_file
 
     cfg = _config(tmp_path / "run")
-    summary = run_preference(cfg)
+    path = tmp_path / "dpo.yaml"
+    path.write_text(dump_config(cfg), encoding="utf-8")
+    result = CliRunner().invoke(app, ["run", str(path)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "held-out preference pairs" in out and "before: no adapter" in out and "(best)" in out, out
+    assert "ran: pairs, student, reference, dpo-epoch-0, dpo-epoch-1, evaluate-baseline" in out, out
+
+    summary = run_preference(cfg)  # the same config again: every stage from the cache
+    assert summary["stages"]["ran"] == [], summary["stages"]
     p = summary["preference"]
     base, best = p["baseline"], p["best"]
     assert base["reward_accuracy"] == 0.5 and base["margin"] == 0.0 and base["kl"] == 0.0
     assert base["loss"] == pytest.approx(np.log(2))
     assert best["reward_accuracy"] > 0.5 and best["margin"] > 0 and best["kl"] > 0, best
     assert best["loss"] < base["loss"]
-    ran = summary["stages"]["ran"]
-    assert ran[:3] == ["pairs", "student", "reference"] and "dpo-epoch-1" in ran and "export" in ran, ran
     root = Path(summary["workdir"])
     assert summary["pairs"]["n_train"] + summary["pairs"]["n_eval"] == 48
     ref = summary["reference"]
@@ -166,10 +177,7 @@ def test_preference_flow_end_to_end(prefect_harness: None, tmp_path: Path) -> No
 
     from tasks.tracking import client_for
 
-    run = client_for(cfg).get_run(summary["mlflow"]["run_id"])
+    runs = client_for(cfg).search_runs([summary["mlflow"]["experiment_id"]], order_by=["attributes.start_time ASC"])
+    run = runs[0]  # the CLI's run, which trained
     assert run.data.metrics["best/reward_accuracy"] == best["reward_accuracy"]
     assert "train/loss" in run.data.metrics and run.data.params["preference.beta"] == "0.5"
-
-    again = run_preference(cfg)
-    assert again["stages"]["ran"] == [], again["stages"]
-    assert again["preference"]["best"] == best
