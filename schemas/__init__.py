@@ -1,46 +1,49 @@
 """Run config, Arrow schemas of every file we write, and stage manifests. Imports nothing of ours."""
 
-from schemas.config import (
-    LORA_TARGET_NAMES,
-    QUANT_NAMES,
-    ConfigError,
-    DataSection,
-    EvalSection,
-    ExportSection,
-    LoraSection,
-    LossSection,
-    ModelSection,
-    OptimSection,
-    RunConfig,
-    RunSection,
-    TeacherSection,
-    TrainSection,
-    config_fingerprint,
-    dump_config,
-    load_config,
-)
-from schemas.files import (
-    TOKEN_SHARD_SCHEMA,
-    TOPK_MANIFEST,
-    SchemaError,
-    check_token_shard,
-    topk_id_type,
-    topk_schema,
-    validate_table,
-)
-from schemas.manifests import (
-    CheckpointManifest,
-    EvalManifest,
-    ExportManifest,
-    FileRef,
-    ManifestError,
-    ShardRecord,
-    StudentManifest,
-    TeacherManifest,
-    TokenizeManifest,
-    TokenSplit,
-    sha256_file,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Names resolve lazily (PEP 562): `from schemas.optim import ...` in gpu/ and cpu/ must not import pydantic and
+# pyarrow, which the GPU device image lacks.
+_WHERE = {
+    "LORA_TARGET_NAMES": "config",
+    "QUANT_NAMES": "config",
+    "ConfigError": "config",
+    "DataSection": "config",
+    "EvalSection": "config",
+    "ExportSection": "config",
+    "LoraSection": "config",
+    "LossSection": "config",
+    "ModelSection": "config",
+    "OptimSection": "config",
+    "RunConfig": "config",
+    "RunSection": "config",
+    "TeacherSection": "config",
+    "TrainSection": "config",
+    "config_fingerprint": "config",
+    "dump_config": "config",
+    "load_config": "config",
+    "TOKEN_SHARD_SCHEMA": "files",
+    "TOPK_MANIFEST": "files",
+    "SchemaError": "files",
+    "check_token_shard": "files",
+    "topk_id_type": "files",
+    "topk_schema": "files",
+    "validate_table": "files",
+    "CheckpointManifest": "manifests",
+    "EvalManifest": "manifests",
+    "ExportManifest": "manifests",
+    "FileRef": "manifests",
+    "ManifestError": "manifests",
+    "ShardRecord": "manifests",
+    "StudentManifest": "manifests",
+    "TeacherManifest": "manifests",
+    "TokenizeManifest": "manifests",
+    "TokenSplit": "manifests",
+    "sha256_file": "manifests",
+}
 
 __all__ = [
     "CheckpointManifest",
@@ -79,3 +82,10 @@ __all__ = [
     "topk_schema",
     "validate_table",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'schemas' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"schemas.{module}"), name)
