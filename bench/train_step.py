@@ -1,19 +1,34 @@
 """LoRA-KD train step and teacher top-k throughput, ours (wgpu) next to HF transformers + PEFT (torch), as JSON.
 
-    python bench/train_step.py --shape tinyllama --batch 4 --seq 1024        # the H200 benchmark of docs/benchmarks.md
-    python bench/train_step.py --shape smollm2 --batch 1 --seq 128 --no-torch # lavapipe: the demo's number
+    python bench/train_step.py --shape tinyllama --batch 4 --seq 1024 --precision tensorcore --profile
+    python bench/train_step.py --gguf runs/demo/student/<key>/student.gguf --batch 4 --seq 1024  # real weights
+    python bench/train_step.py --shape smollm2 --batch 1 --seq 128 --no-torch    # lavapipe: the demo's number
 
-Shapes use random weights: projections as random GGML blocks of --quant (Q4_K), norms 1, lm_head random.
-Loss: forward KL over the teacher's top-k (k=--top-k) with a random teacher. One line of JSON per measurement.
+Each side (ours; HF+PEFT bf16; HF+PEFT fp32) runs in its own process, alone on the GPU, while this process
+samples the GPU's used memory (bench/gpu_memory.py: NVML, else nvidia-smi): the peak above the baseline is
+the side's whole-process footprint, measured the same way for both; each side also reports its own accounting
+(our Device.peak_bytes, torch.cuda.max_memory_allocated). Throughput: one warm-up step, then --repeats windows
+of --steps steps each; the median window is reported with all windows. The last line is a summary with ratios.
+
+Weights: --gguf FILE loads a real student (ours: StudentWeights.from_gguf; HF: from_pretrained(dir,
+gguf_file=...)), else --shape builds random weights at checkpoint-like scales (embedding and projections
+N(0, 0.02), o/down scaled by 1/sqrt(2 n_layers), norms 1; ours as random GGML blocks of --quant whose f16
+scales are set to that RMS, HF by its own initializer at 0.02). Loss: forward KL over a random teacher's
+top-k (k=--top-k) plus the tail. --profile adds per-kernel-class GPU time of --profile-steps extra steps
+(gpu/profile.py, timestamp queries) to our side's output.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -39,36 +54,104 @@ SHAPES = {
     ),
     "tiny": ModelConfig(n_layers=2, hidden=256, ffn=512, n_heads=4, n_kv_heads=2, vocab=1000, context_length=256),
 }
+SIDES = ("ours", "hf-bf16", "hf-fp32")
+INIT_STD = 0.02  # projections and embeddings of real checkpoints (HF's initializer_range)
+_F16_SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
 
 
 def emit(**row: object) -> None:
     print(json.dumps(row), flush=True)
 
 
-def random_tensors(cfg: ModelConfig, qtype: int, rng: np.random.Generator):
+# ---- random weights at checkpoint scales -------------------------------------------------------------------
+def scaled_blocks(qtype: int, shape: tuple[int, int], std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random GGML blocks of `qtype` whose dequantized values have RMS `std` and mean ~0 (gpu.weights.random_blocks
+    with its f16 block scales rescaled; Q4_K/Q4_1 minimums set to centre each block's 4-bit codes)."""
     from gpu.weights import random_blocks
+    from model.quant import dequantize
 
-    yield (
-        "token_embd.weight",
-        rng.standard_normal((cfg.vocab, cfg.hidden), np.float32) * 0.02,
-        Q.F32,
-        (cfg.vocab, cfg.hidden),
-    )
+    qtype = Q(qtype)
+    raw = random_blocks(qtype, shape, rng)
+    if qtype.name in ("F32", "F16"):
+        w = raw.view(np.float32 if qtype.name == "F32" else np.float16) * std
+        return w.astype(np.float32 if qtype.name == "F32" else np.float16).view(np.uint8)
+    nb = raw.size // _block_bytes(qtype)
+    blocks = raw.reshape(nb, -1)  # a view: edits land in raw
+    fields = _F16_SCALES[qtype.name]
+    d = blocks[:, fields[0] : fields[0] + 2].copy().view(np.float16).astype(np.float32)
+    if qtype.name in ("Q4_K", "Q4_1"):  # w = d*sc*q - dmin*m (Q4_1: d*q + m): centre the 4-bit codes
+        m = (7.5 * d) if qtype.name == "Q4_K" else (-7.5 * d)
+        blocks[:, fields[1] : fields[1] + 2] = m.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    rows = min(shape[0], 64)
+    sample = dequantize(raw[:rows], qtype, (rows, shape[1]))
+    factor = std / float(np.sqrt(np.mean(np.square(sample, dtype=np.float64))))
+    for off in fields:
+        v = blocks[:, off : off + 2].copy().view(np.float16).astype(np.float32) * factor
+        blocks[:, off : off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(shape[0], -1)
+
+
+def _block_bytes(qtype: Q) -> int:
+    from gguf import GGML_QUANT_SIZES
+
+    return GGML_QUANT_SIZES[qtype][1]
+
+
+def random_tensors(cfg: ModelConfig, qtype: int, rng: np.random.Generator) -> Iterator[tuple]:
+    """(name, data, ggml type, shape) of a random student at checkpoint-like scales (see the module doc)."""
+    h = cfg.hidden
+    yield "token_embd.weight", rng.standard_normal((cfg.vocab, h), np.float32) * INIT_STD, Q.F32, (cfg.vocab, h)
     if not cfg.tied_embeddings:
-        w = random_blocks(Q.Q6_K, (cfg.vocab, cfg.hidden), rng)
-        yield "output.weight", w, Q.Q6_K, (cfg.vocab, cfg.hidden)
-    yield "output_norm.weight", np.ones(cfg.hidden, np.float32), Q.F32, (cfg.hidden,)
+        yield "output.weight", scaled_blocks(Q.Q6_K, (cfg.vocab, h), INIT_STD, rng), Q.Q6_K, (cfg.vocab, h)
+    yield "output_norm.weight", np.ones(h, np.float32), Q.F32, (h,)
+    residual_out = INIT_STD / np.sqrt(2 * cfg.n_layers)
     for i in range(cfg.n_layers):
         for norm in ("attn_norm", "ffn_norm"):
-            yield f"blk.{i}.{norm}.weight", np.ones(cfg.hidden, np.float32), Q.F32, (cfg.hidden,)
+            yield f"blk.{i}.{norm}.weight", np.ones(h, np.float32), Q.F32, (h,)
         for t, stem in LORA_TARGETS.items():
             shape = cfg.target_shape(t)
-            yield f"blk.{i}.{stem}.weight", random_blocks(qtype, shape, rng), qtype, shape
+            std = residual_out if t in ("o", "down") else INIT_STD
+            yield f"blk.{i}.{stem}.weight", scaled_blocks(qtype, shape, std, rng), qtype, shape
 
 
-def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
+# ---- timing -------------------------------------------------------------------------------------------------
+def windows(step: Callable[[], Any], steps: int, repeats: int, sync: Callable[[], None]) -> list[float]:
+    """Seconds per call of step() in `repeats` windows of `steps` calls, after one warm-up call."""
+    step()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        out.append((time.perf_counter() - t0) / steps)
+    return out
+
+
+def throughput(tokens: int, secs: list[float]) -> dict[str, Any]:
+    per_window = [round(tokens / s, 1) for s in secs]
+    return {
+        "tokens_per_s": statistics.median(per_window),
+        "tokens_per_s_windows": per_window,
+        "seconds_per_step": round(statistics.median(secs), 4),
+    }
+
+
+def _teacher_batch(vocab: int, b: int, t: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [b, t] and k distinct random teacher ids per position (windows of one random permutation)."""
+    ids = rng.integers(0, vocab, (b, t))
+    perm = rng.permutation(vocab)
+    starts = rng.integers(0, vocab, b * t)
+    tids = perm[(starts[:, None] + np.arange(k)[None, :]) % vocab].reshape(b, t, k)
+    return ids, tids
+
+
+# ---- ours ---------------------------------------------------------------------------------------------------
+def bench_ours(args: argparse.Namespace) -> None:
     from gpu.device import Device
     from gpu.model import StudentWeights
+    from gpu.profile import Profiler
     from gpu.student import GPUStudent
     from gpu.teacher import GPUTeacher
     from model import reference
@@ -77,8 +160,12 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
     dev = Device(args.backend)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    weights = StudentWeights.upload(dev, cfg, random_tensors(cfg, Q[args.quant], rng))
-    emit(what="upload", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
+    if args.gguf:
+        weights = StudentWeights.from_gguf(dev, args.gguf)
+    else:
+        weights = StudentWeights.upload(dev, SHAPES[args.shape], random_tensors(SHAPES[args.shape], Q[args.quant], rng))
+    cfg = weights.cfg
+    emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k
     st = GPUStudent(
         dev,
@@ -93,96 +180,71 @@ def bench_ours(cfg: ModelConfig, args: argparse.Namespace) -> None:
         precision=args.precision,
     )
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
-    ids = rng.integers(0, cfg.vocab, (b, t))
-    tids = np.stack([rng.permutation(cfg.vocab)[:k] for _ in range(b * t)]).reshape(b, t, k)
+    ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
     st.write_batch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32))
-    st.train_step(lr=1e-4)  # compile + warm up
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        stats = st.train_step(lr=1e-4)
-    dt = (time.perf_counter() - t0) / args.steps
+    losses: list[float] = []
+
+    def step() -> None:
+        losses.append(st.train_step(lr=args.lr).loss)  # reads the step's stats back: synchronous
+
+    secs = windows(step, args.steps, args.repeats, lambda: None)
     emit(
         what="train_step",
+        side="ours",
         impl="distillery",
         precision=st.precision,
         backend=dev.backend,
         adapter=dev.adapter.summary,
-        shape=args.shape,
-        quant=args.quant,
+        model=_model_name(args),
         batch=b,
         seq=t,
         rank=args.rank,
         top_k=k,
-        seconds_per_step=round(dt, 4),
-        tokens_per_s=round(b * t / dt, 1),
-        loss=stats.loss,
-        peak_gpu_bytes=dev.peak_bytes,
+        **throughput(b * t, secs),
+        loss_first=losses[0],
+        loss_last=losses[-1],
+        losses=[round(x, 5) for x in losses],
+        applied_steps=st.applied_steps,
+        skipped_steps=st.skipped_steps,
+        own_peak_bytes=dev.peak_bytes,
     )
-    del st
+    if args.profile:
+        with Profiler(dev) as prof:
+            for _ in range(args.profile_steps):
+                st.train_step(lr=args.lr)
+        emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps))
+    st = None  # frees the student's buffers before the teacher's
+    if args.no_teacher:
+        return
     teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision)
-    teacher.topk(ids)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        teacher.topk(ids)
-    dt = (time.perf_counter() - t0) / args.steps
-    emit(
-        what="teacher_topk",
-        impl="distillery",
-        precision=args.precision,
-        shape=args.shape,
-        quant=args.quant,
-        batch=b,
-        seq=t,
-        top_k=k,
-        tokens_per_s=round(b * t / dt, 1),
-    )
+    secs = windows(lambda: teacher.topk(ids), args.steps, args.repeats, lambda: None)
+    emit(what="teacher_topk", side="ours", impl="distillery", precision=args.precision, **throughput(b * t, secs))
+    if args.profile:
+        with Profiler(dev) as prof:
+            teacher.topk(ids)
+        emit(what="profile", side="ours", of="teacher_topk", **prof.summary(1))
+    emit(what="own_memory", side="ours", own_peak_bytes=dev.peak_bytes)
 
 
-def bench_torch(cfg: ModelConfig, args: argparse.Namespace) -> None:
+def _model_name(args: argparse.Namespace) -> str:
+    return Path(args.gguf).name if args.gguf else f"{args.shape} (random {args.quant})"
+
+
+# ---- HF transformers + PEFT ---------------------------------------------------------------------------------
+def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
     import torch
-    from transformers import LlamaConfig
+    from peft import LoraConfig, get_peft_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    hf = LlamaConfig(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        max_position_embeddings=cfg.context_length,
-        tie_word_embeddings=cfg.tied_embeddings,
-        rope_theta=cfg.rope_base,
-    )
-    for dtype in (torch.float32, torch.bfloat16):
-        _torch_one(hf, dtype, args)
-        torch.cuda.empty_cache()
-
-
-def _cuda_seconds(fn: object, steps: int) -> float:
-    """Seconds per call of fn after one warm-up call, CUDA-synchronised."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
-
-
-def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    cfg = SHAPES[args.shape]
+    model = _hf_model(args, dtype)
+    cfg = model.config
+    emit(what="upload", side=f"hf-{dtype_name}", seconds=round(time.perf_counter() - t0, 2))
     b, t, k = args.batch, args.seq, args.top_k
     torch.cuda.reset_peak_memory_stats()
-    model = LlamaForCausalLM(hf).to("cuda", dtype)
     model.gradient_checkpointing_enable()
     model.enable_input_require_grads()
     model = get_peft_model(
@@ -194,73 +256,171 @@ def _torch_one(hf: object, dtype: object, args: argparse.Namespace) -> None:
             target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         ),
     )
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, cfg.vocab, (b, t), device="cuda")
-    tids = torch.randint(0, cfg.vocab, (b, t, k), device="cuda")
-    tp = torch.full((b, t, k), 1.0 / k, device="cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=args.lr)
+    rng = np.random.default_rng(0)
+    ids_np, tids_np = _teacher_batch(cfg.vocab_size, b, t, k, rng)
+    ids = torch.from_numpy(ids_np).to("cuda")
+    tids = torch.from_numpy(tids_np).to("cuda")
+    tp = torch.full((b, t, k), 0.9 / k, device="cuda")
+    tail = 0.1
+    losses: list[float] = []
 
-    def step() -> float:
+    def step() -> None:
         logits = model(input_ids=ids).logits.float()
-        logq = torch.log_softmax(logits, -1).gather(-1, tids)
-        loss = (tp * (tp.log() - logq)).sum(-1).mean()
+        logq = torch.log_softmax(logits, -1)
+        q_top = logq.gather(-1, tids)
+        q_tail = torch.log1p(-q_top.exp().sum(-1).clamp(max=1 - 1e-6))
+        loss = ((tp * (tp.log() - q_top)).sum(-1) + tail * (np.log(tail) - q_tail)).mean()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        losses.append(loss.item())
 
-    dt = _cuda_seconds(step, args.steps)
+    secs = windows(step, args.steps, args.repeats, torch.cuda.synchronize)
     emit(
         what="train_step",
+        side=f"hf-{dtype_name}",
         impl="hf+peft",
         dtype=str(dtype),
-        shape=args.shape,
+        model=_model_name(args),
         batch=b,
         seq=t,
         rank=args.rank,
         top_k=k,
-        tokens_per_s=round(b * t / dt, 1),
-        peak_gpu_bytes=torch.cuda.max_memory_allocated(),
+        **throughput(b * t, secs),
+        loss_first=losses[0],
+        loss_last=losses[-1],
+        losses=[round(x, 5) for x in losses],
+        own_peak_bytes=torch.cuda.max_memory_allocated(),
     )
-    with torch.no_grad():
-        base = model.get_base_model()
+    if args.no_teacher:
+        return
+    base = model.get_base_model()
 
-        def teacher() -> None:
-            logits = base(input_ids=ids).logits.float()
-            torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
+    @torch.no_grad()
+    def teacher() -> None:
+        logits = base(input_ids=ids).logits.float()
+        torch.topk(torch.log_softmax(logits, -1), k, dim=-1)
 
-        dt = _cuda_seconds(teacher, args.steps)
+    secs = windows(teacher, args.steps, args.repeats, torch.cuda.synchronize)
     emit(
-        what="teacher_topk",
-        impl="hf+torch.topk",
-        dtype=str(dtype),
-        shape=args.shape,
-        batch=b,
-        seq=t,
-        top_k=k,
-        tokens_per_s=round(b * t / dt, 1),
+        what="teacher_topk", side=f"hf-{dtype_name}", impl="hf+torch.topk", dtype=str(dtype), **throughput(b * t, secs)
     )
+    emit(what="own_memory", side=f"hf-{dtype_name}", own_peak_bytes=torch.cuda.max_memory_allocated())
+
+
+def _hf_model(args: argparse.Namespace, dtype: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    if args.gguf:
+        path = Path(args.gguf).resolve()
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        return model.to("cuda")
+    cfg = SHAPES[args.shape]
+    hf = LlamaConfig(
+        vocab_size=cfg.vocab,
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        max_position_embeddings=cfg.context_length,
+        tie_word_embeddings=cfg.tied_embeddings,
+        rope_theta=cfg.rope_base,
+        initializer_range=INIT_STD,
+    )
+    with torch.device("cuda"):
+        return LlamaForCausalLM(hf).to(dtype)
+
+
+# ---- one process per side, memory sampled from here ------------------------------------------------------------
+def run_sides(args: argparse.Namespace, argv: list[str]) -> None:
+    from bench.gpu_memory import run_child
+
+    wanted = args.sides.split(",")
+    if unknown := set(wanted) - set(SIDES):
+        raise SystemExit(f"bench/train_step.py --sides: unknown {sorted(unknown)}; choose from {', '.join(SIDES)}")
+    sides = [
+        s for s in SIDES if s in wanted and not (s == "ours" and args.no_ours) and not (s != "ours" and args.no_torch)
+    ]
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for side in sides:
+
+        def on_line(line: str, poller: Any, side: str = side) -> None:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                print(line, flush=True)
+                return
+            if row.get("what") in ("train_step", "teacher_topk", "own_memory"):
+                row["gpu_mem_peak_bytes"] = poller.peak_bytes()  # process peak so far (train first, then teacher)
+                row["gpu_mem_how"] = poller.how
+            rows[(side, row.get("what", ""))] = row
+            print(json.dumps(row), flush=True)
+
+        rc = run_child([sys.executable, str(Path(__file__).resolve()), *argv, "--side", side], on_line)
+        if rc != 0:
+            emit(what="error", side=side, returncode=rc)
+    emit(what="summary", **summarize(rows))
+
+
+def summarize(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """Ours against each HF side: tokens/s ratios (median windows) and whole-process memory ratios."""
+    out: dict[str, Any] = {}
+    ours = rows.get(("ours", "train_step"))
+    for side in SIDES[1:]:
+        for what in ("train_step", "teacher_topk"):
+            a, b = rows.get(("ours", what)), rows.get((side, what))
+            if a and b:
+                out[f"{what}_ours_over_{side}"] = round(a["tokens_per_s"] / b["tokens_per_s"], 3)
+        theirs = rows.get((side, "train_step"))
+        if ours and theirs and ours.get("gpu_mem_peak_bytes") and theirs.get("gpu_mem_peak_bytes"):
+            out[f"train_gpu_mem_ours_over_{side}"] = round(ours["gpu_mem_peak_bytes"] / theirs["gpu_mem_peak_bytes"], 3)
+    if ours:
+        out["ours_loss_finite_and_decreasing"] = bool(
+            np.isfinite(ours["loss_last"]) and ours["loss_last"] < ours["loss_first"]
+        )
+        out["ours_skipped_steps"] = ours["skipped_steps"]
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
-    p.add_argument("--quant", default="Q4_K")
+    p.add_argument("--gguf", default=None, help="a real student GGUF instead of --shape's random weights")
+    p.add_argument("--quant", default="Q4_K", help="projection type of the random weights")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--top-k", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per timing window")
+    p.add_argument("--repeats", type=int, default=3, help="timing windows (the median is reported)")
+    p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
     p.add_argument("--precision", default="f32", help="f32, tensorcore or auto")
+    p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
+    p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--no-ours", action="store_true")
-    args = p.parse_args()
-    cfg = SHAPES[args.shape]
-    if not args.no_ours:
-        bench_ours(cfg, args)
-    if not args.no_torch:
-        bench_torch(cfg, args)
+    p.add_argument("--no-teacher", action="store_true")
+    p.add_argument("--sides", default=",".join(SIDES), help="comma-separated sides to run (default: all)")
+    p.add_argument("--side", choices=SIDES, default=None, help="run one side in this process (internal)")
+    argv = sys.argv[1:]
+    args = p.parse_args(argv)
+    if args.gguf and not Path(args.gguf).is_file():
+        p.error(f"--gguf {args.gguf}: no such file")
+    if args.side == "ours":
+        bench_ours(args)
+    elif args.side is not None:
+        bench_torch(args, args.side.removeprefix("hf-"))
+    else:
+        try:
+            run_sides(args, argv)
+        except (OSError, subprocess.SubprocessError) as exc:
+            sys.exit(f"bench/train_step.py: {exc}")
 
 
 if __name__ == "__main__":
