@@ -181,3 +181,59 @@ def test_preference_flow_end_to_end(prefect_harness: None, tmp_path: Path) -> No
     run = runs[0]  # the CLI's run, which trained
     assert run.data.metrics["best/reward_accuracy"] == best["reward_accuracy"]
     assert "train/loss" in run.data.metrics and run.data.params["preference.beta"] == "0.5"
+
+
+# ---------------------------------------------------------------- stages without Prefect
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_is_bitwise_and_variants_run(tmp_path: Path) -> None:
+    """A crash after step 2 resumes from the step-2 checkpoint to the same adapter bytes; SimPO skips the
+    reference; another reference GGUF is read as the reference (its own KL)."""
+    import stages.pairs
+    import stages.preference_evaluate
+    import stages.preference_train
+    import stages.reference
+    import stages.student
+    from schemas.manifests import sha256_file
+
+    def stages_of(cfg: RunConfig):
+        pairs, student = stages.pairs.run(cfg), stages.student.run(cfg)
+        ref = None if cfg.preference.reference_free else stages.reference.run(cfg, student, pairs)
+        return pairs, student, ref
+
+    cfg = _config(tmp_path / "a")
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"epochs": 1, "checkpoint_every": 1})})
+    pairs, student, ref = stages_of(cfg)
+    whole = stages.preference_train.run_epoch(cfg, student, pairs, ref, 0)
+
+    broken = cfg.model_copy(update={"run": cfg.run.model_copy(update={"workdir": tmp_path / "b"})})
+    pairs_b, student_b, ref_b = stages_of(broken)
+
+    def crash(rec) -> None:
+        if rec.step == 2:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        stages.preference_train.run_epoch(broken, student_b, pairs_b, ref_b, 0, on_step=crash)
+    resumed = stages.preference_train.run_epoch(broken, student_b, pairs_b, ref_b, 0)
+    assert resumed.adapter.sha256 == whole.adapter.sha256 and resumed.step == whole.step == 3
+
+    simpo = _config(tmp_path / "c", reference_free=True, gamma=0.2)
+    simpo = simpo.model_copy(update={"train": simpo.train.model_copy(update={"epochs": 1})})
+    pairs_c, student_c, ref_c = stages_of(simpo)
+    assert ref_c is None
+    ckpt = stages.preference_train.run_epoch(simpo, student_c, pairs_c, None, 0)
+    ev = stages.preference_evaluate.run(simpo, student_c, pairs_c, None, ckpt)
+    assert np.isfinite(ev.loss) and ev.kl > 0 and ev.n_pairs == pairs_c.n_eval
+
+    other = write_tiny_llama(tmp_path / "ref.gguf", seed=7, context_length=128)
+    with_ref = _config(tmp_path / "d", reference=str(other))
+    pairs_d, student_d, ref_d = stages_of(with_ref)
+    assert ref_d.reference == "file" and ref_d.reference_sha256 == sha256_file(other)
+    assert ref_d.file.sha256 != ref.file.sha256  # other weights, other log-probs
+    base = stages.preference_evaluate.run(with_ref, student_d, pairs_d, ref_d)
+    assert base.kl > 0 and base.margin != 0  # the student without adapter is not that reference

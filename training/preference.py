@@ -28,6 +28,7 @@ from training.loop import StepRecord, _epoch_order, _manifest, _restore, _save, 
 from training.schedule import learning_rate
 
 log = logging.getLogger(__name__)
+_LOGGED: list[bool] = []
 
 
 def dpo_config(cfg: RunConfig) -> DpoConfig:
@@ -50,6 +51,9 @@ def check_backend(cfg: RunConfig) -> None:
 def build_engine(cfg: RunConfig, gguf: Path, seq_len: int, grad_accum: int | None = None) -> PreferenceEngine:
     """A PreferenceEngine on the GGUF at `gguf` (the host float32 copy, loaded once per process)."""
     check_backend(cfg)
+    if cfg.train.backend == "auto" and not _LOGGED:
+        _LOGGED.append(True)
+        log.info("engine: PreferenceEngine (numpy, float32 BLAS): run.task=dpo trains on the numpy engine")
     model_cfg, weights = engines.load_host_student(gguf)
     return PreferenceEngine(
         model_cfg,
