@@ -3,11 +3,14 @@
 # Usage: infra/up.sh [DATA_DIR]        (default runs/servers; ports: PREFECT_PORT=4200, MLFLOW_PORT=5000)
 # Waits until both answer, then prints the URLs and the two exports that point distillery at them.
 # Stop exactly these servers with infra/down.sh [DATA_DIR].
+# The Prefect UI finds its API at PREFECT_UI_API_URL, whose default is PREFECT_API_URL if set, else port 4200: the
+# server gets PREFECT_UI_API_URL=http://127.0.0.1:$PREFECT_PORT/api (set it yourself for a proxy or another host).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 data="$(realpath -m "${1:-runs/servers}")"
 prefect_port="${PREFECT_PORT:-4200}" mlflow_port="${MLFLOW_PORT:-5000}" wait_s="${SERVER_WAIT_S:-180}"
+ui_api_url="${PREFECT_UI_API_URL:-http://127.0.0.1:$prefect_port/api}"
 mkdir -p "$data/prefect" "$data/mlflow/artifacts" "$data/logs"
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -19,7 +22,7 @@ start() {  # name pidfile command...: a new session (setsid), so down.sh can sto
   echo $! >"$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"
 }
 
-PREFECT_HOME="$data/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false \
+PREFECT_HOME="$data/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL="$ui_api_url" \
   start prefect "$data/prefect.pid" "$root/.venv/bin/prefect" server start --host 127.0.0.1 --port "$prefect_port"
 MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}" \
   start mlflow "$data/mlflow.pid" "$root/.venv/bin/mlflow" server --host 127.0.0.1 --port "$mlflow_port" --workers "${MLFLOW_WORKERS:-2}" \
@@ -36,7 +39,7 @@ for check in "prefect http://127.0.0.1:$prefect_port/api/health" "mlflow http://
   done
 done
 cat <<MSG
-Prefect UI  http://127.0.0.1:$prefect_port      (state: $data/prefect)
+Prefect UI  http://127.0.0.1:$prefect_port      (state: $data/prefect; the UI's API: PREFECT_UI_API_URL=$ui_api_url)
 MLflow UI   http://127.0.0.1:$mlflow_port      (state: $data/mlflow)
 Point distillery at them:
   export PREFECT_API_URL=http://127.0.0.1:$prefect_port/api

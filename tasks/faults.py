@@ -8,7 +8,7 @@ no flush: what `kill -9` does). Points:
   after=<task run name>  after that stage ran and its result was stored (a stage boundary), e.g. after=student
   write=<file>           while a file is written atomically: its temp file is complete (mode kill: torn to half
                          its length) but not yet renamed into place. <file> is the final name, or its end
-                         (epoch-001/adapter.safetensors), matched at os.replace, which every atomic writer ends with
+                         (step-00000002/adapter.safetensors), matched at os.replace, which every atomic writer ends with
 A test sets the variable, runs the flow (which fails or dies), clears it and runs again: the rerun must resume.
 """
 

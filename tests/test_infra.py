@@ -1,8 +1,9 @@
 """infra/up.sh and infra/down.sh against real servers on 127.0.0.1: both answer, pid files name them, and down.sh
-leaves no process of theirs behind."""
+leaves no process of theirs behind; the Prefect UI is told its API on a port other than 4200."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -30,6 +31,7 @@ def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> N
     data = tmp_path / "servers"
     ports = {"PREFECT_PORT": str(_free_port()), "MLFLOW_PORT": str(_free_port())}
     env = {**os.environ, **ports, "SERVER_WAIT_S": "240"}
+    env.pop("PREFECT_UI_API_URL", None)
     try:
         up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
@@ -41,6 +43,11 @@ def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> N
         ):
             with urllib.request.urlopen(url, timeout=10) as reply:
                 assert reply.status == 200, url
+        # the UI asks the API on the server's own port (Prefect's default would be 4200)
+        api_url = f"http://127.0.0.1:{ports['PREFECT_PORT']}/api"
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['PREFECT_PORT']}/ui-settings", timeout=10) as reply:
+            assert json.load(reply)["api_url"] == api_url
+        assert f"PREFECT_UI_API_URL={api_url}" in up.stdout
         again = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0 and again.stdout.count("already running") == 2, again.stdout + again.stderr
     finally:
