@@ -66,6 +66,7 @@ class PreferenceEngine(NumpyEngine):
         )
         self.pairs, self.dpo = pairs, dpo
         self.last_terms: PairTerms | None = None
+        self.last_hidden: np.ndarray | None = None
 
     def write_batch(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003 -- the KD signature, refused
         raise TypeError("PreferenceEngine takes pairs: call write_pairs(ids, mask, ref_logps)")
@@ -133,9 +134,11 @@ class PreferenceEngine(NumpyEngine):
 
     # ---- forward only ---------------------------------------------------------------------------------
     def sequence_logps(self) -> tuple[np.ndarray, np.ndarray]:
-        """Forward only on the written pairs: (summed response log-prob [2P] float64, response tokens [2P])."""
+        """Forward only on the written pairs: (summed response log-prob [2P] float64, response tokens [2P]);
+        the normed final hidden states stay in last_hidden [2P * T, H]."""
         b = self._inputs()
         _, nf, _, _ = self._forward(keep=False)
+        self.last_hidden = nf
         rows = np.flatnonzero(b["mask"])
         token_logp, _ = self._token_pass(nf, rows, backward=False)
         return self._sequence_sums(rows, token_logp)

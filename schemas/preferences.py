@@ -30,7 +30,7 @@ class PairsManifest(Located):
 
     dataset_fingerprint: str
     tokenizer_sha256: str = Field(pattern=SHA256, description="sha256 of the GGUF the tokenizer came from")
-    seq_len: int = Field(ge=2)
+    seq_len: int = Field(ge=2, description="tokens per engine row: the longest stored row (<= data.seq_len)")
     train: FileRef
     eval: FileRef
     n_train: int = Field(ge=1)

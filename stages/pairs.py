@@ -114,10 +114,11 @@ def run(cfg: RunConfig) -> PairsManifest:
     files = {
         name: write_pair_rows(rows, out / f"{name}.parquet") for name, rows in (("train", train), ("eval", held_out))
     }
+    longest = max(len(ids) for rows in (train, held_out) for ids in (*rows.chosen_ids, *rows.rejected_ids))
     manifest = PairsManifest(
         dataset_fingerprint=dataset_fingerprint(d.path, d.format, **vars(fields(cfg))),
         tokenizer_sha256=file_sha256(cfg.model.student, root),
-        seq_len=d.seq_len,
+        seq_len=max(2, longest),  # the engines' T: the longest row (<= data.seq_len), no all-padding columns
         train=FileRef.of(files["train"].resolve(), root),
         eval=FileRef.of(files["eval"].resolve(), root),
         n_train=len(train),

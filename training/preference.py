@@ -222,9 +222,11 @@ def evaluate(
         margins += terms.margin[live].tolist()
         chosen += terms.chosen_reward[live].tolist()
         rejected += terms.rejected_reward[live].tolist()
-        rows_m = np.flatnonzero(engine._inputs()["mask"])
-        h = engine.final_hidden()[rows_m]
-        if ref_engine is None:
+        rows_m = np.flatnonzero(mask.reshape(-1) != 0)
+        h = engine.last_hidden[rows_m]
+        if ref_engine is None and adapter is None:  # the policy is the reference
+            h_ref, w_ref = h, engine.head.w
+        elif ref_engine is None:
             zero_adapter(engine)
             h_ref, w_ref = engine.final_hidden()[rows_m], engine.head.w
         else:
