@@ -54,7 +54,7 @@ def kernel_class(label: str, scope: str | None = None) -> str:
     if "matmul" in low:
         return "f32 gemm"
     if "attention" in low:
-        backward = any(s in low for s in ("backward", "bwd", "_dq", "dkv"))
+        backward = any(s in low for s in ("backward", "bwd", "_dq", "dkv", "delta"))
         return "attention bwd" if backward else "attention fwd"
     for key, cls in (
         ("rmsnorm", "norms"),
