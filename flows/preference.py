@@ -77,6 +77,6 @@ def print_table(summary: dict[str, Any], console: Any) -> None:
         if ev is not None:
             table.add_row(
                 label, f"{ev['loss']:.4f}", f"{100 * ev['reward_accuracy']:.1f}%", f"{ev['margin']:.4f}",
-                f"{ev['kl']:.5f}",
+                f"{ev['kl_reference']:.5f}",
             )  # fmt: skip
     console.print(table)

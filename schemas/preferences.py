@@ -63,7 +63,7 @@ class PreferenceEvalManifest(Manifest):
     margin: float = Field(description="mean reward margin (chosen - rejected)")
     chosen_reward: float
     rejected_reward: float
-    kl: float = Field(description="mean KL(policy || reference) per response token (full vocabulary)")
+    kl_reference: float = Field(description="mean KL(policy || reference) per response token (full vocabulary)")
     n_pairs: int = Field(ge=0)
 
     def metrics(self) -> dict[str, float]:

@@ -82,7 +82,7 @@ def run(
     )
     log.info(
         "%s: loss %.4f, reward accuracy %.1f%%, margin %.4f, KL to reference %.5f on %d pairs",
-        label, manifest.loss, 100 * manifest.reward_accuracy, manifest.margin, manifest.kl, manifest.n_pairs,
+        label, manifest.loss, 100 * manifest.reward_accuracy, manifest.margin, manifest.kl_reference, manifest.n_pairs,
     )  # fmt: skip
     return manifest
 

@@ -135,7 +135,8 @@ class PreferenceRecord:
 def _row(label: str, ev: Mapping[str, Any] | None) -> str:
     if ev is None:
         return f"| {label} | – | – | – | – |"
-    return f"| {label} | {ev['loss']:.4f} | {100 * ev['reward_accuracy']:.1f}% | {ev['margin']:.4f} | {ev['kl']:.5f} |"
+    acc, kl = 100 * ev["reward_accuracy"], ev["kl_reference"]
+    return f"| {label} | {ev['loss']:.4f} | {acc:.1f}% | {ev['margin']:.4f} | {kl:.5f} |"
 
 
 def table_rows(s: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any] | None]]:

@@ -242,6 +242,6 @@ def evaluate(
         "margin": float(m.mean()) if len(m) else 0.0,
         "chosen_reward": float(np.mean(chosen)) if chosen else 0.0,
         "rejected_reward": float(np.mean(rejected)) if rejected else 0.0,
-        "kl": float(np.mean(kls)) if kls else 0.0,
+        "kl_reference": float(np.mean(kls)) if kls else 0.0,
         "n_pairs": len(m),
     }
