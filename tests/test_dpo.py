@@ -133,9 +133,17 @@ def oracle(tmp_path_factory: pytest.TempPathFactory):
     return folder, adapter
 
 
+_MODELS: dict[Path, object] = {}
+
+
 def _peft_model(folder: Path):
-    base = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
-    return peft.PeftModel.from_pretrained(base.eval(), folder / "peft", is_trainable=True).eval()
+    """HF + PEFT on the tiny GGUF and the exported adapter, loaded once per module (gradients cleared)."""
+    if folder not in _MODELS:
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32)
+        _MODELS[folder] = peft.PeftModel.from_pretrained(base.eval(), folder / "peft", is_trainable=True).eval()
+    model = _MODELS[folder]
+    model.zero_grad(set_to_none=True)
+    return model
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
