@@ -268,6 +268,27 @@ def _rows_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Tabl
     )
 
 
+# pyarrow.parquet.write_table options of a shard: every writer uses them, so equal rows give equal bytes.
+SHARD_OPTIONS: dict[str, object] = {
+    "compression": "zstd",
+    "compression_level": ZSTD_LEVEL,
+    "use_dictionary": ["ids.list.element"],
+    "use_byte_stream_split": ["logprobs.list.element", "tail"],
+}
+
+
+def shard_table(plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Table:
+    """The Arrow table of planned shard `plan` (write it with SHARD_OPTIONS); raises ValueError naming `source`
+    unless rows are the plan's trained positions, sorted, in range and finite."""
+    table = _rows_table(rows, vocab_size, k, source)
+    if len(table) != plan.n_positions:
+        raise ValueError(f"{source}: {len(table)} rows, the plan counted {plan.n_positions} trained positions")
+    seq = np.asarray(rows.seq_id)
+    if len(seq) and (seq.min() < plan.seq_start or seq.max() >= plan.seq_end):
+        raise ValueError(f"{source}: seq_id outside the shard's range [{plan.seq_start}, {plan.seq_end})")
+    return table
+
+
 def write_shard(out_dir: str | Path, plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int) -> ShardRecord:
     """Write the rows of planned shard `plan` to out_dir/plan.file atomically; return its complete record.
 
@@ -275,23 +296,11 @@ def write_shard(out_dir: str | Path, plan: ShardRecord, rows: TopkRows, vocab_si
     the plan counted. Logprobs are stored as float16 (clamped to the float16 range), tail as float32.
     """
     path = Path(out_dir) / plan.file
-    table = _rows_table(rows, vocab_size, k, str(path))
-    if len(table) != plan.n_positions:
-        raise ValueError(f"{path}: {len(table)} rows, the plan counted {plan.n_positions} trained positions")
-    seq = np.asarray(rows.seq_id)
-    if len(seq) and (seq.min() < plan.seq_start or seq.max() >= plan.seq_end):
-        raise ValueError(f"{path}: seq_id outside the shard's range [{plan.seq_start}, {plan.seq_end})")
+    table = shard_table(plan, rows, vocab_size, k, str(path))
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by an interrupted writer of this shard
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
-    digest = _write_parquet_atomic(
-        table,
-        path,
-        compression="zstd",
-        compression_level=ZSTD_LEVEL,
-        use_dictionary=["ids.list.element"],
-        use_byte_stream_split=["logprobs.list.element", "tail"],
-    )
+    digest = _write_parquet_atomic(table, path, **SHARD_OPTIONS)
     return plan.model_copy(update={"sha256": digest, "complete": True})
 
 

@@ -157,8 +157,13 @@ def finish(cfg: RunConfig, planned: TeacherManifest, records: Sequence[ShardReco
 
 
 def run(cfg: RunConfig, tokens: TokenizeManifest, bar: BarFactory = no_bar) -> TeacherManifest:
-    """plan, then every shard in order (complete ones kept), then finish."""
+    """plan, then every shard in order (complete ones kept), then finish. teacher.runner=ray computes the
+    missing shards on Ray first (stages/teacher_ray.py); the loop then finds them complete."""
     planned = plan(cfg, tokens)
+    if cfg.teacher.runner == "ray":
+        from stages.teacher_ray import run_missing
+
+        run_missing(cfg, tokens, planned, bar)
     try:
         records = [shard(cfg, tokens, planned, record, bar) for record in planned.shards]
     finally:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 import stages.teacher
 from schemas.config import RunConfig
@@ -45,9 +46,22 @@ def teacher_shard(cfg: RunConfig, tokens: TokenizeManifest, plan: TeacherManifes
     return done
 
 
+@task(name="teacher-ray", task_run_name="teacher-ray", persist_result=False, cache_policy=NO_CACHE, retries=0)
+def teacher_on_ray(cfg: RunConfig, tokens: TokenizeManifest, plan: TeacherManifest) -> None:
+    """teacher.runner=ray: the shards not complete as Ray tasks (stages/teacher_ray.py; Ray retries a killed
+    worker's shard), recorded in the top-k manifest by this process."""
+    from stages.teacher_ray import run_missing
+
+    with prefect_logs():
+        run_missing(cfg, tokens, plan, bar)
+
+
 def teacher(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
-    """The teacher stage in the flow: the plan, then one task per shard, in order."""
+    """The teacher stage in the flow: the plan, (teacher.runner=ray: the missing shards on Ray,) then one task
+    per shard, in order (with the ray runner each finds its shard complete and records it)."""
     plan = plan_teacher(cfg, tokens)
+    if cfg.teacher.runner == "ray":
+        teacher_on_ray(cfg, tokens, plan)
     try:
         records = [teacher_shard(cfg, tokens, plan, s) for s in plan.shards]
     finally:

