@@ -41,6 +41,10 @@ Stage = Literal["tokenize", "teacher", "train", "evaluate", "export"]
 def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
     """Distil cfg.model.teacher into a LoRA adapter on the quantized cfg.model.student, up to `until`."""
     cfg = as_config(cfg)
+    if cfg.run.task == "dpo":  # a preference config (e.g. from a served deployment's form): its own flow
+        from flows.preference import preference
+
+        return preference(cfg, until)
     check_inputs(cfg)
 
     def reaches(stage: Stage) -> bool:

@@ -141,7 +141,7 @@ def test_preference_flow_end_to_end(prefect_harness: None, tmp_path: Path) -> No
     from data.adapters import peft_tensors
     from data.checkpoint import load_checkpoint
     from flows.cli import app
-    from flows.preference import run_preference
+    from flows.distill import run_pipeline
     from model.gguf import GGUFFile
     from schemas.config import dump_config
     from schemas.manifests import sha256_file
@@ -155,8 +155,8 @@ def test_preference_flow_end_to_end(prefect_harness: None, tmp_path: Path) -> No
     assert "held-out preference pairs" in out and "before: no adapter" in out and "(best)" in out, out
     assert "ran: pairs, student, reference, dpo-epoch-0, dpo-epoch-1, evaluate-baseline" in out, out
 
-    summary = run_preference(cfg)  # the same config again: every stage from the cache
-    assert summary["stages"]["ran"] == [], summary["stages"]
+    summary = run_pipeline(cfg)  # the distill flow (a served deployment's) hands a dpo config to its own flow
+    assert summary["stages"]["ran"] == [] and "reference" in summary["stages"]["cached"], summary["stages"]
     p = summary["preference"]
     base, best = p["baseline"], p["best"]
     assert base["reward_accuracy"] == 0.5 and base["margin"] == 0.0 and base["kl_reference"] == 0.0
