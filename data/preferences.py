@@ -117,10 +117,14 @@ def load_pairs(path: str | Path, fmt: str = "auto", fields: Fields = Fields(), m
             items = _read_hf_dir(file, columns)
         else:
             raise DataError(f"{file}: preference pairs are read from jsonl, json, parquet or hf_dir, not {kind}")
-        for locator, item in items:
-            if max_pairs is not None and len(pairs) >= max_pairs:
-                return pairs
-            pairs.append(to_pair(file, locator, item, fields))
+        try:
+            for locator, item in items:
+                if max_pairs is not None and len(pairs) >= max_pairs:
+                    return pairs
+                pairs.append(to_pair(file, locator, item, fields))
+        except DataError as exc:  # data.records names its own fields when none of ours is a column
+            hint = "(preference.prompt_field, preference.chosen_field, preference.rejected_field)"
+            raise DataError(str(exc).replace("(set data.text_field or data.messages_field)", hint)) from None
     if not pairs:
         raise DataError(f"{path}: empty dataset (no preference pairs found)")
     return pairs

@@ -239,3 +239,25 @@ def test_resume_is_bitwise_and_variants_run(tmp_path: Path) -> None:
     assert ref_d.file.sha256 != ref.file.sha256  # other weights, other log-probs
     base = stages.preference_evaluate.run(with_ref, student_d, pairs_d, ref_d)
     assert base.kl_reference > 0 and base.margin != 0  # the student without adapter is not that reference
+
+
+def test_pairs_from_parquet_and_a_saved_dataset(tmp_path: Path) -> None:
+    import datasets
+
+    rows = [json.loads(line) for line in EXAMPLE.read_text(encoding="utf-8").splitlines()[:5]]
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "p.parquet"))
+    ds.save_to_disk(str(tmp_path / "hf"))
+    expect = load_pairs(EXAMPLE, max_pairs=5)
+    for path in (tmp_path / "p.parquet", tmp_path / "hf"):
+        got = load_pairs(path)
+        assert [(p.prompt, p.chosen, p.rejected) for p in got] == [(p.prompt, p.chosen, p.rejected) for p in expect]
+    renamed = datasets.Dataset.from_list([{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in rows])
+    renamed.to_parquet(str(tmp_path / "r.parquet"))
+    assert len(load_pairs(tmp_path / "r.parquet", fields=Fields("q", "good", "bad"))) == 5
+    with pytest.raises(
+        DataError,
+        match="no field 'prompt' or 'chosen' or 'rejected'; available fields: q, good, bad "
+        r"\(preference.prompt_field",
+    ):
+        load_pairs(tmp_path / "r.parquet")
