@@ -18,6 +18,8 @@ def _ray_cluster() -> Iterator[Any]:
     """The ray module, connected to a fresh local cluster of 2 CPUs (distillery's connect() then reuses it)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    if not ray.is_initialized():  # each importing module holds its own fixture; the first one starts the cluster
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     yield ray
-    ray.shutdown()
+    if ray.is_initialized():  # at the end of the session (session fixtures end together)
+        ray.shutdown()

@@ -233,6 +233,13 @@ class RecordingEngine:
         self.applied_steps = applied_steps
         self.calls.append(("load_optimizer_state", applied_steps))
 
+    def gradients(self) -> dict[str, np.ndarray]:
+        self.calls.append(("gradients",))
+        return {"grads": np.zeros(1, np.float32), "losses": np.zeros(1, np.float32)}
+
+    def set_gradients(self, state) -> None:
+        self.calls.append(("set_gradients",))
+
     def write_batch(self, ids, targets, mask, teacher_ids, teacher_logprobs, teacher_tail) -> None:
         shapes = (ids.shape, targets.shape, mask.shape, teacher_ids.shape, teacher_logprobs.shape)
         assert shapes == ((2, SEQ), (2, SEQ), (2, SEQ), (2, SEQ, K), (2, SEQ, K))

@@ -85,7 +85,12 @@ def train_epoch(
     reader = TopkReader(topk_dir)
     prefix = None if prefix_dir is None else PrefixReader(prefix_dir)
     start = 0 if prefix is None else prefix.manifest.layer
-    engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
+    if cfg.train.workers > 1:  # N Ray actors, each with its own engine; the same steps (training/data_parallel.py)
+        from training import data_parallel
+
+        engine: Engine = data_parallel.build(cfg, student_gguf, train.ids.shape[1], start_layer=start)
+    else:
+        engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
     steps = _steps_per_epoch(cfg, len(train.seq_ids))
     total = steps * cfg.train.epochs
     cursor, losses, skipped = _restore(cfg, engine, ckpt_root, epoch, steps)
