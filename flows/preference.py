@@ -71,7 +71,7 @@ def print_table(summary: dict[str, Any], console: Any) -> None:
     from tasks.preference_tracking import table_rows
 
     table = Table(title="held-out preference pairs")
-    for col in ("student", "loss", "reward accuracy", "margin", "KL(policy‖reference)"):
+    for col in ("student", "loss", "reward accuracy", "margin", "KL(π‖π_ref)"):
         table.add_column(col, justify="left" if col == "student" else "right")
     for label, ev in table_rows(summary):
         if ev is not None:
