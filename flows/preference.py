@@ -70,10 +70,13 @@ def print_table(summary: dict[str, Any], console: Any) -> None:
 
     from tasks.preference_tracking import table_rows
 
+    rows = [(label, ev) for label, ev in table_rows(summary) if ev is not None]
+    if not rows:  # a run stopped before evaluation
+        return
     table = Table(title="held-out preference pairs")
     for col in ("student", "loss", "reward accuracy", "margin", "KL(π‖π_ref)"):
         table.add_column(col, justify="left" if col == "student" else "right")
-    for label, ev in table_rows(summary):
+    for label, ev in rows:
         if ev is not None:
             table.add_row(
                 label, f"{ev['loss']:.4f}", f"{100 * ev['reward_accuracy']:.1f}%", f"{ev['margin']:.4f}",

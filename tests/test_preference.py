@@ -112,6 +112,12 @@ def test_config_checks(tmp_path: Path) -> None:
 
     with pytest.raises(InputError, match="train.backend: gpu is not supported with run.task=dpo"):
         check_inputs(load_config(None, [*base, "train.backend=gpu", "data.seq_len=64"]))
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["run", *(f"--set={x}" for x in [*base, "train.backend=gpu", "data.seq_len=64"])])
+    assert result.exit_code == 1 and "error: train.backend: gpu is not supported" in result.output, result.output
     other = write_tiny_llama(tmp_path / "other.gguf", context_length=128, extra_tokens=("xyz",))
     with pytest.raises(InputError, match="preference.reference: "):
         check_inputs(load_config(None, [*base, f"preference.reference={other}", "data.seq_len=64"]))
