@@ -189,6 +189,7 @@ def test_preference_flow_end_to_end(prefect_harness: None, tmp_path: Path) -> No
     run = runs[0]  # the CLI's run, which trained
     assert run.data.metrics["best/reward_accuracy"] == best["reward_accuracy"]
     assert "train/loss" in run.data.metrics and run.data.params["preference.beta"] == "0.5"
+    assert "registered model: tiny-dpo-adapter version 1" in out
 
 
 # ---------------------------------------------------------------- stages without Prefect
