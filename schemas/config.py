@@ -408,6 +408,13 @@ class ScaleSection(Section):
         "address such as ray://head:10001 or head:6379. The run's workdir and GGUF files must be visible at the "
         "same paths on every node (a shared filesystem).",
     )
+    gpus_per_worker: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="GPUs a teacher task or training worker asks Ray for where the cluster has GPUs: 1 gives each "
+        "its own GPU; 0.5 puts two workers, each with its own device, on one GPU.",
+    )
 
 
 class RunSection(Section):

@@ -237,7 +237,7 @@ def _run_on_ray(
     bar: BarFactory,
 ) -> None:
     ray = connect(cfg)
-    options: dict[str, Any] = resources(cfg.teacher.backend, "teacher.backend")
+    options: dict[str, Any] = resources(cfg.teacher.backend, "teacher.backend", cfg.scale.gpus_per_worker)
     if "num_gpus" not in options:  # the numpy teacher: the driver's BLAS threads give the local runner's bytes
         n = str(blas_threads())
         options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}}

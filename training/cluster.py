@@ -54,13 +54,15 @@ def cluster_gpus() -> int:
     return int(ray.cluster_resources().get("GPU", 0))
 
 
-def resources(backend: str, field: str) -> dict[str, Any]:
+def resources(backend: str, field: str, gpus_per_worker: float = 1.0) -> dict[str, Any]:
     """Ray resource options of one teacher task or training worker whose engine setting `field` is `backend`
-    (auto | gpu | numpy): one GPU where the cluster has GPUs and the backend may use one, else one CPU (a gpu
-    backend then takes whatever wgpu adapter its node has, e.g. lavapipe; Ray counts CUDA GPUs only)."""
+    (auto | gpu | numpy): gpus_per_worker GPUs (scale.gpus_per_worker) where the cluster has GPUs and the backend
+    may use one, else one CPU (a gpu backend then takes whatever wgpu adapter its node has, e.g. lavapipe; Ray
+    counts CUDA GPUs only). wgpu does not read CUDA_VISIBLE_DEVICES: on a node of several GPUs each worker takes
+    gpu/device.py's preferred adapter, so one worker per node (or per GPU through the node's own selection)."""
     gpus = cluster_gpus()
     if backend != "numpy" and gpus > 0:
-        return {"num_gpus": 1, "num_cpus": 1}
+        return {"num_gpus": gpus_per_worker, "num_cpus": 1}
     if backend == "gpu":
         log.warning("%s: gpu, but the Ray cluster lists no GPUs: one CPU per worker, on its node's wgpu adapter", field)
     return {"num_cpus": 1}

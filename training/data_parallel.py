@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,19 +61,24 @@ class TrainWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def micro(self, batch: tuple[np.ndarray | None, ...], prefix: np.ndarray | None) -> tuple[np.ndarray, float]:
-        """Forward + backward of one micro-batch on its own: (gradients [n_params] float32, loss)."""
+    def micro(
+        self, batch: tuple[np.ndarray | None, ...], prefix: np.ndarray | None
+    ) -> tuple[np.ndarray, float, float, float]:
+        """Forward + backward of one micro-batch on its own: (gradients [n_params] float32, loss, start, end) with
+        start/end the time.time() around it (the driver's timings)."""
+        t0 = time.time()
         given = {} if prefix is None else {"prefix": prefix}
         self.engine.write_batch(*batch, **given)
         self.engine.accumulate(0)
         grads = self.engine.gradients()
-        return grads["grads"], float(grads["losses"][0])
+        return grads["grads"], float(grads["losses"][0]), t0, time.time()
 
-    def apply(self, summed: Mapping[str, np.ndarray], lr: float) -> tuple[float, float, bool, float]:
-        """set_gradients(summed) and one AdamW step: (grad_norm, clip_scale, skipped, loss)."""
+    def apply(self, summed: Mapping[str, np.ndarray], lr: float) -> tuple[tuple[float, float, bool, float], float]:
+        """set_gradients(summed) and one AdamW step: ((grad_norm, clip_scale, skipped, loss), start time)."""
+        t0 = time.time()
         self.engine.set_gradients(summed)
         s = self.engine.apply(lr)
-        return float(s.grad_norm), float(getattr(s, "clip_scale", 1.0)), bool(s.skipped), float(s.loss)
+        return (float(s.grad_norm), float(getattr(s, "clip_scale", 1.0)), bool(s.skipped), float(s.loss)), t0
 
     def set_state(self, params: np.ndarray | None, m: np.ndarray | None, v: np.ndarray | None, applied: int) -> None:
         """Load the adapter (flat, the layout's order) and/or the AdamW moments with their applied-step count."""
@@ -116,7 +122,7 @@ class DataParallelEngine:
         with GGUFFile(student_gguf) as f:
             self._cfg: ModelConfig = f.config()
         self._layout = LoraLayout.build(self._cfg, cfg.lora.targets, cfg.lora.r, cfg.lora.layers)
-        options = resources(cfg.train.backend, "train.backend")
+        options = resources(cfg.train.backend, "train.backend", cfg.scale.gpus_per_worker)
         self._actor = self.ray.remote(max_restarts=0, max_task_retries=0, **options)(TrainWorker)
         self._args = (absolute_config(cfg).model_dump_json(), str(Path(student_gguf).resolve()), seq_len, start_layer)
         self.workers = [self._actor.remote(*self._args) for _ in range(self.n)]
@@ -127,6 +133,8 @@ class DataParallelEngine:
         self.replaced = 0
         self._batch: tuple[tuple[np.ndarray | None, ...], np.ndarray | None] | None = None
         self._step: list[_Micro] = []
+        self._t_step = 0.0
+        self.timings: list[dict[str, float]] = []  # per step: where the time went (the all-reduce cost)
 
     # ---- Engine: model and adapter state -----------------------------------------------------------------
     @property
@@ -199,6 +207,7 @@ class DataParallelEngine:
             raise RuntimeError("DataParallelEngine: call write_batch() before accumulate()")
         if micro == 0:
             self._step = []
+            self._t_step = time.time()
         batch, prefix = self._batch
         w = micro % self.n
         self._step.append(_Micro(micro, batch, prefix, w, self.workers[w].micro.remote(batch, prefix)))
@@ -210,17 +219,34 @@ class DataParallelEngine:
             raise RuntimeError(f"apply after {len(self._step)} of {self.grad_accum} micro-batches")
         total: np.ndarray | None = None
         losses = np.zeros(self.grad_accum, np.float32)
+        t_start, gather, compute, reduce = time.time(), 0.0, 0.0, 0.0
         for m in self._step:  # micro-batch order: the order one engine accumulates in
-            grads, loss = self._micro_result(m)
+            grads, loss, t0, t1 = self._micro_result(m)
+            t_got = time.time()
+            gather += max(0.0, t_got - max(t1, t_start))  # result ready -> here: its transfer to the driver
+            compute = max(compute, t1 - t0)
             if total is None:
                 total = np.array(grads, np.float32)  # a writable copy of micro-batch 0's gradients
             else:
                 total += grads
             losses[m.index] = loss
+            reduce += time.time() - t_got
+        t_put = time.time()
         summed = self.ray.put({"grads": total, "losses": losses})
-        results = self._each("apply", summed, lr)
+        t_sent = time.time()
+        applied = self._each("apply", summed, lr)
+        results = [r for r, _ in applied]
         if len(set(results)) != 1:
             raise RuntimeError(f"data-parallel workers took different steps: {results}")
+        self.timings.append(
+            {
+                "gather_s": gather,  # micro-batch gradients to the driver (beyond their computation)
+                "sum_s": reduce + (t_sent - t_put),  # the ordered sum and its put into the object store
+                "broadcast_s": max(0.0, max(t0 for _, t0 in applied) - t_sent),  # the sum to the last worker
+                "micro_compute_s": compute,
+                "step_s": time.time() - self._t_step,  # accumulate(0) -> every worker stepped
+            }
+        )
         grad_norm, clip_scale, skipped, loss = results[0]
         if skipped:
             self.skipped_steps += 1
@@ -233,7 +259,7 @@ class DataParallelEngine:
         raise NotImplementedError("DataParallelEngine trains only; evaluation builds its own engine")
 
     # ---- failures ----------------------------------------------------------------------------------------------
-    def _micro_result(self, m: _Micro) -> tuple[np.ndarray, float]:
+    def _micro_result(self, m: _Micro) -> tuple[np.ndarray, float, float, float]:
         while True:
             try:
                 return self.ray.get(m.ref)
