@@ -48,7 +48,7 @@ KEY = StageKey(
 
 def check_inputs(cfg: RunConfig) -> None:
     """The distillation preflight (the student, data paths, seq_len, lora.layers) plus what a preference run
-    needs: a chat template in the student, a reference GGUF of the same vocabulary, the numpy engine."""
+    needs: a chat template in the student, a reference GGUF of the same vocabulary, tensorcore only on the GPU."""
     from training.preference import check_backend
 
     check_distill_inputs(cfg)

@@ -1,8 +1,9 @@
 """Preference tuning above the engine: the reference log-probs, epochs of DPO-family steps with checkpoints and
 bitwise resume (training/loop.py's checkpoint format and restore), and held-out evaluation.
 
-The engine is cpu/preference.py's PreferenceEngine (numpy): the GPU engine's CE head takes no per-token weights
-yet, so train.backend=gpu is refused for run.task=dpo and auto picks numpy. A batch is train.batch_size pairs
+Training and the reference log-probs run on train.backend's engine (cpu/preference.py's PreferenceEngine or
+gpu/preference.py's GPUPreferenceStudent, chosen as for distillation); evaluation on the numpy engine (its KL to
+the reference needs the hidden states and the lm_head on the host). A batch is train.batch_size pairs
 (2 * batch_size sequences); train.grad_accum micro-batches make a step.
 """
 
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,8 +29,10 @@ from training import engines
 from training.loop import StepRecord, _epoch_order, _manifest, _restore, _save, epoch_dir
 from training.schedule import learning_rate
 
+if TYPE_CHECKING:
+    from gpu.preference import GPUPreferenceStudent
+
 log = logging.getLogger(__name__)
-_LOGGED: list[bool] = []
 
 
 def dpo_config(cfg: RunConfig) -> DpoConfig:
@@ -38,39 +42,42 @@ def dpo_config(cfg: RunConfig) -> DpoConfig:
 
 
 def check_backend(cfg: RunConfig) -> None:
-    """Preference tuning runs on the numpy engine: refuse train.backend=gpu and train.precision=tensorcore."""
-    if cfg.train.backend == "gpu":
-        raise ValueError(
-            "train.backend: gpu is not supported with run.task=dpo yet (the GPU engine's CE head takes no "
-            "per-token weights); set train.backend=numpy or auto"
-        )
-    if cfg.train.precision == "tensorcore":
-        raise ValueError("train.precision: tensorcore needs the GPU engine; run.task=dpo trains in f32 (numpy)")
+    """train.precision=tensorcore needs the GPU engine: refuse it with train.backend=numpy."""
+    if cfg.train.precision == "tensorcore" and cfg.train.backend == "numpy":
+        raise ValueError("train.precision: tensorcore needs the GPU engine (train.backend=gpu); numpy computes in f32")
 
 
-def build_engine(cfg: RunConfig, gguf: Path, seq_len: int, grad_accum: int | None = None) -> PreferenceEngine:
-    """A PreferenceEngine on the GGUF at `gguf` (the host float32 copy, loaded once per process)."""
+def build_engine(
+    cfg: RunConfig, gguf: Path, seq_len: int, grad_accum: int | None = None, backend: str | None = None
+) -> PreferenceEngine | GPUPreferenceStudent:
+    """The preference engine on the GGUF at `gguf` for train.batch_size pairs of seq_len tokens: train.backend's
+    (training.engines.chosen_backend: gpu/preference.py's GPUPreferenceStudent or cpu/preference.py's
+    PreferenceEngine), or `backend` when given (evaluation reads hidden states on the host: numpy)."""
     check_backend(cfg)
-    if cfg.train.backend == "auto" and not _LOGGED:
-        _LOGGED.append(True)
-        log.info("engine: PreferenceEngine (numpy, float32 BLAS): run.task=dpo trains on the numpy engine")
-    model_cfg, weights = engines.load_host_student(gguf)
-    return PreferenceEngine(
-        model_cfg,
-        weights,
-        targets=cfg.lora.targets,
-        r=cfg.lora.r,
-        alpha=cfg.lora.alpha,
-        pairs=cfg.train.batch_size,
-        seq_len=seq_len,
-        dpo=dpo_config(cfg),
-        optim=engines._adamw(cfg),
-        layers=cfg.lora.layers,
-        grad_accum=cfg.train.grad_accum if grad_accum is None else grad_accum,
-    )
+    common = {
+        "targets": cfg.lora.targets,
+        "r": cfg.lora.r,
+        "alpha": cfg.lora.alpha,
+        "pairs": cfg.train.batch_size,
+        "seq_len": seq_len,
+        "dpo": dpo_config(cfg),
+        "optim": engines._adamw(cfg),
+        "layers": cfg.lora.layers,
+        "grad_accum": cfg.train.grad_accum if grad_accum is None else grad_accum,
+    }
+    if (backend or engines.chosen_backend(cfg)) == "gpu":
+        from gpu.preference import GPUPreferenceStudent
+
+        device = engines.get_device(cfg.run.gpu_backend)
+        weights = engines.load_student(gguf, cfg.run.gpu_backend)
+        return GPUPreferenceStudent(device, weights, precision=cfg.train.precision, **common)
+    if cfg.train.precision == "tensorcore":
+        raise ValueError("train.precision: tensorcore needs the GPU engine; this run's engine is numpy (no GPU)")
+    model_cfg, host = engines.load_host_student(gguf)
+    return PreferenceEngine(model_cfg, host, **common)
 
 
-def zero_adapter(engine: PreferenceEngine) -> None:
+def zero_adapter(engine: PreferenceEngine | GPUPreferenceStudent) -> None:
     """Set B = 0 in every slot (A too): the adapter adds exactly nothing, the engine is the frozen model."""
     engine.set_adapter(
         {key: type(p)(np.zeros_like(p.A), np.zeros_like(p.B)) for key, p in engine.get_adapter().items()}
@@ -201,8 +208,10 @@ def evaluate(
     """Held-out metrics of the student with `adapter` (None: without one): mean preference loss, reward accuracy
     (ties count half), mean margin and rewards, and the mean per-token KL(policy || reference) over the response
     positions of both responses (reference_gguf: another reference model; None: the student without adapter)."""
-    engine = build_engine(cfg, student_gguf, seq_len, grad_accum=1)
-    ref_engine = None if reference_gguf is None else build_engine(cfg, reference_gguf, seq_len, grad_accum=1)
+    engine = build_engine(cfg, student_gguf, seq_len, grad_accum=1, backend="numpy")
+    ref_engine = None
+    if reference_gguf is not None:
+        ref_engine = build_engine(cfg, reference_gguf, seq_len, grad_accum=1, backend="numpy")
     if ref_engine is not None:
         zero_adapter(ref_engine)
     p = cfg.train.batch_size
