@@ -1,8 +1,8 @@
 """train.workers=2 on a local 2-CPU Ray cluster and the tiny llama: the data-parallel run equals the 1-worker run
 with the same global batch (NumpyEngine: bitwise, adapter and AdamW moments; GPUStudent on lavapipe: within
 1e-6 of each tensor's largest value, bitwise in practice), also with grad_accum not a multiple of the workers,
-when a worker is killed mid-run (it is replaced from a live one) and when a 1-worker run's checkpoint is resumed
-by 2 workers."""
+when a worker is killed mid-run (replaced once from a live one, its two micro-batches of the step rerun) and when
+a 1-worker run's checkpoint is resumed by 2 workers."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def test_a_killed_worker_is_replaced_and_the_result_is_the_same(
     made = _spy_builds(monkeypatch)
 
     def kill(rec: StepRecord) -> None:
-        if rec.step == 2:  # worker 1 dies between steps; step 3's micro-batch 1 finds it dead
-            ray_cluster.kill(made[0].workers[1], no_restart=True)
+        if rec.step == 2:  # worker 0 dies between steps; step 3's micro-batches 0 and 2 find it dead
+            ray_cluster.kill(made[0].workers[0], no_restart=True)
 
     killed = _train(inputs, tmp_path, kill, backend="numpy", workers=2)
     assert made[0].replaced == 1

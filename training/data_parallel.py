@@ -107,6 +107,7 @@ class _Micro:
     batch: tuple[np.ndarray | None, ...]
     prefix: np.ndarray | None
     worker: int
+    actor: Any  # the worker handle it was sent to (a replaced worker's other micro-batches are only resent)
     ref: Any
 
 
@@ -210,7 +211,8 @@ class DataParallelEngine:
             self._t_step = time.time()
         batch, prefix = self._batch
         w = micro % self.n
-        self._step.append(_Micro(micro, batch, prefix, w, self.workers[w].micro.remote(batch, prefix)))
+        actor = self.workers[w]
+        self._step.append(_Micro(micro, batch, prefix, w, actor, actor.micro.remote(batch, prefix)))
         self._batch = None
 
     def apply(self, lr: float) -> StepStats:
@@ -266,8 +268,10 @@ class DataParallelEngine:
             except self.ray.exceptions.RayTaskError as exc:
                 raise _cause(exc) from None
             except self.ray.exceptions.RayError as exc:  # the worker died: replace it, rerun the micro-batch
-                self._replace(m.worker, exc)
-                m.ref = self.workers[m.worker].micro.remote(m.batch, m.prefix)
+                if self.workers[m.worker] is m.actor:  # not yet replaced (by an earlier micro-batch's failure)
+                    self._replace(m.worker, exc)
+                m.actor = self.workers[m.worker]
+                m.ref = m.actor.micro.remote(m.batch, m.prefix)
 
     def _replace(self, i: int, exc: Exception, source: int | None = -1) -> None:
         """Replace dead worker i by a new actor holding the state of live worker `source` (-1: any live one)."""
