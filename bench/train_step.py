@@ -295,7 +295,7 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
         losses=[round(x, 5) for x in losses],
         own_peak_bytes=torch.cuda.max_memory_allocated(),
     )
-    if args.no_teacher:
+    if args.no_teacher or f"hf-{dtype_name}" not in args.teacher_sides.split(","):
         return
     base = model.get_base_model()
 
@@ -315,10 +315,20 @@ def _hf_model(args: argparse.Namespace, dtype: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    if args.gguf:
+    if args.gguf:  # dequantized by transformers once, kept as float32 safetensors for the next side's process
         path = Path(args.gguf).resolve()
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-        return model.to("cuda")
+        st = path.stat()
+        cache = Path(args.hf_cache) / f"{path.stem}-{st.st_size}-{int(st.st_mtime)}"
+        if not (cache / "model.safetensors").is_file():
+            from safetensors.torch import save_model
+
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            cache.mkdir(parents=True, exist_ok=True)  # save_pretrained refuses gguf-loaded models
+            model.config.save_pretrained(str(cache))
+            save_model(model, str(cache / "model.safetensors"))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(cache), dtype=torch.float32)
+        return model.to("cuda", dtype)
     cfg = SHAPES[args.shape]
     hf = LlamaConfig(
         vocab_size=cfg.vocab,
@@ -406,6 +416,8 @@ def main() -> None:
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--no-ours", action="store_true")
     p.add_argument("--no-teacher", action="store_true")
+    p.add_argument("--teacher-sides", default=",".join(SIDES), help="sides that also time the teacher top-k")
+    p.add_argument("--hf-cache", default="/tmp/distillery-hf", help="where --gguf's HF float32 copy is kept")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated sides to run (default: all)")
     p.add_argument("--side", choices=SIDES, default=None, help="run one side in this process (internal)")
     argv = sys.argv[1:]
