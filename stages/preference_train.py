@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import stages.reference
-from data.checkpoint import ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE
+import stages.train
 from data.preferences import read_pair_rows
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, StudentManifest
@@ -86,7 +86,8 @@ def run_epoch(
 ) -> CheckpointManifest:
     """Train epoch `epoch` (0-based), resuming from the newest checkpoint; returns the epoch-end checkpoint."""
     from training.loop import epoch_dir
-    from training.preference import steps_per_epoch, train_epoch
+    from training.preference import train_epoch
+    from training.schedule import steps_per_epoch
 
     root = workdir(cfg)
     rows = read_pair_rows(pairs.train.verify(root))
@@ -115,14 +116,7 @@ def run_epoch(
             on_step=step,
         )
     log.info("dpo epoch %d done: %s", epoch, manifest.metrics)
-    folder = epoch_dir(ckpt_root, epoch)
-    return manifest.at(folder, root).model_copy(
-        update={
-            "adapter": manifest.adapter.moved(folder / ADAPTER_FILE, root),
-            "optimizer": manifest.optimizer.moved(folder / OPTIMIZER_FILE, root),
-            "state": manifest.state.moved(folder / STATE_FILE, root),
-        }
-    )
+    return stages.train.relocated(manifest, epoch_dir(ckpt_root, epoch), root)
 
 
 def run(

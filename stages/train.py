@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from schemas.manifests import CheckpointManifest, StudentManifest, TeacherManife
 from stages.keys import StageKey
 from stages.layout import stage_dir, workdir
 from stages.progress import BarFactory, no_bar
+from training import schedule
 
 if TYPE_CHECKING:
     from training.loop import StepRecord
@@ -71,8 +71,7 @@ def epoch_folder(
 
 def steps_per_epoch(cfg: RunConfig, tokens: TokenizeManifest) -> int:
     """Optimizer steps in one epoch over the train split."""
-    steps = max(1, math.ceil(tokens.train.n_sequences / cfg.train.sequences_per_step))
-    return min(steps, cfg.train.max_steps_per_epoch or steps)
+    return schedule.steps_per_epoch(cfg, tokens.train.n_sequences)
 
 
 def run_epoch(
@@ -126,7 +125,11 @@ def run_epoch(
             prefix_dir=None if prefix is None else prefix.path_in(root),
         )
     log.info("epoch %d done: %s; upload %s", epoch, manifest.metrics, upload_stats())
-    folder = epoch_dir(ckpt_root, epoch)
+    return relocated(manifest, epoch_dir(ckpt_root, epoch), root)
+
+
+def relocated(manifest: CheckpointManifest, folder: Path, root: Path) -> CheckpointManifest:
+    """An epoch checkpoint's manifest with its folder and files relative to the workdir `root`."""
     return manifest.at(folder, root).model_copy(
         update={
             "adapter": manifest.adapter.moved(folder / ADAPTER_FILE, root),

@@ -20,11 +20,10 @@ import stages.reference
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, StudentManifest
 from schemas.preferences import PairsManifest, PreferenceEvalManifest, ReferenceManifest
-from tasks import faults
 from tasks.caching import StageCache, as_config, stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
-from tasks.tracking import step_logger
+from tasks.train import logged_epoch
 
 
 @dataclasses.dataclass
@@ -73,17 +72,11 @@ def dpo_epoch(
     mlflow_run_id: str | None = None,
 ) -> CheckpointManifest:
     """Train epoch `epoch` (0-based) of preference steps; returns its epoch-end checkpoint."""
-    mlflow_steps = step_logger(cfg, mlflow_run_id)
-
-    def on_step(rec: Any) -> None:
-        mlflow_steps.log(dataclasses.asdict(rec))
-        faults.check("train.step", rec.step)
-
-    try:
-        with prefect_logs():
-            return stages.preference_train.run_epoch(cfg, student, pairs, reference, epoch, on_step, bar)
-    finally:
-        mlflow_steps.flush()
+    return logged_epoch(
+        cfg,
+        mlflow_run_id,
+        lambda on_step: stages.preference_train.run_epoch(cfg, student, pairs, reference, epoch, on_step, bar),
+    )
 
 
 @task(**stage_options(EVALUATE, task_run_name="evaluate-{label}"))

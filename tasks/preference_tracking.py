@@ -5,7 +5,6 @@ step, per-epoch train metrics, held-out preference metrics of the baseline and e
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -17,7 +16,16 @@ from schemas.manifests import CheckpointManifest, ExportManifest, StudentManifes
 from schemas.preferences import PairsManifest, PreferenceEvalManifest, ReferenceManifest
 from stages.layout import workdir
 from tasks.caching import as_config, stage_states
-from tasks.tracking import ADAPTER_ARTIFACT, client_for, flatten, git_commit, log_steps, mlflow_ui_url, prefect_ui_url
+from tasks.tracking import (
+    ADAPTER_ARTIFACT,
+    client_for,
+    flatten,
+    git_commit,
+    log_metrics,
+    log_steps,
+    mlflow_ui_url,
+    prefect_ui_url,
+)
 
 STEPS_FILE = "steps.jsonl"
 
@@ -40,12 +48,7 @@ class PreferenceRecord:
         self.exported: ExportManifest | None = None
 
     def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in values.items() if math.isfinite(float(v))]
-        if batch:
-            self.client.log_batch(self.id, metrics=batch)
+        log_metrics(self.client, self.id, values, step)
 
     def _steps(self) -> list[dict[str, Any]]:
         import json

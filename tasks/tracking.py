@@ -73,6 +73,16 @@ def git_commit() -> str | None:
 # ---------------------------------------------------------------------------------------------- steps
 
 
+def log_metrics(client: Any, run_id: str, values: Mapping[str, float], step: int = 0) -> None:
+    """Log the finite `values` to MLflow run `run_id` as one batch at `step`."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for k, v in values.items() if math.isfinite(float(v))]
+    if batch:
+        client.log_batch(run_id, metrics=batch)
+
+
 class StepLogger:
     """Per-step metrics into an MLflow run, batched (one write every `every` steps or `seconds`)."""
 
@@ -152,12 +162,7 @@ class RunRecord:
 
     # ---- metrics ----
     def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        batch = [Metric(k, float(v), now, step) for k, v in values.items() if math.isfinite(float(v))]
-        if batch:
-            self.client.log_batch(self.id, metrics=batch)
+        log_metrics(self.client, self.id, values, step)
 
     def _log_training(self) -> None:
         if not self.checkpoints:

@@ -7,6 +7,7 @@ to the fault hook.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from prefect import task
@@ -33,6 +34,16 @@ def train_epoch(
     mlflow_run_id: str | None = None,
 ) -> CheckpointManifest:
     """Train epoch `epoch` (0-based); returns its epoch-end checkpoint."""
+    return logged_epoch(
+        cfg, mlflow_run_id, lambda on_step: stages.train.run_epoch(cfg, student, tokens, teacher, epoch, on_step, bar)
+    )
+
+
+def logged_epoch(
+    cfg: RunConfig, mlflow_run_id: str | None, run: Callable[[Callable[[Any], None]], CheckpointManifest]
+) -> CheckpointManifest:
+    """Run an epoch stage (`run(on_step)`) with its steps logged to MLflow, the train.step fault point and the
+    stage's log lines in Prefect's run log."""
     mlflow_steps = step_logger(cfg, mlflow_run_id)
 
     def on_step(rec: Any) -> None:
@@ -41,6 +52,6 @@ def train_epoch(
 
     try:
         with prefect_logs():
-            return stages.train.run_epoch(cfg, student, tokens, teacher, epoch, on_step, bar)
+            return run(on_step)
     finally:
         mlflow_steps.flush()

@@ -4,7 +4,6 @@ every N steps, bitwise resume."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from schemas.manifests import CheckpointManifest, FileRef
 from training import engines
 from training.batches import batch_arrays, batch_prefix, read_split
 from training.engine import Engine
-from training.schedule import learning_rate
+from training.schedule import learning_rate, steps_per_epoch
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +43,6 @@ def _epoch_order(cfg: RunConfig, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([cfg.train.seed, epoch]).permutation(n)
 
 
-def _steps_per_epoch(cfg: RunConfig, n: int) -> int:
-    per_step = cfg.train.batch_size * cfg.train.grad_accum
-    steps = max(1, math.ceil(n / per_step))
-    if cfg.train.max_steps_per_epoch:
-        steps = min(steps, cfg.train.max_steps_per_epoch)
-    return steps
-
-
 def epoch_dir(ckpt_root: Path, epoch: int) -> Path:
     return Path(ckpt_root) / f"epoch-{epoch:03d}"
 
@@ -72,13 +63,9 @@ def train_epoch(
     Checkpoints every cfg.train.checkpoint_every optimizer steps (ckpt_root/step-XXXXXXXX) and at the epoch end
     (ckpt_root/epoch-EEE, whose manifest is returned). on_step runs after each step and after its checkpoint.
     prefix_dir: a frozen-prefix cache (data/prefix.py); the engine then starts its forward at its block."""
-    ckpt_root = Path(ckpt_root)
-    done = epoch_dir(ckpt_root, epoch)
-    if (done / "checkpoint.json").exists():
-        try:
-            return _manifest(done, ckpt_root, verify_checkpoint(done))
-        except CheckpointError as exc:  # rewritten below, from the checkpoint before it
-            log.warning("%s: retraining epoch %d from the checkpoint before it", exc, epoch)
+    finished = finished_epoch(ckpt_root, epoch)
+    if finished is not None:
+        return finished
     train = read_split(token_dir, "train")
     if len(train.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the train split is empty: nothing to train on")
@@ -91,23 +78,54 @@ def train_epoch(
         engine: Engine = data_parallel.build(cfg, student_gguf, train.ids.shape[1], start_layer=start)
     else:
         engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
-    steps = _steps_per_epoch(cfg, len(train.seq_ids))
+
+    def write_micro(part: np.ndarray) -> int:
+        batch = batch_arrays(train, part, cfg.train.batch_size, reader, cfg.teacher.top_k)
+        given = {} if prefix is None else {"prefix": batch_prefix(train, part, cfg.train.batch_size, prefix)}
+        engine.write_batch(*batch[:5], batch[5] if cfg.teacher.tail else None, **given)
+        return int(batch[2].sum())
+
+    return run_steps(cfg, engine, Path(ckpt_root), epoch, len(train.seq_ids), write_micro, on_step)
+
+
+def finished_epoch(ckpt_root: Path, epoch: int) -> CheckpointManifest | None:
+    """The verified end-of-epoch checkpoint of `epoch` if one exists (a corrupt one is retrained: None)."""
+    done = epoch_dir(Path(ckpt_root), epoch)
+    if not (done / "checkpoint.json").exists():
+        return None
+    try:
+        return _manifest(done, Path(ckpt_root), verify_checkpoint(done))
+    except CheckpointError as exc:  # rewritten by run_steps, from the checkpoint before it
+        log.warning("%s: retraining epoch %d from the checkpoint before it", exc, epoch)
+        return None
+
+
+def run_steps(
+    cfg: RunConfig,
+    engine: Engine,
+    ckpt_root: Path,
+    epoch: int,
+    n_items: int,
+    write_micro: Callable[[np.ndarray], int],
+    on_step: Callable[[StepRecord], None] | None = None,
+) -> CheckpointManifest:
+    """The optimizer steps of one epoch over `n_items` training items (sequences or pairs) in the epoch's fixed
+    order: restore, then per step train.grad_accum micro-batches of train.batch_size items (write_micro writes
+    one into the engine and returns its trained tokens), the LR, apply, periodic checkpoints; the epoch-end
+    checkpoint's manifest is returned."""
+    steps = steps_per_epoch(cfg, n_items)
     total = steps * cfg.train.epochs
     cursor, losses, skipped = _restore(cfg, engine, ckpt_root, epoch, steps)
-    order = _epoch_order(cfg, epoch, len(train.seq_ids))
-    per_step = cfg.train.batch_size * cfg.train.grad_accum
+    order = _epoch_order(cfg, epoch, n_items)
+    per_step, size = cfg.train.sequences_per_step, cfg.train.batch_size
     tokens = 0
     t_start = time.perf_counter()
     for s in range(cursor, steps):
         t0, step_tokens = time.perf_counter(), 0
         rows = order[s * per_step : (s + 1) * per_step]
         for micro in range(cfg.train.grad_accum):
-            part = rows[micro * cfg.train.batch_size : (micro + 1) * cfg.train.batch_size]
-            batch = batch_arrays(train, part, cfg.train.batch_size, reader, cfg.teacher.top_k)
-            given = {} if prefix is None else {"prefix": batch_prefix(train, part, cfg.train.batch_size, prefix)}
-            engine.write_batch(*batch[:5], batch[5] if cfg.teacher.tail else None, **given)
+            step_tokens += write_micro(rows[micro * size : (micro + 1) * size])
             engine.accumulate(micro)
-            step_tokens += int(batch[2].sum())
         tokens += step_tokens
         global_step = epoch * steps + s
         lr = learning_rate(cfg, global_step, total)
@@ -115,14 +133,9 @@ def train_epoch(
         losses.append(stats.loss)
         skipped += int(stats.skipped)
         record = StepRecord(
-            epoch,
-            global_step + 1,
-            stats.loss,
-            stats.grad_norm,
-            lr,
-            stats.skipped,
+            epoch, global_step + 1, stats.loss, stats.grad_norm, lr, stats.skipped,
             step_tokens / (time.perf_counter() - t0),
-        )
+        )  # fmt: skip
         every = cfg.train.checkpoint_every
         if every and (global_step + 1) % every == 0 and s + 1 < steps:
             folder = ckpt_root / f"step-{global_step + 1:08d}"
@@ -135,6 +148,7 @@ def train_epoch(
         "skipped_steps": skipped,
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
     }
+    done = epoch_dir(ckpt_root, epoch)
     return _save(engine, done, ckpt_root, epoch, steps, (epoch + 1) * steps, losses, skipped, metrics, epoch_done=True)
 
 

@@ -10,8 +10,6 @@ the reference needs the hidden states and the lm_head on the host). A batch is t
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +18,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cpu.preference import PreferenceEngine, kl_rows
-from data.checkpoint import CheckpointError, verify_checkpoint
 from data.preferences import PairRows, pair_batch
 from model.dpo import DpoConfig
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest
 from training import engines
-from training.loop import StepRecord, _epoch_order, _manifest, _restore, _save, epoch_dir
-from training.schedule import learning_rate
+from training.loop import StepRecord, finished_epoch, run_steps
 
 if TYPE_CHECKING:
     from gpu.preference import GPUPreferenceStudent
@@ -125,11 +121,6 @@ def reference_logps(
     return out[0], out[1], out[2].astype(np.int32), out[3].astype(np.int32)
 
 
-def steps_per_epoch(cfg: RunConfig, n_pairs: int) -> int:
-    steps = max(1, math.ceil(n_pairs / cfg.train.sequences_per_step))
-    return min(steps, cfg.train.max_steps_per_epoch or steps)
-
-
 def train_epoch(
     cfg: RunConfig,
     *,
@@ -141,56 +132,22 @@ def train_epoch(
     epoch: int,
     on_step: Callable[[StepRecord], None] | None = None,
 ) -> CheckpointManifest:
-    """Train one epoch of preference steps, resuming bitwise from the newest complete checkpoint (the same
-    checkpoint layout and restore as training/loop.py)."""
-    ckpt_root = Path(ckpt_root)
-    done = epoch_dir(ckpt_root, epoch)
-    if (done / "checkpoint.json").exists():
-        try:
-            return _manifest(done, ckpt_root, verify_checkpoint(done))
-        except CheckpointError as exc:
-            log.warning("%s: retraining epoch %d from the checkpoint before it", exc, epoch)
+    """Train one epoch of preference steps, resuming bitwise from the newest complete checkpoint (training/loop.py's
+    steps, checkpoint layout and restore; an item is a pair)."""
+    finished = finished_epoch(ckpt_root, epoch)
+    if finished is not None:
+        return finished
     if not len(rows):
         raise ValueError("the train split has no preference pairs: nothing to train on")
     engine = build_engine(cfg, student_gguf, seq_len)
-    steps = steps_per_epoch(cfg, len(rows))
-    total = steps * cfg.train.epochs
-    cursor, losses, skipped = _restore(cfg, engine, ckpt_root, epoch, steps)
-    order = _epoch_order(cfg, epoch, len(rows))
-    p, per_step = cfg.train.batch_size, cfg.train.sequences_per_step
-    tokens, t_start = 0, time.perf_counter()
-    for s in range(cursor, steps):
-        t0, step_tokens = time.perf_counter(), 0
-        picked = order[s * per_step : (s + 1) * per_step]
-        for micro in range(cfg.train.grad_accum):
-            index = picked[micro * p : (micro + 1) * p]
-            ids, mask = pair_batch(rows, index, p, seq_len)
-            engine.write_pairs(ids, mask, None if reference is None else reference.batch(index, p))
-            engine.accumulate(micro)
-            step_tokens += int(mask.sum())
-        tokens += step_tokens
-        global_step = epoch * steps + s
-        lr = learning_rate(cfg, global_step, total)
-        stats = engine.apply(lr)
-        losses.append(stats.loss)
-        skipped += int(stats.skipped)
-        record = StepRecord(
-            epoch, global_step + 1, stats.loss, stats.grad_norm, lr, stats.skipped,
-            step_tokens / (time.perf_counter() - t0),
-        )  # fmt: skip
-        every = cfg.train.checkpoint_every
-        if every and (global_step + 1) % every == 0 and s + 1 < steps:
-            _save(engine, ckpt_root / f"step-{global_step + 1:08d}", ckpt_root, epoch, s + 1, global_step + 1, losses,
-                  skipped)  # fmt: skip
-        if on_step is not None:
-            on_step(record)
-    elapsed = time.perf_counter() - t_start
-    metrics = {
-        "train_loss": float(np.mean(losses)) if losses else float("nan"),
-        "skipped_steps": skipped,
-        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-    }
-    return _save(engine, done, ckpt_root, epoch, steps, (epoch + 1) * steps, losses, skipped, metrics, epoch_done=True)
+    p = cfg.train.batch_size
+
+    def write_micro(index: np.ndarray) -> int:
+        ids, mask = pair_batch(rows, index, p, seq_len)
+        engine.write_pairs(ids, mask, None if reference is None else reference.batch(index, p))
+        return int(mask.sum())
+
+    return run_steps(cfg, engine, Path(ckpt_root), epoch, len(rows), write_micro, on_step)
 
 
 def evaluate(

@@ -1,10 +1,18 @@
-"""The learning-rate schedule: linear warmup, then cosine / linear / constant."""
+"""The step schedule: optimizer steps per epoch, and the learning rate (linear warmup, then cosine / linear /
+constant)."""
 
 from __future__ import annotations
 
 import math
 
 from schemas.config import RunConfig
+
+
+def steps_per_epoch(cfg: RunConfig, n_items: int) -> int:
+    """Optimizer steps in one epoch over `n_items` training items (train.sequences_per_step per step, at most
+    train.max_steps_per_epoch)."""
+    steps = max(1, math.ceil(n_items / cfg.train.sequences_per_step))
+    return min(steps, cfg.train.max_steps_per_epoch or steps)
 
 
 # ---- schedule ---------------------------------------------------------------------------------------------
