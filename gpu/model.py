@@ -19,10 +19,12 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS
 from gpu.device import BufferView, Device, DeviceError
 from gpu.lora_layout import LoraLayout, aligned_floats
 from gpu.ops.add import add, add_bias
-from gpu.ops.attention import attention_forward
+from gpu.ops.attention import attention_backward, attention_forward
+from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.lora import lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
@@ -218,6 +220,11 @@ class GPUModel:
         self._linear, self._linear_grad = (
             (linear_tc, linear_input_grad_tc) if self.precision == "tensorcore" else (linear, linear_input_grad)
         )
+        # attention on tensor cores for the head dims it is generated for (gpu/codegen_attention_tc.py), else f32
+        tc_attention = self.precision == "tensorcore" and cfg.head_dim in ATTENTION_TC_HEAD_DIMS
+        self._attention_fwd, self._attention_bwd = (
+            (attention_forward_tc, attention_backward_tc) if tc_attention else (attention_forward, attention_backward)
+        )
         if seq_len > cfg.context_length:
             raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
         self.layout = LoraLayout.build(cfg, targets, r, layers)
@@ -351,13 +358,13 @@ class GPUModel:
         cfg, t = self.cfg, self.seq_len
         qd, kvd = cfg.q_dim, cfg.kv_dim
         if self.batch == 1:
-            attention_forward(self.dev, q, k, v, out, self.lse, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+            self._attention_fwd(self.dev, q, k, v, out, self.lse, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
             return
         self._scatter(q, "aq", qd, self.seq_q, True)
         self._scatter(k, "ak", kvd, self.seq_kv, True)
         self._scatter(v, "av", kvd, self.seq_kv, True)
         for s in range(self.batch):
-            attention_forward(
+            self._attention_fwd(
                 self.dev,
                 self._view(self.a["aq"], s * self.seq_q, t * qd),
                 self._view(self.a["ak"], s * self.seq_kv, t * kvd),

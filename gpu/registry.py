@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from gpu import codegen_attention_tc as attention_tc
 from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
@@ -137,14 +138,42 @@ KERNELS: dict[str, Kernel] = {
 }
 
 
+@dataclass(frozen=True)
+class GeneratedKernel:
+    """An op kernel whose WGSL a generator builds from its variant (same interface as Kernel)."""
+
+    generate: Callable[..., str]
+    params: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+
+    def variants(self) -> list[dict[str, Any]]:
+        names = list(self.params)
+        return [dict(zip(names, combo, strict=True)) for combo in itertools.product(*self.params.values())]
+
+    def source(self, **variant: Any) -> str:
+        return self.generate(**variant)
+
+
+_TC_HEAD_DIM = {"head_dim": attention_tc.ATTENTION_TC_HEAD_DIMS}
+# Tensor-core op kernels (Dawn only: subgroup matrices / subgroups): gpu/ops/attention_tc.py.
+TC_KERNELS: dict[str, GeneratedKernel] = {
+    "attention_tc_pack": GeneratedKernel(attention_tc.pack_source, {"scaled": BOOLS}),
+    "attention_tc_delta": GeneratedKernel(attention_tc.delta_source, _TC_HEAD_DIM),
+    "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_HEAD_DIM),
+    "attention_tc_backward_dq": GeneratedKernel(attention_tc.backward_dq_source, _TC_HEAD_DIM),
+    "attention_tc_backward_dkv": GeneratedKernel(attention_tc.backward_dkv_source, _TC_HEAD_DIM),
+    "attention_tc_reduce": GeneratedKernel(attention_tc.reduce_source),
+}
+
+
 def kernel_key(name: str, variant: Mapping[str, Any]) -> tuple:
     """The pipeline-cache key of an op kernel variant."""
     return (name, tuple(sorted(variant.items())))
 
 
-def _checked(name: str, variant: Mapping[str, Any]) -> Kernel:
-    """KERNELS[name], after checking that the variant is one it lists (errors name this file)."""
-    kernel = KERNELS.get(name)
+def _checked(name: str, variant: Mapping[str, Any]) -> Kernel | GeneratedKernel:
+    """KERNELS[name] (or TC_KERNELS[name]), after checking that the variant is one it lists (errors name this
+    file)."""
+    kernel = KERNELS.get(name) or TC_KERNELS.get(name)
     if kernel is None:
         raise ValueError(f"no kernel {name!r} in gpu/registry.py KERNELS")
     if set(variant) != set(kernel.params):
@@ -198,4 +227,9 @@ def entries() -> list[Entry]:
     out += [Entry(v.key, partial(matmul_source, v)) for v in matmul_variants()]
     tc = {v for cfg in TC_TILES for v in all_variants(cfg, list(WEIGHT_TYPES))}
     out += [Entry((*v.key, False), partial(matmul_tc_source, v), True) for v in sorted(tc, key=str)]
+    out += [
+        Entry(kernel_key(name, v), partial(kernel.source, **v), True)
+        for name, kernel in TC_KERNELS.items()
+        for v in kernel.variants()
+    ]
     return out

@@ -20,7 +20,6 @@ from gpu.device import Device
 from gpu.model import GPUModel, StudentWeights
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
-from gpu.ops.attention import attention_backward
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.lora import lora_backward
 from gpu.ops.rmsnorm import rmsnorm_backward
@@ -154,7 +153,7 @@ class GPUStudent(GPUModel):
         cfg, t = self.cfg, self.seq_len
         qd, kvd = cfg.q_dim, cfg.kv_dim
         if self.batch == 1:
-            attention_backward(
+            self._attention_bwd(
                 self.dev,
                 dout,
                 q,
@@ -175,7 +174,7 @@ class GPUStudent(GPUModel):
         # q, k, v, out are already in their slots from the recomputed forward
         self._scatter(dout, "ado", qd, self.seq_q, True)
         for s in range(self.batch):
-            attention_backward(
+            self._attention_bwd(
                 self.dev,
                 self._view(self.a["ado"], s * self.seq_q, t * qd),
                 self._view(self.a["aq"], s * self.seq_q, t * qd),

@@ -1,0 +1,218 @@
+"""Generate the tensor-core attention kernels (gpu/kernels/attention_tc_*.wgsl) for Dawn's subgroup matrices.
+
+The static WGSL lives in the kernel files; this module fills in the parts that depend on head_dim D and the
+tile width BC, fully unrolled with one named variable per subgroup matrix (no private arrays of matrices,
+which would spill): the register-resident left operands, the score products, the accumulating products and
+the epilogues that take f32 result matrices out through workgroup memory (their layout is opaque)."""
+
+from __future__ import annotations
+
+from gpu.codegen import fill, kernel_text
+
+MATRIX = 16  # side of one subgroup matrix (f16 x f16 -> f32, M16 N16 K16)
+LEFT = "subgroup_matrix_left<f16, 16, 16>"
+RIGHT = "subgroup_matrix_right<f16, 16, 16>"
+RESULT = "subgroup_matrix_result<f32, 16, 16>"
+ATTENTION_TC_HEAD_DIMS = (64, 128)
+SUBGROUPS = 4  # subgroups per workgroup: 64 rows (queries, or keys in the dK/dV pass)
+
+
+def tile_columns(kernel: str, head_dim: int) -> int:
+    """BC, the streamed rows per tile: keys for the forward and dQ (64 at D = 64, else 32), queries for dK/dV
+    (32). Keeps the staged tiles and the per-subgroup blocks within 48 KiB of workgroup memory."""
+    return 64 if kernel != "dkv" and head_dim <= 64 else 32
+
+
+def workgroup_rows() -> int:
+    return SUBGROUPS * MATRIX
+
+
+def _check(head_dim: int) -> None:
+    if head_dim not in ATTENTION_TC_HEAD_DIMS:
+        raise ValueError(f"tensor-core attention: head_dim={head_dim}; generated for {ATTENTION_TC_HEAD_DIMS}")
+
+
+def _ind(lines: list[str], n: int) -> str:
+    return "\n".join(" " * n + s for s in lines)
+
+
+def _load(kind: str, arr: str, off: str, col_major: bool, stride: str) -> str:
+    return f"subgroupMatrixLoad<{kind}>(&{arr}, {off}, {'true' if col_major else 'false'}, {stride})"
+
+
+def _mma(a: str, b: str, acc: str) -> str:
+    return f"{acc} = subgroupMatrixMultiplyAccumulate({a}, {b}, {acc});"
+
+
+def _left_staged(
+    name: str, src: str, blocks: tuple[str, str], row0: str, head: str, heads: str, nd: int, nb: int
+) -> str:
+    """This subgroup's D/16 left matrices of rows row0 + 16 sg .. of the packed operand `src`, staged through the
+    tile arrays `blocks` (the first holds BC rows; the second the next BC when BR > BC), so that every matrix
+    load has a literal offset. Ends with a barrier: the tile arrays are free again."""
+    a, b = blocks
+    lines = [f"stage_{a}_{src}({row0}, {head}, {heads}, lid);"]
+    if nb < SUBGROUPS:
+        lines.append(f"stage_{b}_{src}({row0} + BC, {head}, {heads}, lid);")
+    lines += ["workgroupBarrier();"] + [f"var {name}{kk}: {LEFT};" for kk in range(nd)]
+
+    def loads(arr: str, ind: str) -> list[str]:
+        return [f"{ind}{name}{kk} = {_load(LEFT, arr, f'{kk * MATRIX}u', False, 'LDH')};" for kk in range(nd)]
+
+    if nb < SUBGROUPS:
+        lines += ["if (sg < NB) {", *loads(f"{a}[sg]", "    "), "} else {", *loads(f"{b}[sg - NB]", "    "), "}"]
+    else:
+        lines += loads(f"{a}[sg]", "")
+    return _ind(lines + ["workgroupBarrier();"], 4)
+
+
+def _decl(names: list[str]) -> str:
+    return _ind([f"var {n} = {RESULT}();" for n in names], 4)
+
+
+def _scores(left: str, tile: str, nc: int, nd: int) -> list[str]:
+    """X_c = sum_kk left_kk . tile_c^T for each 16-row block c of a staged tile (read col-major), stored to
+    this subgroup's Ss at column 16 c."""
+    lines = ["{"]
+    for c in range(nc):
+        lines.append(f"    var x{c} = {RESULT}();")
+        for kk in range(nd):
+            lines.append(
+                f"    {_mma(f'{left}{kk}', _load(RIGHT, f'{tile}[{c}]', f'{kk * MATRIX}u', True, 'LDH'), f'x{c}')}"
+            )
+        lines.append(f"    subgroupMatrixStore(&Ss[sg], {c * MATRIX}u, x{c}, false, LDS);")
+    return lines + ["}"]
+
+
+def _accumulate(pairs: list[tuple[str, str, str]], nc: int, nd: int) -> list[str]:
+    """For each (this subgroup's f16 block array, staged tile, result prefix): R_n += sum_kk block[:, 16 kk..]
+    . tile_kk[:, 16 n..] (tile blocks read row-major)."""
+    lines = ["{"]
+    for kk in range(nc):
+        for src, tile, acc in pairs:
+            a = f"a_{src}_{kk}"
+            lines.append(f"    let {a} = {_load(LEFT, f'{src}[sg]', f'{kk * MATRIX}u', False, 'LDP')};")
+            for n in range(nd):
+                b = _load(RIGHT, f"{tile}[{kk}]", f"{n * MATRIX}u", False, "LDH")
+                lines.append(f"    {_mma(a, b, f'{acc}{n}')}")
+    return lines + ["}"]
+
+
+def _store_rows(accs: list[tuple[str, str]], nd: int, live: str) -> str:
+    """Each result matrix through this subgroup's Ss to its output rows: lane (r, half) writes row r,
+    columns 8 half..+8, times `inv`, when `live`."""
+    lines = []
+    for acc, out in accs:
+        for n in range(nd):
+            lines += [
+                "workgroupBarrier();",
+                f"subgroupMatrixStore(&Ss[sg], 0u, {acc}{n}, false, LDS);",
+                "workgroupBarrier();",
+                f"if ({live}) {{",
+            ]
+            for q in range(2):
+                vals = ", ".join(f"Ss[sg][r * LDS + half * 8u + {4 * q + e}u]" for e in range(4))
+                lines.append(f"    {out}[ob + {4 * n + q}u] = vec4<f32>({vals}) * inv;")
+            lines.append("}")
+    return _ind(lines, 4)
+
+
+def _stage_fn(dst: str, src: str) -> str:
+    """fn stage_<dst>_<src>(row0, head, heads, lid): rows row0 .. row0 + BC - 1 of head `head` of the packed
+    operand `src` ([T_pad, heads, D] as 8-half units) into the 16-row blocks of `dst`."""
+    return f"""
+fn stage_{dst}_{src}(row0: u32, head: u32, heads: u32, lid: u32) {{
+    for (var u = lid; u < BC * D / 8u; u += THREADS) {{
+        let row = u / (D / 8u);
+        let col = (u % (D / 8u)) * 8u;
+        let x = {src}[((row0 + row) * heads + head) * (D / 8u) + col / 8u];
+        let lo = bitcast<vec4<f16>>(x.xy);
+        let hi = bitcast<vec4<f16>>(x.zw);
+        let o = (row % 16u) * LDH + col;
+        {dst}[row / 16u][o] = lo.x;
+        {dst}[row / 16u][o + 1u] = lo.y;
+        {dst}[row / 16u][o + 2u] = lo.z;
+        {dst}[row / 16u][o + 3u] = lo.w;
+        {dst}[row / 16u][o + 4u] = hi.x;
+        {dst}[row / 16u][o + 5u] = hi.y;
+        {dst}[row / 16u][o + 6u] = hi.z;
+        {dst}[row / 16u][o + 7u] = hi.w;
+    }}
+}}"""
+
+
+def _common(kernel: str, head_dim: int) -> str:
+    return fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=tile_columns(kernel, head_dim), NSG=SUBGROUPS)
+
+
+def forward_source(head_dim: int) -> str:
+    """attention_tc_forward for one head dim."""
+    _check(head_dim)
+    nd, nc = head_dim // MATRIX, tile_columns("forward", head_dim) // MATRIX
+    body = fill(
+        kernel_text("attention_tc_forward.wgsl"),
+        STAGE_FNS="".join(_stage_fn(a, b) for a, b in (("Ks", "K16"), ("Vs", "V16"), ("Ks", "Q16"), ("Vs", "Q16"))),
+        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "w0", "h", "prm.HQ", nd, nc),
+        O_DECL=_decl([f"o{n}" for n in range(nd)]),
+        S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
+        PV_MMA=_ind(_accumulate([("Ps", "Vs", "o")], nc, nd), 8),
+        O_STORE=_store_rows([("o", "O")], nd, "i < prm.T"),
+    )
+    return _common("forward", head_dim) + "\n" + body
+
+
+def backward_dq_source(head_dim: int) -> str:
+    """attention_tc_backward_dq for one head dim."""
+    _check(head_dim)
+    nd, nc = head_dim // MATRIX, tile_columns("dq", head_dim) // MATRIX
+    body = fill(
+        kernel_text("attention_tc_backward_dq.wgsl"),
+        STAGE_FNS="".join(
+            _stage_fn(a, b) for a in ("Ks", "Vs") for b in ("K16", "V16", "Q16", "dO16") if (a, b) != ("Ks", "V16")
+        ),
+        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "w0", "h", "prm.HQ", nd, nc),
+        DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "w0", "h", "prm.HQ", nd, nc),
+        DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
+        S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
+        DP_MMA=_ind(_scores("go", "Vs", nc, nd), 8),
+        DQ_MMA=_ind(_accumulate([("Ps", "Ks", "dq")], nc, nd), 8),
+        DQ_STORE=_store_rows([("dq", "dQ")], nd, "i < prm.T"),
+    )
+    return _common("dq", head_dim) + "\n" + body
+
+
+def backward_dkv_source(head_dim: int) -> str:
+    """attention_tc_backward_dkv for one head dim."""
+    _check(head_dim)
+    nd, nc = head_dim // MATRIX, tile_columns("dkv", head_dim) // MATRIX
+    body = fill(
+        kernel_text("attention_tc_backward_dkv.wgsl"),
+        STAGE_FNS="".join(_stage_fn(a, b) for a in ("Qs", "dOs") for b in ("Q16", "dO16", "K16", "V16")),
+        K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "w0", "g", "prm.HKV", nd, nc),
+        V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "w0", "g", "prm.HKV", nd, nc),
+        DKV_DECL=_decl([f"dk{n}" for n in range(nd)] + [f"dv{n}" for n in range(nd)]),
+        ST_MMA=_ind(_scores("kl", "Qs", nc, nd), 8),
+        DPT_MMA=_ind(_scores("vl", "dOs", nc, nd), 8),
+        DKV_MMA=_ind(_accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd), 8),
+        DKV_STORE=_store_rows([("dk", "dK"), ("dv", "dV")], nd, "j < prm.T"),
+    )
+    return _common("dkv", head_dim) + "\n" + body
+
+
+def pack_source(scaled: bool) -> str:
+    """attention_tc_pack: f16 copy of q, k, v (scaled=False) or of dO * sigma (scaled=True)."""
+    binding = "@group(0) @binding(3) var<storage, read> stats: Stats;" if scaled else ""
+    return fill(
+        kernel_text("attention_tc_pack.wgsl"),
+        STATS_BINDING=binding,
+        SIGMA="grad_scale(stats.max_bits)" if scaled else "1.0",
+    )
+
+
+def delta_source(head_dim: int) -> str:
+    """attention_tc_delta for one head dim."""
+    return fill(kernel_text("attention_tc_delta.wgsl"), DV=head_dim // 4)
+
+
+def reduce_source() -> str:
+    return kernel_text("attention_tc_reduce.wgsl")

@@ -1,0 +1,38 @@
+// f16 copy of an attention operand for the tensor-core kernels: dst[u] = f16(src[u] * sigma) for the
+// n_valid vec4 units of a [T, heads, D] f32 tensor, zero for the padding rows after it (up to n_total).
+// SCALED: sigma = grad_scale(max |dO|) from the delta pass (dO), else 1 (q, k, v).
+enable f16;
+
+struct PackParams {
+    n_valid: u32,
+    n_total: u32,
+};
+
+struct Stats {
+    max_bits: u32,
+    delta: array<f32>,
+};
+
+@group(0) @binding(0) var<uniform> prm: PackParams;
+@group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> dst: array<vec4<f16>>;
+${STATS_BINDING}
+
+fn grad_scale(max_bits: u32) -> f32 {
+    let e = clamp((max_bits >> 23u) & 0xffu, 1u, 249u);
+    return bitcast<f32>((250u - e) << 23u);
+}
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let u = (wid.x + wid.y * nwg.x) * 256u + lid;
+    if (u >= prm.n_total) {
+        return;
+    }
+    var x = vec4<f32>(0.0);
+    if (u < prm.n_valid) {
+        x = src[u] * ${SIGMA};
+    }
+    dst[u] = vec4<f16>(x);
+}

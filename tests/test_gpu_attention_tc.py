@@ -1,0 +1,118 @@
+"""Tensor-core attention (gpu/ops/attention_tc.py) vs the float64 reference (model/reference.py).
+
+Tolerance: q, k, v, dO, P and dS are rounded to f16 for the tensor-core products (f32 everywhere else), so
+each output (out, lse, dq, dk, dv) must lie within TOL of its own max abs; an indexing, masking or rescale
+error is O(1). The shapes cover T off the 16-row and 64-column tiles, GQA groups 1 and 8, head_dim 64 and
+128, several key tiles with scores spread widely enough that the lazy running max moves (rescales O), and
+gradients of 1e-7 (the dO scale sigma). Runs where Dawn has subgroup matrices (the H200, via the device
+tool: `source .gl/enter.sh; python3 -m pytest -q -m tensorcore tests/test_gpu_attention_tc.py`); the Tint
+compile of every variant is in tests/test_kernel_registry.py, the refusal elsewhere runs on lavapipe.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from gpu.device import Device, DeviceError
+from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
+from gpu.ops.matmul_tc import has_tensor_cores
+from model import reference as ref
+from tests.gpu_fixtures import device_or_skip
+
+TOL = 2e-3
+
+
+@pytest.fixture(scope="module")
+def tc_dev() -> Device:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            dev = Device(backend="dawn")
+    except (DeviceError, ImportError, RuntimeError) as e:
+        pytest.skip(f"no Dawn adapter: {e}")
+    if not has_tensor_cores(dev):
+        pytest.skip(f"Dawn adapter {dev.adapter.summary} has no usable subgroup matrices")
+    return dev
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def _run(dev: Device, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray) -> dict[str, np.ndarray]:
+    """Forward then backward on the device, outputs poisoned with NaN first (an unwritten element fails)."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qb, kb, vb, dob = (dev.upload(np.ascontiguousarray(x, np.float32)) for x in (q, k, v, do))
+    nan = np.float32(np.nan)
+    out, dq = dev.upload(np.full(q.shape, nan)), dev.upload(np.full(q.shape, nan))
+    dk, dv = dev.upload(np.full(k.shape, nan)), dev.upload(np.full(k.shape, nan))
+    lse = dev.upload(np.full((hq, t), nan))
+    attention_forward_tc(dev, qb, kb, vb, out, lse, t, hq, hkv, d)
+    attention_backward_tc(dev, dob, qb, kb, vb, out, lse, dq, dk, dv, t, hq, hkv, d)
+    shapes = {"out": q.shape, "lse": (hq, t), "dq": q.shape, "dk": k.shape, "dv": v.shape}
+    bufs = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    return {n: dev.read(bufs[n], np.float32, s) for n, s in shapes.items()}
+
+
+def _expected(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray) -> dict[str, np.ndarray]:
+    q64, k64, v64, do64 = (x.astype(np.float64) for x in (q, k, v, do))
+    t, hq, d = q.shape
+    s = np.einsum("thd,shd->hts", q64, np.repeat(k64, hq // k.shape[1], axis=1)) / np.sqrt(d)
+    s = np.where(np.triu(np.ones((t, t), dtype=bool), k=1), -np.inf, s)
+    dq, dk, dv = ref.attention_backward(do64, q64, k64, v64)
+    return {"out": ref.attention_forward(q64, k64, v64), "lse": ref.logsumexp(s)[..., 0], "dq": dq, "dk": dk, "dv": dv}
+
+
+# (T, Hq, Hkv, D, score spread, dO scale): T off the tiles, GQA 8 and 1, D 64 and 128, several key tiles.
+CASES = [
+    (77, 8, 1, 64, 1.0, 1.0),
+    (130, 4, 4, 64, 1.0, 1.0),
+    (300, 8, 1, 64, 2.0, 1e-7),
+    (17, 2, 1, 64, 1.0, 1.0),
+    (45, 4, 4, 128, 1.0, 1.0),
+    (200, 16, 2, 128, 2.0, 1.0),
+]
+
+
+@pytest.mark.tensorcore
+@pytest.mark.parametrize("t,hq,hkv,d,spread,gscale", CASES)
+def test_attention_tc_matches_reference(
+    tc_dev: Device, t: int, hq: int, hkv: int, d: int, spread: float, gscale: float
+) -> None:
+    rng = np.random.default_rng(t + hq + d)
+    q = (rng.standard_normal((t, hq, d)) * spread).astype(np.float32)
+    k = (rng.standard_normal((t, hkv, d)) * spread).astype(np.float32)
+    v = rng.standard_normal((t, hkv, d)).astype(np.float32)
+    do = (rng.standard_normal((t, hq, d)) * gscale).astype(np.float32)
+    got, want = _run(tc_dev, q, k, v, do), _expected(q, k, v, do)
+    errs = {n: _rel(got[n], want[n]) for n in want}
+    print(
+        f"T={t} Hq={hq} Hkv={hkv} D={d} spread={spread} dO*{gscale}: "
+        + " ".join(f"{n} {e:.2e}" for n, e in errs.items())
+    )
+    bad = {n: e for n, e in errs.items() if not e <= TOL}
+    assert not bad, f"rel err over {TOL}: {bad}"
+
+
+@pytest.mark.tensorcore
+def test_attention_tc_bitwise_reproducible(tc_dev: Device) -> None:
+    rng = np.random.default_rng(5)
+    q, do = rng.standard_normal((2, 100, 8, 64)).astype(np.float32)
+    k, v = rng.standard_normal((2, 100, 2, 64)).astype(np.float32)
+    a, b = _run(tc_dev, q, k, v, do), _run(tc_dev, q, k, v, do)
+    for name in a:
+        np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32), err_msg=name)
+
+
+@pytest.mark.gpu
+def test_attention_tc_refuses_without_tensor_cores() -> None:
+    dev = device_or_skip()
+    if has_tensor_cores(dev):
+        pytest.skip("this adapter has tensor cores")
+    buf = dev.buffer(4 * 16 * 64)
+    with pytest.raises(DeviceError, match="tensor-core attention"):
+        attention_forward_tc(dev, buf, buf, buf, buf, dev.buffer(4 * 16), 4, 4, 4, 64)
