@@ -198,8 +198,7 @@ class Device:
         if choice != "dawn":
             import wgpu
 
-            adapters = wgpu.gpu.enumerate_adapters_sync()
-            native = min(adapters, key=_adapter_rank) if adapters else None
+            native = _best_adapter(wgpu.gpu.enumerate_adapters_sync(), "wgpu")
             if choice == "wgpu" or (native is not None and _adapter_rank(native)[0] >= 4):
                 if native is None:
                     raise DeviceError("no wgpu adapter found (for a CPU run install mesa-vulkan-drivers: lavapipe)")
@@ -466,6 +465,36 @@ class Device:
             self.stats["dispatches"] += 1
 
 
+GPU_INDEX_ENV = "DISTILLERY_GPU_INDEX"
+
+
+def gpu_index() -> int | None:
+    """The adapter index asked for by DISTILLERY_GPU_INDEX (a Ray worker sets it from its assigned GPU), or None."""
+    raw = os.environ.get(GPU_INDEX_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise DeviceError(f"{GPU_INDEX_ENV}={raw!r}: expected a GPU index (0, 1, ...)")
+    return int(raw)
+
+
+def _best_adapter(adapters: list[Any], backend: str) -> Any:
+    """The preferred adapter (_adapter_rank); with DISTILLERY_GPU_INDEX=i, the i-th of the best kind in the
+    driver's enumeration order (on NVIDIA the order of nvidia-smi and of Ray's GPU ids), since wgpu does not
+    read CUDA_VISIBLE_DEVICES."""
+    if not adapters:
+        return None
+    best = min(adapters, key=_adapter_rank)
+    index = gpu_index()
+    if index is None:
+        return best
+    peers = [a for a in adapters if _adapter_rank(a) == _adapter_rank(best)]
+    if index >= len(peers):
+        names = ", ".join(str(a.summary) for a in peers)
+        raise DeviceError(f"{GPU_INDEX_ENV}={index}: {backend} lists {len(peers)} adapter(s) of the best kind: {names}")
+    return peers[index]
+
+
 def _adapter_rank(a: Any) -> tuple[int, int]:
     """Sort key: discrete < integrated < virtual < other < CPU; native APIs before OpenGL."""
     kind = {"discretegpu": 0, "integratedgpu": 1, "virtualgpu": 2, "cpu": 4}
@@ -498,6 +527,8 @@ def _dawn_adapter() -> tuple[Any, ModuleType | None, str]:
         if not _dawn_instance_ready:
             extras.set_instance_extras(backends=["Vulkan"], enable_toggles=_DAWN_TOGGLES)
             _dawn_instance_ready = True
+        if gpu_index() is not None:
+            return _best_adapter(wgpudawn.gpu.enumerate_adapters_sync(), "dawn"), wgpudawn, ""
         return wgpudawn.gpu.request_adapter_sync(power_preference="high-performance"), wgpudawn, ""
     except Exception as e:  # Dawn raises RuntimeError when it finds no adapter (e.g. lavapipe)
         _dawn_instance_ready = True

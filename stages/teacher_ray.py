@@ -148,7 +148,9 @@ def compute_shard(
     """The body of one shard's Ray task: rows of shard `record` by the worker's teacher, written under out_uri.
     Arguments and result travel as JSON (the manifests' own format); returns the complete record as JSON."""
     from stages.teacher import teacher_fn
+    from training.cluster import pin_assigned_gpu
 
+    pin_assigned_gpu()
     cfg = RunConfig.model_validate_json(cfg_json)
     tokens = TokenizeManifest.model_validate_json(tokens_json)
     planned = TeacherManifest.model_validate_json(plan_json)

@@ -61,6 +61,19 @@ def test_bad_backend_names_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         Device()
 
 
+def test_gpu_index_picks_among_adapters_of_the_best_kind(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DISTILLERY_GPU_INDEX (set by a Ray worker from its assigned GPU): 0 is the first adapter of the best kind;
+    an index past them, or not a number, is a one-line error naming the variable."""
+    monkeypatch.setenv("DISTILLERY_GPU_INDEX", "0")
+    assert Device(dev.backend).adapter.summary == dev.adapter.summary
+    monkeypatch.setenv("DISTILLERY_GPU_INDEX", "7")
+    with pytest.raises(DeviceError, match=r"DISTILLERY_GPU_INDEX=7: \w+ lists \d+ adapter"):
+        Device(dev.backend)
+    monkeypatch.setenv("DISTILLERY_GPU_INDEX", "first")
+    with pytest.raises(DeviceError, match="DISTILLERY_GPU_INDEX='first': expected a GPU index"):
+        Device(dev.backend)
+
+
 def test_buffer_limit_errors_say_the_numbers(dev: Device) -> None:
     too_big = (dev.max_buffer // 4 + 1) * 4
     with pytest.raises(DeviceError, match=rf"'huge'.*{too_big} bytes.*max buffer size of {dev.max_buffer} bytes"):

@@ -77,3 +77,17 @@ def absolute_config(cfg: RunConfig) -> RunConfig:
     if data["data"].get("eval_path"):
         data["data"]["eval_path"] = str(Path(data["data"]["eval_path"]).resolve())
     return RunConfig.model_validate(data)
+
+
+def pin_assigned_gpu() -> None:
+    """Inside a Ray worker that was given GPUs: make gpu/device.py open the first of them (wgpu does not read the
+    CUDA_VISIBLE_DEVICES Ray sets), by DISTILLERY_GPU_INDEX; a worker without GPUs is left as it is."""
+    import os
+
+    import ray
+
+    from gpu.device import GPU_INDEX_ENV
+
+    ids = ray.get_gpu_ids()
+    if ids:
+        os.environ[GPU_INDEX_ENV] = str(int(ids[0]))

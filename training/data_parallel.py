@@ -52,8 +52,10 @@ class TrainWorker:
     """One data-parallel worker (a Ray actor): its own engine; runs micro-batches and applies summed gradients."""
 
     def __init__(self, cfg_json: str, student_gguf: str, seq_len: int, start_layer: int) -> None:
+        from training.cluster import pin_assigned_gpu
         from training.engines import build_engine
 
+        pin_assigned_gpu()
         cfg = RunConfig.model_validate_json(cfg_json)
         self.engine = build_engine(cfg, Path(student_gguf), seq_len, start_layer=start_layer)
         self.layout = self.engine.layout
