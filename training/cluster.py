@@ -58,8 +58,7 @@ def resources(backend: str, field: str, gpus_per_worker: float = 1.0) -> dict[st
     """Ray resource options of one teacher task or training worker whose engine setting `field` is `backend`
     (auto | gpu | numpy): gpus_per_worker GPUs (scale.gpus_per_worker) where the cluster has GPUs and the backend
     may use one, else one CPU (a gpu backend then takes whatever wgpu adapter its node has, e.g. lavapipe; Ray
-    counts CUDA GPUs only). wgpu does not read CUDA_VISIBLE_DEVICES: on a node of several GPUs each worker takes
-    gpu/device.py's preferred adapter, so one worker per node (or per GPU through the node's own selection)."""
+    counts CUDA GPUs only). A worker opens its assigned GPU through pin_assigned_gpu."""
     gpus = cluster_gpus()
     if backend != "numpy" and gpus > 0:
         return {"num_gpus": gpus_per_worker, "num_cpus": 1}
