@@ -1,7 +1,7 @@
 """CPU train step, side by side: NumpyEngine, GPUStudent on lavapipe, HF transformers + PEFT on torch CPU (JSON).
 
     python bench/cpu_train_step.py                       # SmolLM2-135M Q4_1, LoRA r16 on all 7 targets, 4 x 128
-    python bench/cpu_train_step.py --no-gpu --steps 5    # skip lavapipe (slow: ~1 minute per step at 4 x 128)
+    python bench/cpu_train_step.py --no-gpu --steps 5    # skip lavapipe (slow: ~10 minutes per step at 4 x 128)
 
 All three train the same GGUF (dequantized to float32 by ours and by transformers; lavapipe decodes it in its
 kernels) on the same batch with the same loss: forward KL over a random teacher's top-k plus the tail bucket, masked
