@@ -47,6 +47,10 @@ demo: setup
 test: setup $(BROWSER_STAMP)
 	DISTILLERY_REQUIRE_GPU=1 $(PY) -m pytest -q --durations=15
 
+# The CPU train step, ours (numpy; lavapipe unless ARGS=--no-gpu) vs HF+PEFT on torch CPU, as JSON (docs/benchmarks.md).
+bench-cpu: setup
+	$(PY) bench/cpu_train_step.py $(ARGS)
+
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
