@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOYMENT = "tiny"
 CRON = "0 3 * * *"
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+FINAL_STATE_NAMES = {"Completed", "Cached", "Failed", "Crashed", "Cancelled"}
+# The last stages of the tiny config's default run (export.merge on): seen in the API once the run is recorded.
+LAST_STAGES = ("export", "evaluate-merged")
 
 
 def free_port() -> int:
@@ -148,9 +151,29 @@ def wait_run(servers: Servers, flow_run_id: str, timeout: float = 300) -> dict[s
     pytest.fail(f"flow run {flow_run_id} not finished after {timeout:.0f} s: {run['state']}")
 
 
-def stage_states(servers: Servers, flow_run_id: str, since: datetime | None = None) -> dict[str, str]:
+def stage_states(
+    servers: Servers,
+    flow_run_id: str,
+    since: datetime | None = None,
+    expect: Iterable[str] = (),
+    timeout: float = 120,
+) -> dict[str, str]:
     """{task run name: state name} of a flow run's stage tasks (Completed = ran, Cached = reused), of the task
-    runs created after `since` (a retried flow run keeps its earlier attempts' task runs)."""
+    runs created after `since` (a retried flow run keeps its earlier attempts' task runs).
+
+    Prefect 3 records task runs from the client's events, which can reach the API well after the flow run's own
+    final state on a busy machine (a run seen COMPLETED with its last stages missing and a shard still under its
+    provisional name): wait, up to `timeout` s, until every name in `expect` is there and every state is final."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stages = _stage_states_now(servers, flow_run_id, since)
+        settled = set(expect) <= set(stages) and all(state in FINAL_STATE_NAMES for state in stages.values())
+        if settled or time.monotonic() > deadline:
+            return stages
+        time.sleep(1)
+
+
+def _stage_states_now(servers: Servers, flow_run_id: str, since: datetime | None) -> dict[str, str]:
     found: list[dict[str, Any]] = []
     with servers.api() as api:
         while True:
@@ -284,4 +307,4 @@ def first_run(served: Served) -> FinishedRun:
     run_id = create_run(served.servers, served.deployment_id, served.deployment["parameters"])
     run = wait_run(served.servers, run_id)
     assert run["state"]["type"] == "COMPLETED", f"{run['state']}\n{_tail(served.log)}"
-    return FinishedRun(run_id, run, stage_states(served.servers, run_id))
+    return FinishedRun(run_id, run, stage_states(served.servers, run_id, expect=LAST_STAGES))

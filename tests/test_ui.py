@@ -142,7 +142,7 @@ def test_run_form_in_chromium_completes_and_mlflow_compares(
     cfg = run["parameters"]["cfg"]
     defaults = served.deployment["parameters"]["cfg"]
     assert {k: v for k, v in cfg.items() if k != "optim"} == {k: v for k, v in defaults.items() if k != "optim"}
-    stages = stage_states(served.servers, run_id)
+    stages = stage_states(served.servers, run_id, expect=("tokenize", "teacher-plan", "train-epoch-0", "export"))
     assert stages["tokenize"] == "Cached" and stages["teacher-plan"] == "Cached", stages
     assert stages["train-epoch-0"] == "Completed" and stages["export"] == "Completed", stages
 
