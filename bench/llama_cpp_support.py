@@ -11,7 +11,7 @@ HF path) with logits_all=True and keeps, per position, only what the held-out me
     python bench/llama_cpp_support.py STUDENT.gguf IDS.npy TOPK_IDS.npy OUT_DIR [--lora adapter-lora.gguf]
 
 IDS.npy is int [N, T], TOPK_IDS.npy int [N, T, k]; OUT_DIR gets support.npy, target.npy, argmax.npy (written
-to a .tmp name then renamed). No pickle: every array is read with allow_pickle=False.
+to a .tmp name then renamed). Plain .npy arrays only: object arrays are refused when read.
 """
 
 from __future__ import annotations

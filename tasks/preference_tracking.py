@@ -23,8 +23,9 @@ from tasks.tracking import (
     git_commit,
     log_metrics,
     log_steps,
-    mlflow_ui_url,
+    manifest_json,
     prefect_ui_url,
+    summary_header,
 )
 
 STEPS_FILE = "steps.jsonl"
@@ -68,33 +69,20 @@ class PreferenceRecord:
     def summary(self) -> dict[str, Any]:
         states = stage_states(self.flow_run_id)
         best = None if self.best is None else self.evals[self.best]
-        dump = lambda m: None if m is None else m.model_dump(mode="json")  # noqa: E731
         return {
             "task": "dpo",
-            "flow_run_id": self.flow_run_id,
-            "flow_run_name": self.flow_run_name,
-            "prefect_url": self.prefect_url,
-            "mlflow": {
-                "tracking_uri": self.cfg.run.tracking_uri(),
-                "experiment_id": self.experiment_id,
-                "run_id": self.id,
-                "url": mlflow_ui_url(self.cfg, self.experiment_id, self.id),
-            },
-            "stages": {
-                "ran": [name for name, state in states if state == "Completed"],
-                "cached": [name for name, state in states if state == "Cached"],
-            },
-            "pairs": dump(self.pairs),
-            "reference": dump(self.reference),
-            "checkpoints": [dump(c) for c in self.checkpoints],
+            **summary_header(self, states),
+            "pairs": manifest_json(self.pairs),
+            "reference": manifest_json(self.reference),
+            "checkpoints": [manifest_json(c) for c in self.checkpoints],
             "preference": {
-                "baseline": dump(self.baseline),
-                "evals": [dump(e) for e in self.evals],
+                "baseline": manifest_json(self.baseline),
+                "evals": [manifest_json(e) for e in self.evals],
                 "best_epoch": None if best is None else best.epoch,
-                "best": dump(best),
+                "best": manifest_json(best),
             },
             "baseline": None,  # the distillation table's slot: nothing to show for a preference run
-            "export": dump(self.exported),
+            "export": manifest_json(self.exported),
             "files": {} if self.exported is None else self.exported.files(),
             "workdir": str(workdir(self.cfg)),
             "seconds": time.perf_counter() - self.started,

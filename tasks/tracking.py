@@ -193,26 +193,14 @@ class RunRecord:
         best = None if self.best is None else self.evals[self.best]
         root = workdir(self.cfg)
         return {
-            "flow_run_id": self.flow_run_id,
-            "flow_run_name": self.flow_run_name,
-            "prefect_url": self.prefect_url,
-            "mlflow": {
-                "tracking_uri": self.cfg.run.tracking_uri(),
-                "experiment_id": self.experiment_id,
-                "run_id": self.id,
-                "url": mlflow_ui_url(self.cfg, self.experiment_id, self.id),
-            },
-            "stages": {
-                "ran": [name for name, state in states if state == "Completed"],
-                "cached": [name for name, state in states if state == "Cached"],
-            },
-            "checkpoints": [_json(c) for c in self.checkpoints],
-            "baseline": _json(self.baseline),
-            "evals": [_json(e) for e in self.evals],
+            **summary_header(self, states),
+            "checkpoints": [manifest_json(c) for c in self.checkpoints],
+            "baseline": manifest_json(self.baseline),
+            "evals": [manifest_json(e) for e in self.evals],
             "best_epoch": None if best is None else best.epoch,
-            "best": _json(best),
-            "merged": _json(self.merged),
-            "export": _json(self.exported),
+            "best": manifest_json(best),
+            "merged": manifest_json(self.merged),
+            "export": manifest_json(self.exported),
             "files": {} if self.exported is None else self.exported.files(),
             "teacher_bytes_per_position": None
             if self.teacher is None
@@ -301,7 +289,27 @@ def _eval_values(ev: EvalManifest) -> dict[str, float]:
     return {"kl": ev.kl, "top1": ev.top1, "ce": ev.ce, "ppl": ev.ppl}
 
 
-def _json(manifest: Any) -> Any:
+def summary_header(record: Any, states: list[tuple[str, str]]) -> dict[str, Any]:
+    """The run summary's opening keys for a flow run record (its Prefect and MLflow runs, the stages that ran
+    and those reused), shared by the distillation and preference summaries."""
+    return {
+        "flow_run_id": record.flow_run_id,
+        "flow_run_name": record.flow_run_name,
+        "prefect_url": record.prefect_url,
+        "mlflow": {
+            "tracking_uri": record.cfg.run.tracking_uri(),
+            "experiment_id": record.experiment_id,
+            "run_id": record.id,
+            "url": mlflow_ui_url(record.cfg, record.experiment_id, record.id),
+        },
+        "stages": {
+            "ran": [name for name, state in states if state == "Completed"],
+            "cached": [name for name, state in states if state == "Cached"],
+        },
+    }
+
+
+def manifest_json(manifest: Any) -> Any:
     """A manifest as the JSON-able dict of the run summary (None stays None)."""
     return None if manifest is None else manifest.model_dump(mode="json")
 

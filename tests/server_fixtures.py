@@ -184,7 +184,7 @@ def _stage_states_now(servers: Servers, flow_run_id: str, since: datetime | None
             if len(reply.json()) < 200:
                 break
     runs = [t for t in found if since is None or datetime.fromisoformat(t["created"]) >= since]
-    return {t["name"]: t["state"]["name"] for t in runs}
+    return {t["name"]: (t["state"] or {}).get("name", "") for t in runs}  # a run just created has no state yet
 
 
 # ---------------------------------------------------------------------------------------------- serving
