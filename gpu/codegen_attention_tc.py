@@ -200,10 +200,10 @@ def backward_dkv_source(head_dim: int) -> str:
 
 
 def pack_source(scaled: bool) -> str:
-    """attention_tc_pack: f16 copy of q, k, v (scaled=False) or of dO * sigma (scaled=True)."""
+    """pack_f16: f16 copy of an f32 tensor (q, k, v, GEMM inputs; scaled=False) or of dO * sigma (scaled=True)."""
     binding = "@group(0) @binding(3) var<storage, read> stats: Stats;" if scaled else ""
     return fill(
-        kernel_text("attention_tc_pack.wgsl"),
+        kernel_text("pack_f16.wgsl"),
         STATS_BINDING=binding,
         SIGMA="grad_scale(stats.max_bits)" if scaled else "1.0",
     )

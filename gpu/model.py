@@ -26,6 +26,7 @@ from gpu.ops.add import add, add_bias
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
+from gpu.ops.half import to_f16
 from gpu.ops.lora import lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
@@ -227,6 +228,9 @@ class GPUModel:
         )
         if seq_len > cfg.context_length:
             raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
+        # tensor cores: each projection's input is packed to f16 once (q/k/v and gate/up share it) and the
+        # GEMMs read it with their f16-A kernels (the same rounding they apply to f32 A, at half the bytes)
+        self._pack_inputs = self.precision == "tensorcore"
         self.layout = LoraLayout.build(cfg, targets, r, layers)
         if not 0 <= start_layer < cfg.n_layers or (self.layout.slots and start_layer > self.layout.lowest_layer):
             raise ValueError(
@@ -328,14 +332,30 @@ class GPUModel:
         r = self.layout.r
         self.t_lora = {t: b(f"lora t {t}", rows * r) for t in LORA_TARGETS}
         self.dt = b("lora dt", rows * r)
+        if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
+            self.a16 = b("gemm input f16", -(-rows * max(h, f, qd, kvd) // 2))
+
+    def _gemm_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
+        """The A operand for a projection GEMM over x [rows, width] and the GEMM's extra arguments: x itself
+        (f32), or with tensor cores its f16 copy in self.a16 (valid until the next _gemm_input)."""
+        if self._pack_inputs and to_f16(self.dev, x, self.a16, self.rows * width):
+            return self.a16, {"a_dtype": "f16"}
+        return x, {}
 
     def _x(self, layer: int) -> BufferView:
         return self._view(self.xs, layer * self.slot, self.rows * self.cfg.hidden)
 
     # ---- one projection (frozen W + LoRA) ---------------------------------------------------------------
-    def _proj(self, x: Any, layer: int, target: str, y: Any) -> None:
+    def _head_input(self) -> Any:
+        """The final normed hidden state as f16 for tensor-core LM-head logits (gpu/ops/head.py), else None."""
+        a, kw = self._gemm_input(self.a["nf"], self.cfg.hidden)
+        return a if kw else None
+
+    def _proj(self, x: Any, layer: int, target: str, y: Any, gemm_input: tuple[Any, dict] | None = None) -> None:
+        """y = x W^T (+ bias) (+ LoRA); gemm_input: x's _gemm_input when the caller shares it between projections."""
         d_out, d_in = self.cfg.target_shape(target)
-        self._linear(self.dev, x, self.w.proj[(layer, target)], y, self.rows)
+        a, kw = gemm_input or self._gemm_input(x, d_in)
+        self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
         bias = self.w.biases.get((layer, target))
         if bias is not None:
             add_bias(self.dev, y, bias, self.rows, d_out)
@@ -386,9 +406,10 @@ class GPUModel:
         x, x_next = self._x(layer), self._x(layer + 1)
         pos = self._b.bufs["positions"]
         rmsnorm_forward(dev, x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["n1"], rows, h, cfg.eps)
-        self._proj(a["n1"], layer, "q", a["q"])
-        self._proj(a["n1"], layer, "k", a["k"])
-        self._proj(a["n1"], layer, "v", a["v"])
+        n1 = self._gemm_input(a["n1"], h)
+        self._proj(a["n1"], layer, "q", a["q"], n1)
+        self._proj(a["n1"], layer, "k", a["k"], n1)
+        self._proj(a["n1"], layer, "v", a["v"], n1)
         q, k = a["q"], a["k"]
         if cfg.qk_norm:  # per-head RMSNorm: rows of head_dim
             norm = self.w.norms
@@ -405,8 +426,9 @@ class GPUModel:
         self._proj(a["att"], layer, "o", a["tmp"])
         add(dev, x, a["tmp"], a["hres"], rows * h)
         rmsnorm_forward(dev, a["hres"], self.w.norms[f"blk.{layer}.ffn_norm.weight"], a["n2"], rows, h, cfg.eps)
-        self._proj(a["n2"], layer, "gate", a["g"])
-        self._proj(a["n2"], layer, "up", a["u"])
+        n2 = self._gemm_input(a["n2"], h)
+        self._proj(a["n2"], layer, "gate", a["g"], n2)
+        self._proj(a["n2"], layer, "up", a["u"], n2)
         swiglu_forward(dev, a["g"], a["u"], a["s"], rows * f)
         self._proj(a["s"], layer, "down", a["tmp"])
         add(dev, a["hres"], a["tmp"], x_next, rows * h)

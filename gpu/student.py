@@ -127,7 +127,8 @@ class GPUStudent(GPUModel):
     # ---- backward -------------------------------------------------------------------------------------
     def _proj_back(self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool) -> None:
         d_out, d_in = self.cfg.target_shape(target)
-        self._linear_grad(self.dev, dy, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate)
+        a, kw = self._gemm_input(dy, d_out)
+        self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
         ab = self._lora(layer, target, self.params)
         if ab is not None:
             da, db = self._lora(layer, target, self.grads)
@@ -284,6 +285,7 @@ class GPUStudent(GPUModel):
                 self.dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
                 bufs["targets"], bufs["mask"], self.loss_cfg, self.a["tmp"], self.losses, self.rows, cfg.hidden,
                 cfg.vocab, self.k, scratch=self.kd, loss_index=loss_index, backward=backward,
+                h16=self._head_input(),
             )  # fmt: skip
 
     def _record_loss_and_grads(self, micro: int) -> None:
@@ -384,6 +386,7 @@ class GPUStudent(GPUModel):
                 1.0,
                 logits_scratch=self.kd.logits,
                 chunk=self.kd.chunk,
+                h16=self._head_input(),
             )
         lse = dev.read(self.kd.lse, np.float32, (self.rows, 4)).astype(np.float64)
         gathered = dev.read(self.kd.gathered, np.float32, (self.rows, self.k + 1)).astype(np.float64)

@@ -59,6 +59,7 @@ class GPUTeacher(GPUModel):
                     self.tau,
                     logits_scratch=self.logits,
                     chunk=self.chunk,
+                    h16=self._head_input(),
                 )
         out_ids = self.dev.read(self.state.ids, np.uint32, (b, t, k))
         logprobs = self.dev.read(self.logprobs, np.float32, (b, t, k))

@@ -140,6 +140,23 @@ def test_misaligned_view_is_an_error(dev: Device) -> None:
         dev.bind_group(pipe, [_scale_params(1.0, 4), BufferView(a, 4, 16), a])
 
 
+def test_long_step_submits_in_chunks_in_order(dev: Device) -> None:
+    """A step of more than submit_every dispatches submits every submit_every of them (so the GPU starts early),
+    still in recording order: each dispatch reads what the previous one wrote."""
+    x = np.arange(64, dtype=np.float32)
+    bufs = [dev.upload(x)] + [dev.buffer(256) for _ in range(5)]
+    before, old = dev.stats["submits"], dev.submit_every
+    dev.submit_every = 2
+    try:
+        with dev.step():
+            for i in range(5):
+                _scale(dev, bufs[i], bufs[i + 1], 2.0, 64)
+    finally:
+        dev.submit_every = old
+    assert dev.stats["submits"] == before + 3  # after dispatches 2 and 4, then the step's end
+    np.testing.assert_array_equal(dev.read(bufs[5], np.float32, 64), 32 * x)
+
+
 def test_step_records_in_order_and_submits_once(dev: Device) -> None:
     x = np.arange(100, dtype=np.float32)
     bx, by, bz = dev.upload(x), dev.buffer(400), dev.buffer(400)

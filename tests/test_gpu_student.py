@@ -200,9 +200,7 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
 TC_REL = 2e-2  # tensor cores: activations and dequantized weights rounded to f16 (11-bit mantissa), f32 accumulation
 
 
-@pytest.mark.tensorcore
-def test_tensorcore_step_matches_reference() -> None:
-    """The same step with every frozen projection on tensor cores (Dawn subgroup matrices; H200 only)."""
+def _tensor_core_device():
     from gpu.device import Device, DeviceError
     from gpu.ops.matmul_tc import tensor_core_problem
 
@@ -212,6 +210,35 @@ def test_tensorcore_step_matches_reference() -> None:
         pytest.skip(f"no Dawn adapter: {exc}")
     if (problem := tensor_core_problem(dev)) is not None:
         pytest.skip(problem)
+    return dev
+
+
+@pytest.mark.tensorcore
+def test_tensorcore_f16_gemm_inputs_are_exact() -> None:
+    """Packing each projection's input to f16 once (shared by q/k/v and gate/up) gives bitwise the residual
+    stream of the GEMMs rounding f32 inputs while staging (H200 only)."""
+    from gpu.model import GPUModel
+
+    dev = _tensor_core_device()
+    w, lora, ids, *_ = _problem(3, Q.Q4_0)
+    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    streams = []
+    for packed in (True, False):
+        model = GPUModel(
+            dev, weights, batch=B, seq_len=T, targets=LORA_TARGETS, r=R, alpha=2 * R, precision="tensorcore"
+        )
+        model._pack_inputs = packed
+        model.set_adapter(lora)
+        streams.append(model.residual_stream(ids, CFG.n_layers))
+    assert np.isfinite(streams[0]).all()
+    np.testing.assert_array_equal(streams[0], streams[1])
+
+
+@pytest.mark.tensorcore
+def test_tensorcore_step_matches_reference() -> None:
+    """The same step with every frozen projection and the LM head's logits on tensor cores (Dawn subgroup
+    matrices; H200 only)."""
+    dev = _tensor_core_device()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
@@ -236,3 +263,23 @@ def test_tensorcore_step_matches_reference() -> None:
     worst = max(max(_rel(got[k].A, da), _rel(got[k].B, db)) for k, (da, db) in want.items())
     print(f"tensorcore step: loss rel err {abs(loss - want_loss) / abs(want_loss):.2e}, worst grad rel err {worst:.2e}")
     assert worst < TC_REL
+
+
+@pytest.mark.tensorcore
+def test_tensorcore_teacher_topk_close() -> None:
+    """The teacher's top-k with projections and LM-head logits on tensor cores vs the f32 path on the same
+    device: the sorted top-k log-probs (continuous even where near-ties swap ids) within TC_REL of their max,
+    and the top-1 ids agree on nearly every row (H200 only)."""
+    from gpu.teacher import GPUTeacher
+
+    dev = _tensor_core_device()
+    w, _, ids, _, _, _ = _problem(7, Q.F32)
+    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    got, want = (
+        GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.0, precision=p).topk(ids)
+        for p in ("tensorcore", "f32")
+    )
+    err = float(np.abs(got[1] - want[1]).max() / np.abs(want[1]).max())
+    print(f"tensorcore teacher: top-k log-prob err {err:.2e} of max")
+    assert err < TC_REL
+    assert np.mean(got[0][..., 0] == want[0][..., 0]) > 0.95

@@ -2,7 +2,7 @@
 // sg owns 16 of them with their left matrices of Q and dO in registers. Per key tile (K, V staged):
 //   S = Q K^T -> P = exp(S * scale - L) (masked, f16, this subgroup's Ps);  dP = dO V^T (f32, Ss);
 //   dS = P (dP - delta) * scale (f16, over P);   dQ += dS K   (f32 result matrices).
-// dO16 holds dO * sigma (attention_tc_pack.wgsl, SCALED) and delta is scaled alike; dQ is unscaled at the end.
+// dO16 holds dO * sigma (pack_f16.wgsl, SCALED) and delta is scaled alike; dQ is unscaled at the end.
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Q16: array<vec4<u32>>;

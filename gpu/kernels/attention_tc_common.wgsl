@@ -1,7 +1,7 @@
 // Shared by the tensor-core attention kernels (gpu/codegen_attention_tc.py prepends it): directives, params,
 // tile constants. A workgroup of NSG subgroups (32 invocations each) owns BR = 16 NSG rows (queries, or keys
 // in the dK/dV pass), 16 per subgroup, whose left matrices it stages once from the packed f16 copies
-// (attention_tc_pack.wgsl: [T_pad, heads, D], rows past T zero). The other operand streams through
+// (pack_f16.wgsl: [T_pad, heads, D], rows past T zero). The other operand streams through
 // workgroup memory BC rows at a time, staged in blocks of 16 rows (one array each), and each subgroup has
 // its own score / probability arrays, so every matrix load in the loop has a literal offset (Tint's
 // robustness then adds no predicate to it). Matrix results are opaque: a softmax step stores them to

@@ -97,7 +97,7 @@ def _check(dev: Device, t: int, hq: int, hkv: int, d: int, tensors: dict[str, tu
 def _pack(dev: Device, src: Any, dst: Any, t: int, heads: int, d: int, stats: Any = None) -> None:
     """dst (f16, padded rows zero) = src [t, heads, d] (times sigma when stats is given)."""
     units, total = t * heads * d // 4, padded_rows(t) * heads * d // 4
-    pipe = pipeline(dev, "attention_tc_pack", scaled=stats is not None)
+    pipe = pipeline(dev, "pack_f16", scaled=stats is not None)
     bindings = [pack(units, total), src, dst] + ([stats] if stats is not None else [])
     dev.dispatch(pipe, bindings, grid(total, 256))
 

@@ -13,9 +13,10 @@ from typing import Any
 
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
-from gpu.ops.matmul import linear, linear_input_grad
+from gpu.ops.head import logits_chunk
+from gpu.ops.matmul import linear_input_grad
 from gpu.ops.reduce import count_nonzero, reduce_sum
-from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
+from gpu.ops.strided_matmul import row_major, strided_matmul
 from gpu.registry import pipeline
 from gpu.weights import QuantTensor, check_lm_head, row_slice
 from model.kd import KINDS, LossConfig
@@ -79,12 +80,14 @@ def kd_head_forward_backward(
     accumulate_dh: bool = False,
     loss_index: int = 0,
     backward: bool = True,
+    h16: Any = None,
 ) -> KdScratch:
     """Loss of model/kd.py kd_loss_forward for logits = h [T, H] . W^T (W f32 [V, H]) and dh [T, H] (+)=
     dL/dlogits . W, computed over vocab chunks. teacher_ids u32 [T, k], teacher_logprobs f32 [T, k] (at tau),
     teacher_tail f32 [T] or None (then 1 - sum exp(logprobs)), targets u32 [T], mask u32 [T] (rows != 0 count).
     loss[loss_index] (f32) receives the scalar loss; backward=False skips pass 2 (evaluation: dh untouched).
-    Returns the scratch (row_loss, row_info) for inspection and reuse."""
+    h16: h as f16 for tensor-core logits (the backward's dh = dlogits . W stays f32: dlogits are far below
+    f16's normal range). Returns the scratch (row_loss, row_info) for inspection and reuse."""
     t = n_tokens
     if cfg.kind not in KINDS:
         raise ValueError(f"LossConfig.kind={cfg.kind!r} is not one of {KINDS}")
@@ -114,17 +117,10 @@ def kd_head_forward_backward(
 
     quant = isinstance(w, QuantTensor)
 
-    def logits_chunk(c0: int, nv: int) -> None:
-        if quant:  # the fused-dequant GEMM straight from the (quantized) lm_head rows
-            linear(dev, h, row_slice(w, c0, nv), sc.logits, t, ldc=chunk)
-            return
-        a, b = row_major(h, hidden), transposed(w, hidden, off=c0 * hidden)
-        strided_matmul(dev, a, b, sc.logits, t, nv, hidden, ldc=chunk)
-
     count_nonzero(dev, mask, sc.row_info, t, out_index=4 * t)
     stats_pipe = pipeline(dev, "kd_stats")
     for i, (c0, nv) in enumerate(chunks):
-        logits_chunk(c0, nv)
+        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16)
         params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
         dev.dispatch(stats_pipe, [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered], grid(t, 1))
 
@@ -140,7 +136,7 @@ def kd_head_forward_backward(
         return sc
     grad_pipe = pipeline(dev, "kd_grad", ce=ce)
     for i, (c0, nv) in enumerate(chunks):
-        logits_chunk(c0, nv)
+        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16)
         params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
         dev.dispatch(grad_pipe, bind, grid(t, 1))

@@ -8,10 +8,8 @@ from typing import Any
 
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
-from gpu.ops.matmul import linear
-from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
+from gpu.ops.head import logits_chunk
 from gpu.registry import TOPK_SORT_SIZES, pipeline
-from gpu.weights import QuantTensor, row_slice
 
 MAX_SORT = max(TOPK_SORT_SIZES)  # (key, id) pairs sorted per workgroup
 MAX_K = 256
@@ -97,18 +95,16 @@ def hidden_topk(
     *,
     logits_scratch: Any = None,
     chunk: int = 4096,
+    h16: Any = None,
 ) -> None:
-    """Top-k of logits = h [T, H] . W^T (W f32 [V, H]) computed chunk by chunk (never [T, V] at once)."""
+    """Top-k of logits = h [T, H] . W^T (W f32 [V, H]) computed chunk by chunk (never [T, V] at once); h16: h
+    as f16 for tensor-core logits (gpu/ops/head.py)."""
     t = st.n_tokens
     chunk = min(chunk, vocab)
     if logits_scratch is None:
         logits_scratch = dev.buffer(4 * t * chunk, label="topk logits chunk")
     for c0 in range(0, vocab, chunk):
         nv = min(chunk, vocab - c0)
-        if isinstance(w, QuantTensor):  # the fused-dequant GEMM straight from the (quantized) lm_head rows
-            linear(dev, h, row_slice(w, c0, nv), logits_scratch, t, ldc=chunk)
-        else:
-            a, b = row_major(h, hidden), transposed(w, hidden, off=c0 * hidden)
-            strided_matmul(dev, a, b, logits_scratch, t, nv, hidden, ldc=chunk)
+        logits_chunk(dev, h, w, logits_scratch, t, hidden, c0, nv, chunk, h16)
         topk_chunk(dev, st, logits_scratch, nv, c0, tau, first=c0 == 0, ld=chunk)
     topk_finish(dev, st, logprobs, tail, tau)

@@ -1,6 +1,7 @@
-// f16 copy of an attention operand for the tensor-core kernels: dst[u] = f16(src[u] * sigma) for the
-// n_valid vec4 units of a [T, heads, D] f32 tensor, zero for the padding rows after it (up to n_total).
-// SCALED: sigma = grad_scale(max |dO|) from the delta pass (dO), else 1 (q, k, v).
+// f16 copy of an f32 tensor for the tensor-core kernels (attention operands, GEMM inputs):
+// dst[u] = f16(src[u] * sigma) for the n_valid vec4 units of src, zero for the units after them up to
+// n_total (the padding rows of attention operands). SCALED: sigma = grad_scale(max |dO|) from the delta pass
+// (dO), else 1.
 enable f16;
 
 struct PackParams {
