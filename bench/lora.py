@@ -1,0 +1,193 @@
+"""LoRA adapter products on the GPU: LoRA's own kernels (gpu/ops/lora.py on gpu/ops/lora_matmul.py) vs the
+generic strided_matmul they replaced, and torch's matmuls on the same six products, as JSON lines.
+
+    python bench/lora.py                       # T = 4096 (B4 x T1024), r = 16, the TinyLlama and SmolLM2 shapes
+    python bench/lora.py --tokens 256 --shapes 576x192,64x40 --no-torch     # small, e.g. on lavapipe
+
+One rep = lora_forward + lora_backward (t = x A^T, y += s t B^T; dB = s dy^T t, dt = s dy B, dA = dt^T x,
+dx += dt A). ms: wall time per rep, median of 3 windows after a warm-up (reps recorded in one step, then
+dev.sync()). gpu_ms: GPU time of one rep by timestamp queries (each dispatch in its own pass), forward and
+backward, per kernel. max_rel_err: |got - ref| / max |ref| of y, dx, dA, dB against float64 numpy. torch:
+the same six products with torch.matmul (fp32 with TF32 off, and bf16), CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu.device import Device  # noqa: E402
+from gpu.ops.lora import lora_backward, lora_forward  # noqa: E402
+from gpu.ops.strided_matmul import row_major, strided_matmul, transposed  # noqa: E402
+from gpu.profile import Profiler  # noqa: E402
+from model import reference  # noqa: E402
+
+SHAPES = "2048x2048,2048x256,2048x5632,5632x2048,576x576,576x192,576x1536,1536x576"  # (d_in, d_out)
+
+
+def old_forward(dev: Device, x, a, b, t_out, y, n: int, d_in: int, d_out: int, r: int, scale: float) -> None:
+    """The previous lora_forward: both products on strided_matmul (16 x 16 tiles, serial reductions)."""
+    strided_matmul(dev, row_major(x, d_in), transposed(a, d_in), t_out, n, r, d_in)
+    strided_matmul(dev, row_major(t_out, r), transposed(b, r), y, n, d_out, r, alpha=scale, accumulate=True)
+
+
+def old_backward(dev: Device, dy, x, a, b, t, da, db, dx, dt, n: int, d_in: int, d_out: int, r: int, scale: float):
+    """The previous lora_backward on strided_matmul."""
+    strided_matmul(dev, transposed(dy, d_out), row_major(t, r), db, d_out, r, n, alpha=scale)
+    strided_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n, r, d_out, alpha=scale)
+    strided_matmul(dev, transposed(dt, r), row_major(x, d_in), da, r, d_in, n)
+    strided_matmul(dev, row_major(dt, r), row_major(a, d_in), dx, n, d_in, r, accumulate=True)
+
+
+IMPLS = {"new": (lora_forward, lora_backward), "old": (old_forward, old_backward)}
+
+
+def timed(run: Callable[[int], float], seconds: float) -> tuple[float, int, float]:
+    """(median seconds per rep, reps, spread) of 3 windows after a warm-up window."""
+    run(1)
+    one = run(1)
+    reps = int(min(200, max(3, seconds / max(one, 1e-6))))
+    run(reps)
+    windows = sorted(run(reps) / reps for _ in range(3))
+    return windows[1], reps, (windows[2] - windows[0]) / windows[1]
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def ours(dev: Device, impl: str, n: int, d_in: int, d_out: int, r: int, seconds: float) -> dict[str, Any]:
+    """One shape with our `impl` ("new" or "old") kernels: wall and GPU time of forward + backward, errors."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, d_in), dtype=np.float32)
+    a = (rng.standard_normal((r, d_in)) / np.sqrt(d_in)).astype(np.float32)
+    b = (rng.standard_normal((d_out, r)) / np.sqrt(r)).astype(np.float32)
+    dy = rng.standard_normal((n, d_out), dtype=np.float32)
+    scale = 2.0
+    xb, ab, bb, dyb = (dev.upload(v) for v in (x, a, b, dy))
+    y, dx = dev.buffer(4 * n * d_out), dev.buffer(4 * n * d_in)
+    tb, dt = dev.buffer(4 * n * r), dev.buffer(4 * n * r)
+    da, db = dev.buffer(a.nbytes), dev.buffer(b.nbytes)
+    fwd, bwd = IMPLS[impl]
+
+    def forward() -> None:
+        fwd(dev, xb, ab, bb, tb, y, n, d_in, d_out, r, scale)
+
+    def backward() -> None:
+        bwd(dev, dyb, xb, ab, bb, tb, da, db, dx, dt, n, d_in, d_out, r, scale)
+
+    def go(reps: int) -> float:
+        t0 = time.perf_counter()
+        with dev.step():
+            for _ in range(reps):
+                forward()
+                backward()
+        dev.sync()
+        return time.perf_counter() - t0
+
+    sec, reps, spread = timed(go, seconds)
+    res: dict[str, Any] = {"impl": f"ours_{impl}", "tokens": n, "d_in": d_in, "d_out": d_out, "r": r}
+    res.update(ms=round(sec * 1e3, 4), reps=reps, spread=round(spread, 3))
+    dev.clear(y)
+    dev.clear(dx)
+    forward()
+    backward()
+    x64, a64, b64, dy64 = (v.astype(np.float64) for v in (x, a, b, dy))
+    dx_ref, da_ref, db_ref = reference.lora_backward(dy64, x64, a64, b64, scale)
+    got = {name: dev.read(buf, np.float32, shape) for name, buf, shape in
+           (("y", y, (n, d_out)), ("dx", dx, (n, d_in)), ("dA", da, a.shape), ("dB", db, b.shape))}  # fmt: skip
+    want = {"y": reference.lora_forward(x64, a64, b64, scale), "dx": dx_ref, "dA": da_ref, "dB": db_ref}
+    res["max_rel_err"] = {k: float(f"{_rel(got[k], want[k]):.3g}") for k in want}
+    res.update(_gpu_time(dev, forward, backward))
+    return res
+
+
+def _gpu_time(dev: Device, forward: Callable[[], None], backward: Callable[[], None]) -> dict[str, Any]:
+    """GPU ms of one forward and one backward by timestamp queries, and per kernel over both."""
+    if "timestamp-query" not in dev.features:
+        return {}
+    per: dict[str, float] = {}
+    out: dict[str, Any] = {}
+    for name, fn in (("fwd", forward), ("bwd", backward)):
+        with Profiler(dev) as prof:
+            with dev.step():
+                fn()
+        out[f"gpu_ms_{name}"] = round(sum(prof.ns.values()) / 1e6, 4)
+        for (_, label), ns in prof.ns.items():
+            per[label[:60]] = per.get(label[:60], 0.0) + ns / 1e6
+    out["gpu_ms"] = round(out["gpu_ms_fwd"] + out["gpu_ms_bwd"], 4)
+    out["gpu_ms_by_kernel"] = {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
+    return out
+
+
+def _torch_one(torch: Any, dtype: Any, n: int, d_in: int, d_out: int, r: int, seconds: float) -> dict[str, Any]:
+    """The six products in one torch dtype, timed with CUDA events."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, a, b, dy, y, dx = (
+        torch.randn(*shape, device="cuda", dtype=dtype, generator=g)
+        for shape in ((n, d_in), (r, d_in), (d_out, r), (n, d_out), (n, d_out), (n, d_in))
+    )
+
+    def go(reps: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            t = x @ a.T
+            y.add_(t @ b.T, alpha=2.0)
+            _db = 2.0 * (dy.T @ t)
+            dt = 2.0 * (dy @ b)
+            _da = dt.T @ x
+            dx.add_(dt @ a)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    sec, reps, spread = timed(go, seconds)
+    name = "torch_fp32" if dtype == torch.float32 else "torch_bf16"
+    return {"impl": name, "tokens": n, "d_in": d_in, "d_out": d_out, "r": r, "ms": round(sec * 1e3, 4),
+            "reps": reps, "spread": round(spread, 3), "torch": torch.__version__}  # fmt: skip
+
+
+def torch_products(n: int, d_in: int, d_out: int, r: int, seconds: float) -> list[dict[str, Any]]:
+    """The same six products with torch.matmul in fp32 (TF32 off) and bf16."""
+    try:
+        import torch
+    except ImportError as e:
+        return [{"impl": "torch", "error": f"torch not importable: {e}"}]
+    if not torch.cuda.is_available():
+        return [{"impl": "torch", "error": "torch has no CUDA device"}]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return [_torch_one(torch, dt, n, d_in, d_out, r, seconds) for dt in (torch.float32, torch.bfloat16)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096, help="token rows T (batch x sequence)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--shapes", default=SHAPES, help="comma-separated d_in x d_out")
+    ap.add_argument("--seconds", type=float, default=0.3, help="target length of one timing window")
+    ap.add_argument("--no-old", action="store_true", help="skip the strided_matmul baseline")
+    ap.add_argument("--no-torch", action="store_true")
+    args = ap.parse_args()
+    dev = Device()
+    print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend}), flush=True)
+    for shape in args.shapes.split(","):
+        d_in, d_out = (int(v) for v in shape.lower().split("x"))
+        for impl in ["new"] + ([] if args.no_old else ["old"]):
+            print(json.dumps(ours(dev, impl, args.tokens, d_in, d_out, args.rank, args.seconds)), flush=True)
+        if not args.no_torch:
+            for res in torch_products(args.tokens, d_in, d_out, args.rank, args.seconds):
+                print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

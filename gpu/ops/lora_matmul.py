@@ -1,0 +1,105 @@
+"""LoRA's skinny f32 products (gpu/kernels/lora_gemm.wgsl, lora_reduce.wgsl), deterministic.
+
+C[m, n] (+)= alpha * A[m, k] . B[k, n] over strided operands, in the three shapes LoRA has:
+- thin outputs with a long reduction (x A^T, dy B: [T, r] over d; dB, dA^T: [d, r] over T tokens);
+- rank-r expansions (t B^T into y, dt A into dx: [T, d] with k = r).
+The reduction axis is split over workgroups (`splits` chunks of whole BK steps) when one chunk per output tile
+would leave the GPU idle; the partial sums go to a per-device scratch buffer and lora_reduce adds them in
+ascending split order, then applies alpha / accumulate. The split depends only on the shape (and the adapter's
+binding limit), so a result is bitwise the same run to run and engine to engine. No atomics.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+from gpu.device import Device, DeviceError, grid_1d
+from gpu.ops.common import nbytes, pack
+from gpu.ops.strided_matmul import Operand
+from gpu.registry import LORA_GEMM_BK, pipeline
+
+BM = 64  # output rows per workgroup (gpu/kernels/lora_gemm.wgsl)
+TARGET_WORKGROUPS = 1024  # split the reduction until about this many workgroups run (an H200 has 132 SMs)
+MIN_CHUNK = 128  # reduction steps per split at least (fewer would spend more on partials than on products)
+SCRATCH_CAP = 32 << 20  # bytes of partial sums at most (fewer splits beyond it)
+
+_scratch: weakref.WeakKeyDictionary[Device, Any] = weakref.WeakKeyDictionary()
+
+
+def scratch_for(dev: Device, n_bytes: int) -> Any:
+    """The device's partial-sum buffer, grown to n_bytes when smaller (built once per largest shape, so bind
+    groups stay cached across steps)."""
+    buf = _scratch.get(dev)
+    if buf is None or buf.size < n_bytes:
+        buf = dev.buffer(max(n_bytes, 4), label="lora partial sums")
+        _scratch[dev] = buf
+    return buf
+
+
+def pick_splits(m: int, n: int, k: int, bn: int, max_bytes: int = SCRATCH_CAP) -> tuple[int, int]:
+    """(splits, chunk) of the reduction axis for an m x n output: enough workgroups to fill the GPU, chunks of
+    at least MIN_CHUNK whole BK steps, partials within max_bytes."""
+    bk = LORA_GEMM_BK[bn]
+    if k <= MIN_CHUNK:
+        return 1, max(k, 1)
+    tiles = math.ceil(m / BM) * math.ceil(n / bn)
+    splits = min(math.ceil(TARGET_WORKGROUPS / tiles), math.ceil(k / MIN_CHUNK), max(1, max_bytes // (4 * m * n)))
+    return chunked(k, max(splits, 1), bk)
+
+
+def chunked(k: int, splits: int, bk: int) -> tuple[int, int]:
+    """(splits, chunk) for about `splits` chunks of whole bk steps covering k (the last one may be shorter)."""
+    chunk = math.ceil(math.ceil(k / splits) / bk) * bk
+    return math.ceil(k / chunk), chunk
+
+
+def lora_matmul(
+    dev: Device,
+    a: Operand,
+    b: Operand,
+    c: Any,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    alpha: float = 1.0,
+    accumulate: bool = False,
+    c_off: int = 0,
+    csm: int | None = None,
+    csn: int = 1,
+    splits: int | None = None,
+) -> None:
+    """C(i, j) = c[c_off + i * csm + j * csn] (+)= alpha * A[i, :] . B[:, j] for i < m, j < n (csm defaults to n:
+    row-major). Tile width: 64 when n > 32 (expansions), else 16. `splits` overrides the reduction split (tests);
+    by default pick_splits chooses it from the shape."""
+    if min(m, n) <= 0:
+        return
+    csm = n if csm is None else csm
+    for op, rows, cols, what in ((a, m, k, "A"), (b, k, n, "B")):
+        if k > 0 and nbytes(op.buf) < 4 * (op.last(rows, cols) + 1):
+            size = nbytes(op.buf)
+            raise DeviceError(f"lora_matmul: operand {what} ({rows} x {cols}) reads past its buffer's {size} B")
+    if nbytes(c) < 4 * (c_off + (m - 1) * csm + (n - 1) * csn + 1):
+        raise DeviceError(f"lora_matmul: output C ({m} x {n}, strides {csm}, {csn}) exceeds its buffer's {nbytes(c)} B")
+    bn = 64 if n > 32 else 16
+    bk = LORA_GEMM_BK[bn]
+    if splits is None:
+        splits, chunk = pick_splits(m, n, k, bn, min(SCRATCH_CAP, dev.max_binding))
+    else:
+        splits, chunk = chunked(max(k, 1), splits, bk)
+    gx, gy = math.ceil(m / BM), math.ceil(n / bn)
+    if max(gx, gy, splits) > 65535:
+        raise DeviceError(f"lora_matmul: {m} x {n} output needs a grid of {gx} x {gy} x {splits} (max 65535 each)")
+    partial = splits > 1
+    a_kfast, b_kfast = a.s1 == 1, b.s0 == 1
+    params = pack(
+        m, n, k, chunk, a.off, a.s0, a.s1, b.off, b.s0, b.s1, c_off, csm, csn, alpha, accumulate, partial,
+        a_kfast, b_kfast, 0, 0,
+    )  # fmt: skip
+    out = scratch_for(dev, 4 * splits * m * n) if partial else c
+    dev.dispatch(pipeline(dev, "lora_gemm", bn=bn), [params, a.buf, b.buf, out], (gx, gy, splits))
+    if partial:
+        rparams = pack(m * n, n, splits, c_off, csm, csn, alpha, accumulate)
+        dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, out, c], grid_1d(math.ceil(m * n / 256)))

@@ -1,0 +1,157 @@
+"""LoRA's own kernels (gpu/ops/lora_matmul.py: lora_gemm + lora_reduce) and the ops on them (gpu/ops/lora.py)
+vs a float64 numpy reference: relative error (max abs err / max abs ref) <= 1e-4 (f32 sums of <= a few
+hundred terms), at awkward shapes (T not a multiple of the split, d not a multiple of 4, r = 1, 3, 16, 32),
+accumulate on and off, alpha != 1, and bitwise equal results from two calls."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu.device import Device, DeviceError
+from gpu.ops.lora import lora_backward, lora_forward
+from gpu.ops.lora_matmul import MIN_CHUNK, lora_matmul, pick_splits
+from gpu.ops.strided_matmul import Operand, row_major, transposed
+from model import reference as ref
+from tests.gpu_helpers import make_device, rel_err, twice, up
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def dev() -> Device:
+    return make_device()
+
+
+def _product(kind: str, t: int, d: int, r: int) -> tuple[str, str, int, int, int, bool]:
+    """(A operand, B operand, m, n, k, store transposed) of LoRA's products on x/dy [t, d], w [r, d] or [d, r],
+    thin [t, r]: thin = x w^T, thin = dy w (w [d, r]), dW [d, r] = dy^T thin, dA^T = x^T thin stored into [r, d],
+    y = thin w^T (w [d, r]), y = thin w (w [r, d])."""
+    return {
+        "x_wT": ("big", "w_rd^T", t, r, d, False),
+        "dy_w": ("big", "w_dr", t, r, d, False),
+        "dyT_t": ("big^T", "thin", d, r, t, False),
+        "xT_t_into_rd": ("big^T", "thin", d, r, t, True),
+        "t_wT": ("thin", "w_dr^T", t, d, r, False),
+        "t_w": ("thin", "w_rd", t, d, r, False),
+    }[kind]
+
+
+@pytest.mark.parametrize(
+    "kind,t,d,r,splits",
+    [
+        ("x_wT", 37, 259, 3, 3),  # d split in 3 chunks (the last shorter), d odd
+        ("x_wT", 70, 130, 16, None),
+        ("dy_w", 65, 203, 32, 2),
+        ("dy_w", 5, 9, 1, None),
+        ("dyT_t", 300, 130, 16, None),  # T = 300 tokens: 3 splits of 128, the last 44
+        ("dyT_t", 171, 67, 1, 5),
+        ("xT_t_into_rd", 300, 259, 3, None),
+        ("xT_t_into_rd", 90, 66, 32, 4),
+        ("t_wT", 70, 130, 16, None),
+        ("t_wT", 33, 67, 3, None),
+        ("t_w", 65, 259, 32, None),
+        ("t_w", 19, 5, 1, None),
+    ],
+)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_lora_matmul(dev: Device, kind: str, t: int, d: int, r: int, splits: int | None, accumulate: bool) -> None:
+    rng = np.random.default_rng(t * 7 + d + r)
+    a_kind, b_kind, m, n, k, store_t = _product(kind, t, d, r)
+    big = rng.standard_normal((t, d)).astype(np.float32)
+    thin = rng.standard_normal((t, r)).astype(np.float32)
+    w_rd = rng.standard_normal((r, d)).astype(np.float32)
+    w_dr = rng.standard_normal((d, r)).astype(np.float32)
+    mats = {
+        "big": (big, row_major, d),
+        "big^T": (big, transposed, d),
+        "thin": (thin, row_major, r),
+        "w_rd": (w_rd, row_major, d),
+        "w_rd^T": (w_rd, transposed, d),
+        "w_dr": (w_dr, row_major, r),
+        "w_dr^T": (w_dr, transposed, r),
+    }
+    (a_np, a_view, a_cols), (b_np, b_view, b_cols) = mats[a_kind], mats[b_kind]
+    a64 = a_np.astype(np.float64) if a_view is row_major else a_np.T.astype(np.float64)
+    b64 = b_np.astype(np.float64) if b_view is row_major else b_np.T.astype(np.float64)
+    assert a64.shape == (m, k) and b64.shape == (k, n)
+    c0 = rng.standard_normal((n, m) if store_t else (m, n)).astype(np.float32)
+    alpha = 0.37
+    ab, bb = up(dev, a_np), up(dev, b_np)
+    strides = {"csm": 1, "csn": m} if store_t else {}
+
+    def run() -> list[np.ndarray]:
+        c = up(dev, c0)
+        lora_matmul(
+            dev, a_view(ab, a_cols), b_view(bb, b_cols), c, m, n, k, alpha=alpha, accumulate=accumulate,
+            splits=splits, **strides,
+        )  # fmt: skip
+        return [dev.read(c, np.float32, c0.shape)]
+
+    (got,) = twice(run)
+    want = alpha * (a64 @ b64)
+    if store_t:
+        want = want.T
+    if accumulate:
+        want = want + c0
+    assert rel_err(got, want) <= TOL
+
+
+def test_splits_cover_the_long_reductions() -> None:
+    """The shapes below split their reductions (so the tests above exercise lora_reduce), chunks of whole
+    staged steps whose count covers k exactly."""
+    assert pick_splits(130, 16, 300, 16)[0] == 3
+    assert pick_splits(37, 3, 259, 16)[0] == 3
+    assert pick_splits(4096, 16, 5632, 16) == (16, 352)
+    assert pick_splits(4096, 5632, 16, 64) == (1, 16)
+    for m, n, k in ((2048, 16, 4096), (256, 16, 4096), (5632, 16, 4096), (4096, 16, 576), (576, 16, 4096)):
+        s, chunk = pick_splits(m, n, k, 16)
+        assert chunk % 32 == 0 and chunk >= MIN_CHUNK and (s - 1) * chunk < k <= s * chunk
+        assert s * m * n * 4 <= 32 << 20
+
+
+@pytest.mark.parametrize(
+    "t,d_in,d_out,r",
+    [(300, 259, 130, 16), (171, 66, 203, 3), (129, 40, 24, 1), (257, 136, 72, 32)],
+)
+@pytest.mark.parametrize("accumulate_grads", [False, True])
+def test_lora_forward_backward(dev: Device, t: int, d_in: int, d_out: int, r: int, accumulate_grads: bool) -> None:
+    """The ops at shapes where dA, dB (over T) and t, dt (over d) split, gradients accumulated or not."""
+    rng = np.random.default_rng(t + d_in + r)
+    x = rng.standard_normal((t, d_in)).astype(np.float32)
+    a = (rng.standard_normal((r, d_in)) / np.sqrt(d_in)).astype(np.float32)
+    b = rng.standard_normal((d_out, r)).astype(np.float32)
+    base = rng.standard_normal((t, d_out)).astype(np.float32)
+    dy = rng.standard_normal((t, d_out)).astype(np.float32)
+    dx0 = rng.standard_normal((t, d_in)).astype(np.float32)
+    da0 = rng.standard_normal(a.shape).astype(np.float32)
+    db0 = rng.standard_normal(b.shape).astype(np.float32)
+    s = 1.75
+    xb, ab, bb, dyb = up(dev, x), up(dev, a), up(dev, b), up(dev, dy)
+
+    def run() -> list[np.ndarray]:
+        tb, y, dx, dt = dev.buffer(4 * t * r), up(dev, base), up(dev, dx0), dev.buffer(4 * t * r)
+        da, db = up(dev, da0), up(dev, db0)
+        lora_forward(dev, xb, ab, bb, tb, y, t, d_in, d_out, r, s)
+        lora_backward(dev, dyb, xb, ab, bb, tb, da, db, dx, dt, t, d_in, d_out, r, s, accumulate_grads=accumulate_grads)
+        shapes = ((t, d_out), (t, d_in), a.shape, b.shape)
+        return [dev.read(buf, np.float32, sh) for buf, sh in zip((y, dx, da, db), shapes, strict=True)]
+
+    y, dx, da, db = twice(run)
+    x64, a64, b64, dy64 = (v.astype(np.float64) for v in (x, a, b, dy))
+    assert rel_err(y, base + ref.lora_forward(x64, a64, b64, s)) <= TOL
+    dx_ref, da_ref, db_ref = ref.lora_backward(dy64, x64, a64, b64, s)
+    assert rel_err(dx, dx0 + dx_ref) <= TOL
+    if accumulate_grads:
+        da_ref, db_ref = da_ref + da0, db_ref + db0
+    assert rel_err(da, da_ref) <= TOL
+    assert rel_err(db, db_ref) <= TOL
+
+
+def test_lora_matmul_refuses_short_operands(dev: Device) -> None:
+    small, c = dev.buffer(4 * 10), dev.buffer(4 * 64)
+    with pytest.raises(DeviceError, match="lora_matmul: operand A"):
+        lora_matmul(dev, Operand(small, 0, 4, 1), row_major(c, 4), c, 4, 4, 4)
+    with pytest.raises(DeviceError, match="lora_matmul: output C"):
+        lora_matmul(dev, row_major(c, 4), row_major(c, 4), small, 4, 4, 4)
