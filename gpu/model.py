@@ -38,6 +38,8 @@ from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
 from model.reference import LoraPair
 
 PREFETCH = 2  # tensors read ahead of the upload
+# padded per-sequence attention slots (GPUModel.direct_attention False) and whether each holds q- or kv-width rows
+_SLOT_KIND = {"aq": "q", "ak": "kv", "av": "kv", "ao": "q", "adq": "q", "adk": "kv", "adv": "kv", "ado": "q"}
 
 
 # ---- frozen weights --------------------------------------------------------------------------------------
@@ -315,18 +317,11 @@ class GPUModel:
         self.seq_q = aligned_floats(self.seq_len * qd)
         self.seq_kv = aligned_floats(self.seq_len * kvd)
         self.seq_lse = aligned_floats(cfg.n_heads * self.seq_len)
-        # per-sequence attention tensors live in padded slots so each sequence's view is offset-aligned
-        for name, per in (
-            ("aq", self.seq_q),
-            ("ak", self.seq_kv),
-            ("av", self.seq_kv),
-            ("ao", self.seq_q),
-            ("adq", self.seq_q),
-            ("adk", self.seq_kv),
-            ("adv", self.seq_kv),
-            ("ado", self.seq_q),
-        ):
-            self.a[name] = b(name, self.batch * per)
+        # per-sequence attention tensors: views into the packed buffers, else padded slots rows are copied through
+        self.direct_attention = self._sequences_aligned()
+        if not self.direct_attention:
+            for name, kind in _SLOT_KIND.items():
+                self.a[name] = b(name, self.batch * (self.seq_q if kind == "q" else self.seq_kv))
         self.lse = b("lse", self.batch * self.seq_lse)
         self.delta = b("attention delta", cfg.n_heads * self.seq_len)
         r = self.layout.r
@@ -364,39 +359,51 @@ class GPUModel:
             lora_forward(self.dev, x, *ab, self.t_lora[target], y, self.rows, d_in, d_out, self.layout.r, self.scale)
 
     # ---- attention over the batch, one sequence at a time ----------------------------------------------
-    def _scatter(self, src: Any, dst: str, width: int, per: int, to_slots: bool) -> None:
-        """Copy rows between the packed [rows, width] layout and the per-sequence padded slots."""
-        n = 4 * self.seq_len * width
-        for s in range(self.batch):
-            packed, slot = 4 * s * self.seq_len * width, 4 * s * per
-            if to_slots:
-                self.dev.copy(src, self.a[dst], n, packed, slot)
-            else:
-                self.dev.copy(self.a[dst], src, n, slot, packed)
+    def _sequences_aligned(self) -> bool:
+        """Whether every sequence's rows of a packed [rows, width] attention tensor start at a binding-aligned
+        byte offset (T * width * 4 a multiple of the alignment, as at T = 1024), so attention binds views."""
+        widths = (self.cfg.q_dim, self.cfg.kv_dim)
+        return self.batch == 1 or all(4 * self.seq_len * w % self.dev.offset_alignment == 0 for w in widths)
+
+    def _seq_view(self, packed: Any, slot: str, s: int) -> BufferView:
+        """Sequence s's [T, width] rows of a packed attention tensor: a view into it, or into its padded slot."""
+        q = _SLOT_KIND[slot] == "q"
+        width = self.cfg.q_dim if q else self.cfg.kv_dim
+        if self.direct_attention:
+            return self._view(packed, s * self.seq_len * width, self.seq_len * width)
+        return self._view(self.a[slot], s * (self.seq_q if q else self.seq_kv), self.seq_len * width)
+
+    def _scatter(self, pairs: Iterable[tuple[Any, str]], to_slots: bool) -> None:
+        """Copy (packed buffer, slot) rows between the packed layout and the padded slots (none when direct)."""
+        if self.direct_attention:
+            return
+        for src, slot in pairs:
+            q = _SLOT_KIND[slot] == "q"
+            width, per = (self.cfg.q_dim, self.seq_q) if q else (self.cfg.kv_dim, self.seq_kv)
+            n = 4 * self.seq_len * width
+            for s in range(self.batch):
+                packed, at = 4 * s * self.seq_len * width, 4 * s * per
+                if to_slots:
+                    self.dev.copy(src, self.a[slot], n, packed, at)
+                else:
+                    self.dev.copy(self.a[slot], src, n, at, packed)
 
     def _attention(self, q: Any, k: Any, v: Any, out: Any) -> None:
         cfg, t = self.cfg, self.seq_len
-        qd, kvd = cfg.q_dim, cfg.kv_dim
-        if self.batch == 1:
-            self._attention_fwd(self.dev, q, k, v, out, self.lse, t, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
-            return
-        self._scatter(q, "aq", qd, self.seq_q, True)
-        self._scatter(k, "ak", kvd, self.seq_kv, True)
-        self._scatter(v, "av", kvd, self.seq_kv, True)
+        ins = ((q, "aq"), (k, "ak"), (v, "av"))
+        self._scatter(ins, to_slots=True)
         for s in range(self.batch):
             self._attention_fwd(
                 self.dev,
-                self._view(self.a["aq"], s * self.seq_q, t * qd),
-                self._view(self.a["ak"], s * self.seq_kv, t * kvd),
-                self._view(self.a["av"], s * self.seq_kv, t * kvd),
-                self._view(self.a["ao"], s * self.seq_q, t * qd),
+                *(self._seq_view(buf, slot, s) for buf, slot in ins),
+                self._seq_view(out, "ao", s),
                 self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
                 t,
                 cfg.n_heads,
                 cfg.n_kv_heads,
                 cfg.head_dim,
             )
-        self._scatter(out, "ao", qd, self.seq_q, False)
+        self._scatter(((out, "ao"),), to_slots=False)
 
     # ---- one block -------------------------------------------------------------------------------------
     def _block_forward(self, layer: int) -> None:

@@ -152,49 +152,23 @@ class GPUStudent(GPUModel):
 
     def _attention_back(self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any) -> None:
         cfg, t = self.cfg, self.seq_len
-        qd, kvd = cfg.q_dim, cfg.kv_dim
-        if self.batch == 1:
-            self._attention_bwd(
-                self.dev,
-                dout,
-                q,
-                k,
-                v,
-                out,
-                self.lse,
-                dq,
-                dk,
-                dv,
-                t,
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                cfg.head_dim,
-                delta=self.delta,
-            )
-            return
-        # q, k, v, out are already in their slots from the recomputed forward
-        self._scatter(dout, "ado", qd, self.seq_q, True)
+        # without direct views, q, k, v, out are already in their slots from the recomputed forward
+        ins = ((dout, "ado"), (q, "aq"), (k, "ak"), (v, "av"), (out, "ao"))
+        grads = ((dq, "adq"), (dk, "adk"), (dv, "adv"))
+        self._scatter(ins[:1], to_slots=True)
         for s in range(self.batch):
             self._attention_bwd(
                 self.dev,
-                self._view(self.a["ado"], s * self.seq_q, t * qd),
-                self._view(self.a["aq"], s * self.seq_q, t * qd),
-                self._view(self.a["ak"], s * self.seq_kv, t * kvd),
-                self._view(self.a["av"], s * self.seq_kv, t * kvd),
-                self._view(self.a["ao"], s * self.seq_q, t * qd),
+                *(self._seq_view(buf, slot, s) for buf, slot in ins),
                 self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
-                self._view(self.a["adq"], s * self.seq_q, t * qd),
-                self._view(self.a["adk"], s * self.seq_kv, t * kvd),
-                self._view(self.a["adv"], s * self.seq_kv, t * kvd),
+                *(self._seq_view(buf, slot, s) for buf, slot in grads),
                 t,
                 cfg.n_heads,
                 cfg.n_kv_heads,
                 cfg.head_dim,
                 delta=self.delta,
             )
-        self._scatter(dq, "adq", qd, self.seq_q, False)
-        self._scatter(dk, "adk", kvd, self.seq_kv, False)
-        self._scatter(dv, "adv", kvd, self.seq_kv, False)
+        self._scatter(grads, to_slots=False)
 
     def _block_backward(self, layer: int) -> None:
         """Given dx = dL/dx_{l+1} in a["dx"] and the recomputed intermediates, leave dL/dx_l in a["dx"]."""

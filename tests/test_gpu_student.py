@@ -108,6 +108,30 @@ def test_step_matches_reference(qtype: int, loss_cfg: LossConfig) -> None:
     assert max(worst.values()) < REL, sorted(worst.items(), key=lambda kv: -kv[1])[:4]
 
 
+def test_attention_views_equal_padded_slots() -> None:
+    """Sequences whose rows start binding-aligned bind views into the packed tensors; otherwise rows go through
+    padded slots. Both give bitwise the same loss and gradients."""
+
+    class SlottedStudent(GPUStudent):
+        def _sequences_aligned(self) -> bool:
+            return False
+
+    dev = device_or_skip()
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(5, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    results = []
+    for cls in (GPUStudent, SlottedStudent):
+        st = cls(dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg)
+        assert st.direct_attention == (cls is GPUStudent)
+        st.set_adapter(lora)
+        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        results.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
+    assert results[0][0] == results[1][0]
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 def test_training_reduces_kl_and_is_bitwise_reproducible() -> None:
     dev = device_or_skip()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
