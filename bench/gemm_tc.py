@@ -2,11 +2,14 @@
 
     python bench/gemm_tc.py                                    # the default sizes, shapes and fused runs
     python bench/gemm_tc.py --sizes 4096 --cfg 2,4,4,2,32,2,8  # one tile: sg_m,sg_n,tm,tn,bk,stages,vec
+    python bench/gemm_tc.py --sizes 4096 --shapes "" --generic Q4_K,Q4_0  # fused staging before / after
 
 "plain" is the f16 GEMM C[N, N] = A[N, N] . W^T with f16 A and an F16 weight; "shapes" are the real
 projection shapes of a TinyLlama-sized student (M = 4096 rows: 2048 -> 5632, 5632 -> 2048, 2048 -> 256),
-plain and fused; "fused" dequantizes Q4_K / Q4_0 weights into the f16 tiles, A f32 (as in training), in
-both orientations (forward "nt", input gradient "nn"), next to plain F16 with the same f32 A.
+plain and fused; "fused" dequantizes Q4_K / Q4_0 weights into the f16 tiles, A f32 (as in training) and f16
+(--fused-a), in both orientations (forward "nt", input gradient "nn"), next to plain F16 with the same A;
+--generic also times each fused type with the generic weight staging (two decode4 calls per 8 weights, the
+kernel before gpu/codegen_tc.py's W_STAGING loaders), "w_stage" tells them apart.
 TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait), the median of 3
 windows after a warm-up window (spread = their range over the median). Each result
 carries max_rel_err: |C - ref| / max |ref| over 8 sampled rows, ref in float64 from the f16-rounded
@@ -19,6 +22,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf.quants import dequantize  # noqa: E402
 
-from gpu.codegen_tc import TCConfig  # noqa: E402
+import gpu.ops.matmul_tc as matmul_tc  # noqa: E402
+from gpu.codegen_tc import W_STAGING, TCConfig  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops.matmul_tc import gemm_tc, pick_config, tensor_core_problem  # noqa: E402
 from gpu.weights import random_blocks, upload_quant  # noqa: E402
@@ -47,6 +54,20 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]  # type: ignore[misc]
 
 
+@contextmanager
+def generic_staging(on: bool) -> Iterator[None]:
+    """While on, gemm_tc dispatches the generic weight staging (TCVariant.w_generic) for every type."""
+    if not on:
+        yield
+        return
+    chosen = matmul_tc.variant_for
+    matmul_tc.variant_for = lambda *a, **kw: replace(chosen(*a, **kw), w_generic=True)
+    try:
+        yield
+    finally:
+        matmul_tc.variant_for = chosen
+
+
 def time_gemm(
     dev: Device,
     qtype: str,
@@ -59,6 +80,7 @@ def time_gemm(
     a_dtype: str = "f32",
     seconds: float = 0.25,
     check_rows: int = 8,
+    generic: bool = False,
     rng: np.random.Generator | None = None,
 ) -> dict[str, Any]:
     """Time C = A . W^T ("nt") or A . W ("nn") for a random W (n, k) of qtype; check sampled rows."""
@@ -74,7 +96,7 @@ def time_gemm(
 
     def run(reps: int) -> float:
         t = time.perf_counter()
-        with dev.step():
+        with dev.step(), generic_staging(generic):
             for _ in range(reps):
                 gemm_tc(dev, a_dev, w, c_dev, m, orient=orient, a_dtype=a_dtype, cfg=cfg)
         dev.sync()
@@ -90,6 +112,7 @@ def time_gemm(
         "type": qtype,
         "orient": orient,
         "a_dtype": a_dtype,
+        "w_stage": "generic" if generic or qtype not in W_STAGING else "dedicated",
         "m": m,
         "n": n,
         "k": k,
@@ -153,6 +176,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in PROJECTIONS), help="MxNxK,...")
     ap.add_argument("--fused-n", type=int, default=4096, help="N = M = K of the fused Q4_K / Q4_0 runs")
     ap.add_argument("--fused-types", default="Q4_K,Q4_0")
+    ap.add_argument("--fused-a", default="f32,f16", help="A dtypes of the fused runs")
+    ap.add_argument("--generic", default="", help="fused types also timed with the generic staging, e.g. Q4_K,Q4_0")
+    ap.add_argument("--seconds", type=float, default=0.25, help="length of one timing window")
     ap.add_argument("--cfg", default=None, help="sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m] (default: presets)")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
@@ -164,17 +190,21 @@ def main() -> None:
     cfg = parse_cfg(args.cfg) if args.cfg else None
     sizes = [int(s) for s in args.sizes.split(",") if s]
     shapes = parse_shapes(args.shapes)
-    plain = [time_gemm(dev, "F16", "nt", n, n, n, cfg=cfg, a_dtype="f16") for n in sizes]
+    plain = [time_gemm(dev, "F16", "nt", n, n, n, cfg=cfg, a_dtype="f16", seconds=args.seconds) for n in sizes]
     proj = [
-        time_gemm(dev, t, o, m, n, k, cfg=cfg, a_dtype=a)
+        time_gemm(dev, t, o, m, n, k, cfg=cfg, a_dtype=a, seconds=args.seconds)
         for m, n, k in shapes
         for t, o, a in (("F16", "nt", "f16"), ("Q4_K", "nt", "f32"), ("Q4_K", "nn", "f32"))
     ]
     fn = args.fused_n
+    types = [t for t in args.fused_types.split(",") if t]
+    generic = [t for t in args.generic.split(",") if t]
+    stagings = [("F16", False)] + [(t, g) for t in types for g in ((True, False) if t in generic else (False,))]
     fused = [
-        time_gemm(dev, t, o, fn, fn, fn, cfg=cfg)
-        for t in ["F16", *(t for t in args.fused_types.split(",") if t)]
+        time_gemm(dev, t, o, fn, fn, fn, cfg=cfg, a_dtype=a, generic=g, seconds=args.seconds)
+        for a in (x for x in args.fused_a.split(",") if x)
         for o in ("nt", "nn")
+        for t, g in stagings
     ]
     out = {
         "bench": "gemm_tc",

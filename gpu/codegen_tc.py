@@ -134,6 +134,7 @@ class TCVariant:
     accumulate: bool = False  # C += alpha * A.B instead of C = alpha * A.B
     w_wide: bool = False  # F16 weight bound as vec4<u32> (K % 8 == 0): 16-byte loads, no f32 round trip
     b_fast: bool = True  # "nn": plain B loaders (weight row length K % vec == 0); else the checked ones
+    w_generic: bool = False  # stage the weight through its type's decode4 even where W_STAGING has a loader
 
     @property
     def key(self) -> tuple:
@@ -146,6 +147,15 @@ _A_ACCESS = {  # (a_type, a_width) -> (binding element, snippet)
     ("f16", 8): ("vec4<u32>", "matmul_tc_a_f16x8.wgsl"),
     ("f16", 4): ("vec2<u32>", "matmul_tc_a_f16x4.wgsl"),
     ("f16", 1): ("u32", "matmul_tc_a_f16x1.wgsl"),
+}
+# Weight types with a dedicated 8-wide loader (w_vec8 decodes a unit with one header/scale decode and wide
+# loads of its quant bytes; the generic one calls decode4 twice): type -> (binding element, snippet, whether
+# the snippet builds on the type's decode4, the byte helpers and w_bytes8, or defines its own decode4).
+W_STAGING: dict[str, tuple[str, str, bool]] = {
+    "Q4_K": ("vec4<u32>", "matmul_tc_w_q4_k.wgsl", False),
+    "Q4_0": ("u32", "matmul_tc_w_q4_0.wgsl", True),
+    "Q8_0": ("u32", "matmul_tc_w_q8_0.wgsl", True),
+    "Q6_K": ("u32", "matmul_tc_w_q6_k.wgsl", True),
 }
 _LEFT = "subgroup_matrix_left<f16, 16, 16>"
 _RIGHT = "subgroup_matrix_right<f16, 16, 16>"
@@ -369,6 +379,10 @@ def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
     a_elem, a_file = _A_ACCESS[(v.a_type, v.a_width)]
     if v.w_wide:
         decode, w_elem = kernel_text("matmul_tc_w_f16x8.wgsl"), "vec4<u32>"
+    elif v.wtype in W_STAGING and not v.w_generic:
+        w_elem, snippet, with_decode = W_STAGING[v.wtype]
+        helpers = decode_snippet(v.wtype) + "\n" + kernel_text("matmul_tc_w_bytes8.wgsl") + "\n"
+        decode = (helpers if with_decode else "") + kernel_text(snippet)
     else:
         decode = decode_snippet(v.wtype) + "\n" + kernel_text("matmul_tc_w_generic.wgsl")
         w_elem = WEIGHT_TYPES[v.wtype].w_elem

@@ -167,6 +167,27 @@ def test_emulated_other_tiles(emu_dev: Device, cfg: TCConfig) -> None:
         assert err <= TOL, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
 
 
+# The dedicated 8-wide weight loaders (gpu/codegen_tc.py's W_STAGING): several blocks per weight row (the
+# block index along K), odd block counts (Q4_0 / Q8_0 blocks alternate between word-aligned and not), M, N
+# off the tile grid, "nn" reduction tails (N % BK != 0), and with BK = 64 an "nt" reduction tail (K % 64).
+STAGING_CASES = [
+    (T.Q4_K, "nt", "f16", 37, 20, 768, EMU_TILE),
+    (T.Q4_K, "nn", "f32", 21, 44, 768, EMU_TILE),
+    (T.Q6_K, "nn", "f16", 21, 44, 512, EMU_TILE),
+    (T.Q4_0, "nt", "f16", 19, 36, 160, TCConfig(1, 2, 2, 1, 64, stages=2, vec=8)),
+    (T.Q4_0, "nn", "f16", 19, 84, 96, EMU_TILE),
+    (T.Q8_0, "nn", "f32", 19, 52, 160, EMU_TILE),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", STAGING_CASES, ids=lambda c: f"{c[0].name}-{c[1]}-{c[2]}-{c[6].label}")
+def test_emulated_dedicated_weight_staging(emu_dev: Device, case: tuple) -> None:
+    qtype, orient, a_dtype, m, n, k, cfg = case
+    err = _check_product(emu_dev, qtype, orient, m, n, k, seed=5, a_dtype=a_dtype, cfg=cfg, emulate=True)
+    assert err <= TOL, f"{qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
+
+
 @pytest.mark.gpu
 def test_refuses_without_tensor_cores(emu_dev: Device) -> None:
     if has_tensor_cores(emu_dev):

@@ -1,6 +1,7 @@
 // Tensor-core GEMM through Dawn's subgroup matrices: f16 operands, f32 accumulation.
 //   C[M, P] (+)= alpha * A[M, R] . B[R, P]
-// B is read from a weight W of shape [N, K] (ggml/gguf block layout) through decode4():
+// B is read from a weight W of shape [N, K] (ggml/gguf block layout) through w_vec8 (8 consecutive weights
+// of a row: the type's own loader, matmul_tc_w_<type>.wgsl, or two decode4 calls) and decode4 (checked loaders):
 //   orientation "nt" (forward,    Y = X . W^T):  B[r, p] = W[p, r]   (R = K, P = N)
 //   orientation "nn" (input grad, dX = dY . W):  B[r, p] = W[r, p]   (R = N, P = K)
 // A is row-major [M, R] (row stride lda), f32 or f16 in memory; it is rounded to f16 while staged.
