@@ -2,7 +2,8 @@
 // (vocab ids v0 ..) and keep the best k, ordered by (logit descending, id ascending) -- a total order, so the
 // result does not depend on the chunking. Also folds the chunk into the row's online logsumexp of z / tau,
 // S[t] = (max, sum exp) (logsumexp.wgsl; the threads' states meet in workgroup_reduce.wgsl's fixed tree).
-// One workgroup per row (rows.wgsl): a bitonic sort of NS (key, id) pairs in workgroup memory.
+// One workgroup per row (rows.wgsl): a bitonic sort in workgroup memory of the current list and the chunk's
+// logits that beat its k-th entry (after the first chunk of a row, few do), not of all NS pairs.
 
 struct Params {
     T: u32,
@@ -28,6 +29,8 @@ const NO_ID: u32 = 0xFFFFFFFFu;
 
 var<workgroup> sk: array<f32, NS>;
 var<workgroup> si: array<u32, NS>;
+var<workgroup> n_candidates: atomic<u32>;
+var<workgroup> n_sorted: u32;
 
 // A logsumexp state (max, sum exp).
 alias Reduced = vec2<f32>;
@@ -44,37 +47,71 @@ fn before(ka: f32, ia: u32, kb: f32, ib: u32) -> bool {
 fn row_main(row: u32, lid: u32) {
     let k = prm.k;
     let zb = row * prm.ldz + prm.z_off;
-    var m = NEG_BIG;
-    var s = 0.0;
-    for (var u = lid; u < NS; u += WG) {
+    // the row's current list (best first) in 0..k-1; its last entry is what a chunk logit must beat to enter
+    var last_key = NEG_BIG;
+    var last_id = NO_ID;
+    if (prm.first == 0u) {
+        last_key = Vals[row * k + k - 1u];
+        last_id = Ids[row * k + k - 1u];
+    }
+    if (lid == 0u) {
+        atomicStore(&n_candidates, 0u);
+    }
+    for (var u = lid; u < k; u += WG) {
         var key = NEG_BIG;
         var id = NO_ID;
-        if (u < k) {
-            if (prm.first == 0u) {
-                key = Vals[row * k + u];
-                id = Ids[row * k + u];
-            }
-        } else if (u - k < prm.nv) {
-            key = Z[zb + u - k];
-            id = prm.v0 + u - k;
-            let c = lse_merge(m, s, key * prm.inv_tau, 1.0);
-            m = c.x;
-            s = c.y;
+        if (prm.first == 0u) {
+            key = Vals[row * k + u];
+            id = Ids[row * k + u];
         }
         sk[u] = key;
         si[u] = id;
     }
-    for (var size = 2u; size <= NS; size <<= 1u) {
-        for (var stride = size >> 1u; stride > 0u; stride >>= 1u) {
+    workgroupBarrier();
+    // every chunk logit enters the logsumexp (thread lid takes units u = k + column, as the full sort did);
+    // only those that beat the current k-th go into the sort, after the list, in any order (the sort's
+    // total order makes the result independent of it); at most nv <= NS - k of them
+    var m = NEG_BIG;
+    var s = 0.0;
+    for (var u = lid; u < k + prm.nv; u += WG) {
+        if (u >= k) {
+            let key = Z[zb + u - k];
+            let id = prm.v0 + u - k;
+            let c = lse_merge(m, s, key * prm.inv_tau, 1.0);
+            m = c.x;
+            s = c.y;
+            if (before(key, id, last_key, last_id)) {
+                let at = k + atomicAdd(&n_candidates, 1u);
+                sk[at] = key;
+                si[at] = id;
+            }
+        }
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        n_sorted = k + atomicLoad(&n_candidates);
+    }
+    let n = workgroupUniformLoad(&n_sorted);
+    var size = 1u;
+    while (size < n) {
+        size <<= 1u;
+    }
+    for (var u = n + lid; u < size; u += WG) {
+        sk[u] = NEG_BIG;
+        si[u] = NO_ID;
+    }
+    // bitonic sort of the list and the candidates (size: the next power of two, usually far below NS)
+    for (var span = 2u; span <= size; span <<= 1u) {
+        for (var stride = span >> 1u; stride > 0u; stride >>= 1u) {
             workgroupBarrier();
-            for (var p = lid; p < NS / 2u; p += WG) {
+            for (var p = lid; p < size / 2u; p += WG) {
                 let i = (p / stride) * 2u * stride + p % stride;
                 let j = i + stride;
                 let ki = sk[i];
                 let ii = si[i];
                 let kj = sk[j];
                 let ij = si[j];
-                let up = (i & size) == 0u;
+                let up = (i & span) == 0u;
                 if (select(before(ki, ii, kj, ij), before(kj, ij, ki, ii), up)) {
                     sk[i] = kj;
                     si[i] = ij;
