@@ -13,9 +13,10 @@ of --steps steps each; the median window is reported with all windows. The last 
 Weights: --gguf FILE loads a real student (ours: StudentWeights.from_gguf; HF: from_pretrained(dir,
 gguf_file=...)), else --shape builds random weights at checkpoint-like scales (embedding and projections
 N(0, 0.02), o/down scaled by 1/sqrt(2 n_layers), norms 1; ours as random GGML blocks of --quant whose f16
-scales are set to that RMS, HF by its own initializer at 0.02). Loss: forward KL over a random teacher's
-top-k (k=--top-k) plus the tail. --profile adds per-kernel-class GPU time of --profile-steps extra steps
-(gpu/profile.py, timestamp queries) to our side's output.
+scales are set to that RMS, the embedding Q4_K (Q8_0 where the row length is not a multiple of 256) and the
+untied lm_head Q6_K as llama.cpp's K-quant mixes store them, HF by its own initializer at 0.02). Loss: forward
+KL over a random teacher's top-k (k=--top-k) plus the tail. --profile adds per-kernel-class GPU time of
+--profile-steps extra steps (gpu/profile.py, timestamp queries) to our side's output.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def _block_bytes(qtype: Q) -> int:
 def random_tensors(cfg: ModelConfig, qtype: int, rng: np.random.Generator) -> Iterator[tuple]:
     """(name, data, ggml type, shape) of a random student at checkpoint-like scales (see the module doc)."""
     h = cfg.hidden
-    yield "token_embd.weight", rng.standard_normal((cfg.vocab, h), np.float32) * INIT_STD, Q.F32, (cfg.vocab, h)
+    embd = Q.Q4_K if h % 256 == 0 else Q.Q8_0  # as llama.cpp's K-quant mixes store token_embd (Q4_K_M: Q4_K)
+    yield "token_embd.weight", scaled_blocks(embd, (cfg.vocab, h), INIT_STD, rng), embd, (cfg.vocab, h)
     if not cfg.tied_embeddings:
         yield "output.weight", scaled_blocks(Q.Q6_K, (cfg.vocab, h), INIT_STD, rng), Q.Q6_K, (cfg.vocab, h)
     yield "output_norm.weight", np.ones(h, np.float32), Q.F32, (h,)

@@ -301,8 +301,7 @@ class GPUModel:
             "dx": h,
             "dh": h,
             "ds": f,
-            "dg": f,
-            "du": f,
+            "du": f,  # (dL/dgate goes into "s": the down projection's backward is its last reader)
             "dn": h,
             "datt": qd,
             "dqr": qd,
