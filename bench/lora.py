@@ -7,7 +7,7 @@ generic strided_matmul they replaced, and torch's matmuls on the same six produc
 One rep = lora_forward + lora_backward (t = x A^T, y += s t B^T; dB = s dy^T t, dt = s dy B, dA = dt^T x,
 dx += dt A). ms: wall time per rep, median of 3 windows after a warm-up (reps recorded in one step, then
 dev.sync()). gpu_ms: GPU time of one rep by timestamp queries (each dispatch in its own pass), forward and
-backward, per kernel. max_rel_err: |got - ref| / max |ref| of y, dx, dA, dB against float64 numpy. torch:
+backward, and per dispatch in order. max_rel_err: |got - ref| / max |ref| of y, dx, dA, dB against float64 numpy. torch:
 the same six products with torch.matmul (fp32 with TF32 off, and bf16), CUDA events.
 """
 
@@ -111,21 +111,31 @@ def ours(dev: Device, impl: str, n: int, d_in: int, d_out: int, r: int, seconds:
     return res
 
 
+class DispatchProfiler(Profiler):
+    """A Profiler that keeps every dispatch apart (its label prefixed by its order), for per-product times."""
+
+    def __init__(self, dev: Device) -> None:
+        super().__init__(dev)
+        self.count = 0
+
+    def timestamp_writes(self, label: str) -> dict[str, Any]:
+        self.count += 1
+        return super().timestamp_writes(f"{self.count:02d} {label}")
+
+
 def _gpu_time(dev: Device, forward: Callable[[], None], backward: Callable[[], None]) -> dict[str, Any]:
-    """GPU ms of one forward and one backward by timestamp queries, and per kernel over both."""
+    """GPU ms of one forward and one backward by timestamp queries, and microseconds per dispatch in order."""
     if "timestamp-query" not in dev.features:
         return {}
-    per: dict[str, float] = {}
     out: dict[str, Any] = {}
     for name, fn in (("fwd", forward), ("bwd", backward)):
-        with Profiler(dev) as prof:
+        with DispatchProfiler(dev) as prof:
             with dev.step():
                 fn()
         out[f"gpu_ms_{name}"] = round(sum(prof.ns.values()) / 1e6, 4)
-        for (_, label), ns in prof.ns.items():
-            per[label[:60]] = per.get(label[:60], 0.0) + ns / 1e6
+        per = sorted((label, ns) for (_, label), ns in prof.ns.items())
+        out[f"gpu_us_{name}_by_dispatch"] = [[label[:48], round(ns / 1e3, 1)] for label, ns in per]
     out["gpu_ms"] = round(out["gpu_ms_fwd"] + out["gpu_ms_bwd"], 4)
-    out["gpu_ms_by_kernel"] = {k: round(v, 4) for k, v in sorted(per.items(), key=lambda kv: -kv[1])}
     return out
 
 

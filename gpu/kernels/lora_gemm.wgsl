@@ -3,10 +3,11 @@
 //   direct:  C[c_off + m * csm + n * csn] = alpha * sum_k A(m, k) B(k, n)  (+ that element if accumulate)
 //   partial: C[z * M * N + m * N + n] = sum over k in [z * chunk, (z + 1) * chunk) (lora_reduce adds them up)
 // The reduction axis is split over grid z (chunk per workgroup), so a long reduction (over T tokens, or over
-// d) runs on many workgroups. BM x BN outputs per workgroup, 4 x 4 per thread (vec4 over n), BK steps staged
-// in workgroup memory; each staged unit is 4 consecutive m (or n) at one k, loaded by threads walking the
-// operand's contiguous axis (a_kfast / b_kfast) so the loads coalesce. Every sum runs in ascending k:
-// reproducible, no atomics.
+// d) runs on many workgroups. BM x BN outputs per workgroup, 4 x 4 per thread: rows m0 + tm + TM * i and
+// columns n0 + tn + TN * c (i, c < 4), so neighbouring threads load, store and accumulate neighbouring
+// elements. BK steps are staged in workgroup memory as vec4s of those 4 rows (columns) at one k, loaded by
+// threads walking the operand's contiguous axis (a_kfast / b_kfast) so the loads coalesce; rows padded by
+// one vec4 against bank conflicts. Every sum runs in ascending k: reproducible, no atomics.
 
 struct Params {
     M: u32,
@@ -42,8 +43,10 @@ const BK: u32 = ${BK}u;
 const TM: u32 = BM / 4u;   // threads along m (4 rows each)
 const TN: u32 = BN / 4u;   // threads along n (4 columns each)
 const THREADS: u32 = TM * TN;
-var<workgroup> As: array<vec4<f32>, BK * TM>;   // As[k * TM + q] = A(m0 + 4q .. 4q + 3, k0 + k)
-var<workgroup> Bs: array<vec4<f32>, BK * TN>;   // Bs[k * TN + q] = B(k0 + k, n0 + 4q .. 4q + 3)
+const SA: u32 = TM + 1u;   // padded row strides of the staged tiles
+const SB: u32 = TN + 1u;
+var<workgroup> As: array<vec4<f32>, BK * SA>;   // As[k * SA + q][i] = A(m0 + q + TM * i, k0 + k)
+var<workgroup> Bs: array<vec4<f32>, BK * SB>;   // Bs[k * SB + q][c] = B(k0 + k, n0 + q + TN * c)
 
 fn a_at(m: u32, k: u32, k_end: u32) -> f32 {
     if (m < prm.M && k < k_end) {
@@ -59,23 +62,78 @@ fn b_at(k: u32, n: u32, k_end: u32) -> f32 {
     return 0.0;
 }
 
+// Staging units per thread: each BK step's tiles are loaded into registers (the next step's while this one
+// computes), then stored to workgroup memory; constant trip counts so every load of a step is in flight at once.
+const A_UNITS: u32 = BK * TM / THREADS;
+const B_UNITS: u32 = BK * TN / THREADS;
+var<private> ra: array<vec4<f32>, A_UNITS>;
+var<private> rb: array<vec4<f32>, B_UNITS>;
+
+// (k, q) of staging unit u: k fastest when the operand is contiguous along k, else q fastest.
+fn unit(u: u32, kfast: u32, q_count: u32) -> vec2<u32> {
+    if (kfast != 0u) {
+        return vec2<u32>(u % BK, u / BK);
+    }
+    return vec2<u32>(u / q_count, u % q_count);
+}
+
+fn load_step(l: u32, m0: u32, n0: u32, k0: u32, k_end: u32) {
+    for (var j = 0u; j < A_UNITS; j++) {
+        let kq = unit(l + j * THREADS, prm.a_kfast, TM);
+        let m = m0 + kq.y;
+        let k = k0 + kq.x;
+        ra[j] = vec4<f32>(a_at(m, k, k_end), a_at(m + TM, k, k_end), a_at(m + 2u * TM, k, k_end),
+                          a_at(m + 3u * TM, k, k_end));
+    }
+    for (var j = 0u; j < B_UNITS; j++) {
+        let kq = unit(l + j * THREADS, prm.b_kfast, TN);
+        let n = n0 + kq.y;
+        let k = k0 + kq.x;
+        rb[j] = vec4<f32>(b_at(k, n, k_end), b_at(k, n + TN, k_end), b_at(k, n + 2u * TN, k_end),
+                          b_at(k, n + 3u * TN, k_end));
+    }
+}
+
+fn stage(l: u32) {
+    for (var j = 0u; j < A_UNITS; j++) {
+        let kq = unit(l + j * THREADS, prm.a_kfast, TM);
+        As[kq.x * SA + kq.y] = ra[j];
+    }
+    for (var j = 0u; j < B_UNITS; j++) {
+        let kq = unit(l + j * THREADS, prm.b_kfast, TN);
+        Bs[kq.x * SB + kq.y] = rb[j];
+    }
+}
+
+fn out_index(m: u32, n: u32, z: u32) -> u32 {
+    if (prm.partial != 0u) {
+        return (z * prm.M + m) * prm.N + n;
+    }
+    return prm.c_off + m * prm.csm + n * prm.csn;
+}
+
+// C's current values at row m, columns n0 + TN * c (0 outside), read before any store so the reads overlap.
+fn old_row(m: u32, n0: u32) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    if (m < prm.M) {
+        for (var c = 0u; c < 4u; c++) {
+            let n = n0 + TN * c;
+            if (n < prm.N) {
+                v[c] = C[out_index(m, n, 0u)];
+            }
+        }
+    }
+    return v;
+}
+
 fn store_row(m: u32, n0: u32, z: u32, v: vec4<f32>) {
     if (m >= prm.M) {
         return;
     }
     for (var c = 0u; c < 4u; c++) {
-        let n = n0 + c;
+        let n = n0 + TN * c;
         if (n < prm.N) {
-            if (prm.partial != 0u) {
-                C[(z * prm.M + m) * prm.N + n] = v[c];
-            } else {
-                let i = prm.c_off + m * prm.csm + n * prm.csn;
-                var r = prm.alpha * v[c];
-                if (prm.accumulate != 0u) {
-                    r += C[i];
-                }
-                C[i] = r;
-            }
+            C[out_index(m, n, z)] = v[c];
         }
     }
 }
@@ -87,47 +145,24 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let z = wid.z;
     let k_begin = z * prm.chunk;
     let k_end = min(prm.K, k_begin + prm.chunk);
-    let tm = l % TM;
-    let tn = l / TM;
+    let tn = l % TN;
+    let tm = l / TN;
     var acc0 = vec4<f32>(0.0);
     var acc1 = vec4<f32>(0.0);
     var acc2 = vec4<f32>(0.0);
     var acc3 = vec4<f32>(0.0);
+    if (k_begin < k_end) {
+        load_step(l, m0, n0, k_begin, k_end);
+    }
     for (var k0 = k_begin; k0 < k_end; k0 += BK) {
-        for (var u = l; u < BK * TM; u += THREADS) {
-            var k: u32;
-            var q: u32;
-            if (prm.a_kfast != 0u) {
-                k = u % BK;
-                q = u / BK;
-            } else {
-                q = u % TM;
-                k = u / TM;
-            }
-            let m = m0 + 4u * q;
-            let kk = k0 + k;
-            As[k * TM + q] = vec4<f32>(a_at(m, kk, k_end), a_at(m + 1u, kk, k_end), a_at(m + 2u, kk, k_end),
-                                       a_at(m + 3u, kk, k_end));
-        }
-        for (var u = l; u < BK * TN; u += THREADS) {
-            var k: u32;
-            var q: u32;
-            if (prm.b_kfast != 0u) {
-                k = u % BK;
-                q = u / BK;
-            } else {
-                q = u % TN;
-                k = u / TN;
-            }
-            let n = n0 + 4u * q;
-            let kk = k0 + k;
-            Bs[k * TN + q] = vec4<f32>(b_at(kk, n, k_end), b_at(kk, n + 1u, k_end), b_at(kk, n + 2u, k_end),
-                                       b_at(kk, n + 3u, k_end));
-        }
+        stage(l);
         workgroupBarrier();
+        if (k0 + BK < k_end) {
+            load_step(l, m0, n0, k0 + BK, k_end);   // in flight during this step's products
+        }
         for (var k = 0u; k < BK; k++) {
-            let a = As[k * TM + tm];
-            let b = Bs[k * TN + tn];
+            let a = As[k * SA + tm];
+            let b = Bs[k * SB + tn];
             acc0 = fma(vec4<f32>(a.x), b, acc0);
             acc1 = fma(vec4<f32>(a.y), b, acc1);
             acc2 = fma(vec4<f32>(a.z), b, acc2);
@@ -135,10 +170,28 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
     }
-    let m = m0 + 4u * tm;
-    let n = n0 + 4u * tn;
-    store_row(m, n, z, acc0);
-    store_row(m + 1u, n, z, acc1);
-    store_row(m + 2u, n, z, acc2);
-    store_row(m + 3u, n, z, acc3);
+    let m = m0 + tm;
+    let n = n0 + tn;
+    if (prm.partial != 0u) {
+        store_row(m, n, z, acc0);
+        store_row(m + TM, n, z, acc1);
+        store_row(m + 2u * TM, n, z, acc2);
+        store_row(m + 3u * TM, n, z, acc3);
+        return;
+    }
+    var o0 = vec4<f32>(0.0);
+    var o1 = vec4<f32>(0.0);
+    var o2 = vec4<f32>(0.0);
+    var o3 = vec4<f32>(0.0);
+    if (prm.accumulate != 0u) {
+        o0 = old_row(m, n);
+        o1 = old_row(m + TM, n);
+        o2 = old_row(m + 2u * TM, n);
+        o3 = old_row(m + 3u * TM, n);
+    }
+    let alpha = vec4<f32>(prm.alpha);
+    store_row(m, n, 0u, alpha * acc0 + o0);
+    store_row(m + TM, n, 0u, alpha * acc1 + o1);
+    store_row(m + 2u * TM, n, 0u, alpha * acc2 + o2);
+    store_row(m + 3u * TM, n, 0u, alpha * acc3 + o3);
 }
