@@ -6,8 +6,9 @@
 
 "plain" is the f16 GEMM C[N, N] = A[N, N] . W^T with f16 A and an F16 weight; "shapes" are the real
 projection shapes of a TinyLlama-sized student (M = 4096 rows: 2048 -> 5632, 5632 -> 2048, 2048 -> 256),
-plain and fused; "fused" dequantizes Q4_K / Q4_0 weights into the f16 tiles, A f32 (as in training) and f16
-(--fused-a), in both orientations (forward "nt", input gradient "nn"), next to plain F16 with the same A;
+plain and fused (--shape-types, both orientations, each A dtype of --fused-a); "fused" dequantizes Q4_K /
+Q4_0 weights into the f16 tiles, A f32 (as in training) and f16 (--fused-a), in both orientations (forward
+"nt", input gradient "nn"), next to plain F16 with the same A;
 --generic also times each fused type with the generic weight staging (two decode4 calls per 8 weights, the
 kernel before gpu/codegen_tc.py's W_STAGING loaders), "w_stage" tells them apart.
 TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait), the median of 3
@@ -105,7 +106,9 @@ def time_gemm(
     first = run(1)  # compile + first run
     one = run(1)
     reps = int(min(500, max(3, seconds / max(one, 1e-6))))
-    run(reps)  # warm-up window: clocks up after the idle gap of data generation and compilation
+    # warm-up window: clocks up after the idle gap of data generation and compilation; the windows' length
+    # comes from it (a slow single call would otherwise make them too short to time steadily)
+    reps = int(min(1000, max(3, seconds / max(run(reps) / reps, 1e-6))))
     windows = sorted(run(reps) / reps for _ in range(3))
     t = windows[1]  # median of 3 windows
     out = {
@@ -174,6 +177,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1024,2048,4096,8192", help="N = M = K of the plain f16 GEMM")
     ap.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in PROJECTIONS), help="MxNxK,...")
+    ap.add_argument("--shape-types", default="Q4_K", help="fused weight types of the shapes runs (A: --fused-a)")
     ap.add_argument("--fused-n", type=int, default=4096, help="N = M = K of the fused Q4_K / Q4_0 runs")
     ap.add_argument("--fused-types", default="Q4_K,Q4_0")
     ap.add_argument("--fused-a", default="f32,f16", help="A dtypes of the fused runs")
@@ -190,11 +194,14 @@ def main() -> None:
     cfg = parse_cfg(args.cfg) if args.cfg else None
     sizes = [int(s) for s in args.sizes.split(",") if s]
     shapes = parse_shapes(args.shapes)
+    a_types = [x for x in args.fused_a.split(",") if x]
+    shape_types = [t for t in args.shape_types.split(",") if t]
     plain = [time_gemm(dev, "F16", "nt", n, n, n, cfg=cfg, a_dtype="f16", seconds=args.seconds) for n in sizes]
+    runs = [("F16", "nt", "f16")] + [(t, o, a) for t in shape_types for o in ("nt", "nn") for a in a_types]
     proj = [
         time_gemm(dev, t, o, m, n, k, cfg=cfg, a_dtype=a, seconds=args.seconds)
         for m, n, k in shapes
-        for t, o, a in (("F16", "nt", "f16"), ("Q4_K", "nt", "f32"), ("Q4_K", "nn", "f32"))
+        for t, o, a in runs
     ]
     fn = args.fused_n
     types = [t for t in args.fused_types.split(",") if t]
@@ -202,7 +209,7 @@ def main() -> None:
     stagings = [("F16", False)] + [(t, g) for t in types for g in ((True, False) if t in generic else (False,))]
     fused = [
         time_gemm(dev, t, o, fn, fn, fn, cfg=cfg, a_dtype=a, generic=g, seconds=args.seconds)
-        for a in (x for x in args.fused_a.split(",") if x)
+        for a in a_types
         for o in ("nt", "nn")
         for t, g in stagings
     ]
