@@ -142,6 +142,20 @@ class Recorder:
         return self.encoder.finish()
 
 
+class Tape:
+    """The commands a step recorded (dispatches with their pipelines and bind groups, copies, clears), replayable
+    into a later step with Device.replay at a fraction of the recording cost (no argument checks, uniform packing
+    or bind-group lookups): for a step whose commands depend only on shapes and flags, not on data. A write of
+    host data inside the step, or a read back, makes the tape not replayable (the host's part would not run)."""
+
+    def __init__(self) -> None:
+        self.commands: list[tuple] = []
+        self.replayable = True
+
+
+_DISPATCH, _COPY, _CLEAR = "dispatch", "copy", "clear"
+
+
 class Device:
     """The process's GPU: adapter choice, limits, buffers, pipeline/bind-group/uniform caches, recording."""
 
@@ -188,6 +202,8 @@ class Device:
         self._bind_groups: dict[tuple, Any] = {}
         self._bg_keys_by_buffer: dict[int, set[tuple]] = {}
         self._rec: Recorder | None = None
+        self._tape: Tape | None = None
+        self._max_grid = int(self.limits.get("max-compute-workgroups-per-dimension", MAX_WORKGROUPS_PER_DIM))
         self.profiler: Any = None  # a gpu.profile.Profiler while one is attached: every dispatch timed
         # dispatches per submit inside a step (0: one submit per step, as on a CPU adapter, where the "GPU" is
         # the same cores that record and an early submit only slowed a lavapipe step down, 2.4 -> 3.0 s)
@@ -291,24 +307,32 @@ class Device:
         if self._rec is None:
             self.queue.write_buffer(buffer, offset, raw)
             return
+        if self._tape is not None:
+            self._tape.replayable = False
         staging = self.device.create_buffer_with_data(data=raw, usage=self.wgpu.BufferUsage.COPY_SRC)
         self._rec.end_pass()
         self._rec.encoder.copy_buffer_to_buffer(staging, 0, buffer, offset, len(raw))
 
     def clear(self, buffer: Any, offset: int = 0, size: int | None = None) -> None:
         """Zero a buffer (range), ordered like a dispatch."""
+        if self._tape is not None:
+            self._tape.commands.append((_CLEAR, buffer, offset, size))
         with self.step() as rec:
             rec.end_pass()
             rec.encoder.clear_buffer(buffer, offset, size)
 
     def copy(self, src: Any, dst: Any, nbytes: int, src_offset: int = 0, dst_offset: int = 0) -> None:
         """Copy bytes between buffers, ordered like a dispatch."""
+        if self._tape is not None:
+            self._tape.commands.append((_COPY, src, dst, nbytes, src_offset, dst_offset))
         with self.step() as rec:
             rec.end_pass()
             rec.encoder.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
 
     def read(self, buffer: Any, dtype: Any = np.float32, shape: Sequence[int] | int | None = None, offset: int = 0):
         """Submit pending work, wait, and return the buffer's contents as a new ndarray."""
+        if self._tape is not None:  # host logic between the tape's commands: they cannot replay without it
+            self._tape.replayable = False
         dtype = np.dtype(dtype)
         count = int(np.prod(shape)) if shape is not None else (buffer.size - offset) // dtype.itemsize
         nbytes = count * dtype.itemsize
@@ -455,15 +479,19 @@ class Device:
         """Record one dispatch of `pipeline` over `grid` workgroups (int or (x, y[, z]), each <= 65535; see
         grid_1d) into the current step, or submit it at once outside a step."""
         g = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-        limit = int(self.limits.get("max-compute-workgroups-per-dimension", MAX_WORKGROUPS_PER_DIM))
-        if any(d > limit for d in g):
+        if any(d > self._max_grid for d in g):
             raise DeviceError(
-                f"dispatch of {pipeline.label!r}: grid {g} exceeds {limit} workgroups per dimension "
+                f"dispatch of {pipeline.label!r}: grid {g} exceeds {self._max_grid} workgroups per dimension "
                 "(split it with grid_1d)"
             )
         if min(g) <= 0:
             return
         bg = self.bind_group(pipeline, bindings)
+        if self._tape is not None:
+            self._tape.commands.append((_DISPATCH, pipeline, bg, g))
+        self._record_dispatch(pipeline, bg, g)
+
+    def _record_dispatch(self, pipeline: Any, bg: Any, g: tuple[int, ...]) -> None:
         with self.step() as rec:
             if self.profiler is not None:  # its own pass, timestamped (gpu/profile.py)
                 rec.end_pass()
@@ -479,6 +507,35 @@ class Device:
             self.stats["dispatches"] += 1
             if self.submit_every and rec.dispatches >= self.submit_every:
                 self.flush()
+
+    # ---- tapes: record a step once, replay it ---------------------------------------------------------
+    @contextlib.contextmanager
+    def taping(self) -> Iterator[Tape]:
+        """Record (and run) the block's commands as usual and also into the yielded Tape."""
+        if self._tape is not None:
+            raise DeviceError("taping: a tape is already being recorded")
+        self._tape = tape = Tape()
+        try:
+            yield tape
+        finally:
+            self._tape = None
+
+    def replay(self, tape: Tape) -> None:
+        """Record a tape's commands again, in order, into the current step (or one of their own)."""
+        if not tape.replayable:
+            raise DeviceError("replay: the tape wrote host data inside its step and cannot be replayed")
+        with self.step() as rec:
+            for cmd in tape.commands:
+                kind = cmd[0]
+                if kind is _DISPATCH:
+                    self._record_dispatch(cmd[1], cmd[2], cmd[3])
+                    continue
+                rec.end_pass()
+                if kind is _COPY:
+                    _, src, dst, nbytes, src_offset, dst_offset = cmd
+                    rec.encoder.copy_buffer_to_buffer(src, src_offset, dst, dst_offset, nbytes)
+                else:
+                    rec.encoder.clear_buffer(cmd[1], cmd[2], cmd[3])
 
 
 GPU_INDEX_ENV = "DISTILLERY_GPU_INDEX"

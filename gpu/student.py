@@ -264,8 +264,11 @@ class GPUStudent(GPUModel):
             )  # fmt: skip
 
     def _record_loss_and_grads(self, micro: int) -> None:
-        cfg, dev = self.cfg, self.dev
         self._acc_grads = micro > 0
+        self._taped(("loss_and_grads", micro, self._has_tail), lambda: self._record_forward_backward(micro))
+
+    def _record_forward_backward(self, micro: int) -> None:
+        cfg, dev = self.cfg, self.dev
         self._forward_to_head()
         self._kd_head(micro, backward=True)
         rmsnorm_backward(

@@ -43,25 +43,29 @@ class GPUTeacher(GPUModel):
         bufs = self._b.bufs
         self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
         self.dev.write(bufs["positions"], np.tile(np.arange(t, dtype=np.uint32), b))
-        cfg = self.cfg
         with self.dev.step():
-            self._forward_to_head()
-            with scope(self.dev, "kd head"):
-                hidden_topk(
-                    self.dev,
-                    self.a["nf"],
-                    self.w.lm_head,
-                    self.state,
-                    self.logprobs,
-                    self.tail,
-                    cfg.hidden,
-                    cfg.vocab,
-                    self.tau,
-                    logits_scratch=self.logits,
-                    chunk=self.chunk,
-                    h16=self._head_input(),
-                )
+            self._taped("topk", self._record_topk)
         out_ids = self.dev.read(self.state.ids, np.uint32, (b, t, k))
         logprobs = self.dev.read(self.logprobs, np.float32, (b, t, k))
         tail = self.dev.read(self.tail, np.float32, (b, t))
         return out_ids, logprobs, tail
+
+    def _record_topk(self) -> None:
+        """Forward to the head and the top-k over vocab chunks, recorded into the current step."""
+        cfg = self.cfg
+        self._forward_to_head()
+        with scope(self.dev, "kd head"):
+            hidden_topk(
+                self.dev,
+                self.a["nf"],
+                self.w.lm_head,
+                self.state,
+                self.logprobs,
+                self.tail,
+                cfg.hidden,
+                cfg.vocab,
+                self.tau,
+                logits_scratch=self.logits,
+                chunk=self.chunk,
+                h16=self._head_input(),
+            )

@@ -157,6 +157,27 @@ def test_long_step_submits_in_chunks_in_order(dev: Device) -> None:
     np.testing.assert_array_equal(dev.read(bufs[5], np.float32, 64), 32 * x)
 
 
+def test_tape_replays_dispatches_copies_and_clears(dev: Device) -> None:
+    """A tape replays its step's commands on the buffers' current contents; a step that wrote host data (or
+    read back) is not replayable."""
+    x = np.arange(64, dtype=np.float32)
+    a, b, c = dev.upload(x), dev.buffer(256), dev.buffer(256)
+    with dev.step(), dev.taping() as tape:
+        _scale(dev, a, b, 2.0, 64)
+        dev.copy(b, c, 256)
+        dev.clear(b, 0, 128)
+    assert tape.replayable and len(tape.commands) == 3
+    dev.write(a, 3 * x)
+    dev.replay(tape)
+    np.testing.assert_array_equal(dev.read(c, np.float32, 64), 6 * x)
+    np.testing.assert_array_equal(dev.read(b, np.float32, 64), np.r_[np.zeros(32), 6 * x[32:]])
+    with dev.step(), dev.taping() as tape:
+        dev.write(a, x)
+    assert not tape.replayable
+    with pytest.raises(DeviceError, match="cannot be replayed"):
+        dev.replay(tape)
+
+
 def test_step_records_in_order_and_submits_once(dev: Device) -> None:
     x = np.arange(100, dtype=np.float32)
     bx, by, bz = dev.upload(x), dev.buffer(400), dev.buffer(400)

@@ -132,6 +132,35 @@ def test_attention_views_equal_padded_slots() -> None:
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
+def test_replayed_step_reads_the_new_batch() -> None:
+    """The second loss_and_grads replays the first one's tape: on a new batch it gives bitwise what a fresh
+    student recording that batch gives (the tape holds commands, not data)."""
+    dev = device_or_skip()
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(9, Q.Q4_0)
+    batches = [(ids, targets, mask, *_teacher(rng, 1.0))]
+    _, _, ids2, targets2, mask2, rng2 = _problem(10, Q.Q4_0)
+    batches.append((ids2, targets2, mask2, *_teacher(rng2, 1.0)))
+    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+
+    def student() -> GPUStudent:
+        st = GPUStudent(
+            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg
+        )
+        st.set_adapter(lora)
+        return st
+
+    taped = student()
+    for batch in batches:
+        taped.write_batch(*batch)
+        replayed = (taped.loss_and_grads(), taped.layout.pack(taped.get_grads()))
+    assert len(taped._tapes) == 1
+    fresh = student()
+    fresh.write_batch(*batches[1])
+    assert replayed[0] == fresh.loss_and_grads()
+    np.testing.assert_array_equal(replayed[1], fresh.layout.pack(fresh.get_grads()))
+
+
 def test_training_reduces_kl_and_is_bitwise_reproducible() -> None:
     dev = device_or_skip()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
