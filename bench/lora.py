@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.device import Device  # noqa: E402
+from gpu.ops import lora_matmul  # noqa: E402
 from gpu.ops.lora import lora_backward, lora_forward  # noqa: E402
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed  # noqa: E402
 from gpu.profile import Profiler  # noqa: E402
@@ -187,12 +188,18 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.3, help="target length of one timing window")
     ap.add_argument("--no-old", action="store_true", help="skip the strided_matmul baseline")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--splits", default="", help="sweep the split: TARGET_WORKGROUPS:MIN_CHUNK,...")
     args = ap.parse_args()
     dev = Device()
     print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend}), flush=True)
+    splits = [tuple(int(v) for v in c.split(":")) for c in args.splits.split(",") if c]
     for shape in args.shapes.split(","):
         d_in, d_out = (int(v) for v in shape.lower().split("x"))
-        for impl in ["new"] + ([] if args.no_old else ["old"]):
+        for target, min_chunk in splits:
+            lora_matmul.TARGET_WORKGROUPS, lora_matmul.MIN_CHUNK = target, min_chunk
+            res = ours(dev, "new", args.tokens, d_in, d_out, args.rank, args.seconds)
+            print(json.dumps({**res, "target_workgroups": target, "min_chunk": min_chunk}), flush=True)
+        for impl in ([] if splits else ["new"]) + ([] if args.no_old else ["old"]):
             print(json.dumps(ours(dev, impl, args.tokens, d_in, d_out, args.rank, args.seconds)), flush=True)
         if not args.no_torch:
             for res in torch_products(args.tokens, d_in, d_out, args.rank, args.seconds):

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpu import codegen_attention_tc as attention_tc
 from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
+from gpu.codegen_lora import LORA_GEMM_BK, lora_gemm_values
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
@@ -42,9 +43,6 @@ KD_TAILS = ("none", "derived", "given")
 # picks from (gpu/ops/matmul_tc.py pick_config).
 MATMUL_TILES = (GPU_TILE, GPU_TILE_SMALL_M, CPU_TILE, CPU_TILE_SMALL_M)
 TC_TILES = (TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M)
-# LoRA products (gpu/ops/lora_matmul.py): output tile width -> reduction steps staged per tile. 16: the products
-# with r outputs per row (x A^T, dy B, dB, dA^T); 64: the rank-r expansions (t B^T, dt A).
-LORA_GEMM_BK = {16: 32, 64: 16}
 
 
 def attention_key_tile(head_dim: int) -> int:
@@ -66,11 +64,6 @@ def _attention_values(head_dim: int) -> dict[str, int]:
 
 def _embedding_values(wtype: str) -> dict[str, str]:
     return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
-
-
-def _lora_gemm_values(bn: int) -> dict[str, int]:
-    """lora_gemm's output tile width and staged reduction steps (gpu/ops/lora_matmul.py picks bn)."""
-    return {"BN": bn, "BK": LORA_GEMM_BK[bn]}
 
 
 def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
@@ -143,7 +136,8 @@ KERNELS: dict[str, Kernel] = {
     "attention_backward_dq": Kernel((*_ATTENTION, "attention_backward_dq"), _HEAD_DIM, _attention_values),
     "attention_backward_dkv": Kernel(("attention_common", "attention_backward_dkv"), _HEAD_DIM, _attention_values),
     "strided_matmul": Kernel(("strided_matmul",)),
-    "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, _lora_gemm_values),
+    # LoRA products (gpu/ops/lora_matmul.py): output tiles 16 wide (x A^T, dy B, dB, dA^T) or 64 (t B^T, dt A)
+    "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, lora_gemm_values),
     "lora_reduce": Kernel(("lora_reduce",)),
 }
 

@@ -7,7 +7,9 @@
 // columns n0 + tn + TN * c (i, c < 4), so neighbouring threads load, store and accumulate neighbouring
 // elements. BK steps are staged in workgroup memory as vec4s of those 4 rows (columns) at one k, loaded by
 // threads walking the operand's contiguous axis (a_kfast / b_kfast) so the loads coalesce; rows padded by
-// one vec4 against bank conflicts. Every sum runs in ascending k: reproducible, no atomics.
+// one vec4 against bank conflicts. Each thread's loads of a step are unrolled (gpu/codegen_lora.py writes
+// the DECLARE, LOAD and STAGE statements) and the next step's are issued before this step's products; the epilogue reads
+// every C value it accumulates onto before storing. Every sum runs in ascending k: reproducible, no atomics.
 
 struct Params {
     M: u32,
@@ -62,13 +64,6 @@ fn b_at(k: u32, n: u32, k_end: u32) -> f32 {
     return 0.0;
 }
 
-// Staging units per thread: each BK step's tiles are loaded into registers (the next step's while this one
-// computes), then stored to workgroup memory; constant trip counts so every load of a step is in flight at once.
-const A_UNITS: u32 = BK * TM / THREADS;
-const B_UNITS: u32 = BK * TN / THREADS;
-var<private> ra: array<vec4<f32>, A_UNITS>;
-var<private> rb: array<vec4<f32>, B_UNITS>;
-
 // (k, q) of staging unit u: k fastest when the operand is contiguous along k, else q fastest.
 fn unit(u: u32, kfast: u32, q_count: u32) -> vec2<u32> {
     if (kfast != 0u) {
@@ -77,32 +72,30 @@ fn unit(u: u32, kfast: u32, q_count: u32) -> vec2<u32> {
     return vec2<u32>(u / q_count, u % q_count);
 }
 
-fn load_step(l: u32, m0: u32, n0: u32, k0: u32, k_end: u32) {
-    for (var j = 0u; j < A_UNITS; j++) {
-        let kq = unit(l + j * THREADS, prm.a_kfast, TM);
-        let m = m0 + kq.y;
-        let k = k0 + kq.x;
-        ra[j] = vec4<f32>(a_at(m, k, k_end), a_at(m + TM, k, k_end), a_at(m + 2u * TM, k, k_end),
-                          a_at(m + 3u * TM, k, k_end));
-    }
-    for (var j = 0u; j < B_UNITS; j++) {
-        let kq = unit(l + j * THREADS, prm.b_kfast, TN);
-        let n = n0 + kq.y;
-        let k = k0 + kq.x;
-        rb[j] = vec4<f32>(b_at(k, n, k_end), b_at(k, n + TN, k_end), b_at(k, n + 2u * TN, k_end),
-                          b_at(k, n + 3u * TN, k_end));
-    }
+fn load_a(u: u32, m0: u32, n0: u32, k0: u32, k_end: u32) -> vec4<f32> {
+    let kq = unit(u, prm.a_kfast, TM);
+    let m = m0 + kq.y;
+    let k = k0 + kq.x;
+    return vec4<f32>(a_at(m, k, k_end), a_at(m + TM, k, k_end), a_at(m + 2u * TM, k, k_end),
+                     a_at(m + 3u * TM, k, k_end));
 }
 
-fn stage(l: u32) {
-    for (var j = 0u; j < A_UNITS; j++) {
-        let kq = unit(l + j * THREADS, prm.a_kfast, TM);
-        As[kq.x * SA + kq.y] = ra[j];
-    }
-    for (var j = 0u; j < B_UNITS; j++) {
-        let kq = unit(l + j * THREADS, prm.b_kfast, TN);
-        Bs[kq.x * SB + kq.y] = rb[j];
-    }
+fn load_b(u: u32, m0: u32, n0: u32, k0: u32, k_end: u32) -> vec4<f32> {
+    let kq = unit(u, prm.b_kfast, TN);
+    let n = n0 + kq.y;
+    let k = k0 + kq.x;
+    return vec4<f32>(b_at(k, n, k_end), b_at(k, n + TN, k_end), b_at(k, n + 2u * TN, k_end),
+                     b_at(k, n + 3u * TN, k_end));
+}
+
+fn stage_a(u: u32, v: vec4<f32>) {
+    let kq = unit(u, prm.a_kfast, TM);
+    As[kq.x * SA + kq.y] = v;
+}
+
+fn stage_b(u: u32, v: vec4<f32>) {
+    let kq = unit(u, prm.b_kfast, TN);
+    Bs[kq.x * SB + kq.y] = v;
 }
 
 fn out_index(m: u32, n: u32, z: u32) -> u32 {
@@ -112,30 +105,29 @@ fn out_index(m: u32, n: u32, z: u32) -> u32 {
     return prm.c_off + m * prm.csm + n * prm.csn;
 }
 
+fn old_at(m: u32, n: u32) -> f32 {
+    if (m < prm.M && n < prm.N) {
+        return C[out_index(m, n, 0u)];
+    }
+    return 0.0;
+}
+
 // C's current values at row m, columns n0 + TN * c (0 outside), read before any store so the reads overlap.
 fn old_row(m: u32, n0: u32) -> vec4<f32> {
-    var v = vec4<f32>(0.0);
-    if (m < prm.M) {
-        for (var c = 0u; c < 4u; c++) {
-            let n = n0 + TN * c;
-            if (n < prm.N) {
-                v[c] = C[out_index(m, n, 0u)];
-            }
-        }
+    return vec4<f32>(old_at(m, n0), old_at(m, n0 + TN), old_at(m, n0 + 2u * TN), old_at(m, n0 + 3u * TN));
+}
+
+fn put(m: u32, n: u32, z: u32, v: f32) {
+    if (m < prm.M && n < prm.N) {
+        C[out_index(m, n, z)] = v;
     }
-    return v;
 }
 
 fn store_row(m: u32, n0: u32, z: u32, v: vec4<f32>) {
-    if (m >= prm.M) {
-        return;
-    }
-    for (var c = 0u; c < 4u; c++) {
-        let n = n0 + TN * c;
-        if (n < prm.N) {
-            C[out_index(m, n, z)] = v[c];
-        }
-    }
+    put(m, n0, z, v.x);
+    put(m, n0 + TN, z, v.y);
+    put(m, n0 + 2u * TN, z, v.z);
+    put(m, n0 + 3u * TN, z, v.w);
 }
 
 @compute @workgroup_size(THREADS)
@@ -151,14 +143,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var acc1 = vec4<f32>(0.0);
     var acc2 = vec4<f32>(0.0);
     var acc3 = vec4<f32>(0.0);
+    ${DECLARE}
     if (k_begin < k_end) {
-        load_step(l, m0, n0, k_begin, k_end);
+        let kl = k_begin;
+        ${LOAD}
     }
     for (var k0 = k_begin; k0 < k_end; k0 += BK) {
-        stage(l);
+        ${STAGE}
         workgroupBarrier();
         if (k0 + BK < k_end) {
-            load_step(l, m0, n0, k0 + BK, k_end);   // in flight during this step's products
+            let kl = k0 + BK;   // the next step's loads, in flight during this step's products
+            ${LOAD}
         }
         for (var k = 0u; k < BK; k++) {
             let a = As[k * SA + tm];

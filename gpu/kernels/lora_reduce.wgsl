@@ -1,6 +1,7 @@
 // The second pass of a split lora_gemm (gpu/ops/lora_matmul.py): C(m, n) = alpha * sum_z P[z, m, n]
 // (+ C(m, n) if accumulate), the splits added in ascending z (deterministic, no atomics);
-// C(m, n) = C[c_off + m * csm + n * csn]. One thread per output.
+// C(m, n) = C[c_off + m * csm + n * csn]. One thread per output; eight partials loaded at a time (all in flight)
+// before they are added in order.
 
 struct Params {
     count: u32,   // M * N
@@ -24,9 +25,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     if (e >= prm.count) {
         return;
     }
+    let n = prm.count;
     var s = 0.0;
-    for (var z = 0u; z < prm.splits; z++) {
-        s += P[z * prm.count + e];
+    var z = 0u;
+    for (; z + 8u <= prm.splits; z += 8u) {
+        let i = z * n + e;
+        let p0 = P[i];
+        let p1 = P[i + n];
+        let p2 = P[i + 2u * n];
+        let p3 = P[i + 3u * n];
+        let p4 = P[i + 4u * n];
+        let p5 = P[i + 5u * n];
+        let p6 = P[i + 6u * n];
+        let p7 = P[i + 7u * n];
+        s = s + p0 + p1 + p2 + p3 + p4 + p5 + p6 + p7;
+    }
+    for (; z < prm.splits; z++) {
+        s += P[z * n + e];
     }
     let i = prm.c_off + (e / prm.N) * prm.csm + (e % prm.N) * prm.csn;
     var r = prm.alpha * s;

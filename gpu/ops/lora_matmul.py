@@ -15,12 +15,12 @@ import math
 import weakref
 from typing import Any
 
+from gpu.codegen_lora import BM, LORA_GEMM_BK
 from gpu.device import Device, DeviceError, grid_1d
 from gpu.ops.common import nbytes, pack
 from gpu.ops.strided_matmul import Operand
-from gpu.registry import LORA_GEMM_BK, pipeline
+from gpu.registry import pipeline
 
-BM = 64  # output rows per workgroup (gpu/kernels/lora_gemm.wgsl)
 TARGET_WORKGROUPS = 1024  # split the reduction until about this many workgroups run (an H200 has 132 SMs)
 MIN_CHUNK = 128  # reduction steps per split at least (fewer would spend more on partials than on products)
 SCRATCH_CAP = 32 << 20  # bytes of partial sums at most (fewer splits beyond it)
