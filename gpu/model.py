@@ -318,8 +318,7 @@ class GPUModel:
             "nf": h,
             "dx": h,
             "dh": h,
-            "ds": f,
-            "du": f,  # (dL/dgate goes into "s": the down projection's backward is its last reader)
+            "ds": f,  # (dL/dgate goes into "s", dL/dup over "u": gpu/student.py's _block_backward)
             "dn": h,
             "datt": qd,
             "dqr": qd,

@@ -178,10 +178,11 @@ class GPUStudent(GPUModel):
         pos = self._b.bufs["positions"]
         # out = hres + down(swiglu(gate(n2), up(n2)))
         self._proj_back(a["dx"], a["s"], layer, "down", a["ds"], False)
-        dg = a["s"]  # s (the down projection's input) is dead once its backward above has read it
-        swiglu_backward(dev, a["ds"], a["g"], a["u"], dg, a["du"], rows * f)
+        # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
+        dg, du = a["s"], a["u"]
+        swiglu_backward(dev, a["ds"], a["g"], a["u"], dg, rows * f)
         self._proj_back(dg, a["n2"], layer, "gate", a["dn"], False)
-        self._proj_back(a["du"], a["n2"], layer, "up", a["dn"], True)
+        self._proj_back(du, a["n2"], layer, "up", a["dn"], True)
         dev.copy(a["dx"], a["dh"], 4 * rows * h)
         rmsnorm_backward(
             dev,

@@ -134,7 +134,8 @@ def test_swiglu_and_add(dev: Device, n: int) -> None:
     def run() -> list[np.ndarray]:
         y, dg, du, s, acc, sc = (dev.buffer(4 * n) for _ in range(6))
         swiglu_forward(dev, gb, ub, y, n)
-        swiglu_backward(dev, dyb, gb, ub, dg, du, n)
+        dev.copy(ub, du, 4 * n)  # the backward writes dU over U
+        swiglu_backward(dev, dyb, gb, du, dg, n)
         add(dev, y, bb, s, n)
         dev.copy(dyb, acc, 4 * n)
         add_inplace(dev, acc, bb, n)

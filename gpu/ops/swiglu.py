@@ -16,8 +16,8 @@ def swiglu_forward(dev: Device, g: Any, u: Any, y: Any, n: int) -> None:
     dev.dispatch(pipeline(dev, "swiglu_forward"), [pack(n, 0, 0, 0), g, u, y], grid(n, 256))
 
 
-def swiglu_backward(dev: Device, dy: Any, g: Any, u: Any, dg: Any, du: Any, n: int) -> None:
-    """(dg, du) of y = silu(g) * u over n elements."""
-    for buf, what in ((dy, "dy"), (g, "g"), (u, "u"), (dg, "dg"), (du, "du")):
+def swiglu_backward(dev: Device, dy: Any, g: Any, u: Any, dg: Any, n: int) -> None:
+    """dg and du of y = silu(g) * u over n elements; du overwrites u (u is dead after the backward)."""
+    for buf, what in ((dy, "dy"), (g, "g"), (u, "u"), (dg, "dg")):
         need(buf, n, f"swiglu_backward {what}")
-    dev.dispatch(pipeline(dev, "swiglu_backward"), [pack(n, 0, 0, 0), dy, g, u, dg, du], grid(n, 256))
+    dev.dispatch(pipeline(dev, "swiglu_backward"), [pack(n, 0, 0, 0), dy, g, u, dg], grid(n, 256))
