@@ -203,6 +203,8 @@ def _resolve_precision(dev: Device, precision: str) -> str:
 class GPUModel:
     """Forward of the frozen model (optionally with LoRA) over `batch` sequences of `seq_len` tokens."""
 
+    keeps_block_inputs = True  # every block's input stays in xs (a backward recomputes from them)
+
     def __init__(
         self,
         dev: Device,
@@ -289,7 +291,7 @@ class GPUModel:
         h, f, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
         self.slot = aligned_floats(rows * h)
         b = self._b.get
-        self.xs = b("layer inputs", (cfg.n_layers + 1) * self.slot)
+        self.xs = b("layer inputs", (cfg.n_layers + 1 if self.keeps_block_inputs else 2) * self.slot)
         for name, n in (
             ("ids", rows),
             ("positions", rows),
@@ -316,19 +318,10 @@ class GPUModel:
             "s": f,
             "tmp": h,
             "nf": h,
-            "dx": h,
-            "dh": h,
-            "ds": f,  # (dL/dgate goes into "s", dL/dup over "u": gpu/student.py's _block_backward)
-            "dn": h,
-            "datt": qd,
-            "dqr": qd,
-            "dq": qd,
-            "dkr": kvd,
-            "dk": kvd,
-            "dv": kvd,
+            **self._gradient_widths(),
         }
-        if cfg.qk_norm:  # q and k after their per-head RMSNorm, and the gradients there
-            sizes.update({"qn": qd, "kn": kvd, "dqn": qd, "dkn": kvd})
+        if cfg.qk_norm:  # q and k after their per-head RMSNorm
+            sizes.update({"qn": qd, "kn": kvd})
         self.a = {name: b(name, rows * n) for name, n in sizes.items()}
         self.seq_q = aligned_floats(self.seq_len * qd)
         self.seq_kv = aligned_floats(self.seq_len * kvd)
@@ -353,8 +346,16 @@ class GPUModel:
             return self.a16, {"a_dtype": "f16"}
         return x, {}
 
+    def _gradient_widths(self) -> dict[str, int]:
+        """Per-row widths of the backward's scratch buffers (none for a forward-only model)."""
+        return {}
+
+    def _x_offset(self, layer: int) -> int:
+        """Float offset of block `layer`'s input in xs (a forward-only model keeps two, alternating)."""
+        return (layer if self.keeps_block_inputs else layer % 2) * self.slot
+
     def _x(self, layer: int) -> BufferView:
-        return self._view(self.xs, layer * self.slot, self.rows * self.cfg.hidden)
+        return self._view(self.xs, self._x_offset(layer), self.rows * self.cfg.hidden)
 
     # ---- one projection (frozen W + LoRA) ---------------------------------------------------------------
     def _head_input(self) -> Any:
@@ -463,7 +464,7 @@ class GPUModel:
         x = np.asarray(x, np.float32)
         if x.shape != want:
             raise ValueError(f"prefix activations of shape {x.shape}, the model takes {want}")
-        self.dev.write(self.xs, x.reshape(-1), offset=4 * self.start_layer * self.slot)
+        self.dev.write(self.xs, x.reshape(-1), offset=4 * self._x_offset(self.start_layer))
 
     def residual_stream(self, ids: np.ndarray, layer: int) -> np.ndarray:
         """The input of block `layer` for ids [batch, seq_len]: the embedding and blocks 0..layer-1 with this
@@ -479,7 +480,7 @@ class GPUModel:
             embedding_forward(self.dev, self.w.embed, bufs["ids"], self._x(0), rows)
             for block in range(layer):
                 self._block_forward(block)
-        out = self.dev.read(self.xs, np.float32, (rows * cfg.hidden,), offset=4 * layer * self.slot)
+        out = self.dev.read(self.xs, np.float32, (rows * cfg.hidden,), offset=4 * self._x_offset(layer))
         return out.reshape(self.batch, self.seq_len, cfg.hidden)
 
     def _forward_to_head(self) -> None:

@@ -90,6 +90,15 @@ class GPUStudent(GPUModel):
         self._acc_grads = False
         self._has_tail = False
 
+    def _gradient_widths(self) -> dict[str, int]:
+        cfg = self.cfg
+        h, f, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
+        # dL/dgate goes into "s", dL/dup over "u"; without per-head q/k norms dL/dq and dL/dk go over q and k
+        widths = {"dx": h, "dh": h, "ds": f, "dn": h, "datt": qd, "dqr": qd, "dkr": kvd, "dv": kvd}
+        if cfg.qk_norm:  # q and k are read by the norms' backward; gradients at the normed q / k too
+            widths.update({"dq": qd, "dk": kvd, "dqn": qd, "dkn": kvd})
+        return widths
+
     def get_grads(self) -> dict[tuple[int, str], LoraPair]:
         """The last step's gradients (dA, dB) per (layer, target), as LoraPair(A=dA, B=dB)."""
         return self.layout.unpack(self.dev.read(self.grads, np.float32, (self.layout.n_params,)))
@@ -199,6 +208,7 @@ class GPUStudent(GPUModel):
         self._proj_back(a["dh"], a["att"], layer, "o", a["datt"], False)
         self._attention_back(a["datt"], a["qr"], a["kr"], a["v"], a["att"], a["dqr"], a["dkr"], a["dv"])
         if cfg.qk_norm:  # rope back to the normed q/k, then through the per-head RMSNorm to the projections
+            dq, dk = a["dq"], a["dk"]
             norm, d, eps = self.w.norms, cfg.head_dim, cfg.eps
             rope_backward(dev, self.rope, a["dqr"], a["dqn"], rows, cfg.n_heads, positions=pos)
             rope_backward(dev, self.rope, a["dkr"], a["dkn"], rows, cfg.n_kv_heads, positions=pos)
@@ -208,11 +218,12 @@ class GPUStudent(GPUModel):
             rmsnorm_backward(
                 dev, a["dkn"], a["k"], norm[f"blk.{layer}.attn_k_norm.weight"], a["dk"], rows * cfg.n_kv_heads, d, eps
             )
-        else:
-            rope_backward(dev, self.rope, a["dqr"], a["dq"], rows, cfg.n_heads, positions=pos)
-            rope_backward(dev, self.rope, a["dkr"], a["dk"], rows, cfg.n_kv_heads, positions=pos)
-        self._proj_back(a["dq"], a["n1"], layer, "q", a["dn"], False)
-        self._proj_back(a["dk"], a["n1"], layer, "k", a["dn"], True)
+        else:  # q and k (before RoPE) are not read by the backward: their gradients go over them
+            dq, dk = a["q"], a["k"]
+            rope_backward(dev, self.rope, a["dqr"], dq, rows, cfg.n_heads, positions=pos)
+            rope_backward(dev, self.rope, a["dkr"], dk, rows, cfg.n_kv_heads, positions=pos)
+        self._proj_back(dq, a["n1"], layer, "q", a["dn"], False)
+        self._proj_back(dk, a["n1"], layer, "k", a["dn"], True)
         self._proj_back(a["dv"], a["n1"], layer, "v", a["dn"], True)
         dev.copy(a["dh"], a["dx"], 4 * rows * h)
         rmsnorm_backward(

@@ -13,6 +13,8 @@ from gpu.profile import scope
 class GPUTeacher(GPUModel):
     """Top-k ids, log-probs at temperature tau, and the tail mass, for `batch` sequences of `seq_len` tokens."""
 
+    keeps_block_inputs = False  # forward only: two alternating residual-stream buffers, no backward scratch
+
     def __init__(
         self,
         dev: Device,
