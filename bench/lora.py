@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.attention import timed  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops import lora_matmul  # noqa: E402
 from gpu.ops.lora import lora_backward, lora_forward  # noqa: E402
@@ -50,16 +51,6 @@ def old_backward(dev: Device, dy, x, a, b, t, da, db, dx, dt, n: int, d_in: int,
 
 
 IMPLS = {"new": (lora_forward, lora_backward), "old": (old_forward, old_backward)}
-
-
-def timed(run: Callable[[int], float], seconds: float) -> tuple[float, int, float]:
-    """(median seconds per rep, reps, spread) of 3 windows after a warm-up window."""
-    run(1)
-    one = run(1)
-    reps = int(min(200, max(3, seconds / max(one, 1e-6))))
-    run(reps)
-    windows = sorted(run(reps) / reps for _ in range(3))
-    return windows[1], reps, (windows[2] - windows[0]) / windows[1]
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:

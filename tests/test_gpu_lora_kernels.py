@@ -113,7 +113,7 @@ def test_splits_cover_the_long_reductions() -> None:
 
 @pytest.mark.parametrize(
     "t,d_in,d_out,r",
-    [(300, 259, 130, 16), (171, 66, 203, 3), (129, 40, 24, 1), (257, 136, 72, 32)],
+    [(300, 259, 130, 16), (171, 66, 203, 3), (129, 40, 24, 1), (257, 136, 72, 32), (1, 40, 24, 4), (33, 20, 50, 8)],
 )
 @pytest.mark.parametrize("accumulate_grads", [False, True])
 def test_lora_forward_backward(dev: Device, t: int, d_in: int, d_out: int, r: int, accumulate_grads: bool) -> None:

@@ -11,7 +11,6 @@ from gpu.device import Device
 from gpu.ops.add import add, add_inplace, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
-from gpu.ops.lora import lora_backward, lora_forward
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.ops.swiglu import swiglu_backward, swiglu_forward
@@ -159,32 +158,3 @@ def test_attention_refuses_head_dim_without_kernel(dev: Device) -> None:
     bufs = [dev.buffer(4 * t * h * d) for _ in range(4)]
     with pytest.raises(ValueError, match="head_dim=12 has no kernel variant; gpu/registry.py HEAD_DIMS"):
         attention_forward(dev, *bufs, dev.buffer(4 * h * t), t, h, h, d)
-
-
-@pytest.mark.parametrize("t,d_in,d_out,r", [(1, 40, 24, 4), (19, 40, 24, 3), (33, 20, 50, 8)])
-def test_lora(dev: Device, t: int, d_in: int, d_out: int, r: int) -> None:
-    rng = np.random.default_rng(t + r)
-    x = rng.standard_normal((t, d_in)).astype(np.float32)
-    a = rng.standard_normal((r, d_in)).astype(np.float32) / np.sqrt(d_in)
-    b = rng.standard_normal((d_out, r)).astype(np.float32)
-    base = rng.standard_normal((t, d_out)).astype(np.float32)
-    dy = rng.standard_normal((t, d_out)).astype(np.float32)
-    dx0 = rng.standard_normal((t, d_in)).astype(np.float32)
-    s = 2.0
-    xb, ab, bb, dyb = up(dev, x), up(dev, a), up(dev, b), up(dev, dy)
-
-    def run() -> list[np.ndarray]:
-        tb, y, dx = dev.buffer(4 * t * r), up(dev, base), up(dev, dx0)
-        da, db, dt = dev.buffer(a.nbytes), dev.buffer(b.nbytes), dev.buffer(4 * t * r)
-        lora_forward(dev, xb, ab, bb, tb, y, t, d_in, d_out, r, s)
-        lora_backward(dev, dyb, xb, ab, bb, tb, da, db, dx, dt, t, d_in, d_out, r, s)
-        shapes = ((t, d_out), (t, d_in), a.shape, b.shape)
-        return [dev.read(buf, np.float32, sh) for buf, sh in zip((y, dx, da, db), shapes, strict=True)]
-
-    y, dx, da, db = twice(run)
-    x64, a64, b64, dy64 = (v.astype(np.float64) for v in (x, a, b, dy))
-    assert rel_err(y, base + ref.lora_forward(x64, a64, b64, s)) <= TOL
-    dx_ref, da_ref, db_ref = ref.lora_backward(dy64, x64, a64, b64, s)
-    assert rel_err(dx, dx0 + dx_ref) <= TOL
-    assert rel_err(da, da_ref) <= TOL
-    assert rel_err(db, db_ref) <= TOL
