@@ -360,24 +360,9 @@ class GPUStudent(GPUModel):
         Returns kd_loss (the batch's masked-mean loss, [1]), ce [rows], top1 [rows] (u32); rows with mask 0 are
         included (callers select masked rows).
         """
-        cfg, dev = self.cfg, self.dev
+        dev = self.dev
         with dev.step():
-            self._forward_to_head()
-            self._kd_head(0, backward=False)
-            hidden_topk(
-                dev,
-                self.a["nf"],
-                self.w.lm_head,
-                self.top1,
-                self.top1_lp,
-                self.top1_tail,
-                cfg.hidden,
-                cfg.vocab,
-                1.0,
-                logits_scratch=self.kd.logits,
-                chunk=self.kd.chunk,
-                h16=self._head_input(),
-            )
+            self._taped(("evaluate", self._has_tail), self._record_evaluate)
         lse = dev.read(self.kd.lse, np.float32, (self.rows, 4)).astype(np.float64)
         gathered = dev.read(self.kd.gathered, np.float32, (self.rows, self.k + 1)).astype(np.float64)
         ce = lse[:, 2] + np.log(lse[:, 3]) - gathered[:, self.k]
@@ -386,3 +371,23 @@ class GPUStudent(GPUModel):
             "ce": ce,
             "top1": dev.read(self.top1.ids, np.uint32, (self.rows,)),
         }
+
+    def _record_evaluate(self) -> None:
+        """evaluate_batch's forward, KD loss and top-1, recorded into the current step."""
+        cfg = self.cfg
+        self._forward_to_head()
+        self._kd_head(0, backward=False)
+        hidden_topk(
+            self.dev,
+            self.a["nf"],
+            self.w.lm_head,
+            self.top1,
+            self.top1_lp,
+            self.top1_tail,
+            cfg.hidden,
+            cfg.vocab,
+            1.0,
+            logits_scratch=self.kd.logits,
+            chunk=self.kd.chunk,
+            h16=self._head_input(),
+        )
