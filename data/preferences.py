@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from data.records import DataError, _read_hf_dir, _read_json, _read_jsonl, _read_parquet, resolve_format
+from data.records import DataError, read_records, resolve_format
 from model.chat import check_messages, tokenize_chat
 from model.tokenizer import GGUFTokenizer
 
@@ -107,16 +107,9 @@ def load_pairs(path: str | Path, fmt: str = "auto", fields: Fields = Fields(), m
     columns = (fields.prompt, fields.chosen, fields.rejected)
     pairs: list[PreferencePair] = []
     for file in files:
-        if kind == "jsonl":
-            items: Iterator[tuple[str, Any]] = _read_jsonl(file)
-        elif kind == "json":
-            items = _read_json(file)
-        elif kind == "parquet":
-            items = _read_parquet(file, columns)
-        elif kind == "hf_dir":
-            items = _read_hf_dir(file, columns)
-        else:
+        if kind == "text":
             raise DataError(f"{file}: preference pairs are read from jsonl, json, parquet or hf_dir, not {kind}")
+        items = read_records(kind, file, columns)
         try:
             for locator, item in items:
                 if max_pairs is not None and len(pairs) >= max_pairs:

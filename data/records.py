@@ -97,6 +97,20 @@ def resolve_format(path: str | Path, fmt: str = "auto") -> tuple[str, list[Path]
     return fmt, [p]
 
 
+def read_records(kind: str, path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """(locator, record) of one file of a resolved format (resolve_format): jsonl, json, parquet or hf_dir
+    records (parquet / hf_dir need one of `fields` as a column), or text paragraphs."""
+    if kind == "jsonl":
+        return _read_jsonl(path)
+    if kind == "json":
+        return _read_json(path)
+    if kind == "parquet":
+        return _read_parquet(path, fields)
+    if kind == "hf_dir":
+        return _read_hf_dir(path, fields)
+    return _read_text(path)
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -214,17 +228,7 @@ def load_records(
     fields = (messages_field, text_field)
     docs: list[Document] = []
     for file in files:
-        if kind == "jsonl":
-            items = _read_jsonl(file)
-        elif kind == "json":
-            items = _read_json(file)
-        elif kind == "parquet":
-            items = _read_parquet(file, fields)
-        elif kind == "hf_dir":
-            items = _read_hf_dir(file, fields)
-        else:
-            items = _read_text(file)
-        for locator, item in items:
+        for locator, item in read_records(kind, file, fields):
             if max_documents is not None and len(docs) >= max_documents:
                 return docs
             docs.append(_to_document(file, locator, item, text_field, messages_field))
