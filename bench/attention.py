@@ -50,6 +50,25 @@ def timed(run: Callable[[int], float], seconds: float) -> tuple[float, int, floa
     return windows[1], reps, (windows[2] - windows[0]) / windows[1]
 
 
+def timing_row(
+    run: Callable[[int], float], seconds: float, b: int, hq: int, hkv: int, t: int, d: int, backward: bool
+) -> dict[str, Any]:
+    """The shape, median ms, TFLOP/s, reps and spread of one timed attention pass (one JSON row's fields)."""
+    sec, reps, spread = timed(run, seconds)
+    return {
+        "pass": "fwd+bwd" if backward else "fwd",
+        "batch": b,
+        "seq": t,
+        "heads": hq,
+        "kv_heads": hkv,
+        "head_dim": d,
+        "ms": round(sec * 1e3, 4),
+        "tflops": round(flops(b, hq, t, d, backward) / sec / 1e12, 2),
+        "reps": reps,
+        "spread": round(spread, 3),
+    }
+
+
 def ours(dev: Device, kind: str, b: int, t: int, hq: int, hkv: int, d: int, seconds: float) -> list[dict[str, Any]]:
     """Forward and forward + backward over b sequences with our `kind` kernels ("tc" or "f32")."""
     rng = np.random.default_rng(0)
@@ -85,20 +104,7 @@ def ours(dev: Device, kind: str, b: int, t: int, hq: int, hkv: int, d: int, seco
 
     results = []
     for backward in (False, True):
-        sec, reps, spread = timed(run(backward), seconds)
-        res = {
-            "impl": f"ours_{kind}",
-            "pass": "fwd+bwd" if backward else "fwd",
-            "batch": b,
-            "seq": t,
-            "heads": hq,
-            "kv_heads": hkv,
-            "head_dim": d,
-            "ms": round(sec * 1e3, 4),
-            "tflops": round(flops(b, hq, t, d, backward) / sec / 1e12, 2),
-            "reps": reps,
-            "spread": round(spread, 3),
-        }
+        res = {"impl": f"ours_{kind}", **timing_row(run(backward), seconds, b, hq, hkv, t, d, backward)}
         q64, k64, v64 = (x[0].astype(np.float64) for x in (q, k, v))
         errs = {"out": _rel(dev.read(out[0], np.float32, (t, hq, d)), reference.attention_forward(q64, k64, v64))}
         if backward:
@@ -161,20 +167,11 @@ def torch_sdpa(b: int, t: int, hq: int, hkv: int, d: int, seconds: float) -> lis
             return start.elapsed_time(end) / 1e3
 
         with torch.set_grad_enabled(backward):
-            sec, reps, spread = timed(go, seconds)
+            row = timing_row(go, seconds, b, hq, hkv, t, d, backward)
         results.append(
             {
                 "impl": "torch_sdpa_bf16",
-                "pass": "fwd+bwd" if backward else "fwd",
-                "batch": b,
-                "seq": t,
-                "heads": hq,
-                "kv_heads": hkv,
-                "head_dim": d,
-                "ms": round(sec * 1e3, 4),
-                "tflops": round(flops(b, hq, t, d, backward) / sec / 1e12, 2),
-                "reps": reps,
-                "spread": round(spread, 3),
+                **row,
                 "torch": torch.__version__,
                 "device": torch.cuda.get_device_name(0),
             }

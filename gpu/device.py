@@ -489,24 +489,25 @@ class Device:
         bg = self.bind_group(pipeline, bindings)
         if self._tape is not None:
             self._tape.commands.append((_DISPATCH, pipeline, bg, g))
-        self._record_dispatch(pipeline, bg, g)
-
-    def _record_dispatch(self, pipeline: Any, bg: Any, g: tuple[int, ...]) -> None:
         with self.step() as rec:
-            if self.profiler is not None:  # its own pass, timestamped (gpu/profile.py)
-                rec.end_pass()
-                cp = rec.encoder.begin_compute_pass(timestamp_writes=self.profiler.timestamp_writes(pipeline.label))
-            else:
-                cp = rec.compute_pass()
-            cp.set_pipeline(pipeline)
-            cp.set_bind_group(0, bg)
-            cp.dispatch_workgroups(*g)
-            if self.profiler is not None:
-                cp.end()
-            rec.dispatches += 1
-            self.stats["dispatches"] += 1
-            if self.submit_every and rec.dispatches >= self.submit_every:
-                self.flush()
+            self._record_dispatch(rec, pipeline, bg, g)
+
+    def _record_dispatch(self, rec: Recorder, pipeline: Any, bg: Any, g: tuple[int, ...]) -> None:
+        """One dispatch into rec (the current step's recorder); submits every submit_every of them."""
+        if self.profiler is not None:  # its own pass, timestamped (gpu/profile.py)
+            rec.end_pass()
+            cp = rec.encoder.begin_compute_pass(timestamp_writes=self.profiler.timestamp_writes(pipeline.label))
+        else:
+            cp = rec.compute_pass()
+        cp.set_pipeline(pipeline)
+        cp.set_bind_group(0, bg)
+        cp.dispatch_workgroups(*g)
+        if self.profiler is not None:
+            cp.end()
+        rec.dispatches += 1
+        self.stats["dispatches"] += 1
+        if self.submit_every and rec.dispatches >= self.submit_every:
+            self.flush()
 
     # ---- tapes: record a step once, replay it ---------------------------------------------------------
     @contextlib.contextmanager
@@ -528,7 +529,7 @@ class Device:
             for cmd in tape.commands:
                 kind = cmd[0]
                 if kind is _DISPATCH:
-                    self._record_dispatch(cmd[1], cmd[2], cmd[3])
+                    self._record_dispatch(rec, cmd[1], cmd[2], cmd[3])
                     continue
                 rec.end_pass()
                 if kind is _COPY:

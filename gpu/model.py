@@ -382,21 +382,23 @@ class GPUModel:
         widths = (self.cfg.q_dim, self.cfg.kv_dim)
         return self.batch == 1 or all(4 * self.seq_len * w % self.dev.offset_alignment == 0 for w in widths)
 
+    def _slot_dims(self, slot: str) -> tuple[int, int]:
+        """(row width, padded floats per sequence) of an attention slot's tensor."""
+        return (self.cfg.q_dim, self.seq_q) if _SLOT_KIND[slot] == "q" else (self.cfg.kv_dim, self.seq_kv)
+
     def _seq_view(self, packed: Any, slot: str, s: int) -> BufferView:
         """Sequence s's [T, width] rows of a packed attention tensor: a view into it, or into its padded slot."""
-        q = _SLOT_KIND[slot] == "q"
-        width = self.cfg.q_dim if q else self.cfg.kv_dim
+        width, per = self._slot_dims(slot)
         if self.direct_attention:
             return self._view(packed, s * self.seq_len * width, self.seq_len * width)
-        return self._view(self.a[slot], s * (self.seq_q if q else self.seq_kv), self.seq_len * width)
+        return self._view(self.a[slot], s * per, self.seq_len * width)
 
     def _scatter(self, pairs: Iterable[tuple[Any, str]], to_slots: bool) -> None:
         """Copy (packed buffer, slot) rows between the packed layout and the padded slots (none when direct)."""
         if self.direct_attention:
             return
         for src, slot in pairs:
-            q = _SLOT_KIND[slot] == "q"
-            width, per = (self.cfg.q_dim, self.seq_q) if q else (self.cfg.kv_dim, self.seq_kv)
+            width, per = self._slot_dims(slot)
             n = 4 * self.seq_len * width
             for s in range(self.batch):
                 packed, at = 4 * s * self.seq_len * width, 4 * s * per

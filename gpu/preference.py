@@ -17,6 +17,7 @@ per-row weight in the KD head (a float mask) would remove both.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -119,8 +120,8 @@ class GPUPreferenceStudent(GPUStudent):
         self._micro_losses[micro] = terms.loss
 
     # ---- pass 2: the recorded step with the scaled head gradient ---------------------------------------
-    def _kd_head(self, loss_index: int, backward: bool) -> None:
-        super()._kd_head(loss_index, backward)
+    def _kd_head(self, loss_index: int, backward: bool, h16: Any = None) -> None:
+        super()._kd_head(loss_index, backward, h16)
         if backward and self._row_scale is not None:
             dh = self.dev.read(self.a["tmp"], np.float32, (self.rows, self.cfg.hidden))
             self.dev.write(self.a["tmp"], dh * self._row_scale[:, None])

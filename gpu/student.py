@@ -263,8 +263,9 @@ class GPUStudent(GPUModel):
         w(bufs["teacher_tail"], tail.reshape(-1))
         self._has_tail = teacher_tail is not None
 
-    def _kd_head(self, loss_index: int, backward: bool) -> None:
-        """lm_head + KD loss of the uploaded batch into losses[loss_index]; with backward, dL/dh into a["tmp"]."""
+    def _kd_head(self, loss_index: int, backward: bool, h16: Any = None) -> None:
+        """lm_head + KD loss of the uploaded batch into losses[loss_index]; with backward, dL/dh into a["tmp"].
+        h16: the final hidden state's f16 copy when the caller already made it (else made here if needed)."""
         cfg, bufs = self.cfg, self._b.bufs
         tail = bufs["teacher_tail"] if self._has_tail else None
         with scope(self.dev, "kd head"):
@@ -272,7 +273,7 @@ class GPUStudent(GPUModel):
                 self.dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
                 bufs["targets"], bufs["mask"], self.loss_cfg, self.a["tmp"], self.losses, self.rows, cfg.hidden,
                 cfg.vocab, self.k, scratch=self.kd, loss_index=loss_index, backward=backward,
-                h16=self._head_input(),
+                h16=h16 if h16 is not None else self._head_input(),
             )  # fmt: skip
 
     def _record_loss_and_grads(self, micro: int) -> None:
@@ -376,7 +377,8 @@ class GPUStudent(GPUModel):
         """evaluate_batch's forward, KD loss and top-1, recorded into the current step."""
         cfg = self.cfg
         self._forward_to_head()
-        self._kd_head(0, backward=False)
+        h16 = self._head_input()  # one f16 copy for the KD head and the top-1
+        self._kd_head(0, backward=False, h16=h16)
         hidden_topk(
             self.dev,
             self.a["nf"],
@@ -389,5 +391,5 @@ class GPUStudent(GPUModel):
             1.0,
             logits_scratch=self.kd.logits,
             chunk=self.kd.chunk,
-            h16=self._head_input(),
+            h16=h16,
         )

@@ -43,3 +43,26 @@ def device_or_skip() -> Any:
             pytest.fail(f"no GPU adapter (DISTILLERY_REQUIRE_GPU=1): {dev}")
         pytest.skip(f"no GPU adapter: {dev}")
     return dev
+
+
+@cache
+def _tensor_core_device() -> Any:
+    from gpu.device import Device, DeviceError
+    from gpu.ops.matmul_tc import tensor_core_problem
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            dev = Device(backend="dawn")
+    except (DeviceError, ImportError, RuntimeError) as e:
+        return f"no Dawn adapter: {e}"
+    return tensor_core_problem(dev) or dev
+
+
+def tensor_core_device_or_skip() -> Any:
+    """The process's Dawn Device with usable subgroup matrices (the H200 through the device tool); skips the
+    calling test elsewhere (the `tensorcore` tests, deselected by `make test`)."""
+    dev = _tensor_core_device()
+    if isinstance(dev, str):
+        pytest.skip(dev)
+    return dev

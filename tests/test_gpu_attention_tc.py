@@ -11,8 +11,6 @@ compile of every variant is in tests/test_kernel_registry.py, the refusal elsewh
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import pytest
 
@@ -20,22 +18,14 @@ from gpu.device import Device, DeviceError
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.matmul_tc import has_tensor_cores
 from model import reference as ref
-from tests.gpu_fixtures import device_or_skip
+from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 
 TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
 def tc_dev() -> Device:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            dev = Device(backend="dawn")
-    except (DeviceError, ImportError, RuntimeError) as e:
-        pytest.skip(f"no Dawn adapter: {e}")
-    if not has_tensor_cores(dev):
-        pytest.skip(f"Dawn adapter {dev.adapter.summary} has no usable subgroup matrices")
-    return dev
+    return tensor_core_device_or_skip()
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:

@@ -20,6 +20,7 @@ from model.config import LORA_TARGETS, ModelConfig
 from model.gguf import llama3_rope_factors
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
+from tests.gpu_fixtures import tensor_core_device_or_skip
 from tests.gpu_helpers import make_device, rel_err, twice, up
 
 pytestmark = pytest.mark.gpu
@@ -172,15 +173,7 @@ TC_REL = 2e-2  # tensor cores: activations and dequantized weights rounded to f1
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_tensorcore_step_matches_reference(name: str) -> None:
     """The same step with every frozen projection on tensor cores (Dawn subgroup matrices; H200 only)."""
-    from gpu.device import DeviceError
-    from gpu.ops.matmul_tc import tensor_core_problem
-
-    try:
-        dev = Device(backend="dawn")
-    except DeviceError as exc:
-        pytest.skip(f"no Dawn adapter: {exc}")
-    if (problem := tensor_core_problem(dev)) is not None:
-        pytest.skip(problem)
+    dev = tensor_core_device_or_skip()
     cfg = FAMILIES[name]
     w, lora, ids, targets, mask, tids, tlp = _problem(cfg, 9, Q.Q4_0)
     loss_cfg = LossConfig("forward_kl", tau=1.0)

@@ -14,7 +14,7 @@ from model.config import LORA_TARGETS, ModelConfig
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
 from schemas.optim import AdamWConfig
-from tests.gpu_fixtures import device_or_skip
+from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 
 pytestmark = pytest.mark.gpu
 
@@ -253,26 +253,13 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
 TC_REL = 2e-2  # tensor cores: activations and dequantized weights rounded to f16 (11-bit mantissa), f32 accumulation
 
 
-def _tensor_core_device():
-    from gpu.device import Device, DeviceError
-    from gpu.ops.matmul_tc import tensor_core_problem
-
-    try:
-        dev = Device(backend="dawn")
-    except DeviceError as exc:
-        pytest.skip(f"no Dawn adapter: {exc}")
-    if (problem := tensor_core_problem(dev)) is not None:
-        pytest.skip(problem)
-    return dev
-
-
 @pytest.mark.tensorcore
 def test_tensorcore_f16_gemm_inputs_are_exact() -> None:
     """Packing each projection's input to f16 once (shared by q/k/v and gate/up) gives bitwise the residual
     stream of the GEMMs rounding f32 inputs while staging (H200 only)."""
     from gpu.model import GPUModel
 
-    dev = _tensor_core_device()
+    dev = tensor_core_device_or_skip()
     w, lora, ids, *_ = _problem(3, Q.Q4_0)
     weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     streams = []
@@ -291,7 +278,7 @@ def test_tensorcore_f16_gemm_inputs_are_exact() -> None:
 def test_tensorcore_step_matches_reference() -> None:
     """The same step with every frozen projection and the LM head's logits on tensor cores (Dawn subgroup
     matrices; H200 only)."""
-    dev = _tensor_core_device()
+    dev = tensor_core_device_or_skip()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
@@ -325,7 +312,7 @@ def test_tensorcore_teacher_topk_close() -> None:
     and the top-1 ids agree on nearly every row (H200 only)."""
     from gpu.teacher import GPUTeacher
 
-    dev = _tensor_core_device()
+    dev = tensor_core_device_or_skip()
     w, _, ids, _, _, _ = _problem(7, Q.F32)
     weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     got, want = (

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +36,7 @@ from gpu.ops.matmul_tc import (
     linear_tc,
 )
 from gpu.weights import random_blocks, upload_quant
-from tests.gpu_fixtures import device_or_skip
+from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 
 ALL_TYPES = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 GGUF_ENCODABLE = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
@@ -244,15 +243,7 @@ def test_tensor_core_kernels_compile_in_tint() -> None:
 
 @pytest.fixture(scope="module")
 def tc_dev() -> Device:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            dev = Device(backend="dawn")
-    except (DeviceError, ImportError, RuntimeError) as e:
-        pytest.skip(f"no Dawn adapter: {e}")
-    if not has_tensor_cores(dev):
-        pytest.skip(f"Dawn adapter {dev.adapter.summary} has no usable subgroup matrices")
-    return dev
+    return tensor_core_device_or_skip()
 
 
 @pytest.mark.tensorcore

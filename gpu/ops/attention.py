@@ -10,8 +10,18 @@ from gpu.device import Device
 from gpu.ops.common import need, pack
 from gpu.registry import ATTENTION_ROWS, HEAD_DIMS, pipeline
 
+_KV_SHAPED = ("k", "v", "dk", "dv")  # [T, Hkv, D]; lse and delta are [Hq, T]; the others [T, Hq, D]
 
-def _check(t: int, hq: int, hkv: int, d: int, tensors: dict[str, tuple[Any, int]]) -> None:
+
+def check_tensors(t: int, hq: int, hkv: int, d: int, **tensors: Any) -> None:
+    """Raise DeviceError naming the first attention tensor too small for its shape (q, out, dout, dq: [T, Hq, D];
+    k, v, dk, dv: [T, Hkv, D]; lse, delta: [Hq, T]); shared with the tensor-core ops."""
+    for name, buf in tensors.items():
+        n = hq * t if name in ("lse", "delta") else t * (hkv if name in _KV_SHAPED else hq) * d
+        need(buf, n, f"attention {name}")
+
+
+def _check(t: int, hq: int, hkv: int, d: int) -> None:
     if d not in HEAD_DIMS:
         raise ValueError(f"attention: head_dim={d} has no kernel variant; gpu/registry.py HEAD_DIMS lists {HEAD_DIMS}")
     if hq % hkv:
@@ -20,8 +30,6 @@ def _check(t: int, hq: int, hkv: int, d: int, tensors: dict[str, tuple[Any, int]
         raise ValueError(f"attention: n_tokens={t} must be positive")
     if math.ceil(t / ATTENTION_ROWS) > 65535 or hq > 65535:
         raise ValueError(f"attention: n_tokens={t}, n_heads={hq} exceed the dispatch grid")
-    for name, (buf, n) in tensors.items():
-        need(buf, n, f"attention {name}")
 
 
 def attention_forward(
@@ -30,8 +38,8 @@ def attention_forward(
     """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v; lse [Hq, T] (f32) saved for the backward.
     q [T, Hq, D]; k, v [T, Hkv, D]; query head h reads kv head h // (Hq // Hkv)."""
     t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
-    nq, nkv = t * hq * d, t * hkv * d
-    _check(t, hq, hkv, d, {"q": (q, nq), "k": (k, nkv), "v": (v, nkv), "out": (out, nq), "lse": (lse, hq * t)})
+    _check(t, hq, hkv, d)
+    check_tensors(t, hq, hkv, d, q=q, k=k, v=v, out=out, lse=lse)
     pipe = pipeline(dev, "attention_forward", head_dim=d)
     params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
     dev.dispatch(pipe, [params, q, k, v, out, lse], (math.ceil(t / ATTENTION_ROWS), hq))
@@ -57,27 +65,10 @@ def attention_backward(
     """(dq, dk, dv) of attention_forward given dout, the forward's out and lse. `delta` is an [Hq, T] f32
     scratch (allocated when None; pass one to keep bind groups cached across steps)."""
     t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
-    nq, nkv = t * hq * d, t * hkv * d
     if delta is None:
         delta = dev.buffer(hq * t * 4, label="attention delta")
-    _check(
-        t,
-        hq,
-        hkv,
-        d,
-        {
-            "dout": (dout, nq),
-            "q": (q, nq),
-            "k": (k, nkv),
-            "v": (v, nkv),
-            "out": (out, nq),
-            "lse": (lse, hq * t),
-            "dq": (dq, nq),
-            "dk": (dk, nkv),
-            "dv": (dv, nkv),
-            "delta": (delta, hq * t),
-        },
-    )
+    _check(t, hq, hkv, d)
+    check_tensors(t, hq, hkv, d, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta)
     params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
     pipe = pipeline(dev, "attention_backward_dq", head_dim=d)
     dev.dispatch(pipe, [params, q, k, v, out, dout, lse, dq, delta], (math.ceil(t / ATTENTION_ROWS), hq))

@@ -22,7 +22,8 @@ from typing import Any
 
 from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS, MATRIX, workgroup_rows
 from gpu.device import Device, DeviceError
-from gpu.ops.common import grid, need, pack
+from gpu.ops.attention import check_tensors
+from gpu.ops.common import grid, pack
 from gpu.ops.matmul_tc import tensor_core_problem
 from gpu.registry import pipeline
 
@@ -75,7 +76,7 @@ def scratch_for(dev: Device, t: int, hq: int, hkv: int, d: int) -> AttentionTCSc
     return per_dev[key]
 
 
-def _check(dev: Device, t: int, hq: int, hkv: int, d: int, tensors: dict[str, tuple[Any, int]]) -> None:
+def _check(dev: Device, t: int, hq: int, hkv: int, d: int) -> None:
     problem = tensor_core_problem(dev)
     if problem is not None:
         raise DeviceError(f"tensor-core attention: {problem}")
@@ -90,8 +91,6 @@ def _check(dev: Device, t: int, hq: int, hkv: int, d: int, tensors: dict[str, tu
         raise ValueError(f"attention: n_tokens={t} must be positive")
     if math.ceil(t / MATRIX) > 65535 or hq > 65535:
         raise ValueError(f"attention: n_tokens={t}, n_heads={hq} exceed the dispatch grid")
-    for name, (buf, n) in tensors.items():
-        need(buf, n, f"attention {name}")
 
 
 def _pack(dev: Device, src: Any, dst: Any, t: int, heads: int, d: int, stats: Any = None) -> None:
@@ -123,9 +122,8 @@ def attention_forward_tc(
     """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v on tensor cores; lse [Hq, T] (f32) for the backward.
     Same arguments as gpu.ops.attention.attention_forward."""
     t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
-    nq, nkv = t * hq * d, t * hkv * d
-    tensors = {"q": (q, nq), "k": (k, nkv), "v": (v, nkv), "out": (out, nq), "lse": (lse, hq * t)}
-    _check(dev, t, hq, hkv, d, tensors)
+    _check(dev, t, hq, hkv, d)
+    check_tensors(t, hq, hkv, d, q=q, k=k, v=v, out=out, lse=lse)
     s = scratch_for(dev, t, hq, hkv, d)
     _pack_qkv(dev, s, q, k, v, t, hq, hkv, d)
     params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
@@ -153,19 +151,8 @@ def attention_backward_tc(
     """(dq, dk, dv) of attention_forward_tc given dout, the forward's out and lse, on tensor cores. Same
     arguments as gpu.ops.attention.attention_backward (`delta` is accepted and unused: the scratch holds it)."""
     t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
-    nq, nkv = t * hq * d, t * hkv * d
-    tensors = {
-        "dout": (dout, nq),
-        "q": (q, nq),
-        "k": (k, nkv),
-        "v": (v, nkv),
-        "out": (out, nq),
-        "lse": (lse, hq * t),
-        "dq": (dq, nq),
-        "dk": (dk, nkv),
-        "dv": (dv, nkv),
-    }
-    _check(dev, t, hq, hkv, d, tensors)
+    _check(dev, t, hq, hkv, d)
+    check_tensors(t, hq, hkv, d, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     s = scratch_for(dev, t, hq, hkv, d)
     _pack_qkv(dev, s, q, k, v, t, hq, hkv, d)
     dev.clear(s.stats, 0, 4)
