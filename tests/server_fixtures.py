@@ -128,7 +128,12 @@ def create_run(servers: Servers, deployment_id: str, parameters: dict[str, Any] 
     if parameters is not None:
         body["parameters"] = parameters
     with servers.api() as api:
-        reply = api.post(f"/deployments/{deployment_id}/create_flow_run", json=body)
+        # 503: an error the server calls retryable (its database busy); Prefect's own client retries it too
+        for attempt in range(6):
+            reply = api.post(f"/deployments/{deployment_id}/create_flow_run", json=body)
+            if reply.status_code != 503:
+                break
+            time.sleep(0.5 * 2**attempt)
     assert reply.status_code == 201, reply.text
     return str(reply.json()["id"])
 
