@@ -4,7 +4,8 @@
     python bench/attention.py                                # T = 1024, 2048; batch 4; 32 / 4 heads; D = 64
     python bench/attention.py --seq 1024 --batch 4 --no-f32
 
-Ours runs as the model calls it: one call per sequence of the batch, all recorded in one step. Times are the
+Ours runs as the model calls it: the tensor-core kernels take the whole batch in one call (sequence = grid z),
+the f32 kernels one call per sequence (views into the batch's buffers), all recorded in one step. Times are the
 median of 3 windows after a warm-up window (wall time of `reps` batches, submit + wait; torch: CUDA events).
 TFLOP/s counts the causal half of the products: forward 4 B H T^2 D / 2, backward 2.5x that (5 products;
 our backward recomputes S and dP in its dQ pass, so it does 7, which is not counted). Each of our results
@@ -27,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu.device import Device  # noqa: E402
+from gpu.device import BufferView, Device  # noqa: E402
 from gpu.ops.attention import attention_backward, attention_forward  # noqa: E402
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc  # noqa: E402
 from gpu.ops.matmul_tc import tensor_core_problem  # noqa: E402
@@ -78,25 +79,34 @@ def ours(dev: Device, kind: str, b: int, t: int, hq: int, hkv: int, d: int, seco
     k = rng.standard_normal((b, t, hkv, d), dtype=np.float32)
     v = rng.standard_normal((b, t, hkv, d), dtype=np.float32)
     do = rng.standard_normal((b, t, hq, d), dtype=np.float32)
-    qb, kb, vb, dob = ([dev.upload(np.ascontiguousarray(x[s])) for s in range(b)] for x in (q, k, v, do))
     nq, nkv = t * hq * d, t * hkv * d
-    out = [dev.buffer(4 * nq) for _ in range(b)]
-    lse = [dev.buffer(4 * hq * t) for _ in range(b)]
-    dq = [dev.buffer(4 * nq) for _ in range(b)]
-    dk = [dev.buffer(4 * nkv) for _ in range(b)]
-    dv = [dev.buffer(4 * nkv) for _ in range(b)]
-    delta = dev.buffer(4 * hq * t)
+    qb, kb, vb, dob = (dev.upload(np.ascontiguousarray(x)) for x in (q, k, v, do))
+    out, dq = dev.buffer(4 * b * nq), dev.buffer(4 * b * nq)
+    dk, dv = dev.buffer(4 * b * nkv), dev.buffer(4 * b * nkv)
+    lse, delta = dev.buffer(4 * b * hq * t), dev.buffer(4 * hq * t)
+
+    def seq(buf: Any, n: int, s: int) -> BufferView:
+        return BufferView(buf, 4 * s * n, 4 * n)
+
+    def record(backward: bool) -> None:
+        if tc:
+            fwd(dev, qb, kb, vb, out, lse, t, hq, hkv, d, n_seqs=b)
+            if backward:
+                bwd(dev, dob, qb, kb, vb, out, lse, dq, dk, dv, t, hq, hkv, d, n_seqs=b)
+            return
+        for s in range(b):
+            qs, ks, vs, os, ls = seq(qb, nq, s), seq(kb, nkv, s), seq(vb, nkv, s), seq(out, nq, s), seq(lse, hq * t, s)
+            fwd(dev, qs, ks, vs, os, ls, t, hq, hkv, d)
+            if backward:
+                grads = seq(dq, nq, s), seq(dk, nkv, s), seq(dv, nkv, s)
+                bwd(dev, seq(dob, nq, s), qs, ks, vs, os, ls, *grads, t, hq, hkv, d, delta=delta)
 
     def run(backward: bool) -> Callable[[int], float]:
         def go(reps: int) -> float:
             t0 = time.perf_counter()
             with dev.step():
                 for _ in range(reps):
-                    for s in range(b):
-                        fwd(dev, qb[s], kb[s], vb[s], out[s], lse[s], t, hq, hkv, d)
-                        if backward:
-                            bwd(dev, dob[s], qb[s], kb[s], vb[s], out[s], lse[s], dq[s], dk[s], dv[s], t, hq, hkv, d,
-                                delta=delta)  # fmt: skip
+                    record(backward)
             dev.sync()
             return time.perf_counter() - t0
 
@@ -106,10 +116,10 @@ def ours(dev: Device, kind: str, b: int, t: int, hq: int, hkv: int, d: int, seco
     for backward in (False, True):
         res = {"impl": f"ours_{kind}", **timing_row(run(backward), seconds, b, hq, hkv, t, d, backward)}
         q64, k64, v64 = (x[0].astype(np.float64) for x in (q, k, v))
-        errs = {"out": _rel(dev.read(out[0], np.float32, (t, hq, d)), reference.attention_forward(q64, k64, v64))}
+        errs = {"out": _rel(dev.read(out, np.float32, (t, hq, d)), reference.attention_forward(q64, k64, v64))}
         if backward:
             want = reference.attention_backward(do[0].astype(np.float64), q64, k64, v64)
-            for name, buf, ref in zip(("dq", "dk", "dv"), (dq[0], dk[0], dv[0]), want, strict=True):
+            for name, buf, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want, strict=True):
                 errs[name] = _rel(dev.read(buf, np.float32, ref.shape), ref)
         res["max_rel_err"] = {n: float(f"{e:.3g}") for n, e in errs.items()}
         res.update(_gpu_time(dev, run(backward), flops(b, hq, t, d, backward)))

@@ -145,18 +145,42 @@ def _common(kernel: str, head_dim: int) -> str:
     return fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=tile_columns(kernel, head_dim), NSG=SUBGROUPS)
 
 
+def _pv_rescaled(nc: int, nd: int) -> list[str]:
+    """The forward's O = O * alpha + P V for one key tile: P V of as many column blocks as a row of Ss holds
+    (BC / 16) into fresh result matrices, stored to this subgroup's Ss and added by each lane to its f32 share
+    ov of the row (column pairs 4 m + 2 half + {0, 1} of block n at ov[8 n ..]); then the next blocks."""
+    lines: list[str] = []
+    for n0 in range(0, nd, nc):
+        chunk = range(n0, min(nd, n0 + nc))
+        if n0:
+            lines.append("workgroupBarrier();")
+        lines += ["{", *(f"    var x{n} = {RESULT}();" for n in chunk)]
+        for kk in range(nc):
+            lines.append(f"    let a{kk} = {_load(LEFT, 'Ps[sg]', f'{kk * MATRIX}u', False, 'LDP')};")
+            for n in chunk:
+                b = _load(RIGHT, f"Vs[{kk}]", f"{n * MATRIX}u", False, "LDH")
+                lines.append(f"    {_mma(f'a{kk}', b, f'x{n}')}")
+        lines += [f"    subgroupMatrixStore(&Ss[sg], {(n - n0) * MATRIX}u, x{n}, false, LDS);" for n in chunk]
+        lines += ["}", "workgroupBarrier();"]
+        for n in chunk:
+            for k in range(8):
+                col, idx = (n - n0) * MATRIX + 4 * (k >> 1) + (k & 1), 8 * n + k
+                lines.append(f"ov[{idx}u] = ov[{idx}u] * alpha + Ss[sg][xb + {col}u];")
+    return lines
+
+
 def forward_source(head_dim: int) -> str:
     """attention_tc_forward for one head dim."""
     _check(head_dim)
     nd, nc = head_dim // MATRIX, tile_columns("forward", head_dim) // MATRIX
+    store = [f"O[ob + {2 * m}u] = vec2<f32>(ov[{2 * m}u], ov[{2 * m + 1}u]) * inv;" for m in range(head_dim // 4)]
     body = fill(
         kernel_text("attention_tc_forward.wgsl"),
         STAGE_FNS="".join(_stage_fn(a, b) for a, b in (("Ks", "K16"), ("Vs", "V16"), ("Ks", "Q16"), ("Vs", "Q16"))),
-        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "w0", "h", "prm.HQ", nd, nc),
-        O_DECL=_decl([f"o{n}" for n in range(nd)]),
+        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
-        PV_MMA=_ind(_accumulate([("Ps", "Vs", "o")], nc, nd), 8),
-        O_STORE=_store_rows([("o", "O")], nd, "i < prm.T"),
+        PV_MMA=_ind(_pv_rescaled(nc, nd), 8),
+        O_STORE=_ind(store, 8),
     )
     return _common("forward", head_dim) + "\n" + body
 
@@ -170,8 +194,8 @@ def backward_dq_source(head_dim: int) -> str:
         STAGE_FNS="".join(
             _stage_fn(a, b) for a in ("Ks", "Vs") for b in ("K16", "V16", "Q16", "dO16") if (a, b) != ("Ks", "V16")
         ),
-        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "w0", "h", "prm.HQ", nd, nc),
-        DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "w0", "h", "prm.HQ", nd, nc),
+        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
+        DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
         DP_MMA=_ind(_scores("go", "Vs", nc, nd), 8),
@@ -188,8 +212,8 @@ def backward_dkv_source(head_dim: int) -> str:
     body = fill(
         kernel_text("attention_tc_backward_dkv.wgsl"),
         STAGE_FNS="".join(_stage_fn(a, b) for a in ("Qs", "dOs") for b in ("Q16", "dO16", "K16", "V16")),
-        K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "w0", "g", "prm.HKV", nd, nc),
-        V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "w0", "g", "prm.HKV", nd, nc),
+        K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
+        V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         DKV_DECL=_decl([f"dk{n}" for n in range(nd)] + [f"dv{n}" for n in range(nd)]),
         ST_MMA=_ind(_scores("kl", "Qs", nc, nd), 8),
         DPT_MMA=_ind(_scores("vl", "dOs", nc, nd), 8),

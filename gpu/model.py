@@ -326,8 +326,10 @@ class GPUModel:
         self.seq_q = aligned_floats(self.seq_len * qd)
         self.seq_kv = aligned_floats(self.seq_len * kvd)
         self.seq_lse = aligned_floats(cfg.n_heads * self.seq_len)
-        # per-sequence attention tensors: views into the packed buffers, else padded slots rows are copied through
-        self.direct_attention = self._sequences_aligned()
+        # attention tensors: the tensor-core kernels take the whole batch at once; the f32 kernels take one
+        # sequence at a time, bound as views into the packed buffers, else padded slots rows are copied through
+        self.batched_attention = self._attention_fwd is attention_forward_tc
+        self.direct_attention = self.batched_attention or self._sequences_aligned()
         if not self.direct_attention:
             for name, kind in _SLOT_KIND.items():
                 self.a[name] = b(name, self.batch * (self.seq_q if kind == "q" else self.seq_kv))
@@ -386,6 +388,10 @@ class GPUModel:
         """(row width, padded floats per sequence) of an attention slot's tensor."""
         return (self.cfg.q_dim, self.seq_q) if _SLOT_KIND[slot] == "q" else (self.cfg.kv_dim, self.seq_kv)
 
+    def _heads(self) -> tuple[int, int, int]:
+        """(n_heads, n_kv_heads, head_dim): the attention ops' shape arguments after n_tokens."""
+        return self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+
     def _seq_view(self, packed: Any, slot: str, s: int) -> BufferView:
         """Sequence s's [T, width] rows of a packed attention tensor: a view into it, or into its padded slot."""
         width, per = self._slot_dims(slot)
@@ -409,6 +415,11 @@ class GPUModel:
 
     def _attention(self, q: Any, k: Any, v: Any, out: Any) -> None:
         cfg, t = self.cfg, self.seq_len
+        if self.batched_attention:
+            self._attention_fwd(
+                self.dev, q, k, v, out, self.lse, t, *self._heads(), n_seqs=self.batch, lse_stride=self.seq_lse
+            )
+            return
         ins = ((q, "aq"), (k, "ak"), (v, "av"))
         self._scatter(ins, to_slots=True)
         for s in range(self.batch):
@@ -418,9 +429,7 @@ class GPUModel:
                 self._seq_view(out, "ao", s),
                 self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
                 t,
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                cfg.head_dim,
+                *self._heads(),
             )
         self._scatter(((out, "ao"),), to_slots=False)
 

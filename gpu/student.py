@@ -161,6 +161,24 @@ class GPUStudent(GPUModel):
 
     def _attention_back(self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any) -> None:
         cfg, t = self.cfg, self.seq_len
+        if self.batched_attention:
+            self._attention_bwd(
+                self.dev,
+                dout,
+                q,
+                k,
+                v,
+                out,
+                self.lse,
+                dq,
+                dk,
+                dv,
+                t,
+                *self._heads(),
+                n_seqs=self.batch,
+                lse_stride=self.seq_lse,
+            )
+            return
         # without direct views, q, k, v, out are already in their slots from the recomputed forward
         ins = ((dout, "ado"), (q, "aq"), (k, "ak"), (v, "av"), (out, "ao"))
         grads = ((dq, "adq"), (dk, "adk"), (dv, "adv"))
@@ -172,9 +190,7 @@ class GPUStudent(GPUModel):
                 self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
                 *(self._seq_view(buf, slot, s) for buf, slot in grads),
                 t,
-                cfg.n_heads,
-                cfg.n_kv_heads,
-                cfg.head_dim,
+                *self._heads(),
                 delta=self.delta,
             )
         self._scatter(grads, to_slots=False)

@@ -3,10 +3,10 @@
 Tolerance: q, k, v, dO, P and dS are rounded to f16 for the tensor-core products (f32 everywhere else), so
 each output (out, lse, dq, dk, dv) must lie within TOL of its own max abs; an indexing, masking or rescale
 error is O(1). The shapes cover T off the 16-row and 64-column tiles, GQA groups 1 and 8, head_dim 64 and
-128, several key tiles with scores spread widely enough that the lazy running max moves (rescales O), and
-gradients of 1e-7 (the dO scale sigma). Runs where Dawn has subgroup matrices (the H200, via the device
-tool: `source .gl/enter.sh; python3 -m pytest -q -m tensorcore tests/test_gpu_attention_tc.py`); the Tint
-compile of every variant is in tests/test_kernel_registry.py, the refusal elsewhere runs on lavapipe.
+128, several key tiles with scores spread widely enough that the running max moves (rescales O), gradients
+of 1e-7 (the dO scale sigma), and a batch of sequences in one call. Runs where Dawn has subgroup matrices (the
+H200, via the device tool: `source .gl/enter.sh; python3 -m pytest -q -m tensorcore tests/test_gpu_attention_tc.py`);
+the Tint compile of every variant is in tests/test_kernel_registry.py, the refusal elsewhere runs on lavapipe.
 """
 
 from __future__ import annotations
@@ -86,6 +86,40 @@ def test_attention_tc_matches_reference(
     )
     bad = {n: e for n, e in errs.items() if not e <= TOL}
     assert not bad, f"rel err over {TOL}: {bad}"
+
+
+@pytest.mark.tensorcore
+@pytest.mark.parametrize("d", [64, 128])
+def test_attention_tc_batch_matches_reference(tc_dev: Device, d: int) -> None:
+    """Three sequences in one call (grid z), lse at a padded per-sequence stride: each sequence matches its own
+    float64 reference within TOL, and the lse padding between sequences stays unwritten."""
+    b, t, hq, hkv = 3, 150, 8, 2
+    stride = hq * t + 64
+    rng = np.random.default_rng(d)
+    q, do = (rng.standard_normal((b * t, hq, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b * t, hkv, d)).astype(np.float32) for _ in range(2))
+    dev = tc_dev
+    qb, kb, vb, dob = (dev.upload(x) for x in (q, k, v, do))
+    nan = np.float32(np.nan)
+    out, dq = dev.upload(np.full(q.shape, nan)), dev.upload(np.full(q.shape, nan))
+    dk, dv = dev.upload(np.full(k.shape, nan)), dev.upload(np.full(k.shape, nan))
+    lse = dev.upload(np.full(b * stride, nan))
+    attention_forward_tc(dev, qb, kb, vb, out, lse, t, hq, hkv, d, n_seqs=b, lse_stride=stride)
+    attention_backward_tc(dev, dob, qb, kb, vb, out, lse, dq, dk, dv, t, hq, hkv, d, n_seqs=b, lse_stride=stride)
+    got = {
+        n: dev.read(x, np.float32, s)
+        for n, x, s in (("out", out, q.shape), ("dq", dq, q.shape), ("dk", dk, k.shape), ("dv", dv, v.shape))
+    }
+    lses = dev.read(lse, np.float32, (b, stride))
+    assert np.isnan(lses[:, hq * t :]).all(), "lse written past a sequence's [Hq, T]"
+    for z in range(b):
+        rows = slice(z * t, (z + 1) * t)
+        want = _expected(q[rows], k[rows], v[rows], do[rows])
+        mine = {n: got[n][rows] for n in got} | {"lse": lses[z, : hq * t].reshape(hq, t)}
+        errs = {n: _rel(mine[n], want[n]) for n in want}
+        print(f"batch seq {z} D={d}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+        bad = {n: e for n, e in errs.items() if not e <= TOL}
+        assert not bad, f"sequence {z}: rel err over {TOL}: {bad}"
 
 
 @pytest.mark.tensorcore

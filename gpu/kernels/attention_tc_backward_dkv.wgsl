@@ -1,6 +1,6 @@
 // Causal GQA attention backward on tensor cores, pass 2: dK and dV of one query head. Workgroup = BR key rows
-// of kv head g, paired with query head h (wid.y); subgroup sg owns 16 keys with their left matrices of K and V
-// in registers. Per query tile of BC (from the workgroup's first key; Q, dO, L, delta staged), with rows =
+// of kv head g, paired with query head h (wid.y), of sequence z (wid.z); subgroup sg owns 16 keys with their
+// left matrices of K and V in registers. Per query tile of BC (from the workgroup's first key; Q, dO, L, delta staged), with rows =
 // keys and columns = queries:
 //   S^T = K Q^T -> P^T = exp(S^T * scale - L) (masked, f16, Ps);  dP^T = V dO^T (f32, Ss);
 //   dS^T = P^T (dP^T - delta) * scale (f16, dSs);   dV += P^T dO,   dK += dS^T Q   (f32 result matrices).
@@ -39,8 +39,10 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let h = wid.y;
+    let z = wid.z;
     let g = h / (prm.HQ / prm.HKV);
-    let w0 = wid.x * BR;
+    let w0 = wid.x * BR;   // the first keys have the most query tiles: they run first
+    let zr = z * prm.TP;
     let j0 = w0 + sg * 16u;
     let r = lane & 15u;
     let half = lane >> 4u;
@@ -53,12 +55,12 @@ ${DKV_DECL}
     for (var t = 0u; t < n_tiles; t++) {
         let i0 = w0 + t * BC;
         workgroupBarrier();
-        stage_Qs_Q16(i0, h, prm.HQ, lid);
-        stage_dOs_dO16(i0, h, prm.HQ, lid);
+        stage_Qs_Q16(zr + i0, h, prm.HQ, lid);
+        stage_dOs_dO16(zr + i0, h, prm.HQ, lid);
         for (var e = lid; e < BC; e += THREADS) {
             let row = h * prm.T + min(i0 + e, prm.T - 1u);
-            Lc[e] = L[row];
-            Dc[e] = stats.delta[row] * sigma;
+            Lc[e] = L[z * prm.LS + row];
+            Dc[e] = stats.delta[z * prm.HQ * prm.T + row] * sigma;
         }
         workgroupBarrier();
 ${ST_MMA}
@@ -81,6 +83,6 @@ ${DPT_MMA}
 ${DKV_MMA}
     }
     let inv = 1.0 / sigma;
-    let ob = ((j * prm.HQ + h) * D + half * 8u) / 4u;
+    let ob = (((z * prm.T + j) * prm.HQ + h) * D + half * 8u) / 4u;
 ${DKV_STORE}
 }

@@ -1,4 +1,5 @@
-// Causal GQA attention backward on tensor cores, pass 1: dQ. Workgroup = BR query rows of head h; subgroup
+// Causal GQA attention backward on tensor cores, pass 1: dQ. Workgroup = BR query rows of head h of sequence
+// z (wid.z; Params says where each sequence lies); subgroup
 // sg owns 16 of them with their left matrices of Q and dO in registers. Per key tile (K, V staged):
 //   S = Q K^T -> P = exp(S * scale - L) (masked, f16, this subgroup's Ps);  dP = dO V^T (f32, Ss);
 //   dS = P (dP - delta) * scale (f16, over P);   dQ += dS K   (f32 result matrices).
@@ -27,21 +28,24 @@ ${STAGE_FNS}
 @compute @workgroup_size(THREADS)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
     @builtin(subgroup_id) sg: u32,
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let h = wid.y;
+    let z = wid.z;
     let g = h / (prm.HQ / prm.HKV);
-    let w0 = wid.x * BR;
+    let w0 = (nwg.x - 1u - wid.x) * BR;   // the longest rows (most key tiles) first
+    let zr = z * prm.TP;
     let i0 = w0 + sg * 16u;
     let r = lane & 15u;
     let half = lane >> 4u;
     let i = i0 + r;
     let sigma = grad_scale(stats.max_bits);
     let row = h * prm.T + min(i, prm.T - 1u);
-    let lse = L[row];
-    let delta = stats.delta[row] * sigma;
+    let lse = L[z * prm.LS + row];
+    let delta = stats.delta[z * prm.HQ * prm.T + row] * sigma;
 ${Q_LOAD}
 ${DO_LOAD}
 ${DQ_DECL}
@@ -50,8 +54,8 @@ ${DQ_DECL}
     for (var t = 0u; t < n_tiles; t++) {
         let j0 = t * BC;
         workgroupBarrier();
-        stage_Ks_K16(j0, g, prm.HKV, lid);
-        stage_Vs_V16(j0, g, prm.HKV, lid);
+        stage_Ks_K16(zr + j0, g, prm.HKV, lid);
+        stage_Vs_V16(zr + j0, g, prm.HKV, lid);
         workgroupBarrier();
 ${S_MMA}
         workgroupBarrier();
@@ -71,6 +75,6 @@ ${DP_MMA}
 ${DQ_MMA}
     }
     let inv = 1.0 / sigma;
-    let ob = ((i * prm.HQ + h) * D + half * 8u) / 4u;
+    let ob = (((z * prm.T + i) * prm.HQ + h) * D + half * 8u) / 4u;
 ${DQ_STORE}
 }

@@ -13,11 +13,15 @@ enable f16;
 enable subgroups;
 enable chromium_experimental_subgroup_matrix;
 
+// A dispatch covers a batch of sequences (wid.z = z): rows z T .. of the f32 tensors [B T, heads, D], rows
+// z TP .. of the packed f16 operands [B TP, heads, D], floats z LS .. of L, (z HQ + h) T + i of delta.
 struct Params {
     T: u32,
     HQ: u32,
     HKV: u32,
     scale: f32,
+    TP: u32,      // rows per sequence of the packed f16 operands (T rounded up, plus zero padding rows)
+    LS: u32,      // floats per sequence of L (>= HQ T)
 };
 
 const D: u32 = ${D}u;           // head_dim

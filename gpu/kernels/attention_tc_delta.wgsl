@@ -1,5 +1,5 @@
-// Backward pre-pass of the tensor-core attention: delta[h, i] = dO[i, h] . O[i, h] (f32) and max |dO| over
-// the whole tensor (atomic max of the f32 bits, which order like the values for non-negative floats), from
+// Backward pre-pass of the tensor-core attention over a batch of B sequences (dO, O: [B T, HQ, D]):
+// delta[z, h, i] = dO[z T + i, h] . O[z T + i, h] (f32) and max |dO| over the whole batch (atomic max of the f32 bits, which order like the values for non-negative floats), from
 // which the dO scale sigma is derived (grad_scale). One invocation per (query row, head); stats.max_bits must
 // be zero before the dispatch.
 enable subgroups;
@@ -7,6 +7,7 @@ enable subgroups;
 struct DeltaParams {
     T: u32,
     HQ: u32,
+    B: u32,
 };
 
 struct Stats {
@@ -24,8 +25,8 @@ const DV: u32 = ${DV}u;   // head_dim / 4
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
-    let row = (wid.x + wid.y * nwg.x) * 64u + lid;   // = i * HQ + h
-    let live = row < prm.T * prm.HQ;
+    let row = (wid.x + wid.y * nwg.x) * 64u + lid;   // = (z T + i) HQ + h
+    let live = row < prm.B * prm.T * prm.HQ;
     var big = 0.0;
     if (live) {
         var acc = 0.0;
@@ -35,7 +36,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             let a = abs(g);
             big = max(big, max(max(a.x, a.y), max(a.z, a.w)));
         }
-        stats.delta[(row % prm.HQ) * prm.T + row / prm.HQ] = acc;
+        let zi = row / prm.HQ;
+        stats.delta[((zi / prm.T) * prm.HQ + row % prm.HQ) * prm.T + zi % prm.T] = acc;
     }
     let m = subgroupMax(big);
     if (subgroupElect()) {

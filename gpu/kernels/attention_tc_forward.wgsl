@@ -1,43 +1,48 @@
-// Causal GQA attention forward on tensor cores, flash style in two passes over the key tiles of BC, and the
+// Causal GQA attention forward on tensor cores, flash style in one pass over the key tiles of BC, and the
 // row logsumexp L[h, i] saved for the backward (as attention_forward). Workgroup = BR query rows of head h
-// (reads kv head h / (HQ / HKV)); subgroup sg owns 16 of them and keeps their D/16 left matrices of Q in
-// registers. Pass 1: S = Q K^T (f32) to this subgroup's Ss, where the lanes mask it and keep the online row
-// max and sum (f32) -> L. Pass 2: S again, P = exp(S * scale - L) (already normalised, f16), O += P V in f32
-// result matrices. The result matrices are opaque (a row can be rescaled only through workgroup memory),
-// so computing S twice (1.5x the forward's products) replaces rescaling O whenever a row's max moves.
-// Q16, K16, V16: packed f16 [T_pad, heads, D] as 8-half units; O: f32 [T, HQ, D];
-// L: f32 [HQ, T].
+// (reads kv head h / (HQ / HKV)) of sequence z; subgroup sg owns 16 of them and keeps their D/16 left
+// matrices of Q in registers. Per key tile: S = Q K^T (f32) to this subgroup's Ss, where the lanes mask it
+// and move the row max m (f32); P = exp(S * scale - m) (f16, <= 1) to Ps; the tile's P V into fresh result
+// matrices, which go out through Ss to the lanes' f32 accumulators O = O * exp(m_old - m) + P V. (Result
+// matrices are opaque, so a row can be rescaled only outside them; the lane-held O replaces computing S
+// twice.) At the end O / l and L = m + log l. Workgroups run the longest rows (most key tiles) first.
+// Q16, K16, V16: packed f16 [B TP, heads, D] as 8-half units; O: f32 [B T, HQ, D] as column pairs;
+// L: f32, [HQ, T] per sequence at z LS.
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Q16: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> K16: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> V16: array<vec4<u32>>;
-@group(0) @binding(4) var<storage, read_write> O: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> O: array<vec2<f32>>;
 @group(0) @binding(5) var<storage, read_write> L: array<f32>;
 
 var<workgroup> Ks: array<array<f16, 16 * LDH>, NB>;    // key tile, blocks of 16 keys
 var<workgroup> Vs: array<array<f16, 16 * LDH>, NB>;
-var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // per subgroup: scores, then O blocks on their way out
+var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // per subgroup: scores, then P V blocks on their way out
 var<workgroup> Ps: array<array<f16, 16 * LDP>, NSG>;   // per subgroup: probabilities
 ${STAGE_FNS}
 
 @compute @workgroup_size(THREADS)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,
     @builtin(subgroup_id) sg: u32,
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let h = wid.y;
+    let z = wid.z;
     let g = h / (prm.HQ / prm.HKV);
-    let w0 = wid.x * BR;
+    let w0 = (nwg.x - 1u - wid.x) * BR;
+    let zr = z * prm.TP;
     let i0 = w0 + sg * 16u;
     let r = lane & 15u;
     let half = lane >> 4u;
     let i = i0 + r;
+    let xb = r * LDS + 2u * half;   // this lane's first column pair of a row of Ss
 ${Q_LOAD}
-${O_DECL}
-    // pass 1: the row max and sum over all key tiles (online, per lane, f32) -> the logsumexp L of each row
+    // this lane's share of row i of O: columns 4 m + 2 half + {0, 1} at ov[2 m], ov[2 m + 1]
+    var ov: array<f32, D / 2u>;
     var m = NEG_BIG;
     var l = 0.0;   // this lane's share of the row sum of exp(S * scale - m)
     let n_keys = min(w0 + BR, prm.T);
@@ -45,7 +50,8 @@ ${O_DECL}
     for (var t = 0u; t < n_tiles; t++) {
         let j0 = t * BC;
         workgroupBarrier();
-        stage_Ks_K16(j0, g, prm.HKV, lid);
+        stage_Ks_K16(zr + j0, g, prm.HKV, lid);
+        stage_Vs_V16(zr + j0, g, prm.HKV, lid);
         workgroupBarrier();
 ${S_MMA}
         workgroupBarrier();
@@ -55,35 +61,26 @@ ${S_MMA}
             tmax = max(tmax, select(NEG_BIG, Ss[sg][r * LDS + c] * prm.scale, j0 + c <= i));
         }
         let mn = max(m, max(tmax, subgroupShuffleXor(tmax, 16u)));
+        let alpha = exp(m - mn);
         var part = 0.0;
         for (var k = 0u; k < BC / 2u; k++) {
             let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            part += select(0.0, exp(Ss[sg][r * LDS + c] * prm.scale - mn), j0 + c <= i);
+            let p = select(0.0, exp(Ss[sg][r * LDS + c] * prm.scale - mn), j0 + c <= i);
+            part += p;
+            Ps[sg][r * LDP + c] = f16(p);
         }
-        l = l * exp(m - mn) + part;
+        l = l * alpha + part;
         m = mn;
-    }
-    let lse = m + log(l + subgroupShuffleXor(l, 16u));
-    // pass 2: P = exp(S * scale - L) is final (no rescaling of O); O += P V
-    for (var t = 0u; t < n_tiles; t++) {
-        let j0 = t * BC;
-        workgroupBarrier();
-        stage_Ks_K16(j0, g, prm.HKV, lid);
-        stage_Vs_V16(j0, g, prm.HKV, lid);
-        workgroupBarrier();
-${S_MMA}
-        workgroupBarrier();
-        for (var k = 0u; k < BC / 2u; k++) {
-            let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            Ps[sg][r * LDP + c] = f16(select(0.0, exp(Ss[sg][r * LDS + c] * prm.scale - lse), j0 + c <= i));
-        }
         workgroupBarrier();
 ${PV_MMA}
     }
-    let inv = 1.0;
-    let ob = ((i * prm.HQ + h) * D + half * 8u) / 4u;
+    let lt = l + subgroupShuffleXor(l, 16u);
+    let inv = 1.0 / lt;
+    let ob = (((z * prm.T + i) * prm.HQ + h) * D) / 2u + half;
+    if (i < prm.T) {
 ${O_STORE}
-    if (half == 0u && i < prm.T) {
-        L[h * prm.T + i] = lse;
+        if (half == 0u) {
+            L[z * prm.LS + h * prm.T + i] = m + log(lt);
+        }
     }
 }

@@ -1,7 +1,8 @@
-// f16 copy of an f32 tensor for the tensor-core kernels (attention operands, GEMM inputs):
-// dst[u] = f16(src[u] * sigma) for the n_valid vec4 units of src, zero for the units after them up to
-// n_total (the padding rows of attention operands). SCALED: sigma = grad_scale(max |dO|) from the delta pass
-// (dO), else 1.
+// f16 copy of an f32 tensor for the tensor-core kernels (attention operands, GEMM inputs), per part z
+// (wid.z: one sequence of a batch of attention operands, else the one part):
+// dst[z n_total + u] = f16(src[z n_valid + u] * sigma) for the n_valid vec4 units of a part, zero for the
+// units after them up to n_total (the padding rows of attention operands). SCALED: sigma = grad_scale(max |dO|)
+// from the delta pass (dO), else 1.
 enable f16;
 
 struct PackParams {
@@ -33,7 +34,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
     var x = vec4<f32>(0.0);
     if (u < prm.n_valid) {
-        x = src[u] * ${SIGMA};
+        x = src[wid.z * prm.n_valid + u] * ${SIGMA};
     }
-    dst[u] = vec4<f16>(x);
+    dst[wid.z * prm.n_total + u] = vec4<f16>(x);
 }

@@ -1,9 +1,11 @@
 """Causal GQA attention on tensor cores (Dawn subgroup matrices): the same contract as gpu/ops/attention.py
 (q, out [T, Hq, D]; k, v [T, Hkv, D]; f32 in memory; lse [Hq, T] saved by the forward for the backward).
 
-Forward: pack q, k, v to f16 (zero padding rows), then one flash-style kernel (QK^T and PV as 16 x 16 x 16
-MMAs; two passes over the key tiles: the f32 row max / sum, then P = exp(S - L) and PV into f32 accumulators,
-so the opaque accumulators are never rescaled). Backward: delta = rowsum(dO * O) and max |dO| (f32), pack dO
+A call covers a batch of B sequences laid end to end (q [B T, Hq, D], ...; lse per sequence at a stride), each
+kernel one dispatch with the sequence in grid z. Forward: pack q, k, v to f16 (zero padding rows), then one
+flash-style kernel (QK^T and PV as 16 x 16 x 16 MMAs; one pass over the key tiles with an f32 running max;
+each tile's PV leaves its opaque result matrices through workgroup memory for the lanes' f32 accumulators,
+which take the rescaling). Backward: delta = rowsum(dO * O) and max |dO| (f32), pack dO
 scaled by a power of two sigma (so small gradients keep f16's precision), a dQ pass and a dK/dV pass per
 query head (products S, dP, dS K, P^T dO, dS^T Q on tensor cores), then the sum of each kv head's query heads
 in a fixed order. No [H, T, T] buffer; deterministic (no atomics on results).
@@ -23,7 +25,7 @@ from typing import Any
 from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS, MATRIX, workgroup_rows
 from gpu.device import Device, DeviceError
 from gpu.ops.attention import check_tensors
-from gpu.ops.common import grid, pack
+from gpu.ops.common import grid, need, pack
 from gpu.ops.matmul_tc import tensor_core_problem
 from gpu.registry import pipeline
 
@@ -48,8 +50,8 @@ class AttentionTCScratch:
     dvh: Any
 
     @classmethod
-    def build(cls, dev: Device, t: int, hq: int, hkv: int, d: int) -> AttentionTCScratch:
-        rows = padded_rows(t)
+    def build(cls, dev: Device, t: int, hq: int, hkv: int, d: int, b: int = 1) -> AttentionTCScratch:
+        rows = b * padded_rows(t)
         per_q, per_kv = 2 * rows * hq * d, 2 * rows * hkv * d
         grouped = hq != hkv
         return cls(
@@ -57,26 +59,26 @@ class AttentionTCScratch:
             k16=dev.buffer(per_kv, label="attention tc k16"),
             v16=dev.buffer(per_kv, label="attention tc v16"),
             do16=dev.buffer(per_q, label="attention tc do16"),
-            stats=dev.buffer(4 * (1 + hq * t), label="attention tc stats"),
-            dkh=dev.buffer(4 * t * hq * d, label="attention tc dk per head") if grouped else None,
-            dvh=dev.buffer(4 * t * hq * d, label="attention tc dv per head") if grouped else None,
+            stats=dev.buffer(4 * (1 + b * hq * t), label="attention tc stats"),
+            dkh=dev.buffer(4 * b * t * hq * d, label="attention tc dk per head") if grouped else None,
+            dvh=dev.buffer(4 * b * t * hq * d, label="attention tc dv per head") if grouped else None,
         )
 
 
-_scratch: weakref.WeakKeyDictionary[Device, dict[tuple[int, int, int, int], AttentionTCScratch]]
+_scratch: weakref.WeakKeyDictionary[Device, dict[tuple[int, ...], AttentionTCScratch]]
 _scratch = weakref.WeakKeyDictionary()
 
 
-def scratch_for(dev: Device, t: int, hq: int, hkv: int, d: int) -> AttentionTCScratch:
-    """The device's scratch for this shape (built once, so bind groups stay cached across steps)."""
+def scratch_for(dev: Device, t: int, hq: int, hkv: int, d: int, b: int = 1) -> AttentionTCScratch:
+    """The device's scratch for this shape and batch (built once, so bind groups stay cached across steps)."""
     per_dev = _scratch.setdefault(dev, {})
-    key = (t, hq, hkv, d)
+    key = (t, hq, hkv, d, b)
     if key not in per_dev:
-        per_dev[key] = AttentionTCScratch.build(dev, t, hq, hkv, d)
+        per_dev[key] = AttentionTCScratch.build(dev, t, hq, hkv, d, b)
     return per_dev[key]
 
 
-def _check(dev: Device, t: int, hq: int, hkv: int, d: int) -> None:
+def _check(dev: Device, t: int, hq: int, hkv: int, d: int, b: int) -> None:
     problem = tensor_core_problem(dev)
     if problem is not None:
         raise DeviceError(f"tensor-core attention: {problem}")
@@ -89,22 +91,37 @@ def _check(dev: Device, t: int, hq: int, hkv: int, d: int) -> None:
         raise ValueError(f"attention: n_heads={hq} is not a multiple of n_kv_heads={hkv}")
     if t <= 0:
         raise ValueError(f"attention: n_tokens={t} must be positive")
-    if math.ceil(t / MATRIX) > 65535 or hq > 65535:
-        raise ValueError(f"attention: n_tokens={t}, n_heads={hq} exceed the dispatch grid")
+    if math.ceil(t / MATRIX) > 65535 or hq > 65535 or not 0 < b <= 65535:
+        raise ValueError(f"attention: n_tokens={t}, n_heads={hq}, n_seqs={b} exceed the dispatch grid")
 
 
-def _pack(dev: Device, src: Any, dst: Any, t: int, heads: int, d: int, stats: Any = None) -> None:
-    """dst (f16, padded rows zero) = src [t, heads, d] (times sigma when stats is given)."""
+def _pack(dev: Device, src: Any, dst: Any, t: int, heads: int, d: int, b: int, stats: Any = None) -> None:
+    """dst (f16 [b, padded_rows(t), heads, d], padded rows zero) = src [b t, heads, d] (times sigma when stats
+    is given)."""
     units, total = t * heads * d // 4, padded_rows(t) * heads * d // 4
     pipe = pipeline(dev, "pack_f16", scaled=stats is not None)
     bindings = [pack(units, total), src, dst] + ([stats] if stats is not None else [])
-    dev.dispatch(pipe, bindings, grid(total, 256))
+    dev.dispatch(pipe, bindings, grid(total, 256)[:2] + (b,))
 
 
-def _pack_qkv(dev: Device, s: AttentionTCScratch, q: Any, k: Any, v: Any, t: int, hq: int, hkv: int, d: int):
-    _pack(dev, q, s.q16, t, hq, d)
-    _pack(dev, k, s.k16, t, hkv, d)
-    _pack(dev, v, s.v16, t, hkv, d)
+def _pack_qkv(dev: Device, s: AttentionTCScratch, q: Any, k: Any, v: Any, t: int, hq: int, hkv: int, d: int, b: int):
+    _pack(dev, q, s.q16, t, hq, d, b)
+    _pack(dev, k, s.k16, t, hkv, d, b)
+    _pack(dev, v, s.v16, t, hkv, d, b)
+
+
+def _params(t: int, hq: int, hkv: int, d: int, lse_stride: int) -> bytes:
+    return pack(t, hq, hkv, 1.0 / math.sqrt(d), padded_rows(t), lse_stride)
+
+
+def _check_batch(t: int, hq: int, hkv: int, d: int, b: int, lse_stride: int | None, lse: Any, **tensors: Any) -> int:
+    """Size checks for a batch of b sequences; the lse stride (floats per sequence, default Hq T)."""
+    stride = hq * t if lse_stride is None else lse_stride
+    if stride < hq * t:
+        raise ValueError(f"attention: lse_stride={stride} is below n_heads * n_tokens = {hq * t}")
+    check_tensors(b * t, hq, hkv, d, **tensors)
+    need(lse, (b - 1) * stride + hq * t, "attention lse")
+    return stride
 
 
 def attention_forward_tc(
@@ -118,17 +135,20 @@ def attention_forward_tc(
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
+    n_seqs: int = 1,
+    lse_stride: int | None = None,
 ) -> None:
     """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v on tensor cores; lse [Hq, T] (f32) for the backward.
-    Same arguments as gpu.ops.attention.attention_forward."""
-    t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
-    _check(dev, t, hq, hkv, d)
-    check_tensors(t, hq, hkv, d, q=q, k=k, v=v, out=out, lse=lse)
-    s = scratch_for(dev, t, hq, hkv, d)
-    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d)
-    params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
+    Same arguments as gpu.ops.attention.attention_forward, plus a batch: n_seqs sequences of n_tokens laid end
+    to end in q, k, v, out, and lse's [Hq, T] per sequence lse_stride floats apart (default Hq T)."""
+    t, hq, hkv, d, b = n_tokens, n_heads, n_kv_heads, head_dim, n_seqs
+    _check(dev, t, hq, hkv, d, b)
+    stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, q=q, k=k, v=v, out=out)
+    s = scratch_for(dev, t, hq, hkv, d, b)
+    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
     pipe = pipeline(dev, "attention_tc_forward", head_dim=d)
-    dev.dispatch(pipe, [params, s.q16, s.k16, s.v16, out, lse], (math.ceil(t / workgroup_rows()), hq))
+    grid_rows = (math.ceil(t / workgroup_rows()), hq, b)
+    dev.dispatch(pipe, [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, out, lse], grid_rows)
 
 
 def attention_backward_tc(
@@ -147,27 +167,30 @@ def attention_backward_tc(
     n_kv_heads: int,
     head_dim: int,
     delta: Any = None,
+    n_seqs: int = 1,
+    lse_stride: int | None = None,
 ) -> None:
     """(dq, dk, dv) of attention_forward_tc given dout, the forward's out and lse, on tensor cores. Same
-    arguments as gpu.ops.attention.attention_backward (`delta` is accepted and unused: the scratch holds it)."""
-    t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
-    _check(dev, t, hq, hkv, d)
-    check_tensors(t, hq, hkv, d, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
-    s = scratch_for(dev, t, hq, hkv, d)
-    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d)
+    arguments as attention_forward_tc plus gpu.ops.attention.attention_backward's (`delta` is accepted and
+    unused: the scratch holds it). The dO scale sigma is one for the whole batch."""
+    t, hq, hkv, d, b = n_tokens, n_heads, n_kv_heads, head_dim, n_seqs
+    _check(dev, t, hq, hkv, d, b)
+    tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "dq": dq, "dk": dk, "dv": dv}
+    stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, **tensors)
+    s = scratch_for(dev, t, hq, hkv, d, b)
+    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
     dev.clear(s.stats, 0, 4)
     delta_pipe = pipeline(dev, "attention_tc_delta", head_dim=d)
-    dev.dispatch(delta_pipe, [pack(t, hq), dout, out, s.stats], grid(t * hq, 64))
-    _pack(dev, dout, s.do16, t, hq, d, stats=s.stats)
-    params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
-    operands = [params, s.q16, s.k16, s.v16, s.do16, lse, s.stats]
-    rows = (math.ceil(t / workgroup_rows()), hq)
+    dev.dispatch(delta_pipe, [pack(t, hq, b), dout, out, s.stats], grid(b * t * hq, 64))
+    _pack(dev, dout, s.do16, t, hq, d, b, stats=s.stats)
+    operands = [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, s.do16, lse, s.stats]
+    rows = (math.ceil(t / workgroup_rows()), hq, b)
     dev.dispatch(pipeline(dev, "attention_tc_backward_dq", head_dim=d), [*operands, dq], rows)
     dkv = pipeline(dev, "attention_tc_backward_dkv", head_dim=d)
     if hq == hkv:
         dev.dispatch(dkv, [*operands, dk, dv], rows)
         return
     dev.dispatch(dkv, [*operands, s.dkh, s.dvh], rows)
-    units = t * hkv * d // 4
+    units = b * t * hkv * d // 4
     red = pipeline(dev, "attention_tc_reduce")
     dev.dispatch(red, [pack(units, hq // hkv, d // 4), s.dkh, s.dvh, dk, dv], grid(units, 256))
