@@ -348,6 +348,24 @@ class GPUModel:
             return self.a16, {"a_dtype": "f16"}
         return x, {}
 
+    def _half_copy(self, n_elems: int) -> Any:
+        """Where a producer kernel writes the f16 copy of its n_elems result for the next projection (self.a16,
+        as _gemm_input would pack it), or None (f32 path, or a size to_f16 would not pack)."""
+        return self.a16 if self._pack_inputs and n_elems % 4 == 0 else None
+
+    @staticmethod
+    def _operand(x: Any, x16: Any) -> tuple[Any, dict[str, Any]]:
+        """A projection's A operand and GEMM arguments: x16 (f16) when the producer wrote one, else x."""
+        return (x, {}) if x16 is None else (x16, {"a_dtype": "f16"})
+
+    def _normed(self, x: Any, weight: str, y: Any) -> tuple[Any, dict[str, Any]]:
+        """y = RMSNorm(x) with norm weight `weight` over the rows, and y's projection operand (its f16 copy
+        from the same kernel with tensor cores)."""
+        rows, h = self.rows, self.cfg.hidden
+        y16 = self._half_copy(rows * h)
+        rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
+        return self._operand(y, y16)
+
     def _gradient_widths(self) -> dict[str, int]:
         """Per-row widths of the backward's scratch buffers (none for a forward-only model)."""
         return {}
@@ -440,8 +458,7 @@ class GPUModel:
         h, f = cfg.hidden, cfg.ffn
         x, x_next = self._x(layer), self._x(layer + 1)
         pos = self._b.bufs["positions"]
-        rmsnorm_forward(dev, x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["n1"], rows, h, cfg.eps)
-        n1 = self._gemm_input(a["n1"], h)
+        n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"])
         self._proj(a["n1"], layer, "q", a["q"], n1)
         self._proj(a["n1"], layer, "k", a["k"], n1)
         self._proj(a["n1"], layer, "v", a["v"], n1)
@@ -460,12 +477,12 @@ class GPUModel:
         self._attention(a["qr"], a["kr"], a["v"], a["att"])
         self._proj(a["att"], layer, "o", a["tmp"])
         add(dev, x, a["tmp"], a["hres"], rows * h)
-        rmsnorm_forward(dev, a["hres"], self.w.norms[f"blk.{layer}.ffn_norm.weight"], a["n2"], rows, h, cfg.eps)
-        n2 = self._gemm_input(a["n2"], h)
+        n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
         self._proj(a["n2"], layer, "gate", a["g"], n2)
         self._proj(a["n2"], layer, "up", a["u"], n2)
-        swiglu_forward(dev, a["g"], a["u"], a["s"], rows * f)
-        self._proj(a["s"], layer, "down", a["tmp"])
+        s16 = self._half_copy(rows * f)
+        swiglu_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
+        self._proj(a["s"], layer, "down", a["tmp"], self._operand(a["s"], s16))
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
 
     # ---- whole model -----------------------------------------------------------------------------------

@@ -70,6 +70,17 @@ def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
     return {"KIND": KINDS.index(kind), "TAIL": KD_TAILS.index(tail), "CE": ce}
 
 
+def _half_output(half: bool, binding: int, index: str) -> dict[str, str]:
+    """Template values of a kernel whose variant `half` also stores its f32 result y as f16 to Y16[index]."""
+    if not half:
+        return {"ENABLE_F16": "", "Y16_BINDING": "", "Y16_STORE": ""}
+    return {
+        "ENABLE_F16": "enable f16;",
+        "Y16_BINDING": f"@group(0) @binding({binding}) var<storage, read_write> Y16: array<f16>;",
+        "Y16_STORE": f"Y16[{index}] = f16(y);",
+    }
+
+
 def _literal(value: object) -> str:
     """A template value as WGSL source (bools as true/false)."""
     if isinstance(value, bool):
@@ -111,11 +122,15 @@ KERNELS: dict[str, Kernel] = {
     "add_inplace": Kernel(("elementwise", "add_inplace")),
     "add_bias": Kernel(("elementwise", "add_bias")),
     "scale": Kernel(("elementwise", "scale")),
-    "swiglu_forward": Kernel(("elementwise", "swiglu_forward")),
+    "swiglu_forward": Kernel(
+        ("swiglu_forward", "elementwise"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
+    ),
     "swiglu_backward": Kernel(("elementwise", "swiglu_backward")),
     "adamw_update": Kernel(("elementwise", "adamw_update")),
     # row skeleton (one workgroup per row) + body
-    "rmsnorm_forward": Kernel((*_ROWS, *_SUM, "rmsnorm_forward")),
+    "rmsnorm_forward": Kernel(
+        ("rmsnorm_forward", *_ROWS, *_SUM), {"half": BOOLS}, lambda half: _half_output(half, 4, "base + i")
+    ),
     "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
     "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats")),
     "kd_grad": Kernel((*_ROWS, "kd_grad"), {"ce": BOOLS}),

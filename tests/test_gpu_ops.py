@@ -11,6 +11,7 @@ from gpu.device import Device
 from gpu.ops.add import add, add_inplace, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
+from gpu.ops.half import to_f16
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.ops.swiglu import swiglu_backward, swiglu_forward
@@ -151,6 +152,36 @@ def test_swiglu_and_add(dev: Device, n: int) -> None:
     assert rel_err(s, y.astype(np.float64) + b64) <= 1e-7
     assert rel_err(acc, dy64 + b64) <= 1e-7
     np.testing.assert_array_equal(sc, b * np.float32(0.37))  # one f32 multiply
+
+
+def test_f16_copies_from_producers(dev: Device) -> None:
+    """rmsnorm_forward / swiglu_forward with y16 write the same f32 y as without, and y16 bitwise equal to the
+    f16 pack of y (gpu/ops/half.py to_f16, what the tensor-core GEMMs read otherwise), with values past f16's
+    range (inf) and below its normal range (subnormal) among them."""
+    if "shader-f16" not in dev.features:
+        pytest.skip("adapter without shader-f16")
+    rng = np.random.default_rng(3)
+    t, h = 3, 200
+    x = (rng.standard_normal((t, h)) * 2.0).astype(np.float32)
+    w = (1.0 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+    w[:2] = (1e6, 1e-6)  # normed values past f16's range, and below its normal range
+    g, u = (rng.standard_normal(t * h).astype(np.float32) * 4.0 for _ in range(2))
+    u[:3] = (1e5, 1e-6, -3e4)
+    xb, wb, gb, ub = up(dev, x), up(dev, w), up(dev, g), up(dev, u)
+    n = t * h
+    for name, produce in (
+        ("rmsnorm", lambda y, y16: rmsnorm_forward(dev, xb, wb, y, t, h, 1e-5, y16=y16)),
+        ("swiglu", lambda y, y16: swiglu_forward(dev, gb, ub, y, n, y16=y16)),
+    ):
+        plain, y, y16, packed = dev.buffer(4 * n), dev.buffer(4 * n), dev.buffer(2 * n), dev.buffer(2 * n)
+        produce(plain, None)
+        produce(y, y16)
+        assert to_f16(dev, y, packed, n)
+        got, want = dev.read(y16, np.uint16, (n,)), dev.read(packed, np.uint16, (n,))
+        np.testing.assert_array_equal(dev.read(y, np.float32, (n,)), dev.read(plain, np.float32, (n,)), err_msg=name)
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        halves = got.view(np.float16)
+        assert np.isinf(halves).any() and (np.abs(halves[halves != 0]) < 6.1e-5).any(), name
 
 
 def test_attention_refuses_head_dim_without_kernel(dev: Device) -> None:

@@ -1,6 +1,8 @@
-// RMSNorm forward: Y[t] = X[t] * rstd * w, rstd = 1 / sqrt(mean(X[t]^2) + eps).
+${ENABLE_F16}
+// RMSNorm forward: Y[t] = X[t] * rstd * w, rstd = 1 / sqrt(mean(X[t]^2) + eps); variant half: also Y16 = f16(Y),
+// the f16 A operand of the tensor-core GEMMs that read Y (the rounding gpu/ops/half.py's pack applies).
 // One workgroup per row (rows.wgsl); the sum of squares is a strided per-thread sum, then workgroup_reduce.wgsl's
-// fixed tree.
+// fixed tree. (This body goes first in the source: the f16 directive must.)
 
 struct Params {
     T: u32,
@@ -13,6 +15,7 @@ struct Params {
 @group(0) @binding(1) var<storage, read> X: array<f32>;
 @group(0) @binding(2) var<storage, read> Wn: array<f32>;
 @group(0) @binding(3) var<storage, read_write> Y: array<f32>;
+${Y16_BINDING}
 
 const WG: u32 = 64u;
 alias Reduced = f32;
@@ -26,6 +29,8 @@ fn row_main(row: u32, lid: u32) {
     }
     let rstd = 1.0 / sqrt(workgroup_reduce(lid, s) / f32(prm.H) + prm.eps);
     for (var i = lid; i < prm.H; i += WG) {
-        Y[base + i] = X[base + i] * rstd * Wn[i];
+        let y = X[base + i] * rstd * Wn[i];
+        Y[base + i] = y;
+        ${Y16_STORE}
     }
 }

@@ -9,13 +9,17 @@ from gpu.ops.common import grid, need, pack
 from gpu.registry import pipeline
 
 
-def rmsnorm_forward(dev: Device, x: Any, w: Any, y: Any, n_rows: int, hidden: int, eps: float) -> None:
-    """y[T, H] = x / sqrt(mean(x^2) + eps) * w."""
+def rmsnorm_forward(dev: Device, x: Any, w: Any, y: Any, n_rows: int, hidden: int, eps: float, y16: Any = None) -> None:
+    """y[T, H] = x / sqrt(mean(x^2) + eps) * w; y16: also y as f16 there (a tensor-core GEMM's A operand,
+    rounded as gpu/ops/half.py's to_f16 would)."""
     need(x, n_rows * hidden, "rmsnorm_forward x")
     need(w, hidden, "rmsnorm_forward weight")
     need(y, n_rows * hidden, "rmsnorm_forward y")
-    pipe = pipeline(dev, "rmsnorm_forward")
-    dev.dispatch(pipe, [pack(n_rows, hidden, float(eps), 0), x, w, y], grid(n_rows, 1))
+    extra = [] if y16 is None else [y16]
+    if y16 is not None:
+        need(y16, n_rows * hidden, "rmsnorm_forward y16", elem_bytes=2)
+    pipe = pipeline(dev, "rmsnorm_forward", half=y16 is not None)
+    dev.dispatch(pipe, [pack(n_rows, hidden, float(eps), 0), x, w, y, *extra], grid(n_rows, 1))
 
 
 def rmsnorm_backward(

@@ -9,11 +9,16 @@ from gpu.ops.common import grid, need, pack
 from gpu.registry import pipeline
 
 
-def swiglu_forward(dev: Device, g: Any, u: Any, y: Any, n: int) -> None:
-    """y = silu(g) * u over n elements."""
+def swiglu_forward(dev: Device, g: Any, u: Any, y: Any, n: int, y16: Any = None) -> None:
+    """y = silu(g) * u over n elements; y16: also y as f16 there (the down projection's tensor-core A operand,
+    rounded as gpu/ops/half.py's to_f16 would)."""
     for buf, what in ((g, "g"), (u, "u"), (y, "y")):
         need(buf, n, f"swiglu_forward {what}")
-    dev.dispatch(pipeline(dev, "swiglu_forward"), [pack(n, 0, 0, 0), g, u, y], grid(n, 256))
+    extra = [] if y16 is None else [y16]
+    if y16 is not None:
+        need(y16, n, "swiglu_forward y16", elem_bytes=2)
+    pipe = pipeline(dev, "swiglu_forward", half=y16 is not None)
+    dev.dispatch(pipe, [pack(n, 0, 0, 0), g, u, y, *extra], grid(n, 256))
 
 
 def swiglu_backward(dev: Device, dy: Any, g: Any, u: Any, dg: Any, n: int) -> None:
