@@ -3,18 +3,24 @@
     python bench/gemm_tc.py                                    # the default sizes, shapes and fused runs
     python bench/gemm_tc.py --sizes 4096 --cfg 2,4,4,2,32,2,8  # one tile: sg_m,sg_n,tm,tn,bk,stages,vec
     python bench/gemm_tc.py --sizes 4096 --shapes "" --generic Q4_K,Q4_0  # fused staging before / after
+    python bench/gemm_tc.py --sizes "" --shapes 4096x256x2048 --fused-types "" --fused-a f16 \
+        --sweep "preset;nt:4,2,2,2,32,2,8"   # candidate tiles on the shapes (both orientations or one)
 
 "plain" is the f16 GEMM C[N, N] = A[N, N] . W^T with f16 A and an F16 weight; "shapes" are the real
 projection shapes of a TinyLlama-sized student (M = 4096 rows: 2048 -> 5632, 5632 -> 2048, 2048 -> 256),
 plain and fused (--shape-types, both orientations, each A dtype of --fused-a); "fused" dequantizes Q4_K /
 Q4_0 weights into the f16 tiles, A f32 (as in training) and f16 (--fused-a), in both orientations (forward
 "nt", input gradient "nn"), next to plain F16 with the same A;
+--sweep times each candidate tile ("preset": pick_config's) on every shape, fused type and A dtype of the
+shapes runs (instead of the presets' shapes runs), in both orientations or the one prefixed ("nt:");
 --generic also times each fused type with the generic weight staging (two decode4 calls per 8 weights, the
 kernel before gpu/codegen_tc.py's W_STAGING loaders), "w_stage" tells them apart.
 TFLOP/s = 2 M N K / (wall time of `reps` dispatches recorded in one step, submit + wait), the median of 3
 windows after a warm-up window (spread = their range over the median). Each result
 carries max_rel_err: |C - ref| / max |ref| over 8 sampled rows, ref in float64 from the f16-rounded
-operands. torch (when importable with CUDA) times torch.matmul in bf16 and fp16 on the same shapes.
+operands. gpu_us / gpu_tflops: GPU time of one call by timestamp queries (median of 5; each dispatch in
+its own compute pass), free of the host's recording time.
+torch (when importable with CUDA) times torch.matmul in bf16 and fp16 on the same shapes.
 """
 
 from __future__ import annotations
@@ -48,6 +54,16 @@ PROJECTIONS = [(4096, 5632, 2048), (4096, 2048, 5632), (4096, 256, 2048)]  # (M,
 def parse_cfg(text: str) -> TCConfig:
     """'sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m]' -> TCConfig."""
     return TCConfig(*[int(x) for x in text.split(",")])
+
+
+def parse_candidates(text: str) -> list[tuple[str | None, TCConfig | None]]:
+    """'[orient:]cfg;...' with cfg 'preset' or as parse_cfg -> [(orient or None for both, TCConfig or None for
+    the preset), ...]."""
+    out = []
+    for item in (s for s in text.split(";") if s):
+        orient, _, cfg = item.rpartition(":")
+        out.append((orient or None, None if cfg == "preset" else parse_cfg(cfg)))
+    return out
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -111,6 +127,10 @@ def time_gemm(
     reps = int(min(1000, max(3, seconds / max(run(reps) / reps, 1e-6))))
     windows = sorted(run(reps) / reps for _ in range(3))
     t = windows[1]  # median of 3 windows
+    with generic_staging(generic):
+        gpu = gpu_time(dev, lambda: gemm_tc(dev, a_dev, w, c_dev, m, orient=orient, a_dtype=a_dtype, cfg=cfg))
+    if "gpu_us" in gpu:
+        gpu["gpu_tflops"] = round(2.0 * m * n * k / (gpu["gpu_us"] * 1e-6) / 1e12, 2)
     out = {
         "type": qtype,
         "orient": orient,
@@ -125,6 +145,7 @@ def time_gemm(
         "reps": reps,
         "spread": round((windows[2] - windows[0]) / t, 3),  # (slowest - fastest window) / median
         "first_call_s": round(first, 3),
+        **gpu,
     }
     if check_rows:
         rows = np.sort(rng.choice(m, size=min(check_rows, m), replace=False))
@@ -134,6 +155,26 @@ def time_gemm(
         ref = a16 @ (wd.T if orient == "nt" else wd)
         out["max_rel_err"] = float(np.abs(c - ref).max() / np.abs(ref).max())
     return out
+
+
+def gpu_time(dev: Device, call: Any, reps: int = 5) -> dict[str, Any]:
+    """GPU microseconds of one call by timestamp queries (median over reps, each dispatch in its own pass, all of
+    a call's dispatches summed); {} without timestamp queries, the error when the profiler fails."""
+    if "timestamp-query" not in dev.features:
+        return {}
+    from bench.lora import DispatchProfiler
+
+    try:
+        with DispatchProfiler(dev) as prof:
+            with dev.step():
+                for _ in range(reps):
+                    call()
+    except Exception as e:  # noqa: BLE001 - the wall-clock figures stand without it
+        return {"gpu_error": str(e)[-300:]}
+    per = [ns for _, ns in sorted((label, ns) for (_, label), ns in prof.ns.items())]  # in dispatch order
+    d = max(1, len(per) // reps)  # dispatches per call
+    totals = sorted(sum(per[j * d : (j + 1) * d]) for j in range(reps))
+    return {"gpu_us": round(totals[reps // 2] / 1e3, 2)}
 
 
 def torch_tflops(sizes: list[int], shapes: list[tuple[int, int, int]] = (), seconds: float = 0.25) -> dict[str, Any]:
@@ -184,6 +225,7 @@ def main() -> None:
     ap.add_argument("--generic", default="", help="fused types also timed with the generic staging, e.g. Q4_K,Q4_0")
     ap.add_argument("--seconds", type=float, default=0.25, help="length of one timing window")
     ap.add_argument("--cfg", default=None, help="sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m] (default: presets)")
+    ap.add_argument("--sweep", default="", help="candidate tiles '[nt:|nn:]cfg;...' timed on the shapes (cfg: preset)")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     dev = Device(backend="dawn")
@@ -198,10 +240,23 @@ def main() -> None:
     shape_types = [t for t in args.shape_types.split(",") if t]
     plain = [time_gemm(dev, "F16", "nt", n, n, n, cfg=cfg, a_dtype="f16", seconds=args.seconds) for n in sizes]
     runs = [("F16", "nt", "f16")] + [(t, o, a) for t in shape_types for o in ("nt", "nn") for a in a_types]
-    proj = [
-        time_gemm(dev, t, o, m, n, k, cfg=cfg, a_dtype=a, seconds=args.seconds)
+    proj = (
+        []
+        if args.sweep
+        else [
+            time_gemm(dev, t, o, m, n, k, cfg=cfg, a_dtype=a, seconds=args.seconds)
+            for m, n, k in shapes
+            for t, o, a in runs
+        ]
+    )
+    sweep = [
+        time_gemm(dev, t, o, m, n, k, cfg=sc, a_dtype=a, seconds=args.seconds)
         for m, n, k in shapes
-        for t, o, a in runs
+        for t in shape_types
+        for a in a_types
+        for o in ("nt", "nn")
+        for so, sc in parse_candidates(args.sweep)
+        if so in (None, o)
     ]
     fn = args.fused_n
     types = [t for t in args.fused_types.split(",") if t]
@@ -220,6 +275,7 @@ def main() -> None:
         "plain_f16": plain,
         "shapes": proj,
         "fused": fused,
+        "sweep": sweep,
         "torch": {} if args.no_torch else torch_tflops(sizes, shapes),
     }
     print(json.dumps(out, indent=1))

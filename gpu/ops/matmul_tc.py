@@ -20,9 +20,12 @@ from gpu.weights import QuantTensor
 # 128 x 128, BK = 32, two buffers) ran the F16 GEMM at 125 TFLOP/s at N = 4096 (the previous 4 x 4 x (2 x 2)
 # kernel: 70 in the same session). bench/tc_probe.py sweeps the alternatives.
 TC_TILE = TCConfig(sg_m=2, sg_n=4, tm=4, tn=2, bk=32, stages=2, vec=8)
-# Grids of TC_TILE with fewer workgroups than this leave multiprocessors idle: a 64 x 64 tile instead.
+# Grids of TC_TILE with fewer workgroups than this leave multiprocessors idle: a 128 x 64 tile instead, 4 x 2
+# subgroups of 2 x 2 matrices (as many subgroups in flight as the former 64 x 64 tile of 2 x 2 subgroups, each
+# staged weight tile shared by twice the rows): 74.3 vs 43.8 TFLOP/s at the k / v projections (4096 x 2048 ->
+# 256, Q4_K, f16 A) on an H200; split-K was slower (docs/benchmarks.md, 2026-12-03 narrow-grid sweep).
 TC_TILE_MIN_GRID = 264
-TC_TILE_NARROW = TCConfig(sg_m=2, sg_n=2, tm=2, tn=2, bk=32, stages=2, vec=8)
+TC_TILE_NARROW = TCConfig(sg_m=4, sg_n=2, tm=2, tn=2, bk=32, stages=2, vec=8)
 # Small M (decode): its speed is bound by reading W.
 TC_TILE_SMALL_M = TCConfig(sg_m=1, sg_n=4, tm=1, tn=2, bk=32, stages=1, vec=8)
 # Lavapipe-sized tile for the emulated kernel (tests of the indexing without tensor cores).
