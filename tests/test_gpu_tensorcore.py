@@ -263,6 +263,7 @@ TC_TILES = [
     TC_TILE,
     TC_TILE_NARROW,
     TC_TILE_SMALL_M,
+    TCConfig(2, 4, 4, 2, 32, stages=2, vec=8),  # the former preset: 128 x 128, two buffers
     TCConfig(4, 4, 2, 2, 32, stages=0, vec=4),
     TCConfig(2, 2, 4, 4, 64, stages=1, vec=8, group_m=0),
     TCConfig(4, 2, 2, 4, 32, stages=2, vec=4, direct=False),

@@ -16,15 +16,18 @@ from gpu.ops.common import nbytes
 from gpu.ops.matmul import gemm_shape
 from gpu.weights import QuantTensor
 
-# Presets, measured on an H200 (docs/benchmarks.md, 2026-12-03): TC_TILE (8 subgroups of 4 x 2 matrices,
-# 128 x 128, BK = 32, two buffers) ran the F16 GEMM at 125 TFLOP/s at N = 4096 (the previous 4 x 4 x (2 x 2)
-# kernel: 70 in the same session). bench/tc_probe.py sweeps the alternatives.
-TC_TILE = TCConfig(sg_m=2, sg_n=4, tm=4, tn=2, bk=32, stages=2, vec=8)
+# Presets, measured on an H200 (docs/benchmarks.md, 2026-12-03): TC_TILE, 256 x 128 (4 x 2 subgroups of 4 x 4
+# matrices, BK = 32, one buffer + register prefetch): the staging (global -> registers -> scalar f16 stores to
+# workgroup memory), not the MMAs, bounds the kernel (bench/tc_ceiling.py), and a larger tile stages fewer bytes
+# per product: Q4_K, f16 A, M = 4096, 2048 -> 2048 / 5632 / 5632 -> 2048: "nt" 132.7 / 130.4 / 142.9 TFLOP/s,
+# "nn" 121.6 / 126.3 / 115.6, vs the former 128 x 128 two-buffer tile's 120.4 / 120.7 / 129.2 and 91.3 / 90.2 /
+# 86.5 in the same run. bench/gemm_tc.py --sweep compares candidates.
+TC_TILE = TCConfig(sg_m=4, sg_n=2, tm=4, tn=4, bk=32, stages=1, vec=8)
 # Grids of TC_TILE with fewer workgroups than this leave multiprocessors idle: a 128 x 64 tile instead, 4 x 2
-# subgroups of 2 x 2 matrices (as many subgroups in flight as the former 64 x 64 tile of 2 x 2 subgroups, each
-# staged weight tile shared by twice the rows): 74.3 vs 43.8 TFLOP/s at the k / v projections (4096 x 2048 ->
-# 256, Q4_K, f16 A) on an H200; split-K was slower (docs/benchmarks.md, 2026-12-03 narrow-grid sweep).
-TC_TILE_MIN_GRID = 264
+# subgroups of 2 x 2 matrices (74.3 vs 43.8 TFLOP/s for a 64 x 64 tile at the k / v projections, 4096 x 2048 ->
+# 256; split-K was slower). Measured crossover: TC_TILE wins at 80 workgroups (4096 x 576 -> 576: 54.8 vs 49.6
+# "nt", 51.8 vs 44.2 "nn"), loses at 64 (1024 x 2048 -> 2048: 68.0 vs 80.2 "nt").
+TC_TILE_MIN_GRID = 80
 TC_TILE_NARROW = TCConfig(sg_m=4, sg_n=2, tm=2, tn=2, bk=32, stages=2, vec=8)
 # Small M (decode): its speed is bound by reading W.
 TC_TILE_SMALL_M = TCConfig(sg_m=1, sg_n=4, tm=1, tn=2, bk=32, stages=1, vec=8)
