@@ -4,7 +4,8 @@ RMSNorm; NORM or NEOX RoPE, Llama 3 frequency factors), shared by the student (t
 sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by gpu/lora_layout.py).
 
 Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it;
-rows are `batch * seq_len` tokens; only attention works per sequence.
+rows are `batch * seq_len` tokens; only attention works per sequence (the tensor-core kernels take the whole
+batch in one dispatch, the sequence in grid z; the f32 kernels one sequence at a time).
 """
 
 from __future__ import annotations
