@@ -142,7 +142,8 @@ fn stage_{dst}_{src}(row0: u32, head: u32, heads: u32, lid: u32) {{
 
 
 def _common(kernel: str, head_dim: int) -> str:
-    return fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=tile_columns(kernel, head_dim), NSG=SUBGROUPS)
+    common = fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=tile_columns(kernel, head_dim), NSG=SUBGROUPS)
+    return common + "\n" + kernel_text("grad_scale.wgsl")
 
 
 def _pv_rescaled(nc: int, nd: int) -> list[str]:
@@ -224,13 +225,15 @@ def backward_dkv_source(head_dim: int) -> str:
 
 
 def pack_source(scaled: bool) -> str:
-    """pack_f16: f16 copy of an f32 tensor (q, k, v, GEMM inputs; scaled=False) or of dO * sigma (scaled=True)."""
+    """pack_f16: f16 copy of an f32 tensor (q, k, v, GEMM inputs; scaled=False) or of x * sigma (scaled=True:
+    attention's dO, the KD head's dL/dlogits; sigma from grad_scale.wgsl)."""
     binding = "@group(0) @binding(3) var<storage, read> stats: Stats;" if scaled else ""
-    return fill(
+    text = fill(
         kernel_text("pack_f16.wgsl"),
         STATS_BINDING=binding,
         SIGMA="grad_scale(stats.max_bits)" if scaled else "1.0",
     )
+    return text + ("\n" + kernel_text("grad_scale.wgsl") if scaled else "")
 
 
 def delta_source(head_dim: int) -> str:

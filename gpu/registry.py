@@ -120,6 +120,7 @@ KERNELS: dict[str, Kernel] = {
     # elementwise skeleton + body
     "add": Kernel(("elementwise", "add")),
     "add_inplace": Kernel(("elementwise", "add_inplace")),
+    "add_unscaled": Kernel(("elementwise", "add_unscaled", "grad_scale"), {"acc": BOOLS}),
     "add_bias": Kernel(("elementwise", "add_bias")),
     "scale": Kernel(("elementwise", "scale")),
     "swiglu_forward": Kernel(
@@ -137,6 +138,7 @@ KERNELS: dict[str, Kernel] = {
     "topk": Kernel((*_ROWS, *_LSE, "topk"), {"ns": TOPK_SORT_SIZES}),
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
+    "absmax": Kernel(("workgroup_reduce", "absmax")),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
     "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),

@@ -79,7 +79,8 @@ class GPUStudent(GPUModel):
             raise ValueError("GPUStudent needs at least one LoRA target")
         self.grads = dev.buffer(4 * self.layout.n_params, label="lora grads")
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
-        self.kd = KdScratch.build(dev, self.rows, top_k, min(vocab_chunk, self.cfg.vocab))
+        chunk, tc_head = min(vocab_chunk, self.cfg.vocab), self.cfg.hidden if self._pack_inputs else None
+        self.kd = KdScratch.build(dev, self.rows, top_k, chunk, hidden=tc_head)  # tc_head: its backward on TCs
         self.top1 = TopKState.build(dev, self.rows, 1)
         self.top1_lp = dev.buffer(4 * self.rows, label="student top-1 logprob")
         self.top1_tail = dev.buffer(4 * self.rows, label="student top-1 tail")

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from gpu.device import Device
+from gpu.ops.half import to_f16
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.topk import TopKState, hidden_topk, topk_chunk, topk_finish
+from gpu.weights import quantize_upload
 from model.kd import LossConfig, kd_loss_backward, kd_loss_forward, log_softmax
+from model.quant import dequantize, quantize
+from tests.gpu_fixtures import tensor_core_device_or_skip
 from tests.gpu_helpers import make_device, rel_err, twice, up
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4
+TC_TOL = 1e-2  # tensor-core head: f16 operands (h, W, the scaled dlogits), f32 accumulation
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +81,44 @@ def test_kd_head(dev: Device, kind: str, use_tail: bool, tau: float, ce: float, 
     assert np.all(dh[mask == 0] == 0)
     row_loss = dev.read(scratch.row_loss, np.float32, (t,))
     assert abs(row_loss.astype(np.float64).sum() - want_loss) <= TOL * abs(want_loss)
+
+
+@pytest.mark.tensorcore
+def test_kd_head_backward_on_tensor_cores() -> None:
+    """With h16, a quantized head and a scratch built with `hidden`, dh = dlogits . W runs on tensor cores from
+    dlogits scaled into f16's range: loss and dh within TC_TOL of float64 (logits from the f16-rounded h and the
+    dequantized head, relative to dh's max), masked rows exactly zero, several chunks (a partial last one)."""
+    tc_dev = tensor_core_device_or_skip()
+    rng = np.random.default_rng(9)
+    t, h_dim, v, k, chunk = 64, 256, 1000, 16, 384
+    cfg = LossConfig(kind="forward_kl", tau=1.0, ce_weight=0.2, use_tail=True)
+    h = rng.standard_normal((t, h_dim)).astype(np.float32)
+    w = (rng.standard_normal((v, h_dim)) * 2.0 / np.sqrt(h_dim)).astype(np.float32)
+    wq = quantize_upload(tc_dev, w, GGMLQuantizationType.Q8_0, name="kd_head_q8")
+    w_deq = dequantize(quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0, (v, h_dim))
+    ids, lt, tail = _teacher(rng, t, v, k, 1.0)
+    targets = rng.integers(0, v, t).astype(np.uint32)
+    mask = (np.arange(t) % 7 != 3).astype(np.uint32)
+    hb, idb, ltb, tailb, tgb, mb = (up(tc_dev, a, a.dtype) for a in (h, ids, lt, tail, targets, mask))
+    h16 = tc_dev.buffer(2 * h.size)
+    assert to_f16(tc_dev, hb, h16, h.size)
+    scratch = KdScratch.build(tc_dev, t, k, chunk, hidden=h_dim)
+    assert scratch.dz16 is not None
+    dh, loss = tc_dev.buffer(h.nbytes), tc_dev.buffer(4)
+    kd_head_forward_backward(
+        tc_dev, hb, wq, idb, ltb, tailb, tgb, mb, cfg, dh, loss, t, h_dim, v, k, scratch=scratch, h16=h16
+    )
+    got_dh = tc_dev.read(dh, np.float32, h.shape)
+    w64 = w_deq.astype(np.float16).astype(np.float64)
+    logits = h.astype(np.float16).astype(np.float64) @ w64.T
+    args = (ids, lt.astype(np.float64), tail.astype(np.float64), targets, mask, cfg)
+    want_loss, want_dh = kd_loss_forward(logits, *args), kd_loss_backward(logits, *args) @ w64
+    got_loss = float(tc_dev.read(loss, np.float32, (1,))[0])
+    err = rel_err(got_dh, want_dh)
+    print(f"kd head on tensor cores: loss rel err {abs(got_loss - want_loss) / abs(want_loss):.1e}, dh {err:.1e}")
+    assert abs(got_loss - want_loss) <= TC_TOL * abs(want_loss)
+    assert err <= TC_TOL
+    assert np.all(got_dh[mask == 0] == 0)
 
 
 def test_kd_head_accumulates_dh(dev: Device) -> None:

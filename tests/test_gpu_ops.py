@@ -11,7 +11,7 @@ from gpu.device import Device
 from gpu.ops.add import add, add_inplace, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
-from gpu.ops.half import to_f16
+from gpu.ops.half import add_unscaled, to_f16, to_f16_scaled
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.ops.swiglu import swiglu_backward, swiglu_forward
@@ -182,6 +182,33 @@ def test_f16_copies_from_producers(dev: Device) -> None:
         np.testing.assert_array_equal(got, want, err_msg=name)
         halves = got.view(np.float16)
         assert np.isinf(halves).any() and (np.abs(halves[halves != 0]) < 6.1e-5).any(), name
+
+
+def test_scaled_f16_copy_and_unscale(dev: Device) -> None:
+    """to_f16_scaled: the f16 copy of values far below f16's normal range (as dL/dlogits: ~1e-7) times a power of
+    two sigma with max |x| sigma in [2^14, 2^15), each within f16's rounding (2^-11 relative) of x sigma down to
+    2^-10 of the max; add_unscaled brings a product of it back exactly (a power of two), overwriting or adding."""
+    if "shader-f16" not in dev.features:
+        pytest.skip("adapter without shader-f16")
+    rng = np.random.default_rng(11)
+    n = 4 * 3001  # several absmax workgroups' strided shares
+    x = (rng.standard_normal(n) * 1e-7).astype(np.float32)
+    x[1234] = -9e-7  # the max is negative
+    xb, x16, stats = up(dev, x), dev.buffer(2 * n), dev.buffer(8)
+    to_f16_scaled(dev, xb, x16, stats, n)
+    got = dev.read(x16, np.uint16, (n,)).view(np.float16).astype(np.float64)
+    sigma = 2.0 ** round(np.log2(abs(got[1234]) / 9e-7))
+    assert 2**14 <= np.abs(got).max() < 2**15, np.abs(got).max()
+    assert np.abs(x * sigma).max() < 2**15
+    big = np.abs(x) >= np.abs(x).max() * 2**-10
+    np.testing.assert_allclose(got[big], (x * sigma)[big], rtol=2**-11)
+    b = rng.standard_normal(n).astype(np.float32)
+    prev = rng.standard_normal(n).astype(np.float32)
+    bb, y, acc = up(dev, b), dev.buffer(4 * n), up(dev, prev)
+    add_unscaled(dev, bb, stats, y, n, accumulate=False)
+    add_unscaled(dev, bb, stats, acc, n, accumulate=True)
+    np.testing.assert_array_equal(dev.read(y, np.float32, (n,)), b / np.float32(sigma))
+    np.testing.assert_array_equal(dev.read(acc, np.float32, (n,)), prev + b / np.float32(sigma))
 
 
 def test_attention_refuses_head_dim_without_kernel(dev: Device) -> None:

@@ -35,9 +35,5 @@ const LDS: u32 = BC + 4u;       // f32 row stride of a [16][BC] score block (16-
 const LDP: u32 = BC + 8u;       // f16 row stride of a [16][BC] probability block (16-byte rows)
 const NEG_BIG: f32 = -3.0e38;
 
-// The dO scale sigma from the bits of max |dO| (attention_tc_delta.wgsl): a power of two putting
-// max |dO| * sigma in [1/16, 1/8), so dO keeps f16's precision however small the gradients are.
-fn grad_scale(max_bits: u32) -> f32 {
-    let e = clamp((max_bits >> 23u) & 0xffu, 1u, 249u);
-    return bitcast<f32>((250u - e) << 23u);
-}
+// grad_scale (grad_scale.wgsl, appended by gpu/codegen_attention_tc.py): the dO scale sigma from the bits of
+// max |dO| (attention_tc_delta.wgsl).

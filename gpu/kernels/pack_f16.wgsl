@@ -1,8 +1,8 @@
 // f16 copy of an f32 tensor for the tensor-core kernels (attention operands, GEMM inputs), per part z
 // (wid.z: one sequence of a batch of attention operands, else the one part):
 // dst[z n_total + u] = f16(src[z n_valid + u] * sigma) for the n_valid vec4 units of a part, zero for the
-// units after them up to n_total (the padding rows of attention operands). SCALED: sigma = grad_scale(max |dO|)
-// from the delta pass (dO), else 1.
+// units after them up to n_total (the padding rows of attention operands). SCALED: sigma = grad_scale(max |x|)
+// (grad_scale.wgsl; the max from attention's delta pass or the absmax kernel), else 1.
 enable f16;
 
 struct PackParams {
@@ -19,11 +19,6 @@ struct Stats {
 @group(0) @binding(1) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dst: array<vec4<f16>>;
 ${STATS_BINDING}
-
-fn grad_scale(max_bits: u32) -> f32 {
-    let e = clamp((max_bits >> 23u) & 0xffu, 1u, 249u);
-    return bitcast<f32>((250u - e) << 23u);
-}
 
 @compute @workgroup_size(256)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

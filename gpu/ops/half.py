@@ -1,11 +1,13 @@
-"""f32 -> f16 copies of tensor-core GEMM operands (the pack_f16 kernel, shared with the attention's packs)."""
+"""f32 -> f16 copies of tensor-core GEMM operands (the pack_f16 kernel, shared with the attention's packs), plain or
+scaled by a power of two for tensors whose values lie far below f16's normal range (dL/dlogits), and the
+unscaling of a product computed from a scaled copy."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpu.device import Device, DeviceError
-from gpu.ops.common import grid, nbytes, pack
+from gpu.device import Device, DeviceError, grid_1d
+from gpu.ops.common import grid, nbytes, need, pack
 from gpu.registry import pipeline
 
 
@@ -21,3 +23,32 @@ def to_f16(dev: Device, src: Any, dst: Any, n_elems: int) -> bool:
     units = n_elems // 4
     dev.dispatch(pipeline(dev, "pack_f16", scaled=False), [pack(units, units), src, dst], grid(units, 256))
     return True
+
+
+# absmax's scale: grad_scale.wgsl then puts max |x| * sigma in [2^14, 2^15) -- the top of f16's range, so values
+# down to ~2^-10 of the max stay normal (f16's normal range starts at 2^-14)
+WIDE_SCALE = 2.0**-18
+ABSMAX_WORKGROUPS = 1024  # strided partial maxima, one atomic each
+
+
+def to_f16_scaled(dev: Device, src: Any, dst: Any, stats: Any, n_elems: int) -> None:
+    """dst (f16) = src * sigma (f32 [n_elems], n_elems a multiple of 4), sigma the power of two putting max |src|
+    * sigma in [2^14, 2^15); stats[0] keeps the bits from which add_unscaled recovers sigma (stats: >= 8 bytes)."""
+    if n_elems % 4:
+        raise ValueError(f"to_f16_scaled: {n_elems} elements is not a multiple of 4")
+    need(src, n_elems, "to_f16_scaled src")
+    need(dst, n_elems, "to_f16_scaled dst", elem_bytes=2)
+    need(stats, 2, "to_f16_scaled stats")
+    units = n_elems // 4
+    dev.clear(stats, 0, 4)
+    groups = grid_1d(min(ABSMAX_WORKGROUPS, -(-units // 256)))
+    dev.dispatch(pipeline(dev, "absmax"), [pack(units, WIDE_SCALE, 0, 0), src, stats], groups)
+    dev.dispatch(pipeline(dev, "pack_f16", scaled=True), [pack(units, units), src, dst, stats], grid(units, 256))
+
+
+def add_unscaled(dev: Device, b: Any, stats: Any, y: Any, n_elems: int, *, accumulate: bool) -> None:
+    """y (+)= b / sigma, sigma from the stats of to_f16_scaled: a product of its scaled copy brought back."""
+    for buf, what in ((b, "b"), (y, "y")):
+        need(buf, n_elems, f"add_unscaled {what}")
+    pipe = pipeline(dev, "add_unscaled", acc=accumulate)
+    dev.dispatch(pipe, [pack(n_elems, 0, 0, 0), b, stats, y], grid(n_elems, 256))

@@ -3,7 +3,13 @@
 Pass 1, per chunk: logits Z_c = h W_c^T (strided_matmul), then kd_stats folds them into each row's online
 logsumexp (at tau and at 1) and gathers the logits at the teacher ids and the target. kd_row then gives the
 per-row loss and dL/da (a = log softmax(z/tau)[ids]). Pass 2, per chunk: recompute Z_c, turn it into dL/dZ_c in
-place (kd_grad) and accumulate dh += dZ_c W_c, chunks in ascending order. Everything is reproducible."""
+place (kd_grad) and accumulate dh += dZ_c W_c, chunks in ascending order. Everything is reproducible.
+
+On tensor cores (h16 given, a quantized head, a scratch built with `hidden`) dZ_c W_c runs on them too: dZ_c,
+whose values lie far below f16's normal range (~1/T), is packed to f16 times a power of two sigma_c putting its max
+in [2^14, 2^15) (gpu/ops/half.py to_f16_scaled), the product goes to a scratch and dh += it / sigma_c.
+Held by the H200 test tests/test_gpu_kd.py (dh within 1e-2 of float64, relative to its max) and the whole-step
+tensor-core tests."""
 
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ from typing import Any
 
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
+from gpu.ops.half import add_unscaled, to_f16_scaled
 from gpu.ops.head import logits_chunk
 from gpu.ops.matmul import linear_input_grad
+from gpu.ops.matmul_tc import linear_input_grad_tc
 from gpu.ops.reduce import count_nonzero, reduce_sum
 from gpu.ops.strided_matmul import row_major, strided_matmul
 from gpu.registry import pipeline
@@ -37,14 +45,20 @@ class KdScratch:
     row_loss: Any  # [T]
     da: Any  # [T, k]
     row_info: Any  # [T + 1, 4] (lse_tau, lse_1, sum da, ce_weight / n), then (rows with mask != 0, 0, 0, 0)
+    # the backward on tensor cores (built with `hidden`, when chunk % 4 == 0), else None:
+    dz16: Any = None  # [T, chunk] f16: dL/dZ_c * sigma_c
+    dz_stats: Any = None  # sigma_c's bits (gpu/ops/half.py to_f16_scaled)
+    dh_part: Any = None  # [T, hidden] f32: dZ_c16 W_c before the unscaling
 
     @classmethod
-    def build(cls, dev: Device, n_tokens: int, k: int, chunk: int) -> KdScratch:
+    def build(cls, dev: Device, n_tokens: int, k: int, chunk: int, hidden: int | None = None) -> KdScratch:
+        """hidden: also the buffers of the tensor-core backward (for a caller passing h16)."""
         t = n_tokens
 
         def buf(n: int, label: str) -> Any:
             return dev.buffer(4 * n, label=f"kd {label}")
 
+        tc = hidden is not None and chunk % 4 == 0
         return cls(
             t,
             k,
@@ -55,6 +69,9 @@ class KdScratch:
             buf(t, "row loss"),
             buf(t * k, "da"),
             buf((t + 1) * 4, "row info"),
+            buf(t * chunk // 2, "dlogits f16") if tc else None,
+            buf(4, "dlogits scale") if tc else None,
+            buf(t * hidden, "dh part") if tc else None,
         )
 
 
@@ -86,8 +103,8 @@ def kd_head_forward_backward(
     dL/dlogits . W, computed over vocab chunks. teacher_ids u32 [T, k], teacher_logprobs f32 [T, k] (at tau),
     teacher_tail f32 [T] or None (then 1 - sum exp(logprobs)), targets u32 [T], mask u32 [T] (rows != 0 count).
     loss[loss_index] (f32) receives the scalar loss; backward=False skips pass 2 (evaluation: dh untouched).
-    h16: h as f16 for tensor-core logits (the backward's dh = dlogits . W stays f32: dlogits are far below
-    f16's normal range). Returns the scratch (row_loss, row_info) for inspection and reuse."""
+    h16: h as f16 for tensor-core logits, and with a scratch built with `hidden` the backward's dlogits . W on
+    tensor cores too (module docstring). Returns the scratch (row_loss, row_info) for inspection and reuse."""
     t = n_tokens
     if cfg.kind not in KINDS:
         raise ValueError(f"LossConfig.kind={cfg.kind!r} is not one of {KINDS}")
@@ -141,6 +158,11 @@ def kd_head_forward_backward(
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
         dev.dispatch(grad_pipe, bind, grid(t, 1))
         acc = accumulate_dh or i > 0
+        if quant and h16 is not None and sc.dz16 is not None:  # tensor cores, dZ_c scaled into f16's range
+            to_f16_scaled(dev, sc.logits, sc.dz16, sc.dz_stats, t * chunk)
+            linear_input_grad_tc(dev, sc.dz16, row_slice(w, c0, nv), sc.dh_part, t, lda=chunk, a_dtype="f16")
+            add_unscaled(dev, sc.dh_part, sc.dz_stats, dh, t * hidden, accumulate=acc)
+            continue
         if quant:
             linear_input_grad(dev, sc.logits, row_slice(w, c0, nv), dh, t, lda=chunk, accumulate=acc)
             continue
