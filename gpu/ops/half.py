@@ -26,7 +26,7 @@ def to_f16(dev: Device, src: Any, dst: Any, n_elems: int) -> bool:
 
 
 # absmax's scale: grad_scale.wgsl then puts max |x| * sigma in [2^14, 2^15) -- the top of f16's range, so values
-# down to ~2^-10 of the max stay normal (f16's normal range starts at 2^-14)
+# down to 2^-28 of the max stay in its normal range (from 2^-14)
 WIDE_SCALE = 2.0**-18
 ABSMAX_WORKGROUPS = 1024  # strided partial maxima, one atomic each
 
