@@ -344,10 +344,11 @@ class GPUModel:
 
     def _gemm_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand for a projection GEMM over x [rows, width] and the GEMM's extra arguments: x itself
-        (f32), or with tensor cores its f16 copy in self.a16 (valid until the next _gemm_input)."""
-        if self._pack_inputs and to_f16(self.dev, x, self.a16, self.rows * width):
-            return self.a16, {"a_dtype": "f16"}
-        return x, {}
+        (f32), or with tensor cores its f16 copy packed into self.a16 (valid until the next f16 operand)."""
+        x16 = self._half_copy(self.rows * width)
+        if x16 is not None:
+            to_f16(self.dev, x, x16, self.rows * width)
+        return self._operand(x, x16)
 
     def _half_copy(self, n_elems: int) -> Any:
         """Where a producer kernel writes the f16 copy of its n_elems result for the next projection (self.a16,
@@ -379,13 +380,9 @@ class GPUModel:
         return self._view(self.xs, self._x_offset(layer), self.rows * self.cfg.hidden)
 
     # ---- one projection (frozen W + LoRA) ---------------------------------------------------------------
-    def _head_input(self) -> Any:
-        """The final normed hidden state as f16 for tensor-core LM-head logits (gpu/ops/head.py), else None."""
-        a, kw = self._gemm_input(self.a["nf"], self.cfg.hidden)
-        return a if kw else None
-
     def _proj(self, x: Any, layer: int, target: str, y: Any, gemm_input: tuple[Any, dict] | None = None) -> None:
-        """y = x W^T (+ bias) (+ LoRA); gemm_input: x's _gemm_input when the caller shares it between projections."""
+        """y = x W^T (+ bias) (+ LoRA); gemm_input: x's GEMM operand when the caller has it (shared between
+        projections, or written by x's producer), else packed here by _gemm_input."""
         d_out, d_in = self.cfg.target_shape(target)
         a, kw = gemm_input or self._gemm_input(x, d_in)
         self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
@@ -512,12 +509,13 @@ class GPUModel:
         out = self.dev.read(self.xs, np.float32, (rows * cfg.hidden,), offset=4 * self._x_offset(layer))
         return out.reshape(self.batch, self.seq_len, cfg.hidden)
 
-    def _forward_to_head(self) -> None:
+    def _forward_to_head(self) -> Any:
+        """The blocks and the final norm into a["nf"]; returns its f16 copy for tensor-core LM-head logits
+        (gpu/ops/head.py; written by the norm itself, valid until the next f16 operand), else None."""
         cfg, dev = self.cfg, self.dev
         if self.start_layer == 0:
             embedding_forward(dev, self.w.embed, self._b.bufs["ids"], self._x(0), self.rows)
         for layer in range(self.start_layer, cfg.n_layers):
             self._block_forward(layer)
-        rmsnorm_forward(
-            dev, self._x(cfg.n_layers), self.w.norms["output_norm.weight"], self.a["nf"], self.rows, cfg.hidden, cfg.eps
-        )
+        nf, kw = self._normed(self._x(cfg.n_layers), "output_norm.weight", self.a["nf"])
+        return nf if kw else None

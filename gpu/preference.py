@@ -120,7 +120,7 @@ class GPUPreferenceStudent(GPUStudent):
         self._micro_losses[micro] = terms.loss
 
     # ---- pass 2: the recorded step with the scaled head gradient ---------------------------------------
-    def _kd_head(self, loss_index: int, backward: bool, h16: Any = None) -> None:
+    def _kd_head(self, loss_index: int, backward: bool, h16: Any) -> None:
         super()._kd_head(loss_index, backward, h16)
         if backward and self._row_scale is not None:
             dh = self.dev.read(self.a["tmp"], np.float32, (self.rows, self.cfg.hidden))

@@ -280,9 +280,9 @@ class GPUStudent(GPUModel):
         w(bufs["teacher_tail"], tail.reshape(-1))
         self._has_tail = teacher_tail is not None
 
-    def _kd_head(self, loss_index: int, backward: bool, h16: Any = None) -> None:
+    def _kd_head(self, loss_index: int, backward: bool, h16: Any) -> None:
         """lm_head + KD loss of the uploaded batch into losses[loss_index]; with backward, dL/dh into a["tmp"].
-        h16: the final hidden state's f16 copy when the caller already made it (else made here if needed)."""
+        h16: the final hidden state's f16 copy from _forward_to_head (None on the f32 path)."""
         cfg, bufs = self.cfg, self._b.bufs
         tail = bufs["teacher_tail"] if self._has_tail else None
         with scope(self.dev, "kd head"):
@@ -290,7 +290,7 @@ class GPUStudent(GPUModel):
                 self.dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
                 bufs["targets"], bufs["mask"], self.loss_cfg, self.a["tmp"], self.losses, self.rows, cfg.hidden,
                 cfg.vocab, self.k, scratch=self.kd, loss_index=loss_index, backward=backward,
-                h16=h16 if h16 is not None else self._head_input(),
+                h16=h16,
             )  # fmt: skip
 
     def _record_loss_and_grads(self, micro: int) -> None:
@@ -299,8 +299,8 @@ class GPUStudent(GPUModel):
 
     def _record_forward_backward(self, micro: int) -> None:
         cfg, dev = self.cfg, self.dev
-        self._forward_to_head()
-        self._kd_head(micro, backward=True)
+        h16 = self._forward_to_head()
+        self._kd_head(micro, backward=True, h16=h16)
         rmsnorm_backward(
             dev,
             self.a["tmp"],
@@ -393,8 +393,7 @@ class GPUStudent(GPUModel):
     def _record_evaluate(self) -> None:
         """evaluate_batch's forward, KD loss and top-1, recorded into the current step."""
         cfg = self.cfg
-        self._forward_to_head()
-        h16 = self._head_input()  # one f16 copy for the KD head and the top-1
+        h16 = self._forward_to_head()  # one f16 copy for the KD head and the top-1
         self._kd_head(0, backward=False, h16=h16)
         hidden_topk(
             self.dev,

@@ -55,7 +55,7 @@ class GPUTeacher(GPUModel):
     def _record_topk(self) -> None:
         """Forward to the head and the top-k over vocab chunks, recorded into the current step."""
         cfg = self.cfg
-        self._forward_to_head()
+        h16 = self._forward_to_head()
         with scope(self.dev, "kd head"):
             hidden_topk(
                 self.dev,
@@ -69,5 +69,5 @@ class GPUTeacher(GPUModel):
                 self.tau,
                 logits_scratch=self.logits,
                 chunk=self.chunk,
-                h16=self._head_input(),
+                h16=h16,
             )

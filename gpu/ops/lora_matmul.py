@@ -18,7 +18,7 @@ from typing import Any
 from gpu.codegen_lora import BM, LORA_GEMM_BK
 from gpu.device import Device, DeviceError, grid_1d
 from gpu.ops.common import nbytes, pack
-from gpu.ops.strided_matmul import Operand
+from gpu.ops.strided_matmul import Operand, check_operands
 from gpu.registry import pipeline
 
 TARGET_WORKGROUPS = 1024  # split the reduction until about this many workgroups run (an H200 has 132 SMs)
@@ -77,10 +77,7 @@ def lora_matmul(
     if min(m, n) <= 0:
         return
     csm = n if csm is None else csm
-    for op, rows, cols, what in ((a, m, k, "A"), (b, k, n, "B")):
-        if k > 0 and nbytes(op.buf) < 4 * (op.last(rows, cols) + 1):
-            size = nbytes(op.buf)
-            raise DeviceError(f"lora_matmul: operand {what} ({rows} x {cols}) reads past its buffer's {size} B")
+    check_operands("lora_matmul", a, b, m, n, k)
     if nbytes(c) < 4 * (c_off + (m - 1) * csm + (n - 1) * csn + 1):
         raise DeviceError(f"lora_matmul: output C ({m} x {n}, strides {csm}, {csn}) exceeds its buffer's {nbytes(c)} B")
     bn = 64 if n > 32 else 16

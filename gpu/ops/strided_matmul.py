@@ -26,6 +26,13 @@ class Operand:
         return self.off + (n0 - 1) * self.s0 + (n1 - 1) * self.s1
 
 
+def check_operands(op: str, a: Operand, b: Operand, m: int, n: int, k: int) -> None:
+    """Raise DeviceError when A [m, k] or B [k, n] would read past its buffer (op names the caller)."""
+    for x, rows, cols, what in ((a, m, k, "A"), (b, k, n, "B")):
+        if k > 0 and nbytes(x.buf) < 4 * (x.last(rows, cols) + 1):
+            raise DeviceError(f"{op}: operand {what} ({rows} x {cols}) reads past its buffer's {nbytes(x.buf)} B")
+
+
 def row_major(buf: Any, cols: int, off: int = 0) -> Operand:
     """A row-major [rows, cols] matrix."""
     return Operand(buf, off, cols, 1)
@@ -54,9 +61,7 @@ def strided_matmul(
     if min(m, n) <= 0:
         return
     ldc = n if ldc is None else ldc
-    for op, r, s, what in ((a, m, k, "A"), (b, k, n, "B")):
-        if k > 0 and nbytes(op.buf) < 4 * (op.last(r, s) + 1):
-            raise DeviceError(f"strided_matmul: operand {what} ({r} x {s}) reads past its buffer's {nbytes(op.buf)} B")
+    check_operands("strided_matmul", a, b, m, n, k)
     if nbytes(c) < 4 * (c_off + (m - 1) * ldc + n):
         raise DeviceError(f"strided_matmul: output C ({m} x {n}, ldc {ldc}) exceeds its buffer's {nbytes(c)} B")
     gx, gy = math.ceil(n / TILE), math.ceil(m / TILE)
