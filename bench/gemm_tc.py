@@ -51,6 +51,17 @@ from gpu.weights import random_blocks, upload_quant  # noqa: E402
 PROJECTIONS = [(4096, 5632, 2048), (4096, 2048, 5632), (4096, 256, 2048)]  # (M, N, K): 2048->5632, ...
 
 
+def use_dawn_toggles(toggles: list[str]) -> None:
+    """Make the next Dawn devices of this process enable `toggles` (e.g. disable_robustness): an experiment
+    only, since a toggle applies to every kernel of the device."""
+    import functools
+
+    from wgpudawn.backends.dawn import extras
+
+    if toggles:
+        extras.request_device_sync = functools.partial(extras.request_device_sync, enable_toggles=toggles)
+
+
 def parse_cfg(text: str) -> TCConfig:
     """'sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m]' -> TCConfig."""
     return TCConfig(*[int(x) for x in text.split(",")])
@@ -226,8 +237,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.25, help="length of one timing window")
     ap.add_argument("--cfg", default=None, help="sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m] (default: presets)")
     ap.add_argument("--sweep", default="", help="candidate tiles '[nt:|nn:]cfg;...' timed on the shapes (cfg: preset)")
+    ap.add_argument("--toggles", default="", help="Dawn device toggles to enable, e.g. disable_robustness")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
+    toggles = [t for t in args.toggles.split(",") if t]
+    use_dawn_toggles(toggles)
     dev = Device(backend="dawn")
     problem = tensor_core_problem(dev)
     if problem is not None:
@@ -272,6 +286,7 @@ def main() -> None:
         "bench": "gemm_tc",
         "adapter": dev.adapter.summary,
         "backend": dev.backend,
+        "toggles": toggles,
         "plain_f16": plain,
         "shapes": proj,
         "fused": fused,

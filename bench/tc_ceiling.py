@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gemm_tc import gpu_time, time_gemm, torch_tflops  # noqa: E402
+from bench.gemm_tc import gpu_time, time_gemm, torch_tflops, use_dawn_toggles  # noqa: E402
 from gpu.codegen_attention_tc import LEFT, RESULT, RIGHT  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops.common import pack  # noqa: E402
@@ -150,11 +150,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--a-from", default="all", choices=("all", *A_SOURCES), help="mma_peak's left operands")
     ap.add_argument("--no-gemm", action="store_true", help="only the mma_peak rows")
+    ap.add_argument("--toggles", default="", help="Dawn device toggles to enable, e.g. disable_robustness")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
+    toggles = [t for t in args.toggles.split(",") if t]
+    use_dawn_toggles(toggles)
     dev = Device("dawn")
     problem = tensor_core_problem(dev)
-    print(json.dumps({"adapter": dev.adapter.summary, "tensor_cores": problem or "yes"}), flush=True)
+    print(
+        json.dumps({"adapter": dev.adapter.summary, "tensor_cores": problem or "yes", "toggles": toggles}), flush=True
+    )
     if problem:
         sys.exit(f"bench/tc_ceiling.py: {problem}")
     for a_from in A_SOURCES if args.a_from == "all" else (args.a_from,):

@@ -78,10 +78,9 @@ def _device(toggles: list[str]):
         emu = functools.partial(gpu.ops.matmul_tc.gemm_tc, emulate=True)
         gpu.ops.matmul_tc.gemm_tc = bench.gemm_tc.gemm_tc = emu
         return Device(backend="wgpu")
-    if toggles:
-        from wgpudawn.backends.dawn import extras
+    from bench.gemm_tc import use_dawn_toggles
 
-        extras.request_device_sync = functools.partial(extras.request_device_sync, enable_toggles=toggles)
+    use_dawn_toggles(toggles)
     return Device(backend="dawn")
 
 
