@@ -15,6 +15,9 @@ Rows:
     ("no_stage": the matrix loads from workgroup memory, the MMAs and the barriers remain) and with its MMAs
     dropped to one per step ("no_mma": the staging remains) -- gpu/codegen_tc.py's timing probes.
     If full ~ no_stage + no_mma, staging and MMAs do not overlap; if full ~ no_stage, the MMA side limits.
+  staging (--staging): the preset tile's staging alone (no MMAs), its workgroup tile stored as f16 (2-byte
+    stores, as the GEMM must), u32 or vec4<u32> (4- / 16-byte stores), with and without register prefetch:
+    what the 2-byte stores cost against the loads and barriers.
   torch: torch.matmul bf16 / fp16 at N in the same process.
 Times: median of 3 windows after a warm-up (wall, submit + wait); gpu_us by timestamp queries where present.
 """
@@ -98,6 +101,95 @@ def mma_peak_source(tm: int, tn: int, nsg: int, a_from: str = "registers") -> st
     return "\n".join(line for line in lines + ["}"] if line)
 
 
+STORES = ("f16", "u32", "vec4")  # staging_probe's workgroup element: 2-, 4- or 16-byte stores
+
+
+def staging_source(store: str, prefetch: bool, h2: str = "bitcast<vec2<f16>>") -> str:
+    """WGSL of the preset tile's staging alone (256 invocations; per step 256 rows of A and 128 of B, 32 f16
+    each, in 16-byte units: 6 loads and 48 / 24 / 6 stores per invocation for f16 / u32 / vec4 elements),
+    one workgroup read per step and two barriers; no MMAs. `prefetch` loads the next step into registers
+    between the barriers, as the GEMM does. Tells the cost of the 2-byte stores the f16 matrix loads force
+    (subgroupMatrixLoad of f16 needs an array<f16>) from that of the loads and barriers. h2: u32 -> vec2<f16>
+    (naga, for a lavapipe run, lacks that bitcast)."""
+    per = {"f16": 8, "u32": 4, "vec4": 1}[store]
+    elem = {"f16": "f16", "u32": "u32", "vec4": "vec4<u32>"}[store]
+    row = 40 // (8 // per)  # 32 + 8 pad halves per staged row, in elements
+    if store == "f16":
+        put = [f"        S[o + {2 * j + h}u] = {h2}(r{{e}}.{'xyzw'[j]}).{'xy'[h]};" for j in range(4) for h in (0, 1)]
+        read = "f32(S[(lid * 41u) % arrayLength_S])"
+    elif store == "u32":
+        put = [f"        S[o + {j}u] = r{{e}}.{'xyzw'[j]};" for j in range(4)]
+        read = "f32(S[(lid * 41u) % arrayLength_S] & 255u)"
+    else:
+        put = ["        S[o] = r{e};"]
+        read = "f32(S[(lid * 41u) % arrayLength_S].x & 255u)"
+    lines = [
+        "enable f16;",
+        "@group(0) @binding(0) var<uniform> prm: vec4<u32>;  // steps, row length (vec4 units), -, -",
+        "@group(0) @binding(1) var<storage, read> A: array<vec4<u32>>;",
+        "@group(0) @binding(2) var<storage, read_write> out: array<f32>;",
+        f"const arrayLength_S = {384 * row}u;",
+        f"var<workgroup> S: array<{elem}, {384 * row}>;",
+        "fn unit(e: u32, lid: u32, m0: u32, p0: u32, t: u32) -> vec4<u32> {",
+        "    let u = lid + e * 256u;",
+        "    let r = u / 4u;",
+        "    let g = select(p0 + r - 256u, m0 + r, r < 256u);",
+        "    return A[g * prm.y + t * 4u + u % 4u];",
+        "}",
+        "@compute @workgroup_size(256)",
+        "fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {",
+        "    let m0 = wg.y * 256u;",
+        "    let p0 = wg.x * 128u;",
+        "    var acc = 0.0;",
+    ]
+    lines += [f"    var r{e} = unit({e}u, lid, m0, p0, 0u);" for e in range(6)]
+    lines.append("    for (var t = 0u; t < prm.x; t++) {")
+    if not prefetch:
+        lines += [f"        r{e} = unit({e}u, lid, m0, p0, t);" for e in range(6)]
+    for e in range(6):
+        lines.append(f"        {{ let u = lid + {e * 256}u; let o = (u / 4u) * {row}u + (u % 4u) * {per}u;")
+        lines += [p.format(e=e) for p in put]
+        lines.append("        }")
+    lines.append("        workgroupBarrier();")
+    if prefetch:
+        lines.append("        if (t + 1u < prm.x) {")
+        lines += [f"            r{e} = unit({e}u, lid, m0, p0, t + 1u);" for e in range(6)]
+        lines.append("        }")
+    lines += [f"        acc += {read};", "        workgroupBarrier();", "    }"]
+    lines += ["    out[(wg.y * 65535u + wg.x) * 256u % arrayLength(&out) + lid % 256u] = acc;", "}"]
+    return "\n".join(lines)
+
+
+def staging_probe(dev: Device, n: int, store: str, prefetch: bool, seconds: float) -> dict[str, Any]:
+    """Time staging_source over an n x n f16 matrix (the GEMM's grid at n: n/128 x n/256 workgroups)."""
+    pipe = dev.pipeline(("tc_ceiling_staging", store, prefetch), lambda: staging_source(store, prefetch))
+    rng = np.random.default_rng(0)
+    a = dev.upload(rng.standard_normal((n, n)).astype(np.float16))
+    out = dev.buffer(4 * 256 * 64)
+    params = pack(n // 32, n // 8, 0, 0)
+    grid = (n // 128, n // 256, 1)
+
+    def call() -> None:
+        dev.dispatch(pipe, [params, a, out], grid)
+
+    def run(reps: int) -> float:
+        t = time.perf_counter()
+        with dev.step():
+            for _ in range(reps):
+                call()
+        dev.sync()
+        return time.perf_counter() - t
+
+    sec, reps = _median_window(run, seconds)
+    staged = grid[0] * grid[1] * (n // 32) * 384 * 32 * 2
+    row = {"what": "staging", "store": store, "prefetch": prefetch, "n": n, "ms": round(sec * 1e3, 4), "reps": reps}
+    row |= {"tflops_equiv": round(2.0 * n**3 / sec / 1e12, 1), "staged_tb_s": round(staged / sec / 1e12, 2)}
+    gpu = gpu_time(dev, call)
+    if "gpu_us" in gpu:
+        gpu["gpu_tflops_equiv"] = round(2.0 * n**3 / (gpu["gpu_us"] * 1e-6) / 1e12, 1)
+    return row | gpu
+
+
 def _median_window(run: Any, seconds: float) -> tuple[float, int]:
     """(median seconds per rep of 3 windows after a warm-up window, reps)."""
     run(1)
@@ -150,6 +242,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.3)
     ap.add_argument("--a-from", default="all", choices=("all", *A_SOURCES), help="mma_peak's left operands")
     ap.add_argument("--no-gemm", action="store_true", help="only the mma_peak rows")
+    ap.add_argument("--staging", action="store_true", help="also the staging rows (2-, 4-, 16-byte stores)")
     ap.add_argument("--toggles", default="", help="Dawn device toggles to enable, e.g. disable_robustness")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
@@ -166,6 +259,10 @@ def main() -> None:
         for tm, tn, nsg in ((4, 2, 8), (4, 4, 4), (2, 2, 8), (4, 4, 8)):
             row = mma_peak(dev, tm, tn, nsg, args.workgroups, args.iters, args.seconds, a_from)
             print(json.dumps(row), flush=True)
+    if args.staging:
+        for store in STORES:
+            for prefetch in (False, True):
+                print(json.dumps(staging_probe(dev, args.n, store, prefetch, args.seconds)), flush=True)
     if args.no_gemm:
         return
     n = args.n
