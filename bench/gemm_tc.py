@@ -63,8 +63,10 @@ def use_dawn_toggles(toggles: list[str]) -> None:
 
 
 def parse_cfg(text: str) -> TCConfig:
-    """'sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m]' -> TCConfig."""
-    return TCConfig(*[int(x) for x in text.split(",")])
+    """'sg_m,sg_n,tm,tn,bk,stages,vec[,pad,group_m][,field=int...]' -> TCConfig (e.g. producers=4)."""
+    parts = text.split(",")
+    named = dict(p.split("=", 1) for p in parts if "=" in p)
+    return TCConfig(*[int(x) for x in parts if "=" not in x], **{k: int(v) for k, v in named.items()})
 
 
 def parse_candidates(text: str) -> list[tuple[str | None, TCConfig | None]]:
