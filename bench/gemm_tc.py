@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -124,24 +124,14 @@ def time_gemm(
     c_dev = dev.buffer(m * p * 4)
     cfg = cfg or pick_config(m, p)
 
-    def run(reps: int) -> float:
-        t = time.perf_counter()
-        with dev.step(), generic_staging(generic):
-            for _ in range(reps):
-                gemm_tc(dev, a_dev, w, c_dev, m, orient=orient, a_dtype=a_dtype, cfg=cfg)
-        dev.sync()
-        return time.perf_counter() - t
+    def call() -> None:
+        gemm_tc(dev, a_dev, w, c_dev, m, orient=orient, a_dtype=a_dtype, cfg=cfg)
 
-    first = run(1)  # compile + first run
-    one = run(1)
-    reps = int(min(500, max(3, seconds / max(one, 1e-6))))
-    # warm-up window: clocks up after the idle gap of data generation and compilation; the windows' length
-    # comes from it (a slow single call would otherwise make them too short to time steadily)
-    reps = int(min(1000, max(3, seconds / max(run(reps) / reps, 1e-6))))
-    windows = sorted(run(reps) / reps for _ in range(3))
-    t = windows[1]  # median of 3 windows
     with generic_staging(generic):
-        gpu = gpu_time(dev, lambda: gemm_tc(dev, a_dev, w, c_dev, m, orient=orient, a_dtype=a_dtype, cfg=cfg))
+        timing = time_calls(dev, call, seconds)
+    t = timing["seconds"]
+    with generic_staging(generic):
+        gpu = gpu_time(dev, call)
     if "gpu_us" in gpu:
         gpu["gpu_tflops"] = round(2.0 * m * n * k / (gpu["gpu_us"] * 1e-6) / 1e12, 2)
     out = {
@@ -155,9 +145,7 @@ def time_gemm(
         "cfg": cfg.label,
         "ms": round(t * 1e3, 4),
         "tflops": round(2.0 * m * n * k / t / 1e12, 2),
-        "reps": reps,
-        "spread": round((windows[2] - windows[0]) / t, 3),  # (slowest - fastest window) / median
-        "first_call_s": round(first, 3),
+        **{key: timing[key] for key in ("reps", "spread", "first_call_s")},
         **gpu,
     }
     if check_rows:
@@ -168,6 +156,28 @@ def time_gemm(
         ref = a16 @ (wd.T if orient == "nt" else wd)
         out["max_rel_err"] = float(np.abs(c - ref).max() / np.abs(ref).max())
     return out
+
+
+def time_calls(dev: Device, call: Callable[[], None], seconds: float) -> dict[str, Any]:
+    """Wall time of one `call`: compile + first run, then a warm-up window (clocks come up after the idle gap of
+    data generation and compilation; the windows' length comes from it, since a slow single call would make
+    them too short to time steadily), then the median of 3 windows of `reps` calls recorded in one step
+    (submit + wait). spread = (slowest - fastest window) / median."""
+
+    def run(reps: int) -> float:
+        t = time.perf_counter()
+        with dev.step():
+            for _ in range(reps):
+                call()
+        dev.sync()
+        return time.perf_counter() - t
+
+    first = run(1)
+    reps = int(min(500, max(3, seconds / max(run(1), 1e-6))))
+    reps = int(min(1000, max(3, seconds / max(run(reps) / reps, 1e-6))))
+    windows = sorted(run(reps) / reps for _ in range(3))
+    spread = round((windows[2] - windows[0]) / windows[1], 3)
+    return {"seconds": windows[1], "reps": reps, "spread": spread, "first_call_s": round(first, 3)}
 
 
 def gpu_time(dev: Device, call: Any, reps: int = 5) -> dict[str, Any]:

@@ -30,7 +30,6 @@ import argparse
 import json
 import re
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -367,32 +366,14 @@ def subgroup_config(dev: Any, fallback: str) -> tuple[dict[str, int], int, str]:
 
 
 def time_call(dev: Any, call: Callable[[], None], flops: float, seconds: float) -> dict[str, Any]:
-    """bench/gemm_tc.py's timing of one call: compile + first run, a warm-up window sizing the windows, the
-    median of 3 windows of `reps` calls recorded in one step (submit + wait); gpu_us by timestamp queries."""
-    from bench.gemm_tc import gpu_time
+    """bench/gemm_tc.py's timing of one call (time_calls: the median of 3 windows after a warm-up), as TFLOP/s;
+    gpu_us by timestamp queries."""
+    from bench.gemm_tc import gpu_time, time_calls
 
-    def run(reps: int) -> float:
-        t = time.perf_counter()
-        with dev.step():
-            for _ in range(reps):
-                call()
-        dev.sync()
-        return time.perf_counter() - t
-
-    first = run(1)
-    one = run(1)
-    reps = int(min(500, max(3, seconds / max(one, 1e-6))))
-    reps = int(min(1000, max(3, seconds / max(run(reps) / reps, 1e-6))))
-    windows = sorted(run(reps) / reps for _ in range(3))
-    t = windows[1]
-    out = {
-        "ms": round(t * 1e3, 4),
-        "tflops": round(flops / t / 1e12, 2),
-        "reps": reps,
-        "spread": round((windows[2] - windows[0]) / t, 3),
-        "first_call_s": round(first, 3),
-        **gpu_time(dev, call),
-    }
+    timing = time_calls(dev, call, seconds)
+    t = timing["seconds"]
+    out = {"ms": round(t * 1e3, 4), "tflops": round(flops / t / 1e12, 2)}
+    out |= {key: timing[key] for key in ("reps", "spread", "first_call_s")} | gpu_time(dev, call)
     if "gpu_us" in out:
         out["gpu_tflops"] = round(flops / (out["gpu_us"] * 1e-6) / 1e12, 2)
     return out

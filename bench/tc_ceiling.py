@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gemm_tc import gpu_time, time_gemm, torch_tflops, use_dawn_toggles  # noqa: E402
+from bench.gemm_tc import gpu_time, time_calls, time_gemm, torch_tflops, use_dawn_toggles  # noqa: E402
 from gpu.codegen_attention_tc import LEFT, RESULT, RIGHT  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops.common import pack  # noqa: E402
@@ -172,15 +171,8 @@ def staging_probe(dev: Device, n: int, store: str, prefetch: bool, seconds: floa
     def call() -> None:
         dev.dispatch(pipe, [params, a, out], grid)
 
-    def run(reps: int) -> float:
-        t = time.perf_counter()
-        with dev.step():
-            for _ in range(reps):
-                call()
-        dev.sync()
-        return time.perf_counter() - t
-
-    sec, reps = _median_window(run, seconds)
+    timing = time_calls(dev, call, seconds)
+    sec, reps = timing["seconds"], timing["reps"]
     staged = grid[0] * grid[1] * (n // 32) * 384 * 32 * 2
     row = {"what": "staging", "store": store, "prefetch": prefetch, "n": n, "ms": round(sec * 1e3, 4), "reps": reps}
     row |= {"tflops_equiv": round(2.0 * n**3 / sec / 1e12, 1), "staged_tb_s": round(staged / sec / 1e12, 2)}
@@ -188,15 +180,6 @@ def staging_probe(dev: Device, n: int, store: str, prefetch: bool, seconds: floa
     if "gpu_us" in gpu:
         gpu["gpu_tflops_equiv"] = round(2.0 * n**3 / (gpu["gpu_us"] * 1e-6) / 1e12, 1)
     return row | gpu
-
-
-def _median_window(run: Any, seconds: float) -> tuple[float, int]:
-    """(median seconds per rep of 3 windows after a warm-up window, reps)."""
-    run(1)
-    reps = int(min(500, max(3, seconds / max(run(1), 1e-6))))
-    reps = int(min(1000, max(3, seconds / max(run(reps) / reps, 1e-6))))
-    windows = sorted(run(reps) / reps for _ in range(3))
-    return windows[1], reps
 
 
 def mma_peak(
@@ -215,15 +198,8 @@ def mma_peak(
     def call() -> None:
         dev.dispatch(pipe, [params, out, *extra], (n_wg, 1, 1))
 
-    def run(reps: int) -> float:
-        t = time.perf_counter()
-        with dev.step():
-            for _ in range(reps):
-                call()
-        dev.sync()
-        return time.perf_counter() - t
-
-    sec, reps = _median_window(run, seconds)
+    timing = time_calls(dev, call, seconds)
+    sec, reps = timing["seconds"], timing["reps"]
     flop = float(n_wg * nsg * tm * tn * iters * MMA_FLOP)
     row = {"what": "mma_peak", "a_from": a_from, "tm": tm, "tn": tn, "nsg": nsg, "workgroups": n_wg, "iters": iters}
     row |= {"ms": round(sec * 1e3, 4), "tflops": round(flop / sec / 1e12, 1), "reps": reps}
