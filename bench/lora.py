@@ -1,14 +1,17 @@
-"""LoRA adapter products on the GPU: LoRA's own kernels (gpu/ops/lora.py on gpu/ops/lora_matmul.py) vs the
-generic strided_matmul they replaced, and torch's matmuls on the same six products, as JSON lines.
+"""LoRA adapter products on the GPU, as JSON lines: gpu/ops/lora.py's two paths, ours_fused (the t/y and dt/dx
+pairs in one dispatch each, gpu/ops/lora_fused.py; dB, dA^T on lora_matmul) and ours_split (every product on
+gpu/ops/lora_matmul.py), the generic strided_matmul before them (ours_old), and torch's matmuls on the same six
+products.
 
     python bench/lora.py                       # T = 4096 (B4 x T1024), r = 16, the TinyLlama and SmolLM2 shapes
     python bench/lora.py --tokens 256 --shapes 576x192,64x40 --no-torch     # small, e.g. on lavapipe
 
 One rep = lora_forward + lora_backward (t = x A^T, y += s t B^T; dB = s dy^T t, dt = s dy B, dA = dt^T x,
 dx += dt A). ms: wall time per rep, median of 3 windows after a warm-up (reps recorded in one step, then
-dev.sync()). gpu_ms: GPU time of one rep by timestamp queries (each dispatch in its own pass), forward and
-backward, and per dispatch in order. max_rel_err: |got - ref| / max |ref| of y, dx, dA, dB against float64 numpy. torch:
-the same six products with torch.matmul (fp32 with TF32 off, and bf16), CUDA events.
+dev.sync()). dispatches: per rep, [forward, backward]. gpu_ms: GPU time of one rep by timestamp queries (each
+dispatch in its own pass), forward and backward, and per dispatch in order. max_rel_err: |got - ref| / max |ref|
+of y, dx, dA, dB against float64 numpy. torch: the same six products with torch.matmul (fp32 with TF32 off, and
+bf16), CUDA events.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.attention import timed  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops import lora_matmul  # noqa: E402
-from gpu.ops.lora import lora_backward, lora_forward  # noqa: E402
+from gpu.ops.lora import (  # noqa: E402
+    lora_backward_fused,
+    lora_backward_split,
+    lora_forward_fused,
+    lora_forward_split,
+)
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed  # noqa: E402
 from gpu.profile import Profiler  # noqa: E402
 from model import reference  # noqa: E402
@@ -50,15 +58,37 @@ def old_backward(dev: Device, dy, x, a, b, t, da, db, dx, dt, n: int, d_in: int,
     strided_matmul(dev, row_major(dt, r), row_major(a, d_in), dx, n, d_in, r, accumulate=True)
 
 
-IMPLS = {"new": (lora_forward, lora_backward), "old": (old_forward, old_backward)}
+IMPLS = {
+    "fused": (lora_forward_fused, lora_backward_fused),
+    "split": (lora_forward_split, lora_backward_split),
+    "old": (old_forward, old_backward),
+}
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
+def dispatch_count(dev: Device, fn: Callable[[], None]) -> int:
+    """How many dispatches fn records."""
+    count, record = 0, dev.dispatch
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal count
+        count += 1
+        return record(*args, **kwargs)
+
+    dev.dispatch = counting  # type: ignore[method-assign]
+    try:
+        with dev.step():
+            fn()
+    finally:
+        del dev.dispatch
+    return count
+
+
 def ours(dev: Device, impl: str, n: int, d_in: int, d_out: int, r: int, seconds: float) -> dict[str, Any]:
-    """One shape with our `impl` ("new" or "old") kernels: wall and GPU time of forward + backward, errors."""
+    """One shape with our `impl` ("fused", "split" or "old"): wall and GPU time of forward + backward, errors."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((n, d_in), dtype=np.float32)
     a = (rng.standard_normal((r, d_in)) / np.sqrt(d_in)).astype(np.float32)
@@ -89,6 +119,7 @@ def ours(dev: Device, impl: str, n: int, d_in: int, d_out: int, r: int, seconds:
     sec, reps, spread = timed(go, seconds)
     res: dict[str, Any] = {"impl": f"ours_{impl}", "tokens": n, "d_in": d_in, "d_out": d_out, "r": r}
     res.update(ms=round(sec * 1e3, 4), reps=reps, spread=round(spread, 3))
+    res["dispatches"] = [dispatch_count(dev, forward), dispatch_count(dev, backward)]
     dev.clear(y)
     dev.clear(dx)
     forward()
@@ -178,6 +209,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="comma-separated d_in x d_out")
     ap.add_argument("--seconds", type=float, default=0.3, help="target length of one timing window")
     ap.add_argument("--no-old", action="store_true", help="skip the strided_matmul baseline")
+    ap.add_argument("--no-split", action="store_true", help="skip the two-product lora_matmul path")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--splits", default="", help="sweep the split: TARGET_WORKGROUPS:MIN_CHUNK,...")
     args = ap.parse_args()
@@ -188,9 +220,10 @@ def main() -> None:
         d_in, d_out = (int(v) for v in shape.lower().split("x"))
         for target, min_chunk in splits:
             lora_matmul.TARGET_WORKGROUPS, lora_matmul.MIN_CHUNK = target, min_chunk
-            res = ours(dev, "new", args.tokens, d_in, d_out, args.rank, args.seconds)
+            res = ours(dev, "split", args.tokens, d_in, d_out, args.rank, args.seconds)
             print(json.dumps({**res, "target_workgroups": target, "min_chunk": min_chunk}), flush=True)
-        for impl in ([] if splits else ["new"]) + ([] if args.no_old else ["old"]):
+        baselines = ([] if args.no_split or splits else ["split"]) + ([] if args.no_old else ["old"])
+        for impl in ([] if splits else ["fused"]) + baselines:
             print(json.dumps(ours(dev, impl, args.tokens, d_in, d_out, args.rank, args.seconds)), flush=True)
         if not args.no_torch:
             for res in torch_products(args.tokens, d_in, d_out, args.rank, args.seconds):

@@ -24,6 +24,7 @@ from typing import Any
 from gpu import codegen_attention_tc as attention_tc
 from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
 from gpu.codegen_lora import LORA_GEMM_BK, lora_gemm_values
+from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
@@ -156,6 +157,8 @@ KERNELS: dict[str, Kernel] = {
     # LoRA products (gpu/ops/lora_matmul.py): output tiles 16 wide (x A^T, dy B, dB, dA^T) or 64 (t B^T, dt A)
     "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, lora_gemm_values),
     "lora_reduce": Kernel(("lora_reduce",)),
+    # a LoRA reduction + expansion pair in one dispatch (gpu/ops/lora_fused.py), per rank bucket r <= rb
+    "lora_fused": Kernel(("lora_fused",), {"rb": RANK_BUCKETS}, lora_fused_values),
 }
 
 
