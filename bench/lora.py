@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.attention import timed  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops import lora_matmul  # noqa: E402
-from gpu.ops.lora import (  # noqa: E402
-    lora_backward_fused,
-    lora_backward_split,
-    lora_forward_fused,
-    lora_forward_split,
-)
+from gpu.ops.lora import lora_backward, lora_forward  # noqa: E402
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed  # noqa: E402
 from gpu.profile import Profiler  # noqa: E402
 from model import reference  # noqa: E402
@@ -59,8 +55,8 @@ def old_backward(dev: Device, dy, x, a, b, t, da, db, dx, dt, n: int, d_in: int,
 
 
 IMPLS = {
-    "fused": (lora_forward_fused, lora_backward_fused),
-    "split": (lora_forward_split, lora_backward_split),
+    "fused": (partial(lora_forward, fused=True), partial(lora_backward, fused=True)),
+    "split": (partial(lora_forward, fused=False), partial(lora_backward, fused=False)),
     "old": (old_forward, old_backward),
 }
 

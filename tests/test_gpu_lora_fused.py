@@ -1,12 +1,14 @@
 """The fused LoRA pairs (gpu/ops/lora_fused.py, gpu/kernels/lora_fused.wgsl: t = x A^T and y += s t B^T in one
-dispatch, dt = s dy B and dx += dt A in another) and the ops on them (gpu/ops/lora.py lora_forward_fused /
-lora_backward_fused) vs a float64 numpy reference: relative error (max abs err / max abs ref) <= 1e-4 in f32, at
-T not a multiple of the 16-row block, d not a multiple of the staged tiles, every rank bucket (r = 1, 5, 16, 32,
-64), gradients accumulated or not; results bitwise equal over two calls; ranks above 64 take the split path."""
+dispatch, dt = s dy B and dx += dt A in another) and the ops on them (gpu/ops/lora.py lora_forward /
+lora_backward with fused=True) vs a float64 numpy reference: relative error (max abs err / max abs ref) <= 1e-4
+in f32, at T not a multiple of the 16-row block, d not a multiple of the staged tiles, every rank bucket
+(r = 1, 5, 16, 32, 64), gradients accumulated or not; results bitwise equal over two calls; ranks above 64 take
+the split path."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 
 from gpu.device import Device, DeviceError
 from gpu.ops import lora as lora_ops
-from gpu.ops.lora import lora_backward_fused, lora_forward_fused
+from gpu.ops.lora import lora_backward, lora_forward
 from gpu.ops.lora_fused import covers, lora_fused
 from gpu.ops.strided_matmul import row_major, transposed
 from model import reference as ref
@@ -83,7 +85,7 @@ def _check(p: dict[str, np.ndarray], got: list[np.ndarray], s: float, acc: bool)
 @pytest.mark.parametrize("acc", [False, True])
 def test_fused_forward_backward(dev: Device, t: int, d_in: int, d_out: int, r: int, acc: bool) -> None:
     p, s = _problem(t, d_in, d_out, r), 1.75
-    got = twice(lambda: _run(dev, p, r, s, acc, lora_forward_fused, lora_backward_fused))
+    got = twice(lambda: _run(dev, p, r, s, acc, partial(lora_forward, fused=True), partial(lora_backward, fused=True)))
     _check(p, got, s, acc)
 
 
