@@ -8,48 +8,35 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from schemas.config import RunConfig, dump_config
-from schemas.manifests import CheckpointManifest, ExportManifest, StudentManifest
+from schemas.config import RunConfig
 from schemas.preferences import PairsManifest, PreferenceEvalManifest, ReferenceManifest
 from stages.layout import workdir
 from tasks.caching import as_config, stage_states
 from tasks.tracking import (
     ADAPTER_ARTIFACT,
+    FlowRunRecord,
     client_for,
-    flatten,
-    git_commit,
-    log_metrics,
+    create_flow_run,
+    log_config,
     log_steps,
     manifest_json,
-    prefect_ui_url,
     summary_header,
 )
 
 STEPS_FILE = "steps.jsonl"
 
 
-class PreferenceRecord:
-    """What a preference flow run produced (the flow assigns stage results) and its MLflow run."""
+class PreferenceRecord(FlowRunRecord):
+    """What a preference flow run produced and its MLflow run."""
 
     def __init__(self, cfg: RunConfig, client: Any, run_id: str, experiment_id: str, flow_run: Any) -> None:
-        self.cfg, self.client, self.id, self.experiment_id = cfg, client, run_id, experiment_id
-        self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
-        self.prefect_url = prefect_ui_url(flow_run)
-        self.started = time.perf_counter()
+        super().__init__(cfg, client, run_id, experiment_id, flow_run)
         self.pairs: PairsManifest | None = None
-        self.student: StudentManifest | None = None
         self.reference: ReferenceManifest | None = None
-        self.checkpoints: list[CheckpointManifest] = []
         self.baseline: PreferenceEvalManifest | None = None
         self.evals: list[PreferenceEvalManifest] = []
-        self.best: int | None = None
-        self.exported: ExportManifest | None = None
-
-    def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
-        log_metrics(self.client, self.id, values, step)
 
     def _steps(self) -> list[dict[str, Any]]:
         import json
@@ -195,31 +182,14 @@ def render_report(s: Mapping[str, Any]) -> str:
 @contextmanager
 def preference_run(cfg: RunConfig) -> Iterator[PreferenceRecord]:
     """Start the flow run's MLflow run (params, tags, config); mark it FAILED if the block raises."""
-    from mlflow.entities import Param
     from prefect.runtime import flow_run
 
     cfg = as_config(cfg)
     client = client_for(cfg)
-    root = workdir(cfg)
-    exp = client.get_experiment_by_name(cfg.run.experiment)
-    if exp is not None:
-        experiment_id = exp.experiment_id
-    elif cfg.run.mlflow_uri is None:
-        experiment_id = client.create_experiment(cfg.run.experiment, (root / "mlartifacts").as_uri())
-    else:
-        experiment_id = client.create_experiment(cfg.run.experiment)
-    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name), "task": "dpo"}
-    if commit := git_commit():
-        tags["git.commit"] = commit
-    run = client.create_run(experiment_id, run_name=cfg.run.run_name or str(flow_run.name), tags=tags)
-    record = PreferenceRecord(cfg, client, run.info.run_id, experiment_id, flow_run)
+    experiment_id, run_id = create_flow_run(cfg, client, flow_run, task="dpo")
+    record = PreferenceRecord(cfg, client, run_id, experiment_id, flow_run)
     try:
-        params = [Param(k, v[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
-        for i in range(0, len(params), 90):
-            client.log_batch(record.id, params=params[i : i + 90])
-        config_path = Path(root) / "config.resolved.yaml"
-        config_path.write_text(dump_config(cfg), encoding="utf-8")
-        client.log_artifact(record.id, str(config_path))
+        log_config(cfg, client, run_id)
         yield record
     except BaseException:
         client.set_terminated(record.id, "FAILED")

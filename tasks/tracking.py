@@ -131,8 +131,26 @@ def log_steps(client: Any, run_id: str, rows: list[Mapping[str, Any]]) -> None:
 # ---------------------------------------------------------------------------------------------- the run
 
 
-class RunRecord:
-    """What a flow run produced (the flow assigns stage results to its attributes) and its MLflow run."""
+class FlowRunRecord:
+    """What every flow run's MLflow record holds (its ids, where to see it, when it started) and the stage results
+    both flows share; the flow assigns stage results to its attributes."""
+
+    def __init__(self, cfg: RunConfig, client: Any, run_id: str, experiment_id: str, flow_run: Any) -> None:
+        self.cfg, self.client, self.id, self.experiment_id = cfg, client, run_id, experiment_id
+        self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
+        self.prefect_url = prefect_ui_url(flow_run)
+        self.started = time.perf_counter()
+        self.student: StudentManifest | None = None
+        self.checkpoints: list[CheckpointManifest] = []
+        self.best: int | None = None
+        self.exported: ExportManifest | None = None
+
+    def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
+        log_metrics(self.client, self.id, values, step)
+
+
+class RunRecord(FlowRunRecord):
+    """What a distillation flow run produced and its MLflow run."""
 
     def __init__(
         self,
@@ -144,25 +162,14 @@ class RunRecord:
         until: str = "export",
         reused: dict[str, Any] | None = None,
     ) -> None:
-        self.cfg, self.client, self.id, self.experiment_id = cfg, client, run_id, experiment_id
+        super().__init__(cfg, client, run_id, experiment_id, flow_run)
         self.until = until
         self.reused = reused  # the summary of the run whose results this one reuses entirely: log nothing
-        self.flow_run_id, self.flow_run_name = str(flow_run.id), str(flow_run.name)
-        self.prefect_url = prefect_ui_url(flow_run)
-        self.started = time.perf_counter()
         self.tokens: TokenizeManifest | None = None
-        self.student: StudentManifest | None = None
         self.teacher: TeacherManifest | None = None
-        self.checkpoints: list[CheckpointManifest] = []
         self.baseline: EvalManifest | None = None
         self.evals: list[EvalManifest] = []
-        self.best: int | None = None
-        self.exported: ExportManifest | None = None
         self.merged: EvalManifest | None = None
-
-    # ---- metrics ----
-    def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
-        log_metrics(self.client, self.id, values, step)
 
     def _log_training(self) -> None:
         if not self.checkpoints:
@@ -356,33 +363,46 @@ def mlflow_run(cfg: RunConfig, until: str = "export") -> Iterator[RunRecord]:
         yield record
         return
     client = client_for(cfg)
-    root = workdir(cfg)
-    exp = client.get_experiment_by_name(cfg.run.experiment)
-    if exp is not None:
-        experiment_id = exp.experiment_id
-    elif cfg.run.mlflow_uri is None:  # sqlite: put artifacts under the workdir, not ./mlruns
-        experiment_id = client.create_experiment(cfg.run.experiment, (root / "mlartifacts").as_uri())
-    else:
-        experiment_id = client.create_experiment(cfg.run.experiment)
-    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name)}
-    if commit := git_commit():
-        tags["git.commit"] = commit
-    run = client.create_run(experiment_id, run_name=cfg.run.run_name or str(flow_run.name), tags=tags)
-    record = RunRecord(cfg, client, run.info.run_id, experiment_id, flow_run, until)
+    experiment_id, run_id = create_flow_run(cfg, client, flow_run)
+    record = RunRecord(cfg, client, run_id, experiment_id, flow_run, until)
     record.started = started
     try:
-        from mlflow.entities import Param
-
-        params = [Param(k, v[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
-        for i in range(0, len(params), 90):
-            client.log_batch(record.id, params=params[i : i + 90])
-        config_path = root / "config.resolved.yaml"
-        config_path.write_text(dump_config(cfg), encoding="utf-8")
-        client.log_artifact(record.id, str(config_path))
+        log_config(cfg, client, run_id)
         yield record
     except BaseException:
         client.set_terminated(record.id, "FAILED")
         raise
+
+
+def create_flow_run(cfg: RunConfig, client: Any, flow_run: Any, **tags: str) -> tuple[str, str]:
+    """(experiment id, run id) of a new MLflow run for the Prefect `flow_run` in cfg.run.experiment (created when
+    missing; with the default sqlite store its artifacts go under the workdir, not ./mlruns), tagged with the
+    Prefect ids, the git commit and `tags`."""
+    exp = client.get_experiment_by_name(cfg.run.experiment)
+    if exp is not None:
+        experiment_id = exp.experiment_id
+    elif cfg.run.mlflow_uri is None:
+        experiment_id = client.create_experiment(cfg.run.experiment, (workdir(cfg) / "mlartifacts").as_uri())
+    else:
+        experiment_id = client.create_experiment(cfg.run.experiment)
+    tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name), **tags}
+    if commit := git_commit():
+        tags["git.commit"] = commit
+    run = client.create_run(experiment_id, run_name=cfg.run.run_name or str(flow_run.name), tags=tags)
+    return experiment_id, run.info.run_id
+
+
+def log_config(cfg: RunConfig, client: Any, run_id: str) -> None:
+    """The flattened config as the run's params (MLflow takes 100 a batch, values up to 6000 characters) and
+    config.resolved.yaml (written into the workdir) as its artifact."""
+    from mlflow.entities import Param
+
+    params = [Param(k, v[:6000]) for k, v in flatten(cfg.model_dump(mode="json")).items()]
+    for i in range(0, len(params), 90):
+        client.log_batch(run_id, params=params[i : i + 90])
+    config_path = workdir(cfg) / "config.resolved.yaml"
+    config_path.write_text(dump_config(cfg), encoding="utf-8")
+    client.log_artifact(run_id, str(config_path))
 
 
 # ---------------------------------------------------------------------------------------------- report
