@@ -19,6 +19,7 @@ from tasks.tracking import (
     FlowRunRecord,
     client_for,
     create_flow_run,
+    failed_on_error,
     log_config,
     log_steps,
     manifest_json,
@@ -188,9 +189,6 @@ def preference_run(cfg: RunConfig) -> Iterator[PreferenceRecord]:
     client = client_for(cfg)
     experiment_id, run_id = create_flow_run(cfg, client, flow_run, task="dpo")
     record = PreferenceRecord(cfg, client, run_id, experiment_id, flow_run)
-    try:
+    with failed_on_error(client, run_id):
         log_config(cfg, client, run_id)
         yield record
-    except BaseException:
-        client.set_terminated(record.id, "FAILED")
-        raise

@@ -366,11 +366,18 @@ def mlflow_run(cfg: RunConfig, until: str = "export") -> Iterator[RunRecord]:
     experiment_id, run_id = create_flow_run(cfg, client, flow_run)
     record = RunRecord(cfg, client, run_id, experiment_id, flow_run, until)
     record.started = started
-    try:
+    with failed_on_error(client, run_id):
         log_config(cfg, client, run_id)
         yield record
+
+
+@contextmanager
+def failed_on_error(client: Any, run_id: str) -> Iterator[None]:
+    """Mark the MLflow run FAILED when the block raises (the exception goes on)."""
+    try:
+        yield
     except BaseException:
-        client.set_terminated(record.id, "FAILED")
+        client.set_terminated(run_id, "FAILED")
         raise
 
 
