@@ -422,11 +422,21 @@ def main() -> None:
     p.add_argument("--hf-cache", default="/tmp/distillery-hf", help="where --gguf's HF float32 copy is kept")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated sides to run (default: all)")
     p.add_argument("--side", choices=SIDES, default=None, help="run one side in this process (internal)")
+    p.add_argument(
+        "--lora-path",
+        choices=("default", "fused", "split"),
+        default="default",
+        help="our LoRA products: gpu/ops/lora.py's FUSED default, or forced fused / split (an A/B of the two)",
+    )
     argv = sys.argv[1:]
     args = p.parse_args(argv)
     if args.gguf and not Path(args.gguf).is_file():
         p.error(f"--gguf {args.gguf}: no such file")
     if args.side == "ours":
+        if args.lora_path != "default":
+            from gpu.ops import lora
+
+            lora.FUSED = args.lora_path == "fused"
         bench_ours(args)
     elif args.side is not None:
         bench_torch(args, args.side.removeprefix("hf-"))

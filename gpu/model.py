@@ -28,7 +28,7 @@ from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.half import to_f16
-from gpu.ops.lora import lora_forward
+from gpu.ops.lora import lora_expand, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.rmsnorm import rmsnorm_forward
@@ -205,6 +205,7 @@ class GPUModel:
     """Forward of the frozen model (optionally with LoRA) over `batch` sequences of `seq_len` tokens."""
 
     keeps_block_inputs = True  # every block's input stays in xs (a backward recomputes from them)
+    saves_lora_t = False  # one t = x A^T per adapted projection, kept for a backward (GPUStudent)
 
     def __init__(
         self,
@@ -337,7 +338,13 @@ class GPUModel:
         self.lse = b("lse", self.batch * self.seq_lse)
         self.delta = b("attention delta", cfg.n_heads * self.seq_len)
         r = self.layout.r
-        self.t_lora = {t: b(f"lora t {t}", rows * r) for t in LORA_TARGETS}
+        if self.saves_lora_t:  # the forward's t of every adapted (layer, target), for the backward
+            self._t_slot = aligned_floats(rows * r)
+            self._t_index = {key: i for i, key in enumerate(self.layout.slots)}
+            self.t_lora: Any = b("lora t per projection", max(len(self._t_index), 1) * self._t_slot)
+        else:  # one t per target, reused by every block
+            self.t_lora = {t: b(f"lora t {t}", rows * r) for t in LORA_TARGETS}
+        self._replay_lora_t = False  # set while a backward recomputes a block whose t the forward left
         self.dt = b("lora dt", rows * r)
         if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
             self.a16 = b("gemm input f16", -(-rows * max(h, f, qd, kvd) // 2))
@@ -390,8 +397,20 @@ class GPUModel:
         if bias is not None:
             add_bias(self.dev, y, bias, self.rows, d_out)
         ab = self._lora(layer, target, self.params)
-        if ab is not None:
-            lora_forward(self.dev, x, *ab, self.t_lora[target], y, self.rows, d_in, d_out, self.layout.r, self.scale)
+        if ab is None:
+            return
+        t, r = self._lora_t(layer, target), self.layout.r
+        if self._replay_lora_t:  # t = x A^T is still there from the forward (same x, same kernels)
+            lora_expand(self.dev, t, ab[1], y, self.rows, d_out, r, self.scale)
+        else:
+            lora_forward(self.dev, x, *ab, t, y, self.rows, d_in, d_out, r, self.scale)
+
+    def _lora_t(self, layer: int, target: str) -> Any:
+        """Where the LoRA of (layer, target) keeps t = x A^T [rows, r]: its own slot when saves_lora_t, else
+        the target's buffer shared by all blocks."""
+        if not self.saves_lora_t:
+            return self.t_lora[target]
+        return self._view(self.t_lora, self._t_index[(layer, target)] * self._t_slot, self.rows * self.layout.r)
 
     # ---- attention over the batch, one sequence at a time ----------------------------------------------
     def _sequences_aligned(self) -> bool:

@@ -3,7 +3,8 @@
 
 Memory: only each block's input is kept ([L+1, rows, H]); the backward recomputes one block at a time from
 its input (layer-input checkpointing) and then runs the block backward, mirroring model/reference.py's
-block_forward / block_backward.
+block_forward / block_backward. Besides, each adapted projection's t = x A^T ([rows, r]: 2 MiB per projection
+at B4 x T1024, r16) stays from the forward: the recompute adds only (s t) B^T, and the LoRA backward reads it.
 
 GPUStudent is the wgpu training engine: it satisfies training.engine.Engine structurally (training/engines.py
 builds it); train_step, loss_and_grads and get_grads are extras for tests and benches.
@@ -39,6 +40,8 @@ class TrainingDiverged(ValueError):
 
 class GPUStudent(GPUModel):
     """Training and evaluation of LoRA on a frozen quantized student, one step = one command encoder."""
+
+    saves_lora_t = True  # the forward's t = x A^T serves the backward's recompute and the LoRA gradients
 
     def __init__(
         self,
@@ -147,7 +150,7 @@ class GPUStudent(GPUModel):
                 dy,
                 x,
                 *ab,
-                self.t_lora[target],
+                self._lora_t(layer, target),
                 da,
                 db,
                 dx,
@@ -312,7 +315,11 @@ class GPUStudent(GPUModel):
             cfg.eps,
         )
         for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
-            self._block_forward(layer)  # recompute from the checkpointed block input
+            self._replay_lora_t = True  # the LoRA products reuse the forward's t
+            try:
+                self._block_forward(layer)  # recompute from the checkpointed block input
+            finally:
+                self._replay_lora_t = False
             self._block_backward(layer)
 
     def loss_and_grads(self) -> float:

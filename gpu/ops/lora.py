@@ -1,17 +1,19 @@
 """LoRA adapter (PEFT convention) forward and backward on the GPU:
 forward t = x A^T [T, r], y += s t B^T; backward dB = s dy^T t, dt = s dy B, dA = dt^T x, dx += dt A.
 
-The products are tiny (r = 16), so their cost is mostly the number of dispatches. Two paths (`fused=`), both
-deterministic (fixed summation orders, no atomics), both within relative 1e-4 of float64
-(tests/test_gpu_lora_kernels.py, tests/test_gpu_lora_fused.py):
+The products are skinny (r = 16): their cost is memory traffic over [T, d] and the number of dispatches.
+Two paths (`fused=`), both deterministic (fixed summation orders, no atomics), both within relative 1e-4 of
+float64 (tests/test_gpu_lora_kernels.py, tests/test_gpu_lora_fused.py):
 - split: every product on lora_matmul (gpu/ops/lora_matmul.py: long reductions split over many workgroups, then
   lora_reduce): forward 2-3 dispatches, backward 4-7.
 - fused (r <= 64): each pair whose reduction runs over d (t then y; dt then dx) is one dispatch
   (gpu/ops/lora_fused.py: a workgroup per 16 token rows does both products); dB and dA^T (reductions over all T
   tokens) stay on lora_matmul: forward 1 dispatch, backward 5.
-By default (fused=None) the fused path runs when FUSED is set and the rank is covered. FUSED stays off until
-bench/lora.py on the H200 shows the fused kernels faster at the TinyLlama and SmolLM2 shapes (issue 8; not yet
-measured)."""
+By default (fused=None) the fused path runs when FUSED is set and the rank is covered. FUSED is off: on the
+H200 (2026-12-04, docs/benchmarks.md) the fused kernels made the TinyLlama-shape train step slower (LoRA 64.4 vs
+54.0 ms per step, 11,487 vs 12,038 tokens/s; `bench/train_step.py --lora-path fused|split`): fewer dispatches,
+but the fused forward took 89 us at d 2048 x 2048 against 35 + 9 + 35 for the split one's three.
+lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute)."""
 
 from __future__ import annotations
 
@@ -56,7 +58,14 @@ def lora_forward(
             )  # fmt: skip
             return
         lora_matmul(dev, row_major(x, d_in), transposed(a, d_in), t_out, n_tokens, r, d_in)
-        lora_matmul(dev, row_major(t_out, r), transposed(b, r), y, n_tokens, d_out, r, alpha=scale, accumulate=True)
+        lora_expand(dev, t_out, b, y, n_tokens, d_out, r, scale)
+
+
+def lora_expand(dev: Device, t: Any, b: Any, y: Any, n_tokens: int, d_out: int, r: int, scale: float) -> None:
+    """y [T, out] += scale t . B^T (t [T, r], B [out, r]): lora_forward's second product alone, for a caller
+    that still holds t = x A^T (the backward's recompute of a block, gpu/student.py)."""
+    with scope(dev, "lora"):
+        lora_matmul(dev, row_major(t, r), transposed(b, r), y, n_tokens, d_out, r, alpha=scale, accumulate=True)
 
 
 def lora_backward(
