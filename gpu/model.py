@@ -27,7 +27,7 @@ from gpu.ops.add import add, add_bias
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
-from gpu.ops.half import to_f16
+from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
@@ -293,7 +293,14 @@ class GPUModel:
         h, f, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
         self.slot = aligned_floats(rows * h)
         b = self._b.get
-        self.xs = b("layer inputs", (cfg.n_layers + 1 if self.keeps_block_inputs else 2) * self.slot)
+        # the block inputs a backward recomputes from: all in f32, or (bf16 checkpoints) each in bf16 in xs16 and
+        # only the two being worked on in f32, alternating like a forward-only model's
+        self.bf16_checkpoints = self.keeps_block_inputs and self._wants_bf16_checkpoints()
+        self._f32_inputs = self.keeps_block_inputs and not self.bf16_checkpoints
+        self.xs = b("layer inputs", (cfg.n_layers + 1 if self._f32_inputs else 2) * self.slot)
+        if self.bf16_checkpoints:
+            self.slot16 = aligned_floats(rows * h // 2)  # u32 words: two bf16 each
+            self.xs16 = b("layer inputs bf16", cfg.n_layers * self.slot16)
         for name, n in (
             ("ids", rows),
             ("positions", rows),
@@ -380,8 +387,27 @@ class GPUModel:
         return {}
 
     def _x_offset(self, layer: int) -> int:
-        """Float offset of block `layer`'s input in xs (a forward-only model keeps two, alternating)."""
-        return (layer if self.keeps_block_inputs else layer % 2) * self.slot
+        """Float offset of block `layer`'s input in xs (a forward-only model, or one with bf16 checkpoints, keeps
+        two, alternating)."""
+        return (layer if self._f32_inputs else layer % 2) * self.slot
+
+    def _wants_bf16_checkpoints(self) -> bool:
+        """Whether the block inputs kept for a backward are bf16 (GPUStudent: its `checkpoints` option)."""
+        return False
+
+    def _checkpoint(self, layer: int) -> None:
+        """Keep block `layer`'s input (in xs) as its bf16 checkpoint, where a backward will recompute from it (the
+        adapted blocks); nothing with f32 checkpoints (xs keeps them all)."""
+        if self.bf16_checkpoints and self.layout.lowest_layer <= layer < self.cfg.n_layers:
+            to_bf16(self.dev, self._x(layer), self._x16(layer), self.rows * self.cfg.hidden)
+
+    def _restore(self, layer: int) -> None:
+        """Block `layer`'s input back into xs from its bf16 checkpoint, for the backward's recompute."""
+        if self.bf16_checkpoints:
+            from_bf16(self.dev, self._x16(layer), self._x(layer), self.rows * self.cfg.hidden)
+
+    def _x16(self, layer: int) -> BufferView:
+        return self._view(self.xs16, layer * self.slot16, self.rows * self.cfg.hidden // 2)
 
     def _x(self, layer: int) -> BufferView:
         return self._view(self.xs, self._x_offset(layer), self.rows * self.cfg.hidden)
@@ -528,13 +554,16 @@ class GPUModel:
         out = self.dev.read(self.xs, np.float32, (rows * cfg.hidden,), offset=4 * self._x_offset(layer))
         return out.reshape(self.batch, self.seq_len, cfg.hidden)
 
-    def _forward_to_head(self) -> Any:
+    def _forward_to_head(self, checkpoint: bool = False) -> Any:
         """The blocks and the final norm into a["nf"]; returns its f16 copy for tensor-core LM-head logits
-        (gpu/ops/head.py; written by the norm itself, valid until the next f16 operand), else None."""
+        (gpu/ops/head.py; written by the norm itself, valid until the next f16 operand), else None. checkpoint:
+        keep the block inputs a backward needs (bf16 checkpoints; f32 ones stay in xs anyway)."""
         cfg, dev = self.cfg, self.dev
         if self.start_layer == 0:
             embedding_forward(dev, self.w.embed, self._b.bufs["ids"], self._x(0), self.rows)
         for layer in range(self.start_layer, cfg.n_layers):
+            if checkpoint:
+                self._checkpoint(layer)
             self._block_forward(layer)
         nf, kw = self._normed(self._x(cfg.n_layers), "output_norm.weight", self.a["nf"])
         return nf if kw else None

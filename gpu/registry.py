@@ -123,6 +123,8 @@ KERNELS: dict[str, Kernel] = {
     "add_inplace": Kernel(("elementwise", "add_inplace")),
     "add_unscaled": Kernel(("elementwise", "add_unscaled", "grad_scale"), {"acc": BOOLS}),
     "add_bias": Kernel(("elementwise", "add_bias")),
+    "to_bf16": Kernel(("elementwise", "to_bf16")),
+    "from_bf16": Kernel(("elementwise", "from_bf16")),
     "scale": Kernel(("elementwise", "scale")),
     "swiglu_forward": Kernel(
         ("swiglu_forward", "elementwise"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")

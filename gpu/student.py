@@ -3,8 +3,11 @@
 
 Memory: only each block's input is kept ([L+1, rows, H]); the backward recomputes one block at a time from
 its input (layer-input checkpointing) and then runs the block backward, mirroring model/reference.py's
-block_forward / block_backward. Besides, each adapted projection's t = x A^T ([rows, r]: 2 MiB per projection
-at B4 x T1024, r16) stays from the forward: the recompute adds only (s t) B^T, and the LoRA backward reads it.
+block_forward / block_backward. `checkpoints`: those inputs in f32, or in bf16 (model/bf16.py: half the
+bytes, f32's range; the forward itself stays f32, only the recompute starts from the rounded input); "auto"
+takes bf16 with tensor cores and f32 on the f32 path, the parity oracle. Besides, each adapted projection's
+t = x A^T ([rows, r]: 2 MiB per projection at B4 x T1024, r16) stays from the forward: the recompute adds only
+(s t) B^T, and the LoRA backward reads it.
 
 GPUStudent is the wgpu training engine: it satisfies training.engine.Engine structurally (training/engines.py
 builds it); train_step, loss_and_grads and get_grads are extras for tests and benches.
@@ -38,6 +41,9 @@ class TrainingDiverged(ValueError):
     """Too many consecutive steps skipped for a non-finite loss or gradient norm."""
 
 
+CHECKPOINTS = ("auto", "f32", "bf16")  # the block inputs kept for the backward (see the module docstring)
+
+
 class GPUStudent(GPUModel):
     """Training and evaluation of LoRA on a frozen quantized student, one step = one command encoder."""
 
@@ -62,8 +68,11 @@ class GPUStudent(GPUModel):
         precision: str = "f32",
         start_layer: int = 0,
         max_skips_in_a_row: int = MAX_SKIPS_IN_A_ROW,
+        checkpoints: str = "auto",
     ) -> None:
-        self.k, self.loss_cfg = top_k, loss
+        if checkpoints not in CHECKPOINTS:
+            raise ValueError(f"checkpoints={checkpoints!r}: expected one of {', '.join(CHECKPOINTS)}")
+        self.k, self.loss_cfg, self._checkpoints = top_k, loss, checkpoints
         super().__init__(
             dev,
             weights,
@@ -93,6 +102,9 @@ class GPUStudent(GPUModel):
         self.max_skips_in_a_row = max_skips_in_a_row
         self._acc_grads = False
         self._has_tail = False
+
+    def _wants_bf16_checkpoints(self) -> bool:
+        return self.precision == "tensorcore" if self._checkpoints == "auto" else self._checkpoints == "bf16"
 
     def _gradient_widths(self) -> dict[str, int]:
         cfg = self.cfg
@@ -302,7 +314,7 @@ class GPUStudent(GPUModel):
 
     def _record_forward_backward(self, micro: int) -> None:
         cfg, dev = self.cfg, self.dev
-        h16 = self._forward_to_head()
+        h16 = self._forward_to_head(checkpoint=True)
         self._kd_head(micro, backward=True, h16=h16)
         rmsnorm_backward(
             dev,
@@ -315,6 +327,7 @@ class GPUStudent(GPUModel):
             cfg.eps,
         )
         for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
+            self._restore(layer)  # from its bf16 checkpoint (f32 checkpoints are still in place)
             self._replay_lora_t = True  # the LoRA products reuse the forward's t
             try:
                 self._block_forward(layer)  # recompute from the checkpointed block input

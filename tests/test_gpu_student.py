@@ -108,6 +108,43 @@ def test_step_matches_reference(qtype: int, loss_cfg: LossConfig) -> None:
     assert max(worst.values()) < REL, sorted(worst.items(), key=lambda kv: -kv[1])[:4]
 
 
+BF16_CKPT_REL = 1e-2  # bf16 checkpoints: the recompute starts from block inputs rounded to 8 significant bits
+
+
+def test_bf16_checkpoints_keep_the_loss_and_bound_the_gradients() -> None:
+    """checkpoints="bf16" (the tensor-core default) on the f32 path: bitwise the same loss (the forward stays
+    f32), the kept block inputs at half the bytes, gradients within BF16_CKPT_REL of float64 and not bitwise
+    those recomputed from f32 inputs (the bf16 copies are what the backward read)."""
+    dev = device_or_skip()
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    runs = {}
+    for kind in ("f32", "bf16"):
+        st = GPUStudent(
+            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
+            checkpoints=kind,
+        )  # fmt: skip
+        st.set_adapter(lora)
+        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        runs[kind] = (st, st.loss_and_grads(), st.get_grads())
+    (f32, loss_f32, grads_f32), (bf16, loss_bf16, grads_bf16) = runs["f32"], runs["bf16"]
+    assert loss_bf16 == loss_f32
+    assert f32.xs.size == 4 * (CFG.n_layers + 1) * f32.slot and not f32.bf16_checkpoints
+    assert bf16.xs.size == 4 * 2 * bf16.slot and bf16.xs16.size == 4 * CFG.n_layers * bf16.slot16
+    _, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, 2.0)
+    worst = max(max(_rel(grads_bf16[k].A, da), _rel(grads_bf16[k].B, db)) for k, (da, db) in want.items())
+    print(f"bf16 checkpoints: worst grad rel err {worst:.2e}")
+    assert worst < BF16_CKPT_REL
+    assert any(not np.array_equal(grads_bf16[k].A, grads_f32[k].A) for k in want)
+    with pytest.raises(ValueError, match="checkpoints='f16'"):
+        GPUStudent(
+            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
+            checkpoints="f16",
+        )  # fmt: skip
+
+
 def test_attention_views_equal_padded_slots() -> None:
     """Sequences whose rows start binding-aligned bind views into the packed tensors; otherwise rows go through
     padded slots. Both give bitwise the same loss and gradients."""

@@ -1,6 +1,7 @@
 """f32 -> f16 copies of tensor-core GEMM operands (the pack_f16 kernel, shared with the attention's packs), plain or
 scaled by a power of two for tensors whose values lie far below f16's normal range (dL/dlogits), and the
-unscaling of a product computed from a scaled copy."""
+unscaling of a product computed from a scaled copy; bf16 copies (two per u32 word) of tensors that need f32's
+range more than its precision (the residual stream's checkpoints) and their f32 values back."""
 
 from __future__ import annotations
 
@@ -52,3 +53,26 @@ def add_unscaled(dev: Device, b: Any, stats: Any, y: Any, n_elems: int, *, accum
         need(buf, n_elems, f"add_unscaled {what}")
     pipe = pipeline(dev, "add_unscaled", acc=accumulate)
     dev.dispatch(pipe, [pack(n_elems, 0, 0, 0), b, stats, y], grid(n_elems, 256))
+
+
+def _pairs(n_elems: int, what: str) -> int:
+    if n_elems % 2:
+        raise ValueError(f"{what}: {n_elems} elements is not a multiple of 2")
+    return n_elems // 2
+
+
+def to_bf16(dev: Device, src: Any, dst: Any, n_elems: int) -> None:
+    """dst (u32 words of two bf16) = src (f32 [n_elems], n_elems even), rounded to nearest even, NaN kept (the
+    numpy twin: model.bf16.bf16_bits)."""
+    pairs = _pairs(n_elems, "to_bf16")
+    need(src, n_elems, "to_bf16 src")
+    need(dst, pairs, "to_bf16 dst")
+    dev.dispatch(pipeline(dev, "to_bf16"), [pack(pairs, 0, 0, 0), src, dst], grid(pairs, 256))
+
+
+def from_bf16(dev: Device, src: Any, dst: Any, n_elems: int) -> None:
+    """dst (f32 [n_elems]) = the values of to_bf16's words src (exact)."""
+    pairs = _pairs(n_elems, "from_bf16")
+    need(src, pairs, "from_bf16 src")
+    need(dst, n_elems, "from_bf16 dst")
+    dev.dispatch(pipeline(dev, "from_bf16"), [pack(pairs, 0, 0, 0), src, dst], grid(pairs, 256))
