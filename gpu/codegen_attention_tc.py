@@ -170,6 +170,35 @@ def _pv_rescaled(nc: int, nd: int) -> list[str]:
     return lines
 
 
+def _softmax_rows(bc: int) -> list[str]:
+    """The forward's online-softmax step for one key tile, unrolled: this lane's BC / 2 scores of row i (column
+    pairs 4 m + 2 half + {0, 1}) read from Ss once into registers, masked (key j0 + c > i) and scaled; their
+    max with the other half's and the running m gives mn; P = exp(s - mn) to Ps (f16), its sum into part."""
+    cols = [4 * (k >> 1) + (k & 1) for k in range(bc // 2)]  # plus 2 half
+    lines = [
+        f"let s{k} = select(NEG_BIG, Ss[sg][xb + {c}u] * prm.scale, j0 + 2u * half + {c}u <= i);"
+        for k, c in enumerate(cols)
+    ]
+    tmax = "s0"
+    for k in range(1, len(cols)):
+        tmax = f"max({tmax}, s{k})" if k % 8 else f"max(tmax{k // 8 - 1}, s{k})"
+        if k % 8 == 7:
+            lines.append(f"let tmax{k // 8} = {tmax};")
+    lines += [
+        f"let tmax = tmax{len(cols) // 8 - 1};",
+        "let mn = max(m, max(tmax, subgroupShuffleXor(tmax, 16u)));",
+        "let alpha = exp(m - mn);",
+        "var part = 0.0;",
+    ]
+    for k, c in enumerate(cols):
+        lines += [
+            f"let p{k} = select(0.0, exp(s{k} - mn), j0 + 2u * half + {c}u <= i);",
+            f"part += p{k};",
+            f"Ps[sg][r * LDP + 2u * half + {c}u] = f16(p{k});",
+        ]
+    return lines
+
+
 def forward_source(head_dim: int) -> str:
     """attention_tc_forward for one head dim."""
     _check(head_dim)
@@ -180,6 +209,7 @@ def forward_source(head_dim: int) -> str:
         STAGE_FNS="".join(_stage_fn(a, b) for a, b in (("Ks", "K16"), ("Vs", "V16"), ("Ks", "Q16"), ("Vs", "Q16"))),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
+        SOFTMAX=_ind(_softmax_rows(nc * MATRIX), 8),
         PV_MMA=_ind(_pv_rescaled(nc, nd), 8),
         O_STORE=_ind(store, 8),
     )

@@ -55,20 +55,7 @@ ${Q_LOAD}
         workgroupBarrier();
 ${S_MMA}
         workgroupBarrier();
-        var tmax = NEG_BIG;
-        for (var k = 0u; k < BC / 2u; k++) {
-            let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            tmax = max(tmax, select(NEG_BIG, Ss[sg][r * LDS + c] * prm.scale, j0 + c <= i));
-        }
-        let mn = max(m, max(tmax, subgroupShuffleXor(tmax, 16u)));
-        let alpha = exp(m - mn);
-        var part = 0.0;
-        for (var k = 0u; k < BC / 2u; k++) {
-            let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            let p = select(0.0, exp(Ss[sg][r * LDS + c] * prm.scale - mn), j0 + c <= i);
-            part += p;
-            Ps[sg][r * LDP + c] = f16(p);
-        }
+${SOFTMAX}
         l = l * alpha + part;
         m = mn;
         workgroupBarrier();
