@@ -15,6 +15,7 @@ RIGHT = "subgroup_matrix_right<f16, 16, 16>"
 RESULT = "subgroup_matrix_result<f32, 16, 16>"
 ATTENTION_TC_HEAD_DIMS = (64, 128)
 SUBGROUPS = 4  # subgroups per workgroup: 64 rows (queries, or keys in the dK/dV pass)
+THREADS = SUBGROUPS * 32
 
 
 def tile_columns(kernel: str, head_dim: int) -> int:
@@ -141,6 +142,59 @@ fn stage_{dst}_{src}(row0: u32, head: u32, heads: u32, lid: u32) {{
 }}"""
 
 
+def _unit_fns(dst: str, src: str) -> str:
+    """fn load_<src>(row0, head, heads, u) and fn put_<dst>(u, x): staging unit u (8 halves: row u / (D / 8),
+    columns 8 (u % (D / 8)) ..) of a BC-row tile of the packed operand `src`, read into a register and written
+    to the 16-row blocks of `dst` (the split form of _stage_fn, for prefetching)."""
+    return f"""
+fn load_{src}(row0: u32, head: u32, heads: u32, u: u32) -> vec4<u32> {{
+    return {src}[((row0 + u / (D / 8u)) * heads + head) * (D / 8u) + u % (D / 8u)];
+}}
+
+fn put_{dst}(u: u32, x: vec4<u32>) {{
+    let row = u / (D / 8u);
+    let o = (row % 16u) * LDH + (u % (D / 8u)) * 8u;
+    let lo = bitcast<vec4<f16>>(x.xy);
+    let hi = bitcast<vec4<f16>>(x.zw);
+    {dst}[row / 16u][o] = lo.x;
+    {dst}[row / 16u][o + 1u] = lo.y;
+    {dst}[row / 16u][o + 2u] = lo.z;
+    {dst}[row / 16u][o + 3u] = lo.w;
+    {dst}[row / 16u][o + 4u] = hi.x;
+    {dst}[row / 16u][o + 5u] = hi.y;
+    {dst}[row / 16u][o + 6u] = hi.z;
+    {dst}[row / 16u][o + 7u] = hi.w;
+}}"""
+
+
+def _units(rows: int, head_dim: int) -> int:
+    """Staging units (8 halves) per thread of a rows x head_dim tile."""
+    units, rest = divmod(rows * head_dim // 8, THREADS)
+    assert not rest, (rows, head_dim)
+    return units
+
+
+def _prefetch(pairs: list[tuple[str, str, str]], head: str, heads: str, units: int) -> dict[str, str]:
+    """PREFETCH_FIRST / _STORE / _NEXT: for each (tile array, packed operand, register prefix) this thread's
+    `units` staging units (lid + THREADS q) of key tile 0 loaded into registers, written to the tile arrays,
+    and the next tile's (row j0 + BC) loaded."""
+
+    def loads(row0: str, decl: bool) -> list[str]:
+        kw = "var " if decl else ""
+        return [
+            f"{kw}{reg}{q} = load_{src}({row0}, {head}, {heads}, lid + {q}u * THREADS);"
+            for _, src, reg in pairs
+            for q in range(units)
+        ]
+
+    store = [f"put_{dst}(lid + {q}u * THREADS, {reg}{q});" for dst, _, reg in pairs for q in range(units)]
+    return {
+        "PREFETCH_FIRST": _ind(loads("zr", True), 4),
+        "PREFETCH_STORE": _ind(store, 8),
+        "PREFETCH_NEXT": _ind(loads("zr + j0 + BC", False), 12),
+    }
+
+
 def _common(kernel: str, head_dim: int) -> str:
     common = fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=tile_columns(kernel, head_dim), NSG=SUBGROUPS)
     return common + "\n" + kernel_text("grad_scale.wgsl")
@@ -174,7 +228,7 @@ def _softmax_rows(bc: int) -> list[str]:
     """The forward's online-softmax step for one key tile, unrolled: this lane's BC / 2 scores of row i (column
     pairs 4 m + 2 half + {0, 1}) read from Ss once into registers, masked (key j0 + c > i) and scaled; their
     max with the other half's and the running m gives mn; P = exp(s - mn) to Ps (f16), its sum into part."""
-    cols = [4 * (k >> 1) + (k & 1) for k in range(bc // 2)]  # plus 2 half
+    cols = _lane_columns(bc)
     lines = [
         f"let s{k} = select(NEG_BIG, Ss[sg][xb + {c}u] * prm.scale, j0 + 2u * half + {c}u <= i);"
         for k, c in enumerate(cols)
@@ -199,6 +253,30 @@ def _softmax_rows(bc: int) -> list[str]:
     return lines
 
 
+def _lane_columns(bc: int) -> list[int]:
+    """This lane's columns of a [16][BC] block, less 2 half: the pairs 4 m + {0, 1} (see attention_tc_common)."""
+    return [4 * (k >> 1) + (k & 1) for k in range(bc // 2)]
+
+
+def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
+    """P_ROWS / DS_ROWS of the dQ (kernel "dq") or dK/dV ("dkv") pass, unrolled over this lane's BC / 2 columns
+    of its row: P = exp(S * scale - L) (masked, rounded to f16) to Ps and kept in registers, then dS = P (dP -
+    delta) * scale from them and dP in Ss (the same values as re-reading P from Ps)."""
+    p_rows, ds_rows = [], []
+    for k, c in enumerate(_lane_columns(bc)):
+        col = f"2u * half + {c}u"
+        if kernel == "dq":
+            lse, live, delta, ds_out = "lse", f"j0 + {col} <= i", "delta", "Ps"
+        else:
+            lse, live, delta, ds_out = f"Lc[{col}]", f"i0 + {col} >= j && i0 + {col} < prm.T", f"Dc[{col}]", "dSs"
+        p_rows += [
+            f"let p{k} = f16(select(0.0, exp(Ss[sg][xb + {c}u] * prm.scale - {lse}), {live}));",
+            f"Ps[sg][r * LDP + {col}] = p{k};",
+        ]
+        ds_rows.append(f"{ds_out}[sg][r * LDP + {col}] = f16(f32(p{k}) * (Ss[sg][xb + {c}u] - {delta}) * prm.scale);")
+    return {"P_ROWS": _ind(p_rows, 8), "DS_ROWS": _ind(ds_rows, 8)}
+
+
 def forward_source(head_dim: int) -> str:
     """attention_tc_forward for one head dim."""
     _check(head_dim)
@@ -206,12 +284,15 @@ def forward_source(head_dim: int) -> str:
     store = [f"O[ob + {2 * m}u] = vec2<f32>(ov[{2 * m}u], ov[{2 * m + 1}u]) * inv;" for m in range(head_dim // 4)]
     body = fill(
         kernel_text("attention_tc_forward.wgsl"),
-        STAGE_FNS="".join(_stage_fn(a, b) for a, b in (("Ks", "K16"), ("Vs", "V16"), ("Ks", "Q16"), ("Vs", "Q16"))),
+        STAGE_FNS="".join(_stage_fn(a, b) for a, b in (("Ks", "Q16"), ("Vs", "Q16")))
+        + _unit_fns("Ks", "K16")
+        + _unit_fns("Vs", "V16"),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
         SOFTMAX=_ind(_softmax_rows(nc * MATRIX), 8),
         PV_MMA=_ind(_pv_rescaled(nc, nd), 8),
         O_STORE=_ind(store, 8),
+        **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
     )
     return _common("forward", head_dim) + "\n" + body
 
@@ -232,6 +313,7 @@ def backward_dq_source(head_dim: int) -> str:
         DP_MMA=_ind(_scores("go", "Vs", nc, nd), 8),
         DQ_MMA=_ind(_accumulate([("Ps", "Ks", "dq")], nc, nd), 8),
         DQ_STORE=_store_rows([("dq", "dQ")], nd, "i < prm.T"),
+        **_backward_rows("dq", nc * MATRIX),
     )
     return _common("dq", head_dim) + "\n" + body
 
@@ -250,6 +332,7 @@ def backward_dkv_source(head_dim: int) -> str:
         DPT_MMA=_ind(_scores("vl", "dOs", nc, nd), 8),
         DKV_MMA=_ind(_accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd), 8),
         DKV_STORE=_store_rows([("dk", "dK"), ("dv", "dV")], nd, "j < prm.T"),
+        **_backward_rows("dkv", nc * MATRIX),
     )
     return _common("dkv", head_dim) + "\n" + body
 

@@ -46,6 +46,7 @@ fn main(
     let j0 = w0 + sg * 16u;
     let r = lane & 15u;
     let half = lane >> 4u;
+    let xb = r * LDS + 2u * half;   // this lane's first column pair of a row of Ss
     let j = j0 + r;
     let sigma = grad_scale(stats.max_bits);
 ${K_LOAD}
@@ -65,20 +66,11 @@ ${DKV_DECL}
         workgroupBarrier();
 ${ST_MMA}
         workgroupBarrier();
-        for (var k = 0u; k < BC / 2u; k++) {
-            let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            let qi = i0 + c;
-            let p = select(0.0, exp(Ss[sg][r * LDS + c] * prm.scale - Lc[c]), qi >= j && qi < prm.T);
-            Ps[sg][r * LDP + c] = f16(p);
-        }
+${P_ROWS}
         workgroupBarrier();
 ${DPT_MMA}
         workgroupBarrier();
-        for (var k = 0u; k < BC / 2u; k++) {
-            let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            let p = f32(Ps[sg][r * LDP + c]);
-            dSs[sg][r * LDP + c] = f16(p * (Ss[sg][r * LDS + c] - Dc[c]) * prm.scale);
-        }
+${DS_ROWS}
         workgroupBarrier();
 ${DKV_MMA}
     }

@@ -41,6 +41,7 @@ fn main(
     let i0 = w0 + sg * 16u;
     let r = lane & 15u;
     let half = lane >> 4u;
+    let xb = r * LDS + 2u * half;   // this lane's first column pair of a row of Ss
     let i = i0 + r;
     let sigma = grad_scale(stats.max_bits);
     let row = h * prm.T + min(i, prm.T - 1u);
@@ -59,18 +60,11 @@ ${DQ_DECL}
         workgroupBarrier();
 ${S_MMA}
         workgroupBarrier();
-        for (var k = 0u; k < BC / 2u; k++) {
-            let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            Ps[sg][r * LDP + c] = f16(select(0.0, exp(Ss[sg][r * LDS + c] * prm.scale - lse), j0 + c <= i));
-        }
+${P_ROWS}
         workgroupBarrier();
 ${DP_MMA}
         workgroupBarrier();
-        for (var k = 0u; k < BC / 2u; k++) {
-            let c = 4u * (k >> 1u) + 2u * half + (k & 1u);
-            let p = f32(Ps[sg][r * LDP + c]);
-            Ps[sg][r * LDP + c] = f16(p * (Ss[sg][r * LDS + c] - delta) * prm.scale);
-        }
+${DS_ROWS}
         workgroupBarrier();
 ${DQ_MMA}
     }
