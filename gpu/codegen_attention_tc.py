@@ -174,10 +174,12 @@ def _units(rows: int, head_dim: int) -> int:
     return units
 
 
-def _prefetch(pairs: list[tuple[str, str, str]], head: str, heads: str, units: int) -> dict[str, str]:
+def _prefetch(
+    pairs: list[tuple[str, str, str]], head: str, heads: str, units: int, rows: tuple[str, str] = ("zr", "zr + j0 + BC")
+) -> dict[str, str]:
     """PREFETCH_FIRST / _STORE / _NEXT: for each (tile array, packed operand, register prefix) this thread's
-    `units` staging units (lid + THREADS q) of key tile 0 loaded into registers, written to the tile arrays,
-    and the next tile's (row j0 + BC) loaded."""
+    `units` staging units (lid + THREADS q) of the first tile (row rows[0]) loaded into registers, written to
+    the tile arrays, and the next tile's (row rows[1]) loaded."""
 
     def loads(row0: str, decl: bool) -> list[str]:
         kw = "var " if decl else ""
@@ -189,9 +191,9 @@ def _prefetch(pairs: list[tuple[str, str, str]], head: str, heads: str, units: i
 
     store = [f"put_{dst}(lid + {q}u * THREADS, {reg}{q});" for dst, _, reg in pairs for q in range(units)]
     return {
-        "PREFETCH_FIRST": _ind(loads("zr", True), 4),
+        "PREFETCH_FIRST": _ind(loads(rows[0], True), 4),
         "PREFETCH_STORE": _ind(store, 8),
-        "PREFETCH_NEXT": _ind(loads("zr + j0 + BC", False), 12),
+        "PREFETCH_NEXT": _ind(loads(rows[1], False), 12),
     }
 
 
@@ -303,9 +305,9 @@ def backward_dq_source(head_dim: int) -> str:
     nd, nc = head_dim // MATRIX, tile_columns("dq", head_dim) // MATRIX
     body = fill(
         kernel_text("attention_tc_backward_dq.wgsl"),
-        STAGE_FNS="".join(
-            _stage_fn(a, b) for a in ("Ks", "Vs") for b in ("K16", "V16", "Q16", "dO16") if (a, b) != ("Ks", "V16")
-        ),
+        STAGE_FNS="".join(_stage_fn(a, b) for a in ("Ks", "Vs") for b in ("Q16", "dO16"))
+        + _unit_fns("Ks", "K16")
+        + _unit_fns("Vs", "V16"),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
@@ -314,6 +316,7 @@ def backward_dq_source(head_dim: int) -> str:
         DQ_MMA=_ind(_accumulate([("Ps", "Ks", "dq")], nc, nd), 8),
         DQ_STORE=_store_rows([("dq", "dQ")], nd, "i < prm.T"),
         **_backward_rows("dq", nc * MATRIX),
+        **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
     )
     return _common("dq", head_dim) + "\n" + body
 
@@ -324,7 +327,9 @@ def backward_dkv_source(head_dim: int) -> str:
     nd, nc = head_dim // MATRIX, tile_columns("dkv", head_dim) // MATRIX
     body = fill(
         kernel_text("attention_tc_backward_dkv.wgsl"),
-        STAGE_FNS="".join(_stage_fn(a, b) for a in ("Qs", "dOs") for b in ("Q16", "dO16", "K16", "V16")),
+        STAGE_FNS="".join(_stage_fn(a, b) for a in ("Qs", "dOs") for b in ("K16", "V16"))
+        + _unit_fns("Qs", "Q16")
+        + _unit_fns("dOs", "dO16"),
         K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         DKV_DECL=_decl([f"dk{n}" for n in range(nd)] + [f"dv{n}" for n in range(nd)]),
@@ -333,6 +338,13 @@ def backward_dkv_source(head_dim: int) -> str:
         DKV_MMA=_ind(_accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd), 8),
         DKV_STORE=_store_rows([("dk", "dK"), ("dv", "dV")], nd, "j < prm.T"),
         **_backward_rows("dkv", nc * MATRIX),
+        **_prefetch(
+            [("Qs", "Q16", "qr"), ("dOs", "dO16", "dor")],
+            "h",
+            "prm.HQ",
+            _units(nc * MATRIX, head_dim),
+            rows=("zr + w0", "zr + i0 + BC"),
+        ),  # fmt: skip
     )
     return _common("dkv", head_dim) + "\n" + body
 

@@ -53,17 +53,21 @@ ${K_LOAD}
 ${V_LOAD}
 ${DKV_DECL}
     let n_tiles = (prm.T - w0 + BC - 1u) / BC;
+    // the query tile's Q and dO go through registers: the next tile's loads are in flight during this tile's work
+${PREFETCH_FIRST}
     for (var t = 0u; t < n_tiles; t++) {
         let i0 = w0 + t * BC;
         workgroupBarrier();
-        stage_Qs_Q16(zr + i0, h, prm.HQ, lid);
-        stage_dOs_dO16(zr + i0, h, prm.HQ, lid);
+${PREFETCH_STORE}
         for (var e = lid; e < BC; e += THREADS) {
             let row = h * prm.T + min(i0 + e, prm.T - 1u);
             Lc[e] = L[z * prm.LS + row];
             Dc[e] = stats.delta[z * prm.HQ * prm.T + row] * sigma;
         }
         workgroupBarrier();
+        if (t + 1u < n_tiles) {
+${PREFETCH_NEXT}
+        }
 ${ST_MMA}
         workgroupBarrier();
 ${P_ROWS}

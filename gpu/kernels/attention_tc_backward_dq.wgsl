@@ -52,12 +52,16 @@ ${DO_LOAD}
 ${DQ_DECL}
     let n_keys = min(w0 + BR, prm.T);
     let n_tiles = (n_keys + BC - 1u) / BC;
+    // the key tile's K and V go through registers: the next tile's loads are in flight during this tile's work
+${PREFETCH_FIRST}
     for (var t = 0u; t < n_tiles; t++) {
         let j0 = t * BC;
         workgroupBarrier();
-        stage_Ks_K16(zr + j0, g, prm.HKV, lid);
-        stage_Vs_V16(zr + j0, g, prm.HKV, lid);
+${PREFETCH_STORE}
         workgroupBarrier();
+        if (t + 1u < n_tiles) {
+${PREFETCH_NEXT}
+        }
 ${S_MMA}
         workgroupBarrier();
 ${P_ROWS}
