@@ -118,53 +118,44 @@ def _store_rows(accs: list[tuple[str, str]], nd: int, live: str) -> str:
     return _ind(lines, 4)
 
 
-def _stage_fn(dst: str, src: str) -> str:
-    """fn stage_<dst>_<src>(row0, head, heads, lid): rows row0 .. row0 + BC - 1 of head `head` of the packed
-    operand `src` ([T_pad, heads, D] as 8-half units) into the 16-row blocks of `dst`."""
-    return f"""
-fn stage_{dst}_{src}(row0: u32, head: u32, heads: u32, lid: u32) {{
-    for (var u = lid; u < BC * D / 8u; u += THREADS) {{
-        let row = u / (D / 8u);
-        let col = (u % (D / 8u)) * 8u;
-        let x = {src}[((row0 + row) * heads + head) * (D / 8u) + col / 8u];
-        let lo = bitcast<vec4<f16>>(x.xy);
-        let hi = bitcast<vec4<f16>>(x.zw);
-        let o = (row % 16u) * LDH + col;
-        {dst}[row / 16u][o] = lo.x;
-        {dst}[row / 16u][o + 1u] = lo.y;
-        {dst}[row / 16u][o + 2u] = lo.z;
-        {dst}[row / 16u][o + 3u] = lo.w;
-        {dst}[row / 16u][o + 4u] = hi.x;
-        {dst}[row / 16u][o + 5u] = hi.y;
-        {dst}[row / 16u][o + 6u] = hi.z;
-        {dst}[row / 16u][o + 7u] = hi.w;
-    }}
-}}"""
-
-
-def _unit_fns(dst: str, src: str) -> str:
-    """fn load_<src>(row0, head, heads, u) and fn put_<dst>(u, x): staging unit u (8 halves: row u / (D / 8),
-    columns 8 (u % (D / 8)) ..) of a BC-row tile of the packed operand `src`, read into a register and written
-    to the 16-row blocks of `dst` (the split form of _stage_fn, for prefetching)."""
-    return f"""
+def _staging_fns(stage: list[tuple[str, str]], units: list[tuple[str, str]]) -> str:
+    """The staging functions of a kernel: fn load_<src>(row0, head, heads, u) reads staging unit u (8 halves:
+    row u / (D / 8), columns 8 (u % (D / 8)) ..) of a BC-row tile of head `head` of the packed operand `src`
+    ([T_pad, heads, D] as 8-half units); fn put_<dst>(u, x) writes it to the 16-row blocks of `dst`; for each
+    (dst, src) of `stage`, fn stage_<dst>_<src>(row0, head, heads, lid) moves a whole tile (the left matrices'
+    one-off staging). `units` names the (dst, src) pairs a kernel prefetches through registers (_prefetch)."""
+    pairs = stage + units
+    dsts, srcs = dict.fromkeys(d for d, _ in pairs), dict.fromkeys(s for _, s in pairs)
+    fns = [
+        f"""
 fn load_{src}(row0: u32, head: u32, heads: u32, u: u32) -> vec4<u32> {{
     return {src}[((row0 + u / (D / 8u)) * heads + head) * (D / 8u) + u % (D / 8u)];
-}}
-
+}}"""
+        for src in srcs
+    ]
+    for dst in dsts:
+        stores = "\n".join(
+            f"    {dst}[row / 16u][o + {e}u] = {half}.{c};"
+            for e, (half, c) in enumerate((h, c) for h in ("lo", "hi") for c in "xyzw")
+        )
+        fns.append(f"""
 fn put_{dst}(u: u32, x: vec4<u32>) {{
     let row = u / (D / 8u);
     let o = (row % 16u) * LDH + (u % (D / 8u)) * 8u;
     let lo = bitcast<vec4<f16>>(x.xy);
     let hi = bitcast<vec4<f16>>(x.zw);
-    {dst}[row / 16u][o] = lo.x;
-    {dst}[row / 16u][o + 1u] = lo.y;
-    {dst}[row / 16u][o + 2u] = lo.z;
-    {dst}[row / 16u][o + 3u] = lo.w;
-    {dst}[row / 16u][o + 4u] = hi.x;
-    {dst}[row / 16u][o + 5u] = hi.y;
-    {dst}[row / 16u][o + 6u] = hi.z;
-    {dst}[row / 16u][o + 7u] = hi.w;
+{stores}
+}}""")
+    fns += [
+        f"""
+fn stage_{dst}_{src}(row0: u32, head: u32, heads: u32, lid: u32) {{
+    for (var u = lid; u < BC * D / 8u; u += THREADS) {{
+        put_{dst}(u, load_{src}(row0, head, heads, u));
+    }}
 }}"""
+        for dst, src in stage
+    ]
+    return "".join(fns)
 
 
 def _units(rows: int, head_dim: int) -> int:
@@ -286,9 +277,7 @@ def forward_source(head_dim: int) -> str:
     store = [f"O[ob + {2 * m}u] = vec2<f32>(ov[{2 * m}u], ov[{2 * m + 1}u]) * inv;" for m in range(head_dim // 4)]
     body = fill(
         kernel_text("attention_tc_forward.wgsl"),
-        STAGE_FNS="".join(_stage_fn(a, b) for a, b in (("Ks", "Q16"), ("Vs", "Q16")))
-        + _unit_fns("Ks", "K16")
-        + _unit_fns("Vs", "V16"),
+        STAGE_FNS=_staging_fns([("Ks", "Q16"), ("Vs", "Q16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
         SOFTMAX=_ind(_softmax_rows(nc * MATRIX), 8),
@@ -305,9 +294,7 @@ def backward_dq_source(head_dim: int) -> str:
     nd, nc = head_dim // MATRIX, tile_columns("dq", head_dim) // MATRIX
     body = fill(
         kernel_text("attention_tc_backward_dq.wgsl"),
-        STAGE_FNS="".join(_stage_fn(a, b) for a in ("Ks", "Vs") for b in ("Q16", "dO16"))
-        + _unit_fns("Ks", "K16")
-        + _unit_fns("Vs", "V16"),
+        STAGE_FNS=_staging_fns([(a, b) for a in ("Ks", "Vs") for b in ("Q16", "dO16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
@@ -327,9 +314,9 @@ def backward_dkv_source(head_dim: int) -> str:
     nd, nc = head_dim // MATRIX, tile_columns("dkv", head_dim) // MATRIX
     body = fill(
         kernel_text("attention_tc_backward_dkv.wgsl"),
-        STAGE_FNS="".join(_stage_fn(a, b) for a in ("Qs", "dOs") for b in ("K16", "V16"))
-        + _unit_fns("Qs", "Q16")
-        + _unit_fns("dOs", "dO16"),
+        STAGE_FNS=_staging_fns(
+            [(a, b) for a in ("Qs", "dOs") for b in ("K16", "V16")], [("Qs", "Q16"), ("dOs", "dO16")]
+        ),
         K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         DKV_DECL=_decl([f"dk{n}" for n in range(nd)] + [f"dv{n}" for n in range(nd)]),

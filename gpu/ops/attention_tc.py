@@ -8,7 +8,8 @@ each tile's PV leaves its opaque result matrices through workgroup memory for th
 which take the rescaling). Backward: delta = rowsum(dO * O) and max |dO| (f32), pack dO
 scaled by a power of two sigma (so small gradients keep f16's precision), a dQ pass and a dK/dV pass per
 query head (products S, dP, dS K, P^T dO, dS^T Q on tensor cores), then the sum of each kv head's query heads
-in a fixed order. No [H, T, T] buffer; deterministic (no atomics on results).
+in a fixed order. Every pass streams its tiles through registers (the next tile's loads in flight during this
+one's products). No [H, T, T] buffer; deterministic (no atomics on results).
 
 Numerics: q, k, v, dO (scaled), P and dS are rounded to f16 for the products; everything else is f32. Held to
 2e-3 of each output's max abs (out, lse, dq, dk, dv) against the float64 reference by
