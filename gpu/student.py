@@ -327,12 +327,15 @@ class GPUStudent(GPUModel):
             cfg.eps,
         )
         for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
-            self._restore(layer)  # from its bf16 checkpoint (f32 checkpoints are still in place)
-            self._replay_lora_t = True  # the LoRA products reuse the forward's t
-            try:
-                self._block_forward(layer)  # recompute from the checkpointed block input
-            finally:
-                self._replay_lora_t = False
+            # the top block's intermediates are still those of the forward (the head writes only nf, tmp, dx and
+            # its own scratch; its input x_{L-1} is still in xs): no recompute
+            if layer < cfg.n_layers - 1:
+                self._restore(layer)  # from its bf16 checkpoint (f32 checkpoints are still in place)
+                self._replay_lora_t = True  # the LoRA products reuse the forward's t
+                try:
+                    self._block_forward(layer)  # recompute from the checkpointed block input
+                finally:
+                    self._replay_lora_t = False
             self._block_backward(layer)
 
     def loss_and_grads(self) -> float:
