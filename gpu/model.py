@@ -298,9 +298,9 @@ class GPUModel:
         self.bf16_checkpoints = self.keeps_block_inputs and self._wants_bf16_checkpoints()
         self._f32_inputs = self.keeps_block_inputs and not self.bf16_checkpoints
         self.xs = b("layer inputs", (cfg.n_layers + 1 if self._f32_inputs else 2) * self.slot)
-        if self.bf16_checkpoints:
+        if self.bf16_checkpoints:  # blocks 0 .. L-2: the top block is never recomputed
             self.slot16 = aligned_floats(rows * h // 2)  # u32 words: two bf16 each
-            self.xs16 = b("layer inputs bf16", cfg.n_layers * self.slot16)
+            self.xs16 = b("layer inputs bf16", max(cfg.n_layers - 1, 1) * self.slot16)
         for name, n in (
             ("ids", rows),
             ("positions", rows),
@@ -348,7 +348,7 @@ class GPUModel:
         if self.saves_lora_t:  # the forward's t of every adapted (layer, target), for the backward
             self._t_slot = aligned_floats(rows * r)
             self._t_index = {key: i for i, key in enumerate(self.layout.slots)}
-            self.t_lora: Any = b("lora t per projection", max(len(self._t_index), 1) * self._t_slot)
+            self.t_saved = b("lora t per projection", max(len(self._t_index), 1) * self._t_slot)
         else:  # one t per target, reused by every block
             self.t_lora = {t: b(f"lora t {t}", rows * r) for t in LORA_TARGETS}
         self._replay_lora_t = False  # set while a backward recomputes a block whose t the forward left
@@ -395,10 +395,15 @@ class GPUModel:
         """Whether the block inputs kept for a backward are bf16 (GPUStudent: its `checkpoints` option)."""
         return False
 
+    def _recomputed(self, layer: int) -> bool:
+        """Whether a backward recomputes block `layer` from its kept input: the adapted blocks but the top one,
+        whose intermediates are still the forward's when the backward reaches it."""
+        return self.layout.lowest_layer <= layer < self.cfg.n_layers - 1
+
     def _checkpoint(self, layer: int) -> None:
-        """Keep block `layer`'s input (in xs) as its bf16 checkpoint, where a backward will recompute from it (the
-        adapted blocks); nothing with f32 checkpoints (xs keeps them all)."""
-        if self.bf16_checkpoints and self.layout.lowest_layer <= layer < self.cfg.n_layers:
+        """Keep block `layer`'s input (in xs) as its bf16 checkpoint when a backward will recompute from it;
+        nothing with f32 checkpoints (xs keeps them all)."""
+        if self.bf16_checkpoints and self._recomputed(layer):
             to_bf16(self.dev, self._x(layer), self._x16(layer), self.rows * self.cfg.hidden)
 
     def _restore(self, layer: int) -> None:
@@ -436,7 +441,7 @@ class GPUModel:
         the target's buffer shared by all blocks."""
         if not self.saves_lora_t:
             return self.t_lora[target]
-        return self._view(self.t_lora, self._t_index[(layer, target)] * self._t_slot, self.rows * self.layout.r)
+        return self._view(self.t_saved, self._t_index[(layer, target)] * self._t_slot, self.rows * self.layout.r)
 
     # ---- attention over the batch, one sequence at a time ----------------------------------------------
     def _sequences_aligned(self) -> bool:

@@ -327,9 +327,9 @@ class GPUStudent(GPUModel):
             cfg.eps,
         )
         for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
-            # the top block's intermediates are still those of the forward (the head writes only nf, tmp, dx and
-            # its own scratch; its input x_{L-1} is still in xs): no recompute
-            if layer < cfg.n_layers - 1:
+            # not the top block: its intermediates are still the forward's (the head writes only nf, tmp, dx and
+            # its own scratch; its input x_{L-1} is still in xs)
+            if self._recomputed(layer):
                 self._restore(layer)  # from its bf16 checkpoint (f32 checkpoints are still in place)
                 self._replay_lora_t = True  # the LoRA products reuse the forward's t
                 try:
