@@ -200,9 +200,11 @@ def gpu_time(dev: Device, call: Any, reps: int = 5) -> dict[str, Any]:
     return {"gpu_us": round(totals[reps // 2] / 1e3, 2)}
 
 
-def torch_tflops(sizes: list[int], shapes: list[tuple[int, int, int]] = (), seconds: float = 0.25) -> dict[str, Any]:
+def torch_tflops(
+    sizes: list[int], shapes: list[tuple[int, int, int]] = (), seconds: float = 0.25, *, int8: bool = False
+) -> dict[str, Any]:
     """torch.matmul TFLOP/s for square (N) and (M, N, K) bf16 / fp16 products (CUDA events, random data),
-    keyed by "N" or "MxNxK"; or why there is none."""
+    keyed by "N" or "MxNxK"; int8=True adds torch._int_mm (int8 x int8 -> int32, TOPS); or why there is none."""
     try:
         import torch
     except ImportError as e:
@@ -210,22 +212,28 @@ def torch_tflops(sizes: list[int], shapes: list[tuple[int, int, int]] = (), seco
     if not torch.cuda.is_available():
         return {"error": "torch has no CUDA device"}
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    kinds = [("bf16", torch.bfloat16, torch.matmul), ("fp16", torch.float16, torch.matmul)]
+    kinds += [("int8", torch.int8, torch._int_mm)] if int8 else []
+    for name, dtype, matmul in kinds:
         res = {}
         for m, n, k in [(s, s, s) for s in sizes] + list(shapes):
-            a = torch.randn(m, k, device="cuda", dtype=dtype)
-            b = torch.randn(k, n, device="cuda", dtype=dtype)
-            torch.matmul(a, b)
+            if dtype == torch.int8:
+                a = torch.randint(-127, 128, (m, k), device="cuda", dtype=dtype)
+                b = torch.randint(-127, 128, (n, k), device="cuda", dtype=dtype).t()  # column-major, as _int_mm wants
+            else:
+                a = torch.randn(m, k, device="cuda", dtype=dtype)
+                b = torch.randn(k, n, device="cuda", dtype=dtype)
+            matmul(a, b)
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            torch.matmul(a, b)
+            matmul(a, b)
             end.record()
             torch.cuda.synchronize()
             reps = int(min(1000, max(5, seconds * 1e3 / max(start.elapsed_time(end), 1e-3))))
             start.record()
             for _ in range(reps):
-                torch.matmul(a, b)
+                matmul(a, b)
             end.record()
             torch.cuda.synchronize()
             t = start.elapsed_time(end) / 1e3 / reps

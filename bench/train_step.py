@@ -50,6 +50,21 @@ SHAPES = {
         context_length=2048,
         tied_embeddings=False,
     ),
+    # issue 22's sizes: Llama-3-8B (untied) and Llama-3.2-3B (tied) shapes, vocab 128,256, head dim 128
+    "llama8b": ModelConfig(
+        n_layers=32,
+        hidden=4096,
+        ffn=14336,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab=128256,
+        context_length=8192,
+        rope_base=5e5,
+        tied_embeddings=False,
+    ),
+    "llama3b": ModelConfig(
+        n_layers=28, hidden=3072, ffn=8192, n_heads=24, n_kv_heads=8, vocab=128256, context_length=8192, rope_base=5e5
+    ),
     "smollm2": ModelConfig(
         n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv_heads=3, vocab=49152, context_length=8192, rope_base=1e5
     ),

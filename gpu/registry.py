@@ -23,11 +23,13 @@ from typing import Any
 
 from gpu import codegen_attention_tc as attention_tc
 from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
+from gpu.codegen_i8 import matmul_i8_source
 from gpu.codegen_lora import LORA_GEMM_BK, lora_gemm_values
 from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
+from gpu.ops.matmul_i8 import all_i8_variants
 from gpu.ops.matmul_tc import TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M, all_variants
 from model.kd import KINDS
 
@@ -142,6 +144,7 @@ KERNELS: dict[str, Kernel] = {
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
+    "quantize_i8": Kernel(("workgroup_reduce", "quantize_i8")),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
     "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),
@@ -253,6 +256,7 @@ def entries() -> list[Entry]:
     out += [Entry(v.key, partial(matmul_source, v)) for v in matmul_variants()]
     tc = {v for cfg in TC_TILES for v in all_variants(cfg, list(WEIGHT_TYPES))}
     out += [Entry((*v.key, False), partial(matmul_tc_source, v), True) for v in sorted(tc, key=str)]
+    out += [Entry((*v.key, False), partial(matmul_i8_source, v), True) for v in all_i8_variants()]
     out += [
         Entry(kernel_key(name, v), partial(kernel.source, **v), True)
         for name, kernel in TC_KERNELS.items()

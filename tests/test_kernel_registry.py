@@ -24,10 +24,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu.codegen import KERNEL_DIR
+from gpu.codegen_i8 import matmul_i8_source
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
 from gpu.model import StudentWeights
 from gpu.ops.matmul import pick_tile
+from gpu.ops.matmul_i8 import all_i8_variants
 from gpu.ops.matmul_tc import pick_config
 from gpu.registry import MATMUL_TILES, TC_TILES, entries, kernel_source
 from gpu.student import GPUStudent
@@ -108,10 +110,11 @@ def test_tile_presets_the_ops_pick_are_registered() -> None:
 
 def test_every_kernel_file_is_used() -> None:
     """Each gpu/kernels/*.wgsl file's text (its longest part between ${...} placeholders) appears in a
-    registry kernel, or in the emulated tensor-core kernel (gemm_tc(emulate=True), the tests' path), or is
+    registry kernel, or in the emulated tensor-core kernels (gemm_tc / gemm_i8(emulate=True), the tests' path), or is
     one of OPTION_ONLY."""
     tc = next(e for e in ENTRIES if e.tensor_cores)
-    sources = [e.source() for e in ENTRIES] + [matmul_tc_source(tc.key[1], emulate=True)]
+    emulated = [matmul_tc_source(tc.key[1], emulate=True), matmul_i8_source(all_i8_variants()[0], emulate=True)]
+    sources = [e.source() for e in ENTRIES] + emulated
     unused = []
     for path in sorted(KERNEL_DIR.glob("*.wgsl")):
         if path.name in OPTION_ONLY:

@@ -1,0 +1,278 @@
+"""Generate the integer tensor-core GEMM (gpu/kernels/matmul_i8.wgsl) for Dawn's i8 subgroup matrices (16 x 16 x 32).
+
+An `I8Config` fixes the workgroup: SG_M x SG_N subgroups of 32 invocations, each owning TM x TN i32 result
+matrices, BK codes per row staged per step, FM result matrices scaled per pass through the scratch. An
+`I8Variant` adds whether K is cut in chunks with their own scales (the scaling then runs at every chunk's end,
+into f32 registers) or has one scale per row (only at the end), and whether C accumulates. The static WGSL
+lives in the template; this module generates the fully unrolled parts, one named variable per result matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu.codegen import fill, kernel_text
+
+SUBGROUP_SIZE = 32
+MATRIX = 16  # result side; the reduction per multiply-accumulate is 32 codes
+MMA_K = 32
+PROBES = ("", "no_mma", "no_stage", "no_scale")  # timing probes (bench/gemm_i8.py); "" for real kernels
+
+
+@dataclass(frozen=True)
+class I8Config:
+    """Workgroup tile of the integer GEMM (sizes in elements unless noted)."""
+
+    sg_m: int
+    sg_n: int
+    tm: int
+    tn: int
+    bk: int = 64  # codes per row staged per step (multiple of 32)
+    fm: int = 2  # result matrices per subgroup scaled per pass (divides tm * tn)
+    pad: int = 4  # words of padding per staged row
+    stages: int = 1  # 1: register prefetch, one buffer; 2: register prefetch, two buffers (one barrier a step)
+    group_m: int = 8  # workgroup rows per raster group (L2 reuse), 0: row-major
+    probe: str = ""
+
+    @property
+    def bm(self) -> int:
+        return self.sg_m * self.tm * MATRIX
+
+    @property
+    def bn(self) -> int:
+        return self.sg_n * self.tn * MATRIX
+
+    @property
+    def subgroups(self) -> int:
+        return self.sg_m * self.sg_n
+
+    @property
+    def threads(self) -> int:
+        return self.subgroups * SUBGROUP_SIZE
+
+    @property
+    def ldw(self) -> int:
+        """Staged row stride in words."""
+        return self.bk // 4 + self.pad
+
+    def workgroup_bytes(self) -> int:
+        return 4 * (self.stages * (self.bm + self.bn) * self.ldw + self.subgroups * self.fm * MATRIX * MATRIX)
+
+    def validate(self, max_threads: int = 1024, max_workgroup_bytes: int = 49152) -> None:
+        """Raise ValueError when the tile cannot be generated or exceeds the given device limits."""
+        for name in ("sg_m", "sg_n", "tm", "tn", "bk", "fm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"I8Config.{name}={getattr(self, name)} must be positive")
+        if self.bk % MMA_K:
+            raise ValueError(f"I8Config.bk={self.bk} must be a multiple of {MMA_K}")
+        if self.pad % 4 or self.pad < 0:
+            raise ValueError(f"I8Config.pad={self.pad} must be a non-negative multiple of 4 words (16-byte rows)")
+        if self.stages not in (1, 2):
+            raise ValueError(f"I8Config.stages={self.stages} must be 1 or 2")
+        if (self.tm * self.tn) % self.fm:
+            raise ValueError(f"I8Config.fm={self.fm} must divide tm * tn = {self.tm * self.tn}")
+        if self.probe not in PROBES:
+            raise ValueError(f"I8Config.probe={self.probe!r}: expected one of {PROBES}")
+        if self.threads > max_threads:
+            raise ValueError(f"I8Config {self.label} needs {self.threads} threads; the device allows {max_threads}")
+        if self.workgroup_bytes() > max_workgroup_bytes:
+            raise ValueError(
+                f"I8Config {self.label} needs {self.workgroup_bytes()} B of workgroup memory; "
+                f"the device allows {max_workgroup_bytes}"
+            )
+
+    @property
+    def label(self) -> str:
+        s = f"{self.sg_m}x{self.sg_n}_{self.tm}x{self.tn}_k{self.bk}_f{self.fm}"
+        if self.pad != 4:
+            s += f"_p{self.pad}"
+        if self.stages != 1:
+            s += f"_s{self.stages}"
+        if self.group_m != 8:
+            s += f"_g{self.group_m}"
+        return s + (f"_{self.probe}" if self.probe else "")
+
+
+@dataclass(frozen=True)
+class I8Variant:
+    """One compiled integer GEMM kernel."""
+
+    cfg: I8Config
+    chunked: bool  # K in several chunks, each with its own scales (else one scale per row)
+    accumulate: bool = False  # C += alpha * (...) instead of C = alpha * (...)
+
+    @property
+    def key(self) -> tuple:
+        return ("matmul_i8", self)
+
+
+@dataclass(frozen=True)
+class _Dialect:
+    """How the generated code spells the subgroup-matrix operations."""
+
+    directives: str
+    sg_param: str
+    sg_let: str
+    zero: str
+    load_a: str  # format(off=...)
+    load_b: str
+    mma: str  # format(a=..., b=..., acc=...)
+    store_cs: str  # format(off=..., acc=...)
+
+
+_TC = _Dialect(
+    directives="diagnostic(off, chromium.subgroup_matrix_uniformity);\nenable subgroups;\n"
+    "enable chromium_experimental_subgroup_matrix;",
+    sg_param="\n    @builtin(subgroup_id) sg: u32,\n    @builtin(subgroup_invocation_id) lane: u32,",
+    sg_let="",
+    zero="subgroup_matrix_result<i32, 16, 16>()",
+    load_a="subgroupMatrixLoad<subgroup_matrix_left<i8, 32, 16>>(&As[ablk], {off}, false, LDW * 4u)",
+    load_b="subgroupMatrixLoad<subgroup_matrix_right<i8, 16, 32>>(&Bs[bblk], {off}, true, LDW * 4u)",
+    mma="subgroupMatrixMultiplyAccumulate({a}, {b}, {acc})",
+    store_cs="subgroupMatrixStore(&Cs[sg], {off}, {acc}, false, 16u)",
+)
+_EMU = _Dialect(
+    directives="",
+    sg_param="",
+    sg_let="\n    let sg = lid / 32u;\n    let lane = lid % 32u;\n    emu_lane = lane;",
+    zero="EmuI()",
+    load_a="EmuOp(ablk, {off}, 0u, LDW * 4u)",
+    load_b="EmuOp(bblk, {off}, 1u, LDW * 4u)",
+    mma="emu_mma({a}, {b}, {acc})",
+    store_cs="emu_store_cs(sg, {off}, {acc})",
+)
+
+
+def _units(total: int, threads: int) -> list[tuple[str, bool]]:
+    """(unit index expression, needs a bounds guard) for each of a thread's staging units."""
+    return [(f"lid + {e}u * THREADS", (e + 1) * threads > total) for e in range(-(-total // threads))]
+
+
+def _staging(c: I8Config, ind: str, step: str | None, buf: str = "0u") -> list[str]:
+    """Loads of `step` into the registers (step given), or the stores of the registers into buffer `buf`."""
+    out = []
+    for tile, total, origin in (("a", c.bm * c.bk // 16, "m0"), ("b", c.bn * c.bk // 16, "n0")):
+        for e, (u, guard) in enumerate(_units(total, c.threads)):
+            stmt = f"r{tile}{e} = ld_{tile}({u}, {origin}, {step});" if step else f"put_{tile}({u}, r{tile}{e}, {buf});"
+            out.append(f"{ind}if ({u} < {total}u) {{ {stmt} }}" if guard else ind + stmt)
+    return out
+
+
+def _pairs(c: I8Config) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(c.tm) for j in range(c.tn)]
+
+
+def _decls(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
+    ind = " " * 4
+    lines = [f"{ind}var acc_{i}_{j} = {d.zero};" for i, j in _pairs(c)]
+    if v.chunked:
+        lines += [f"{ind}var f_{i}_{j}: array<f32, 8>;" for i, j in _pairs(c)]
+    n_a = len(_units(c.bm * c.bk // 16, c.threads))
+    n_b = len(_units(c.bn * c.bk // 16, c.threads))
+    return (
+        lines
+        + [f"{ind}var ra{e}: vec4<u32>;" for e in range(n_a)]
+        + [f"{ind}var rb{e}: vec4<u32>;" for e in range(n_b)]
+    )
+
+
+def _compute(c: I8Config, ind: str, d: _Dialect, buf: str) -> list[str]:
+    """One staged step's matrix loads and multiply-accumulates for this subgroup from buffer `buf` (offsets in
+    codes)."""
+    lds = 4 * c.ldw
+    lines = [f"{ind}let ablk = {buf} * SG_M + sg_m;", f"{ind}let bblk = {buf} * SG_N + sg_n;"]
+    ksteps = 1 if c.probe == "no_mma" else c.bk // MMA_K
+    tm, tn = (1, 1) if c.probe == "no_mma" else (c.tm, c.tn)
+    for kk in range(ksteps):
+        body = [f"let a{i} = {d.load_a.format(off=f'{i * MATRIX * lds + kk * MMA_K}u')};" for i in range(tm)]
+        for j in range(tn):
+            body.append(f"let b{j} = {d.load_b.format(off=f'{j * MATRIX * lds + kk * MMA_K}u')};")
+            body += [f"acc_{i}_{j} = {d.mma.format(a=f'a{i}', b=f'b{j}', acc=f'acc_{i}_{j}')};" for i in range(tm)]
+        lines += [f"{ind}{{"] + [f"{ind}    {s}" for s in body] + [f"{ind}}}"]
+    return lines
+
+
+def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, final: bool) -> list[str]:
+    """Scale every result matrix of this subgroup by SA * SW of `chunk`, FM at a time through Cs: into the f32
+    registers (final False) or, with them, out to C (final True)."""
+    i2 = ind + "    "
+    lines = [f"{ind}{{", f"{i2}let c = {chunk};"]
+    lines += [f"{i2}let sa{i} = SA[min(ms + {i * MATRIX}u, prm.M - 1u) * prm.chunks + c];" for i in range(c.tm)]
+    lines += [f"{i2}let sw{j} = sw8(ns + {j * MATRIX}u, c);" for j in range(c.tn)]
+    pairs = _pairs(c)
+    for g in range(0, len(pairs), c.fm):
+        group = pairs[g : g + c.fm]
+        lines += [f"{i2}{d.store_cs.format(off=f'{f * 256}u', acc=f'acc_{i}_{j}')};" for f, (i, j) in enumerate(group)]
+        lines.append(f"{i2}workgroupBarrier();")
+        for f, (i, j) in enumerate(group):
+            part = f"scaled8(sg, {f}u, lane, sa{i}, sw{j})"
+            if not final:
+                lines.append(f"{i2}f_{i}_{j} = add8(f_{i}_{j}, {part});")
+            else:
+                val = f"add8(f_{i}_{j}, {part})" if v.chunked else part
+                lines.append(f"{i2}write8(ms + {i * MATRIX}u, ns + {j * MATRIX}u, {val});")
+        lines.append(f"{i2}workgroupBarrier();")
+    if not final:
+        lines += [f"{i2}acc_{i}_{j} = {d.zero};" for i, j in pairs]
+    return lines + [f"{ind}}}"]
+
+
+def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
+    i1, i2, i3 = " " * 4, " " * 8, " " * 12
+    staged = "t == 0u" if c.probe == "no_stage" else "true"
+    nxt = "false" if c.probe == "no_stage" else "t + 1u < steps"
+    lines = _staging(c, i1, "0u")
+    if c.stages == 1:
+        lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}if ({staged}) {{"]
+        lines += _staging(c, i3, None)
+        lines += [f"{i2}}}", f"{i2}workgroupBarrier();", f"{i2}if ({nxt}) {{"]
+        lines += _staging(c, i3, "t + 1u")
+        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "0u") + [f"{i2}}}", f"{i2}workgroupBarrier();"]
+    else:
+        lines += _staging(c, i1, None, "0u") + [f"{i1}workgroupBarrier();"]
+        lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}let cur = t & 1u;", f"{i2}if ({nxt}) {{"]
+        lines += _staging(c, i3, "t + 1u")
+        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "cur") + [f"{i2}}}", f"{i2}if ({nxt}) {{"]
+        lines += _staging(c, i3, None, "1u - cur")
+        lines += [f"{i2}}}", f"{i2}workgroupBarrier();"]
+    if v.chunked and c.probe != "no_scale":
+        lines.append(f"{i2}if ((t + 1u) % prm.spc == 0u && t + 1u < steps) {{")
+        lines += _scale_pass(c, v, d, i3, "t / prm.spc", final=False)
+        lines.append(f"{i2}}}")
+    return lines + [f"{i1}}}"]
+
+
+def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
+    """Full WGSL of one integer GEMM variant (emulate=True: the same kernel without subgroup matrices)."""
+    c = v.cfg
+    d = _EMU if emulate else _TC
+    c.validate(max_threads=1 << 16, max_workgroup_bytes=1 << 30)
+    out = "C[base + n + e]"
+    store = f"{out} = {out} + prm.alpha * v[e];" if v.accumulate else f"{out} = prm.alpha * v[e];"
+    return fill(
+        kernel_text("matmul_i8.wgsl"),
+        DIRECTIVES=d.directives,
+        EMULATION=kernel_text("matmul_i8_emulation.wgsl") if emulate else "",
+        SG_PARAM=d.sg_param,
+        SG_LET=d.sg_let,
+        TM=c.tm,
+        TN=c.tn,
+        BM=c.bm,
+        BN=c.bn,
+        BK=c.bk,
+        THREADS=c.threads,
+        NSG=c.subgroups,
+        SG_M=c.sg_m,
+        SG_N=c.sg_n,
+        GROUP_M=c.group_m,
+        LDW=c.ldw,
+        A_BLK=c.bm // c.sg_m * c.ldw,
+        B_BLK=c.bn // c.sg_n * c.ldw,
+        A_BLOCKS=c.stages * c.sg_m,
+        B_BLOCKS=c.stages * c.sg_n,
+        CS_LEN=c.fm * MATRIX * MATRIX,
+        STORE_EXPR=store,
+        DECLS="\n".join(_decls(c, v, d)),
+        MAIN_LOOP="\n".join(_main_loop(c, v, d)),
+        EPILOGUE="\n".join(_scale_pass(c, v, d, " " * 4, "prm.chunks - 1u", final=True)),
+    )

@@ -1,0 +1,157 @@
+// Integer tensor-core GEMM through Dawn's subgroup matrices: int8 operands, i32 accumulation (16 x 16 x 32).
+//   C[M, N] (+)= alpha * sum_c SA[m, c] * SW[n, c] * sum_{k in chunk c} A[m, k] * W[n, k]
+// A [M, K] and W [N, K] are int8 codes packed four per u32 word (little-endian), read 16 at a time
+// (vec4<u32>); SA [M, K / chunk] and SW [N, K / chunk] their f32 scales (model/int8.py is the numpy twin).
+// A workgroup of SG_M x SG_N subgroups computes a BM x BN tile of C; each subgroup owns TM x TN i32 result
+// matrices. BK codes of every row are staged per step in workgroup memory (i32 words), the next step's loads
+// held in registers while the tensor cores work: one buffer and two barriers a step, or (STAGES 2) two
+// buffers, the registers stored into the idle one after the products, one barrier a step. Subgroup matrices are
+// opaque (no per-row or per-column scaling in registers), so at the end of every chunk of K (CHUNKED) or only
+// at the end (one chunk: per-row scales) each result matrix goes through the subgroup's scratch Cs, FM at a
+// time; each invocation scales its 8 elements (one row, 8 columns) by SA * SW into f32 registers, and the
+// i32 matrix starts again from zero. Rows past M or N are clamped on load and never written.
+// K must be a multiple of BK and of the chunk (gpu/ops/matmul_i8.py checks). Dollar-brace placeholders are
+// filled by gpu/codegen_i8.py, whose emulation mode swaps the subgroup-matrix builtins for plain WGSL
+// (matmul_i8_emulation.wgsl) to test the indexing on adapters without them.
+${DIRECTIVES}
+
+struct I8Params {
+    M: u32,
+    N: u32,
+    K: u32,
+    lda: u32,      // A row stride, in vec4<u32> (16 codes)
+    ldw: u32,      // W row stride, in vec4<u32>
+    a_off: u32,    // first vec4 of A
+    ldc: u32,
+    c_off: u32,
+    alpha: f32,
+    chunks: u32,   // scales per row: K / chunk
+    spc: u32,      // staged steps per chunk: chunk / BK
+    _pad: u32,
+};
+
+@group(0) @binding(0) var<uniform> prm: I8Params;
+@group(0) @binding(1) var<storage, read> A: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> SA: array<f32>;
+@group(0) @binding(4) var<storage, read> SW: array<f32>;
+@group(0) @binding(5) var<storage, read_write> C: array<f32>;
+
+const TM: u32 = ${TM}u;
+const TN: u32 = ${TN}u;
+const BM: u32 = ${BM}u;
+const BN: u32 = ${BN}u;
+const BK: u32 = ${BK}u;
+const THREADS: u32 = ${THREADS}u;
+const NSG: u32 = ${NSG}u;
+const SG_M: u32 = ${SG_M}u;
+const SG_N: u32 = ${SG_N}u;
+const GROUP_M: u32 = ${GROUP_M}u;   // workgroup rows per raster group (L2 reuse), 0: plain order
+const UPR: u32 = BK / 16u;          // staged vec4 units per row
+const A_RB: u32 = BM / SG_M;        // rows per A block (one per subgroup row)
+const B_RB: u32 = BN / SG_N;        // rows of W per B block (one per subgroup column)
+const LDW: u32 = ${LDW}u;           // staged row stride in words (BK / 4 + padding)
+
+var<workgroup> As: array<array<i32, ${A_BLK}>, ${A_BLOCKS}>;   // [buffer * SG_M + subgroup row]
+var<workgroup> Bs: array<array<i32, ${B_BLK}>, ${B_BLOCKS}>;   // [buffer * SG_N + subgroup column]
+var<workgroup> Cs: array<array<i32, ${CS_LEN}>, NSG>;   // FM result matrices per subgroup (the scaling)
+${EMULATION}
+
+fn ld_a(u: u32, m0: u32, t: u32) -> vec4<u32> {
+    let m = min(m0 + u / UPR, prm.M - 1u);
+    return A[prm.a_off + m * prm.lda + t * UPR + u % UPR];
+}
+
+fn ld_b(u: u32, n0: u32, t: u32) -> vec4<u32> {
+    let n = min(n0 + u / UPR, prm.N - 1u);
+    return W[n * prm.ldw + t * UPR + u % UPR];
+}
+
+fn put_a(u: u32, v: vec4<u32>, buf: u32) {
+    let row = u / UPR;
+    let o = (row % A_RB) * LDW + (u % UPR) * 4u;
+    let b = buf * SG_M + row / A_RB;
+    As[b][o] = bitcast<i32>(v.x);
+    As[b][o + 1u] = bitcast<i32>(v.y);
+    As[b][o + 2u] = bitcast<i32>(v.z);
+    As[b][o + 3u] = bitcast<i32>(v.w);
+}
+
+fn put_b(u: u32, v: vec4<u32>, buf: u32) {
+    let row = u / UPR;
+    let o = (row % B_RB) * LDW + (u % UPR) * 4u;
+    let b = buf * SG_N + row / B_RB;
+    Bs[b][o] = bitcast<i32>(v.x);
+    Bs[b][o + 1u] = bitcast<i32>(v.y);
+    Bs[b][o + 2u] = bitcast<i32>(v.z);
+    Bs[b][o + 3u] = bitcast<i32>(v.w);
+}
+
+// SW of 8 consecutive columns from n (clamped to the last row of W)
+fn sw8(n: u32, c: u32) -> array<f32, 8> {
+    var s: array<f32, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        s[e] = SW[min(n + e, prm.N - 1u) * prm.chunks + c];
+    }
+    return s;
+}
+
+// this invocation's 8 i32 results of the subgroup's scratch matrix f, scaled
+fn scaled8(sg: u32, f: u32, lane: u32, sa: f32, sw: array<f32, 8>) -> array<f32, 8> {
+    var v: array<f32, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        v[e] = f32(Cs[sg][f * 256u + lane * 8u + e]) * (sa * sw[e]);
+    }
+    return v;
+}
+
+fn add8(a: array<f32, 8>, b: array<f32, 8>) -> array<f32, 8> {
+    var v: array<f32, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        v[e] = a[e] + b[e];
+    }
+    return v;
+}
+
+// row m, columns n .. n + 7 of C (bounds-checked)
+fn write8(m: u32, n: u32, v: array<f32, 8>) {
+    if (m >= prm.M) {
+        return;
+    }
+    let base = prm.c_off + m * prm.ldc;
+    for (var e = 0u; e < 8u; e++) {
+        if (n + e < prm.N) {
+            ${STORE_EXPR}
+        }
+    }
+}
+
+@compute @workgroup_size(${THREADS})
+fn main(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,${SG_PARAM}
+) {${SG_LET}
+    var tile_m = wg.y;
+    var tile_n = wg.x;
+    if (GROUP_M > 0u) {
+        let pid = wg.y * nwg.x + wg.x;
+        let width = GROUP_M * nwg.x;
+        let first = (pid / width) * GROUP_M;
+        let rows = min(nwg.y - first, GROUP_M);
+        tile_m = first + (pid % width) % rows;
+        tile_n = (pid % width) / rows;
+    }
+    let m0 = tile_m * BM;
+    let n0 = tile_n * BN;
+    let sg_m = sg % SG_M;
+    let sg_n = sg / SG_M;
+    let row = lane / 2u;                 // this invocation's row and first column in each 16 x 16 result
+    let col = (lane % 2u) * 8u;
+    let ms = m0 + sg_m * (TM * 16u) + row;
+    let ns = n0 + sg_n * (TN * 16u) + col;
+    let steps = prm.K / BK;
+${DECLS}
+${MAIN_LOOP}
+${EPILOGUE}
+}

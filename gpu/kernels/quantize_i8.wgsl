@@ -1,0 +1,53 @@
+// Activations to int8 for the integer GEMM (model/int8.py quantize_i8 is the numpy twin): per row r and chunk c of
+// `chunk` consecutive elements, S[r, c] = max |X[r, chunk c]| / 127 and Q[r, k] = round(X[r, k] / S[r, c])
+// (ties to even, |q| <= 127; an all-zero chunk gives S = 0 and codes 0), four codes per u32 word, little-endian.
+// A workgroup per (chunk, row): the absmax by the fixed tree of workgroup_reduce.wgsl, then the codes.
+
+struct Params {
+    k: u32,        // row length (codes per row of Q)
+    ldx: u32,      // row stride of X in elements
+    x_off: u32,    // first element of X
+    chunk: u32,    // elements per scale (multiple of 4)
+    chunks: u32,   // k / chunk
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+};
+
+@group(0) @binding(0) var<uniform> prm: Params;
+@group(0) @binding(1) var<storage, read> X: array<f32>;
+@group(0) @binding(2) var<storage, read_write> Q: array<u32>;
+@group(0) @binding(3) var<storage, read_write> S: array<f32>;
+
+const WG: u32 = 64u;
+alias Reduced = f32;
+
+fn combine(a: Reduced, b: Reduced) -> Reduced {
+    return max(a, b);
+}
+
+fn code(x: f32, scale: f32) -> u32 {
+    let q = select(0.0, clamp(round(x / scale), -127.0, 127.0), scale > 0.0);
+    return u32(i32(q)) & 0xffu;
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let c = wid.x;
+    let r = wid.y;
+    let x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
+    var m = 0.0;
+    for (var i = lid; i < prm.chunk; i += WG) {
+        m = max(m, abs(X[x0 + i]));
+    }
+    let scale = workgroup_reduce(lid, m) / 127.0;
+    let q0 = (r * prm.k + c * prm.chunk) / 4u;
+    for (var w = lid; w < prm.chunk / 4u; w += WG) {
+        let i = x0 + 4u * w;
+        Q[q0 + w] = code(X[i], scale) | (code(X[i + 1u], scale) << 8u) | (code(X[i + 2u], scale) << 16u)
+            | (code(X[i + 3u], scale) << 24u);
+    }
+    if (lid == 0u) {
+        S[r * prm.chunks + c] = scale;
+    }
+}

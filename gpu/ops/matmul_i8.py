@@ -1,0 +1,153 @@
+"""Integer tensor-core GEMM: Y = X.W^T over int8 codes with per-(row, chunk) f32 scales (model/int8.py), i32
+accumulation on Dawn's i8 subgroup matrices (16 x 16 x 32); gpu/ops/quantize_i8.py quantizes the activations.
+
+Numerics: each operand is rounded to 8 bits relative to the largest |value| of its row's chunk (error <=
+max / 254 per value); the integer products are exact, each chunk's sum is scaled once in f32. The result
+matches model/int8.py's float64 reference on the same codes to f32 rounding (~1e-6 relative)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from gpu.codegen_i8 import MMA_K, SUBGROUP_SIZE, I8Config, I8Variant, matmul_i8_source
+from gpu.device import SUBGROUP_MATRIX, Device, DeviceError
+from gpu.ops.common import nbytes
+from model.int8 import check_chunk, pack_i8, quantize_i8
+
+# Presets, measured on an H200 (docs/benchmarks.md, 2026-12-04; bench/gemm_i8.py --sweep): one scale per row
+# (one chunk): 4 x 2 subgroups of 4 x 4 matrices, a 256 x 128 tile, 64 codes staged per step with register
+# prefetch: 306 / 329 TOPS at 4096 x 4096 x 4096 / 4096 x 14336 x 4096 (4 x 2 matrices: 241 / 262; two
+# buffers: 238 / 256). Several chunks keep f32 partials in registers beside the i32 matrices, so 4 x 2 matrices:
+# 139 / 148 TOPS at chunk 256 (two buffers 105).
+I8_TILE = I8Config(sg_m=4, sg_n=2, tm=4, tn=4, bk=64, fm=1)
+I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
+# Lavapipe-sized tile for the emulated kernel.
+EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
+
+
+@dataclass(frozen=True)
+class Int8Matrix:
+    """An int8 operand on the GPU: codes [rows, k] packed four per u32 word, f32 scales [rows, k / chunk]."""
+
+    codes: Any
+    scales: Any
+    rows: int
+    k: int
+    chunk: int
+    name: str = ""
+
+    @property
+    def chunks(self) -> int:
+        return self.k // self.chunk
+
+
+def upload_i8(dev: Device, x: np.ndarray, chunk: int, name: str = "") -> Int8Matrix:
+    """Quantize float32 x [rows, k] on the host (model/int8.py) and upload codes and scales (the weights)."""
+    codes, scales = quantize_i8(x, chunk)
+    return Int8Matrix(dev.upload(pack_i8(codes)), dev.upload(scales), x.shape[0], x.shape[1], chunk, name)
+
+
+def i8_buffers(dev: Device, rows: int, k: int, chunk: int, name: str = "") -> Int8Matrix:
+    """Uninitialised codes and scales for rows x k activations (gpu/ops/quantize_i8.py fills them)."""
+    chunks = check_chunk(k, chunk, what=f"{name or 'int8 operand'} rows")
+    codes = dev.buffer(rows * k, label=f"{name} int8 codes")
+    return Int8Matrix(codes, dev.buffer(4 * rows * chunks, label=f"{name} int8 scales"), rows, k, chunk, name)
+
+
+def i8_matrix_config(dev: Device) -> dict[str, Any] | None:
+    """The adapter's i8 x i8 -> i32 16 x 16 x 32 subgroup-matrix config, or None."""
+    if dev.backend != "dawn":
+        return None
+    try:
+        from wgpudawn.backends.dawn import extras
+
+        configs = extras.get_adapter_properties(dev.adapter).get("subgroup_matrix_configs") or []
+    except Exception:  # noqa: BLE001 - an older wgpudawn without adapter properties
+        return None
+    for c in configs:
+        shape = (c.get("component_type"), c.get("result_component_type"), c.get("m"), c.get("n"), c.get("k"))
+        if shape == ("i8", "i32", 16, 16, MMA_K):
+            return dict(c)
+    return None
+
+
+_problems: weakref.WeakKeyDictionary[Device, str | None] = weakref.WeakKeyDictionary()
+
+
+def int8_problem(dev: Device) -> str | None:
+    """Why the integer GEMM cannot run on dev's tensor cores (None when it can); cached per device."""
+    if dev not in _problems:
+        problem = None
+        if dev.backend != "dawn":
+            problem = f"backend {dev.backend!r}: integer tensor cores need wgpudawn (Device(backend='dawn'))"
+        elif SUBGROUP_MATRIX not in dev.features:
+            problem = f"adapter {dev.adapter.summary} has no {SUBGROUP_MATRIX}"
+        else:
+            c = i8_matrix_config(dev)
+            if c is None:
+                problem = f"adapter {dev.adapter.summary} has no i8->i32 16x16x32 subgroup-matrix config"
+            elif (c.get("min_subgroup_size"), c.get("max_subgroup_size")) != (SUBGROUP_SIZE, SUBGROUP_SIZE):
+                problem = (
+                    f"subgroup size {c.get('min_subgroup_size')}..{c.get('max_subgroup_size')}: need {SUBGROUP_SIZE}"
+                )
+        _problems[dev] = problem
+    return _problems[dev]
+
+
+def pick_i8_config(chunks: int) -> I8Config:
+    """The tile preset for operands with `chunks` scales per row."""
+    return I8_TILE if chunks == 1 else I8_TILE_CHUNKED
+
+
+def all_i8_variants() -> list[I8Variant]:
+    """Every variant gemm_i8 dispatches with its presets (the kernel registry compiles them)."""
+    return [
+        I8Variant(pick_i8_config(chunks), chunked=chunks > 1, accumulate=acc)
+        for chunks in (1, 2)
+        for acc in (False, True)
+    ]
+
+
+def gemm_i8(
+    dev: Device,
+    a: Int8Matrix,
+    w: Int8Matrix,
+    c: Any,
+    *,
+    accumulate: bool = False,
+    alpha: float = 1.0,
+    ldc: int | None = None,
+    c_offset: int = 0,
+    cfg: I8Config | None = None,
+    emulate: bool = False,
+) -> None:
+    """C[a.rows, w.rows] (+)= alpha * A . W^T over the int8 operands (same k and chunk). C is f32, row stride ldc
+    (default w.rows). emulate=True runs the same kernel with the matrix builtins emulated (slow; lavapipe)."""
+    name = w.name or "int8 weight"
+    if not emulate and (problem := int8_problem(dev)) is not None:
+        raise DeviceError(f"gemm_i8 with {name!r}: {problem}")
+    if (a.k, a.chunk) != (w.k, w.chunk):
+        raise DeviceError(f"gemm_i8 with {name!r}: A has k={a.k} chunk={a.chunk}, W k={w.k} chunk={w.chunk}")
+    m, n, k = a.rows, w.rows, w.k
+    ldc = n if ldc is None else ldc
+    if m > 0 and nbytes(c) < 4 * (c_offset + (m - 1) * ldc + n):
+        raise DeviceError(f"gemm_i8 with {name!r}: output C has {nbytes(c)} bytes for {m} x {n} (ldc {ldc})")
+    if m <= 0 or n <= 0:
+        return
+    cfg = cfg or (EMU_TILE if emulate else pick_i8_config(w.chunks))
+    if w.chunk % cfg.bk or k % cfg.bk:
+        raise DeviceError(f"gemm_i8 with {name!r}: chunk {w.chunk} and k {k} must be multiples of bk={cfg.bk}")
+    cfg.validate(
+        max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
+        max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
+    )
+    variant = I8Variant(cfg, chunked=w.chunks > 1, accumulate=accumulate)
+    pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_i8_source(variant, emulate=emulate))
+    grid = (-(-n // cfg.bn), -(-m // cfg.bm))
+    alpha_bits = int(np.float32(alpha).view(np.uint32))
+    prm = np.array([m, n, k, k // 16, k // 16, 0, ldc, c_offset, alpha_bits, w.chunks, w.chunk // cfg.bk, 0], np.uint32)
+    dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, w.scales, c], grid)

@@ -1,0 +1,176 @@
+"""Integer tensor-core GEMM (int8 codes, per-(row, chunk) f32 scales, i32 accumulation) and its activation quantizer.
+
+Layers as in test_gpu_tensorcore.py: the numpy twin (model/int8.py) on its own; the quantizer kernel and the
+generated GEMM with the subgroup-matrix builtins emulated (marker gpu, lavapipe in CI); every preset through
+Tint on Dawn's Null backend (test_kernel_registry.py); the real kernels on the H200 (marker tensorcore:
+`source .gl/enter.sh; python3 -m pytest -q -m tensorcore tests/test_gpu_int8.py`).
+Tolerance: the integer products are exact, so the kernel's error vs float64 on the same codes is the f32
+scaling and summing of the chunk partials: ~1e-7 of the largest output here; 1e-6 holds it (an indexing or
+scale error is O(1)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu.codegen_i8 import I8Config
+from gpu.device import Device, DeviceError
+from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, gemm_i8, i8_buffers, upload_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu
+from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
+from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
+
+TOL = 1e-6
+
+
+def test_quantize_i8_bounds_and_zero_chunks() -> None:
+    """Each value is within half a step of its chunk's scale; the chunk max maps to +-127; zero chunks stay 0."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 256)) * rng.uniform(0.01, 100, (5, 1))).astype(np.float32)
+    x[2, 64:128] = 0.0
+    codes, scales = quantize_i8(x, 64)
+    assert codes.dtype == np.int8 and scales.shape == (5, 4)
+    assert np.abs(codes).max() <= QMAX and scales[2, 1] == 0 and not codes[2, 64:128].any()
+    step = np.repeat(scales, 64, axis=1)
+    assert np.all(np.abs(dequantize_i8(codes, scales) - x) <= step / 2 * (1 + 1e-6))
+    assert np.all(np.abs(codes.reshape(5, 4, 64)).max(axis=2)[scales > 0] == QMAX)
+
+
+def test_chunk_must_divide_rows_in_mma_steps() -> None:
+    assert check_chunk(576, 192) == 3
+    for chunk in (100, 48, 0):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            check_chunk(576, chunk)
+
+
+def test_reference_is_the_product_of_the_dequantized_operands() -> None:
+    """The float64 definition of the GEMM equals (dequantized A) . (dequantized W)^T."""
+    rng = np.random.default_rng(1)
+    ac, asc = quantize_i8(rng.standard_normal((6, 128)).astype(np.float32), 32)
+    wc, wsc = quantize_i8(rng.standard_normal((9, 128)).astype(np.float32), 32)
+    deq = [
+        c.reshape(c.shape[0], 4, 32).astype(np.float64) * s[:, :, None].astype(np.float64)
+        for c, s in ((ac, asc), (wc, wsc))
+    ]
+    want = deq[0].reshape(6, 128) @ deq[1].reshape(9, 128).T
+    np.testing.assert_allclose(gemm_i8_reference(ac, asc, wc, wsc), want, rtol=1e-12, atol=1e-12)
+
+
+def test_pack_is_little_endian_bytes() -> None:
+    codes = np.array([[1, -1, 2, -128, 0, 0, 0, 127]], np.int8)
+    assert pack_i8(codes).tolist() == [[0x80_02_FF_01, 0x7F_00_00_00]]
+
+
+@pytest.fixture
+def dev() -> Device:
+    return device_or_skip()
+
+
+@pytest.mark.gpu
+def test_quantize_kernel_matches_the_twin(dev: Device) -> None:
+    """Codes of the kernel equal the twin's (a value at a rounding tie may land one code off: the GPU's f32
+    division is not correctly rounded); scales equal; rows read with a stride and an offset."""
+    rng = np.random.default_rng(2)
+    rows, k, ldx, off = 9, 192, 200, 3
+    full = (rng.standard_normal((rows, ldx)) * 3).astype(np.float32)
+    full[4, off : off + 64] = 0.0
+    x = full[:, off : off + k]
+    out = i8_buffers(dev, rows, k, 64, "x")
+    quantize_i8_gpu(dev, dev.upload(full.ravel()), out, ldx=ldx, x_offset=off)
+    codes_np, scales_np = quantize_i8(x, 64)
+    codes = dev.read(out.codes, np.int8, (rows, k))
+    scales = dev.read(out.scales, np.float32, (rows, 3))
+    np.testing.assert_allclose(scales, scales_np, rtol=1e-6)
+    diff = np.abs(codes.astype(int) - codes_np)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-2
+    assert not codes[4, :64].any() and scales[4, 0] == 0
+
+
+def _check_gemm(dev: Device, m: int, n: int, k: int, chunk: int, cfg: I8Config | None, *, emulate: bool, **kw) -> float:
+    rng = np.random.default_rng(m * 7 + n + chunk)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    wq = upload_i8(dev, w, chunk, "w")
+    a = i8_buffers(dev, m, k, chunk, "x")
+    quantize_i8_gpu(dev, dev.upload(x), a)
+    ac = dev.read(a.codes, np.int8, (m, k))
+    asc = dev.read(a.scales, np.float32, (m, k // chunk))
+    ldc, c_off, alpha, accumulate = (
+        kw.get("ldc", n),
+        kw.get("c_offset", 0),
+        kw.get("alpha", 1.0),
+        kw.get("accumulate", False),
+    )
+    c0 = rng.standard_normal(c_off + m * ldc).astype(np.float32)
+    c = dev.upload(c0)
+    gemm_i8(dev, a, wq, c, cfg=cfg, emulate=emulate, **kw)
+    got = dev.read(c, np.float32, (c_off + m * ldc,))
+    ref = alpha * gemm_i8_reference(ac, asc, *quantize_i8(w, chunk))
+    if accumulate:
+        ref = ref + c0[c_off:].reshape(m, ldc)[:, :n]
+    out = got[c_off:].reshape(m, ldc)
+    assert np.array_equal(out[:, n:], c0[c_off:].reshape(m, ldc)[:, n:]), "wrote past column n"
+    assert np.array_equal(got[:c_off], c0[:c_off]), "wrote before c_offset"
+    return float(np.abs(out[:, :n] - ref).max() / np.abs(ref).max())
+
+
+EMU_CASES = [  # (m, n, k, chunk, tile): edges in M and N, one and several chunks, both pipelines
+    (70, 50, 128, 128, I8Config(2, 1, 1, 2, 32, 1)),
+    (70, 50, 128, 64, I8Config(2, 1, 1, 2, 32, 1)),
+    (33, 40, 192, 64, I8Config(1, 2, 2, 1, 64, 2, stages=2)),
+    (16, 16, 64, 32, I8Config(2, 2, 1, 1, 32, 1, pad=0, stages=2)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,chunk,cfg", EMU_CASES, ids=lambda v: getattr(v, "label", str(v)))
+def test_emulated_gemm_matches_the_reference(dev: Device, m: int, n: int, k: int, chunk: int, cfg: I8Config) -> None:
+    assert _check_gemm(dev, m, n, k, chunk, cfg, emulate=True) < TOL
+
+
+@pytest.mark.gpu
+def test_emulated_gemm_accumulates_with_alpha_and_strides(dev: Device) -> None:
+    err = _check_gemm(
+        dev, 20, 24, 64, 32, I8Config(2, 1, 1, 2, 32, 1), emulate=True, accumulate=True, alpha=0.5, ldc=30, c_offset=5
+    )
+    assert err < TOL
+
+
+@pytest.mark.gpu
+def test_gemm_refuses_mismatched_operands(dev: Device) -> None:
+    w = upload_i8(dev, np.ones((4, 128), np.float32), 64, "w.blk0")
+    a = i8_buffers(dev, 4, 128, 128, "x")
+    with pytest.raises(DeviceError, match=r"'w.blk0'.*chunk=128.*chunk=64"):
+        gemm_i8(dev, a, w, dev.buffer(64), emulate=True)
+    a = i8_buffers(dev, 4, 128, 64, "x")
+    with pytest.raises(DeviceError, match="multiples of bk=128"):
+        gemm_i8(dev, a, w, dev.buffer(64), emulate=True, cfg=I8Config(2, 1, 1, 1, 128, 1))
+    if dev.backend != "dawn":  # lavapipe (CI): no integer tensor cores
+        with pytest.raises(DeviceError, match="integer tensor cores need wgpudawn"):
+            gemm_i8(dev, a, w, dev.buffer(64))
+
+
+TC_CASES = [  # the preset and candidate tiles, per-row and chunked scales, edges in M and N
+    (4096, 1024, 4096, 4096, None),
+    (300, 200, 512, 512, I8_TILE),
+    (300, 200, 512, 128, I8_TILE),
+    (300, 200, 512, 256, I8Config(4, 2, 4, 2, 32, 2, stages=2)),
+    (300, 200, 512, 128, I8_TILE_CHUNKED),
+    (300, 200, 512, 512, I8Config(4, 2, 4, 4, 32, 1, stages=2)),
+]
+
+
+@pytest.mark.tensorcore
+@pytest.mark.parametrize("m,n,k,chunk,cfg", TC_CASES, ids=lambda v: getattr(v, "label", str(v)))
+def test_gemm_on_tensor_cores(m: int, n: int, k: int, chunk: int, cfg: I8Config | None) -> None:
+    dev = tensor_core_device_or_skip()
+    assert _check_gemm(dev, m, n, k, chunk, cfg, emulate=False) < TOL
+
+
+@pytest.mark.tensorcore
+def test_gemm_on_tensor_cores_accumulates() -> None:
+    dev = tensor_core_device_or_skip()
+    assert (
+        _check_gemm(dev, 260, 130, 256, 128, None, emulate=False, accumulate=True, alpha=2.0, ldc=140, c_offset=4) < TOL
+    )
