@@ -12,43 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu.codegen import fill, kernel_text
+from gpu.codegen_tc import MATRIX, SubgroupTile
 
-SUBGROUP_SIZE = 32
-MATRIX = 16  # result side; the reduction per multiply-accumulate is 32 codes
-MMA_K = 32
+MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
 PROBES = ("", "no_mma", "no_stage", "no_scale")  # timing probes (bench/gemm_i8.py); "" for real kernels
 
 
 @dataclass(frozen=True)
-class I8Config:
+class I8Config(SubgroupTile):
     """Workgroup tile of the integer GEMM (sizes in elements unless noted)."""
 
-    sg_m: int
-    sg_n: int
-    tm: int
-    tn: int
     bk: int = 64  # codes per row staged per step (multiple of 32)
     fm: int = 2  # result matrices per subgroup scaled per pass (divides tm * tn)
     pad: int = 4  # words of padding per staged row
     stages: int = 1  # 1: register prefetch, one buffer; 2: register prefetch, two buffers (one barrier a step)
     group_m: int = 8  # workgroup rows per raster group (L2 reuse), 0: row-major
     probe: str = ""
-
-    @property
-    def bm(self) -> int:
-        return self.sg_m * self.tm * MATRIX
-
-    @property
-    def bn(self) -> int:
-        return self.sg_n * self.tn * MATRIX
-
-    @property
-    def subgroups(self) -> int:
-        return self.sg_m * self.sg_n
-
-    @property
-    def threads(self) -> int:
-        return self.subgroups * SUBGROUP_SIZE
 
     @property
     def ldw(self) -> int:
@@ -265,6 +244,7 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         SG_M=c.sg_m,
         SG_N=c.sg_n,
         GROUP_M=c.group_m,
+        RASTER=kernel_text("matmul_raster.wgsl"),
         LDW=c.ldw,
         A_BLK=c.bm // c.sg_m * c.ldw,
         B_BLK=c.bn // c.sg_n * c.ldw,

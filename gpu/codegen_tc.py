@@ -21,21 +21,14 @@ PROBES = ("", "no_mma", "no_stage")  # timing probes: drop the MMAs / the stagin
 
 
 @dataclass(frozen=True)
-class TCConfig:
-    """Workgroup tile of the tensor-core GEMM (sizes in elements unless noted)."""
+class SubgroupTile:
+    """The subgroup grid of a tensor-core GEMM's workgroup: sg_m x sg_n subgroups, each owning tm x tn result
+    matrices of 16 x 16 (TCConfig here, gpu/codegen_i8.py's I8Config)."""
 
     sg_m: int  # subgroups along M
     sg_n: int  # subgroups along P
     tm: int  # 16 x 16 result matrices per subgroup along M
     tn: int  # ... along P
-    bk: int = 32  # reduction steps staged per iteration (multiple of 16)
-    stages: int = 1  # 0: load+store in place; 1: register prefetch; 2: register prefetch + two buffers
-    vec: int = 8  # elements per staging unit (4 or 8)
-    pad: int = 8  # f16 padding per staged row (keeps the matrix loads off shared bank conflicts)
-    group_m: int = 8  # workgroup rows per raster group (L2 reuse of B), 0: row-major order
-    direct: bool = True  # interior tiles store results straight to C (else always through the scratch)
-    split: bool = True  # one workgroup array per subgroup row / column block: constant matrix-load offsets
-    probe: str = ""  # timing probe (PROBES); "" for real kernels
 
     @property
     def bm(self) -> int:
@@ -52,6 +45,20 @@ class TCConfig:
     @property
     def threads(self) -> int:
         return self.subgroups * SUBGROUP_SIZE
+
+
+@dataclass(frozen=True)
+class TCConfig(SubgroupTile):
+    """Workgroup tile of the tensor-core GEMM (sizes in elements unless noted)."""
+
+    bk: int = 32  # reduction steps staged per iteration (multiple of 16)
+    stages: int = 1  # 0: load+store in place; 1: register prefetch; 2: register prefetch + two buffers
+    vec: int = 8  # elements per staging unit (4 or 8)
+    pad: int = 8  # f16 padding per staged row (keeps the matrix loads off shared bank conflicts)
+    group_m: int = 8  # workgroup rows per raster group (L2 reuse of B), 0: row-major order
+    direct: bool = True  # interior tiles store results straight to C (else always through the scratch)
+    split: bool = True  # one workgroup array per subgroup row / column block: constant matrix-load offsets
+    probe: str = ""  # timing probe (PROBES); "" for real kernels
 
     @property
     def buffers(self) -> int:
@@ -410,6 +417,7 @@ def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
         THREADS=c.threads,
         NSG=c.subgroups,
         GROUP_M=c.group_m,
+        RASTER=kernel_text("matmul_raster.wgsl"),
         A_NB=c.a_blocks,
         B_NB=c.b_blocks,
         LDA_S=c.bk + c.pad,

@@ -87,6 +87,8 @@ fn put_b(u: u32, v: vec4<u32>, buf: u32) {
     Bs[b][o + 3u] = bitcast<i32>(v.w);
 }
 
+${RASTER}
+
 // SW of 8 consecutive columns from n (clamped to the last row of W)
 fn sw8(n: u32, c: u32) -> array<f32, 8> {
     var s: array<f32, 8>;
@@ -132,16 +134,9 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,${SG_PARAM}
 ) {${SG_LET}
-    var tile_m = wg.y;
-    var tile_n = wg.x;
-    if (GROUP_M > 0u) {
-        let pid = wg.y * nwg.x + wg.x;
-        let width = GROUP_M * nwg.x;
-        let first = (pid / width) * GROUP_M;
-        let rows = min(nwg.y - first, GROUP_M);
-        tile_m = first + (pid % width) % rows;
-        tile_n = (pid % width) / rows;
-    }
+    let tile = raster(wg, nwg);
+    let tile_m = tile.x;
+    let tile_n = tile.y;
     let m0 = tile_m * BM;
     let n0 = tile_n * BN;
     let sg_m = sg % SG_M;

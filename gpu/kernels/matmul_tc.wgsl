@@ -81,6 +81,8 @@ fn w4_chk(n: u32, k: u32, ok: bool) -> vec4<f16> {
 
 ${STAGING_FNS}
 
+${RASTER}
+
 // Write the 16 x 16 result of every subgroup (staged in Cs) for its matrix (i, j) to C, bounds-checked.
 fn write_out(lid: u32, m0: u32, p0: u32, i: u32, j: u32) {
     for (var e = 0u; e < (NSG * 64u + THREADS - 1u) / THREADS; e++) {
@@ -110,17 +112,9 @@ fn main(
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) lid: u32,${SG_PARAM}
 ) {${SG_LET}
-    // Raster order: GROUP_M workgroup rows sweep the columns together, so their B tiles stay in L2.
-    var tile_m = wg.y;
-    var tile_p = wg.x;
-    if (GROUP_M > 0u) {
-        let pid = wg.y * nwg.x + wg.x;
-        let width = GROUP_M * nwg.x;
-        let first = (pid / width) * GROUP_M;
-        let rows = min(nwg.y - first, GROUP_M);
-        tile_m = first + (pid % width) % rows;
-        tile_p = (pid % width) / rows;
-    }
+    let tile = raster(wg, nwg);
+    let tile_m = tile.x;
+    let tile_p = tile.y;
     let p0 = tile_p * BN;
     let m0 = tile_m * BM;
     let sg_m = sg % SG_M;                          // this subgroup's rows of the A tile

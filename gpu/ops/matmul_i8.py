@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from gpu.codegen_i8 import MMA_K, SUBGROUP_SIZE, I8Config, I8Variant, matmul_i8_source
-from gpu.device import SUBGROUP_MATRIX, Device, DeviceError
+from gpu.codegen_i8 import MMA_K, I8Config, I8Variant, matmul_i8_source
+from gpu.device import Device, DeviceError
 from gpu.ops.common import nbytes
+from gpu.ops.matmul_tc import matrix_problem
 from model.int8 import check_chunk, pack_i8, quantize_i8
 
 # Presets, measured on an H200 (docs/benchmarks.md, 2026-12-04; bench/gemm_i8.py --sweep): one scale per row
@@ -58,43 +59,14 @@ def i8_buffers(dev: Device, rows: int, k: int, chunk: int, name: str = "") -> In
     return Int8Matrix(codes, dev.buffer(4 * rows * chunks, label=f"{name} int8 scales"), rows, k, chunk, name)
 
 
-def i8_matrix_config(dev: Device) -> dict[str, Any] | None:
-    """The adapter's i8 x i8 -> i32 16 x 16 x 32 subgroup-matrix config, or None."""
-    if dev.backend != "dawn":
-        return None
-    try:
-        from wgpudawn.backends.dawn import extras
-
-        configs = extras.get_adapter_properties(dev.adapter).get("subgroup_matrix_configs") or []
-    except Exception:  # noqa: BLE001 - an older wgpudawn without adapter properties
-        return None
-    for c in configs:
-        shape = (c.get("component_type"), c.get("result_component_type"), c.get("m"), c.get("n"), c.get("k"))
-        if shape == ("i8", "i32", 16, 16, MMA_K):
-            return dict(c)
-    return None
-
-
+I8_MATRIX = ("i8", "i32", 16, 16, MMA_K)  # the config gemm_i8 is generated for
 _problems: weakref.WeakKeyDictionary[Device, str | None] = weakref.WeakKeyDictionary()
 
 
 def int8_problem(dev: Device) -> str | None:
     """Why the integer GEMM cannot run on dev's tensor cores (None when it can); cached per device."""
     if dev not in _problems:
-        problem = None
-        if dev.backend != "dawn":
-            problem = f"backend {dev.backend!r}: integer tensor cores need wgpudawn (Device(backend='dawn'))"
-        elif SUBGROUP_MATRIX not in dev.features:
-            problem = f"adapter {dev.adapter.summary} has no {SUBGROUP_MATRIX}"
-        else:
-            c = i8_matrix_config(dev)
-            if c is None:
-                problem = f"adapter {dev.adapter.summary} has no i8->i32 16x16x32 subgroup-matrix config"
-            elif (c.get("min_subgroup_size"), c.get("max_subgroup_size")) != (SUBGROUP_SIZE, SUBGROUP_SIZE):
-                problem = (
-                    f"subgroup size {c.get('min_subgroup_size')}..{c.get('max_subgroup_size')}: need {SUBGROUP_SIZE}"
-                )
-        _problems[dev] = problem
+        _problems[dev] = matrix_problem(dev, I8_MATRIX, "integer tensor cores")
     return _problems[dev]
 
 

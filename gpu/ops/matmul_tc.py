@@ -86,8 +86,12 @@ def all_variants(cfg: TCConfig, w_types: list[str]) -> list[TCVariant]:
     return sorted(out, key=str)
 
 
-def matrix_config(dev: Device) -> dict[str, Any] | None:
-    """The adapter's f16 x f16 -> f32 16x16x16 subgroup-matrix config (with its subgroup sizes), or None."""
+F16_MATRIX = ("f16", "f32", 16, 16, 16)  # (component, result, M, N, K) of the config gemm_tc is generated for
+
+
+def matrix_config(dev: Device, shape: tuple = F16_MATRIX) -> dict[str, Any] | None:
+    """The adapter's subgroup-matrix config of `shape` (component, result, M, N, K), with its subgroup sizes, or
+    None."""
     if dev.backend != "dawn":
         return None
     try:
@@ -97,9 +101,25 @@ def matrix_config(dev: Device) -> dict[str, Any] | None:
     except Exception:  # noqa: BLE001 - an older wgpudawn without adapter properties
         return None
     for c in configs:
-        shape = (c.get("component_type"), c.get("result_component_type"), c.get("m"), c.get("n"), c.get("k"))
-        if shape == ("f16", "f32", 16, 16, 16):
+        if (c.get("component_type"), c.get("result_component_type"), c.get("m"), c.get("n"), c.get("k")) == shape:
             return dict(c)
+    return None
+
+
+def matrix_problem(dev: Device, shape: tuple, what: str) -> str | None:
+    """Why kernels generated for the subgroup-matrix config `shape` (`what`, for the message) cannot run on dev,
+    or None when they can."""
+    if dev.backend != "dawn":
+        return f"backend {dev.backend!r}: {what} need wgpudawn (Device(backend='dawn'))"
+    if SUBGROUP_MATRIX not in dev.features:
+        return f"adapter {dev.adapter.summary} has no {SUBGROUP_MATRIX}"
+    c = matrix_config(dev, shape)
+    if c is None:
+        ct, rt, m, n, k = shape
+        return f"adapter {dev.adapter.summary} has no {ct}->{rt} {m}x{n}x{k} subgroup-matrix config"
+    if (c.get("min_subgroup_size"), c.get("max_subgroup_size")) != (SUBGROUP_SIZE, SUBGROUP_SIZE):
+        lo, hi = c.get("min_subgroup_size"), c.get("max_subgroup_size")
+        return f"subgroup size {lo}..{hi}: the kernels are generated for exactly {SUBGROUP_SIZE}"
     return None
 
 
@@ -108,22 +128,9 @@ _problems: weakref.WeakKeyDictionary[Device, str | None] = weakref.WeakKeyDictio
 
 def tensor_core_problem(dev: Device) -> str | None:
     """Why the tensor-core path cannot run on dev (None when it can); cached per device."""
-    if dev in _problems:
-        return _problems[dev]
-    problem = None
-    if dev.backend != "dawn":
-        problem = f"backend {dev.backend!r}: tensor cores need wgpudawn (Device(backend='dawn'))"
-    elif SUBGROUP_MATRIX not in dev.features:
-        problem = f"adapter {dev.adapter.summary} has no {SUBGROUP_MATRIX}"
-    else:
-        c = matrix_config(dev)
-        if c is None:
-            problem = f"adapter {dev.adapter.summary} has no f16->f32 16x16x16 subgroup-matrix config"
-        elif (c.get("min_subgroup_size"), c.get("max_subgroup_size")) != (SUBGROUP_SIZE, SUBGROUP_SIZE):
-            lo, hi = c.get("min_subgroup_size"), c.get("max_subgroup_size")
-            problem = f"subgroup size {lo}..{hi}: the kernels are generated for exactly {SUBGROUP_SIZE}"
-    _problems[dev] = problem
-    return problem
+    if dev not in _problems:
+        _problems[dev] = matrix_problem(dev, F16_MATRIX, "tensor cores")
+    return _problems[dev]
 
 
 def has_tensor_cores(dev: Device) -> bool:
