@@ -21,6 +21,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS
+from gpu.codegen_i8 import MMA_K
 from gpu.device import BufferView, Device, DeviceError, Tape
 from gpu.lora_layout import LoraLayout, aligned_floats
 from gpu.ops.add import add, add_bias
@@ -30,7 +31,9 @@ from gpu.ops.embedding import embedding_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
+from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
+from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
 from gpu.ops.rmsnorm import rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_forward
 from gpu.ops.swiglu import swiglu_forward
@@ -189,15 +192,21 @@ class _Buffers:
         return self.bufs[name]
 
 
+PRECISIONS = ("f32", "tensorcore", "int8", "auto")
+
+
 def _resolve_precision(dev: Device, precision: str) -> str:
-    """f32 (portable, strict parity), tensorcore (f16 operands, f32 accumulation), or auto (tensorcore when the
-    device has subgroup matrices)."""
+    """f32 (portable, strict parity), tensorcore (f16 operands, f32 accumulation), int8 (tensorcore with the
+    frozen projections' forward on the integer tensor cores: int8 activations and weights with per-row scales,
+    opt-in), or auto (tensorcore when the device has subgroup matrices)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if precision == "auto":
         return "tensorcore" if has_tensor_cores(dev) else "f32"
-    if precision == "tensorcore" and not has_tensor_cores(dev):
-        raise DeviceError(f"precision 'tensorcore' needs Dawn subgroup matrices: {tensor_core_problem(dev)}")
-    if precision not in ("f32", "tensorcore"):
-        raise ValueError(f"precision {precision!r}: expected f32, tensorcore or auto")
+    if precision in ("tensorcore", "int8") and not has_tensor_cores(dev):
+        raise DeviceError(f"precision {precision!r} needs Dawn subgroup matrices: {tensor_core_problem(dev)}")
+    if precision == "int8" and (problem := int8_problem(dev)) is not None:
+        raise DeviceError(f"precision 'int8' needs integer subgroup matrices: {problem}")
     return precision
 
 
@@ -224,11 +233,12 @@ class GPUModel:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
         self.precision = _resolve_precision(dev, precision)
+        self.tensor_cores = self.precision in ("tensorcore", "int8")
         self._linear, self._linear_grad = (
-            (linear_tc, linear_input_grad_tc) if self.precision == "tensorcore" else (linear, linear_input_grad)
+            (linear_tc, linear_input_grad_tc) if self.tensor_cores else (linear, linear_input_grad)
         )
         # attention on tensor cores for the head dims it is generated for (gpu/codegen_attention_tc.py), else f32
-        tc_attention = self.precision == "tensorcore" and cfg.head_dim in ATTENTION_TC_HEAD_DIMS
+        tc_attention = self.tensor_cores and cfg.head_dim in ATTENTION_TC_HEAD_DIMS
         self._attention_fwd, self._attention_bwd = (
             (attention_forward_tc, attention_backward_tc) if tc_attention else (attention_forward, attention_backward)
         )
@@ -236,7 +246,7 @@ class GPUModel:
             raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
         # tensor cores: each projection's input is packed to f16 once (q/k/v and gate/up share it) and the
         # GEMMs read it with their f16-A kernels (the same rounding they apply to f32 A, at half the bytes)
-        self._pack_inputs = self.precision == "tensorcore"
+        self._pack_inputs = self.tensor_cores
         self.layout = LoraLayout.build(cfg, targets, r, layers)
         if not 0 <= start_layer < cfg.n_layers or (self.layout.slots and start_layer > self.layout.lowest_layer):
             raise ValueError(
@@ -244,6 +254,13 @@ class GPUModel:
                 f"{self.layout.lowest_layer} (blocks below it carry no LoRA)"
             )
         self.start_layer = start_layer  # > 0: the forward starts here from a given residual stream (write_prefix)
+        # int8: each frozen projection the forward runs (rows a multiple of one integer step) as per-row int8 codes
+        # beside its GGML data (the input gradients stay on the f16 path), decoded once on the GPU
+        self.w8 = (
+            {key: weight_to_i8(dev, w) for key, w in weights.proj.items() if key[0] >= start_layer and w.k % MMA_K == 0}
+            if self.precision == "int8"
+            else {}
+        )
         self.scale = alpha / r
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
@@ -355,6 +372,8 @@ class GPUModel:
         self.dt = b("lora dt", rows * r)
         if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
             self.a16 = b("gemm input f16", -(-rows * max(h, f, qd, kvd) // 2))
+        if self.w8:  # int8 forward inputs, one at a time: codes (4 per word) and a scale per row
+            self.a8 = b("gemm input int8", -(-rows * max(h, f, qd) // 4)), b("gemm input int8 scales", rows)
 
     def _gemm_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand for a projection GEMM over x [rows, width] and the GEMM's extra arguments: x itself
@@ -374,13 +393,23 @@ class GPUModel:
         """A projection's A operand and GEMM arguments: x16 (f16) when the producer wrote one, else x."""
         return (x, {}) if x16 is None else (x16, {"a_dtype": "f16"})
 
-    def _normed(self, x: Any, weight: str, y: Any) -> tuple[Any, dict[str, Any]]:
-        """y = RMSNorm(x) with norm weight `weight` over the rows, and y's projection operand (its f16 copy
-        from the same kernel with tensor cores)."""
+    def _normed(self, x: Any, weight: str, y: Any, *, head: bool = False) -> tuple[Any, dict[str, Any]]:
+        """y = RMSNorm(x) with norm weight `weight` over the rows, and y's operand for the projections (head:
+        for the LM head): its f16 copy from the same kernel with tensor cores, int8 codes with int8."""
         rows, h = self.rows, self.cfg.hidden
-        y16 = self._half_copy(rows * h)
+        y16 = None if self.w8 and not head else self._half_copy(rows * h)
         rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
-        return self._operand(y, y16)
+        return self._operand(y, y16) if y16 is not None or head else self._forward_input(y, h)
+
+    def _forward_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
+        """The A operand of the frozen forward GEMMs over x [rows, width]: with int8, x's codes and per-row
+        scales (into self.a8, valid until the next int8 operand; widths that are no multiple of one integer
+        step keep the f16 path), else as _gemm_input."""
+        if not self.w8 or width % MMA_K:
+            return self._gemm_input(x, width)
+        a = Int8Matrix(*self.a8, self.rows, width, width, "gemm input")
+        quantize_i8_gpu(self.dev, x, a)
+        return a, {"int8": True}
 
     def _gradient_widths(self) -> dict[str, int]:
         """Per-row widths of the backward's scratch buffers (none for a forward-only model)."""
@@ -422,8 +451,14 @@ class GPUModel:
         """y = x W^T (+ bias) (+ LoRA); gemm_input: x's GEMM operand when the caller has it (shared between
         projections, or written by x's producer), else packed here by _gemm_input."""
         d_out, d_in = self.cfg.target_shape(target)
-        a, kw = gemm_input or self._gemm_input(x, d_in)
-        self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
+        a, kw = gemm_input or self._forward_input(x, d_in)
+        w8 = self.w8.get((layer, target))
+        if kw.get("int8") and w8 is not None:
+            gemm_i8(self.dev, a, w8, y)
+        else:
+            if kw.get("int8"):  # this weight kept its GGML data only: its input as _gemm_input packs it
+                a, kw = self._gemm_input(x, d_in)
+            self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
         bias = self.w.biases.get((layer, target))
         if bias is not None:
             add_bias(self.dev, y, bias, self.rows, d_out)
@@ -528,9 +563,9 @@ class GPUModel:
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
         self._proj(a["n2"], layer, "gate", a["g"], n2)
         self._proj(a["n2"], layer, "up", a["u"], n2)
-        s16 = self._half_copy(rows * f)
+        s16 = None if self.w8 else self._half_copy(rows * f)
         swiglu_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
-        self._proj(a["s"], layer, "down", a["tmp"], self._operand(a["s"], s16))
+        self._proj(a["s"], layer, "down", a["tmp"], None if self.w8 else self._operand(a["s"], s16))
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
 
     # ---- whole model -----------------------------------------------------------------------------------
@@ -570,5 +605,5 @@ class GPUModel:
             if checkpoint:
                 self._checkpoint(layer)
             self._block_forward(layer)
-        nf, kw = self._normed(self._x(cfg.n_layers), "output_norm.weight", self.a["nf"])
+        nf, kw = self._normed(self._x(cfg.n_layers), "output_norm.weight", self.a["nf"], head=True)
         return nf if kw else None

@@ -66,6 +66,7 @@ def _attention_values(head_dim: int) -> dict[str, int]:
 
 
 def _embedding_values(wtype: str) -> dict[str, str]:
+    """A kernel reading a weight of type wtype through its decode snippet (embedding, weight_i8)."""
     return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
 
 
@@ -145,6 +146,7 @@ KERNELS: dict[str, Kernel] = {
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
     "quantize_i8": Kernel(("workgroup_reduce", "quantize_i8")),
+    "weight_i8": Kernel(("workgroup_reduce", "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
     "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),

@@ -104,7 +104,7 @@ class GPUStudent(GPUModel):
         self._has_tail = False
 
     def _wants_bf16_checkpoints(self) -> bool:
-        return self.precision == "tensorcore" if self._checkpoints == "auto" else self._checkpoints == "bf16"
+        return self.tensor_cores if self._checkpoints == "auto" else self._checkpoints == "bf16"
 
     def _gradient_widths(self) -> dict[str, int]:
         cfg = self.cfg
@@ -386,7 +386,7 @@ class GPUStudent(GPUModel):
             hint = (
                 "the tensor-core path rounds matmul operands to f16 (|x| > 65504 overflows): "
                 "set train.precision=f32, or lower optim.lr"
-                if self.precision == "tensorcore"
+                if self.tensor_cores
                 else "lower optim.lr or check the teacher's top-k shards"
             )
             raise TrainingDiverged(

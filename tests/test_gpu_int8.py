@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
 
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, gemm_i8, i8_buffers, upload_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu
+from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
+from gpu.weights import random_blocks, upload_quant
 from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 
@@ -85,6 +88,22 @@ def test_quantize_kernel_matches_the_twin(dev: Device) -> None:
     diff = np.abs(codes.astype(int) - codes_np)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-2
     assert not codes[4, :64].any() and scales[4, 0] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
+    """A frozen weight decoded from its GGML type on the GPU to per-row int8 codes: the twin's codes (a tie may
+    land one code off) and scales, on the dequantized weight."""
+    rng = np.random.default_rng(int(qtype))
+    n, k = 5, 256
+    raw = random_blocks(qtype, (n, k), rng)
+    out = weight_to_i8(dev, upload_quant(dev, raw, qtype, (n, k), name="w"))
+    codes_np, scales_np = quantize_i8(dequantize(raw, qtype).reshape(n, k).astype(np.float32), k)
+    np.testing.assert_allclose(dev.read(out.scales, np.float32, (n, 1)), scales_np, rtol=1e-6)
+    diff = np.abs(dev.read(out.codes, np.int8, (n, k)).astype(int) - codes_np)
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-2
+    assert out.chunks == 1
 
 
 def _check_gemm(dev: Device, m: int, n: int, k: int, chunk: int, cfg: I8Config | None, *, emulate: bool, **kw) -> float:

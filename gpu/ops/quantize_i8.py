@@ -1,5 +1,6 @@
-"""Activations to int8 codes and per-(row, chunk) scales for the integer GEMM (gpu/kernels/quantize_i8.wgsl; the
-numpy twin is model/int8.py quantize_i8)."""
+"""int8 operands of the integer GEMM: activations to codes with per-(row, chunk) scales (gpu/kernels/quantize_i8.wgsl)
+and frozen weights to codes with per-row scales, decoded from their GGML type (gpu/kernels/weight_i8.wgsl); the
+numpy twin of both is model/int8.py quantize_i8."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Any
 import numpy as np
 
 from gpu.device import Device, DeviceError
-from gpu.ops.common import nbytes
-from gpu.ops.matmul_i8 import Int8Matrix
+from gpu.ops.common import grid, nbytes, pack
+from gpu.ops.matmul_i8 import Int8Matrix, i8_buffers
 from gpu.registry import pipeline
+from gpu.weights import QuantTensor
 
 
 def quantize_i8_gpu(dev: Device, x: Any, out: Int8Matrix, *, ldx: int | None = None, x_offset: int = 0) -> None:
@@ -23,3 +25,14 @@ def quantize_i8_gpu(dev: Device, x: Any, out: Int8Matrix, *, ldx: int | None = N
         raise DeviceError(f"quantize_i8 of {out.name!r}: {out.rows} rows exceed the workgroups per dimension")
     prm = np.array([out.k, ldx, x_offset, out.chunk, out.chunks, 0, 0, 0], np.uint32)
     dev.dispatch(pipeline(dev, "quantize_i8"), [prm, x, out.codes, out.scales], (out.chunks, out.rows))
+
+
+def weight_to_i8(dev: Device, w: QuantTensor) -> Int8Matrix:
+    """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
+    (gpu/kernels/weight_i8.wgsl); k must be a multiple of 32 (one integer multiply-accumulate step)."""
+    n, k = w.shape
+    out = i8_buffers(dev, n, k, k, w.name)
+    dev.dispatch(
+        pipeline(dev, "weight_i8", wtype=w.qtype.name), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1)
+    )
+    return out
