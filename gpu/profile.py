@@ -28,6 +28,7 @@ QUERIES_PER_SET = 4096  # WebGPU's maximum query-set size: 2048 dispatches per s
 CLASSES = (
     "tc gemm",
     "fused-quant gemm",
+    "int8 gemm",
     "f32 gemm",
     "lora",
     "attention fwd",
@@ -49,6 +50,8 @@ def kernel_class(label: str, scope: str | None = None) -> str:
     if "matmul_tc" in low:
         plain = "wtype='f16'" in low or "wtype='f32'" in low
         return "tc gemm" if plain else "fused-quant gemm"
+    if "matmul_i8" in low or "quantize_i8" in low or "weight_i8" in low:
+        return "int8 gemm"
     if "strided_matmul" in low:
         return "lora"
     if "matmul" in low:

@@ -58,6 +58,8 @@ def test_kernel_classes() -> None:
     assert kernel_class("('matmul_tc', TCVariant(wtype='Q4_K', orient='nt'") == "fused-quant gemm"
     assert kernel_class("('matmul_tc', TCVariant(wtype='F16', orient='nn'") == "tc gemm"
     assert kernel_class("('matmul', MatmulVariant(wtype='F32'") == "f32 gemm"
+    assert kernel_class("('matmul_i8', I8Variant(cfg=I8Config(sg_m=4") == "int8 gemm"
+    assert kernel_class("('quantize_i8', ())") == "int8 gemm"
     assert kernel_class("('attention_backward_dkv', (('head_dim', 64),))") == "attention bwd"
     assert kernel_class("('attention_forward', (('head_dim', 64),))") == "attention fwd"
     assert kernel_class("('strided_matmul', ())") == "lora"
