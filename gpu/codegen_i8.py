@@ -79,6 +79,7 @@ class I8Variant:
     cfg: I8Config
     chunked: bool  # K in several chunks, each with its own scales (else one scale per row)
     accumulate: bool = False  # C += alpha * (...) instead of C = alpha * (...)
+    orient: str = "nt"  # "nt": C = A . W^T (forward); "nn": C = A . W (input gradient; one chunk)
 
     @property
     def key(self) -> tuple:
@@ -106,7 +107,7 @@ _TC = _Dialect(
     sg_let="",
     zero="subgroup_matrix_result<i32, 16, 16>()",
     load_a="subgroupMatrixLoad<subgroup_matrix_left<i8, 32, 16>>(&As[ablk], {off}, false, LDW * 4u)",
-    load_b="subgroupMatrixLoad<subgroup_matrix_right<i8, 16, 32>>(&Bs[bblk], {off}, true, LDW * 4u)",
+    load_b="subgroupMatrixLoad<subgroup_matrix_right<i8, 16, 32>>(&Bs[bblk], {off}, {cm}, {stride})",
     mma="subgroupMatrixMultiplyAccumulate({a}, {b}, {acc})",
     store_cs="subgroupMatrixStore(&Cs[sg], {off}, {acc}, false, 16u)",
 )
@@ -116,7 +117,7 @@ _EMU = _Dialect(
     sg_let="\n    let sg = lid / 32u;\n    let lane = lid % 32u;\n    emu_lane = lane;",
     zero="EmuI()",
     load_a="EmuOp(ablk, {off}, 0u, LDW * 4u)",
-    load_b="EmuOp(bblk, {off}, 1u, LDW * 4u)",
+    load_b="EmuOp(bblk, {off}, u32({cm}), {stride})",
     mma="emu_mma({a}, {b}, {acc})",
     store_cs="emu_store_cs(sg, {off}, {acc})",
 )
@@ -155,17 +156,26 @@ def _decls(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
     )
 
 
-def _compute(c: I8Config, ind: str, d: _Dialect, buf: str) -> list[str]:
+def _ldb(c: I8Config) -> int:
+    """Words per staged row of a "nn" B block: its columns, padded."""
+    return c.bn // c.sg_n // 4 + c.pad
+
+
+def _compute(c: I8Config, orient: str, ind: str, d: _Dialect, buf: str) -> list[str]:
     """One staged step's matrix loads and multiply-accumulates for this subgroup from buffer `buf` (offsets in
-    codes)."""
-    lds = 4 * c.ldw
+    codes): B's rows of W (column-major matrices, "nt") or its columns of W (row-major, "nn")."""
+    lds, ldb = 4 * c.ldw, 4 * _ldb(c)
     lines = [f"{ind}let ablk = {buf} * SG_M + sg_m;", f"{ind}let bblk = {buf} * SG_N + sg_n;"]
     ksteps = 1 if c.probe == "no_mma" else c.bk // MMA_K
     tm, tn = (1, 1) if c.probe == "no_mma" else (c.tm, c.tn)
     for kk in range(ksteps):
         body = [f"let a{i} = {d.load_a.format(off=f'{i * MATRIX * lds + kk * MMA_K}u')};" for i in range(tm)]
         for j in range(tn):
-            body.append(f"let b{j} = {d.load_b.format(off=f'{j * MATRIX * lds + kk * MMA_K}u')};")
+            if orient == "nt":
+                b = d.load_b.format(off=f"{j * MATRIX * lds + kk * MMA_K}u", cm="true", stride="LDW * 4u")
+            else:
+                b = d.load_b.format(off=f"{kk * MMA_K * ldb + j * MATRIX}u", cm="false", stride="LDB * 4u")
+            body.append(f"let b{j} = {b};")
             body += [f"acc_{i}_{j} = {d.mma.format(a=f'a{i}', b=f'b{j}', acc=f'acc_{i}_{j}')};" for i in range(tm)]
         lines += [f"{ind}{{"] + [f"{ind}    {s}" for s in body] + [f"{ind}}}"]
     return lines
@@ -206,12 +216,12 @@ def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
         lines += _staging(c, i3, None)
         lines += [f"{i2}}}", f"{i2}workgroupBarrier();", f"{i2}if ({nxt}) {{"]
         lines += _staging(c, i3, "t + 1u")
-        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "0u") + [f"{i2}}}", f"{i2}workgroupBarrier();"]
+        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, v.orient, i3, d, "0u") + [f"{i2}}}", f"{i2}workgroupBarrier();"]
     else:
         lines += _staging(c, i1, None, "0u") + [f"{i1}workgroupBarrier();"]
         lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}let cur = t & 1u;", f"{i2}if ({nxt}) {{"]
         lines += _staging(c, i3, "t + 1u")
-        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "cur") + [f"{i2}}}", f"{i2}if ({nxt}) {{"]
+        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, v.orient, i3, d, "cur") + [f"{i2}}}", f"{i2}if ({nxt}) {{"]
         lines += _staging(c, i3, None, "1u - cur")
         lines += [f"{i2}}}", f"{i2}workgroupBarrier();"]
     if v.chunked and c.probe != "no_scale":
@@ -226,6 +236,9 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     c = v.cfg
     d = _EMU if emulate else _TC
     c.validate(max_threads=1 << 16, max_workgroup_bytes=1 << 30)
+    if v.orient not in ("nt", "nn") or (v.orient == "nn" and v.chunked):
+        raise ValueError(f"I8Variant orient={v.orient!r} chunked={v.chunked}: expected 'nt', or 'nn' with one chunk")
+    b_block = c.bn // c.sg_n * c.ldw if v.orient == "nt" else c.bk * _ldb(c)
     out = "C[base + n + e]"
     store = f"{out} = {out} + prm.alpha * v[e];" if v.accumulate else f"{out} = prm.alpha * v[e];"
     return fill(
@@ -247,7 +260,8 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         RASTER=kernel_text("matmul_raster.wgsl"),
         LDW=c.ldw,
         A_BLK=c.bm // c.sg_m * c.ldw,
-        B_BLK=c.bn // c.sg_n * c.ldw,
+        B_BLK=b_block,
+        B_STAGING=fill(kernel_text(f"matmul_i8_b_{v.orient}.wgsl"), PAD=c.pad),
         A_BLOCKS=c.stages * c.sg_m,
         B_BLOCKS=c.stages * c.sg_n,
         CS_LEN=c.fm * MATRIX * MATRIX,

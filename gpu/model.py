@@ -372,8 +372,10 @@ class GPUModel:
         self.dt = b("lora dt", rows * r)
         if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
             self.a16 = b("gemm input f16", -(-rows * max(h, f, qd, kvd) // 2))
-        if self.w8:  # int8 forward inputs, one at a time: codes (4 per word) and a scale per row
+        if self.w8:  # int8 GEMM inputs, one at a time: codes (4 per word) and a scale per row; the input
+            # gradients' column scales (ones: W's row scales are folded into dY)
             self.a8 = b("gemm input int8", -(-rows * max(h, f, qd) // 4)), b("gemm input int8 scales", rows)
+            self.ones = self.dev.upload(np.ones(max(h, f, qd), np.float32), label="int8 column scales")
 
     def _gemm_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand for a projection GEMM over x [rows, width] and the GEMM's extra arguments: x itself

@@ -70,6 +70,12 @@ def _embedding_values(wtype: str) -> dict[str, str]:
     return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
 
 
+def _quantize_i8_values(scaled: bool) -> dict[str, str]:
+    """quantize_i8 with (scaled) or without a column scale multiplying X."""
+    binding = "@group(0) @binding(4) var<storage, read> CS: array<f32>;"
+    return {"CS_BINDING": binding if scaled else "", "CS_FACTOR": " * CS[k]" if scaled else ""}
+
+
 def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
     return {"KIND": KINDS.index(kind), "TAIL": KD_TAILS.index(tail), "CE": ce}
 
@@ -145,7 +151,7 @@ KERNELS: dict[str, Kernel] = {
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
-    "quantize_i8": Kernel(("workgroup_reduce", "quantize_i8")),
+    "quantize_i8": Kernel(("workgroup_reduce", "quantize_i8"), {"scaled": BOOLS}, _quantize_i8_values),
     "weight_i8": Kernel(("workgroup_reduce", "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),

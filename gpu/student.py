@@ -20,12 +20,15 @@ from typing import Any
 
 import numpy as np
 
+from gpu.codegen_i8 import MMA_K
 from gpu.device import Device
 from gpu.model import GPUModel, StudentWeights
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.lora import lora_backward
+from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from gpu.ops.swiglu import swiglu_backward
@@ -48,6 +51,7 @@ class GPUStudent(GPUModel):
     """Training and evaluation of LoRA on a frozen quantized student, one step = one command encoder."""
 
     saves_lora_t = True  # the forward's t = x A^T serves the backward's recompute and the LoRA gradients
+    int8_input_grads = True  # with precision int8, the projections' input gradients on the integer GEMM too
 
     def __init__(
         self,
@@ -152,8 +156,15 @@ class GPUStudent(GPUModel):
     # ---- backward -------------------------------------------------------------------------------------
     def _proj_back(self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool) -> None:
         d_out, d_in = self.cfg.target_shape(target)
-        a, kw = self._gemm_input(dy, d_out)
-        self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
+        w8 = self.w8.get((layer, target)) if self.int8_input_grads else None
+        if w8 is not None and d_out % MMA_K == 0 and d_in % 16 == 0:
+            # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding
+            a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
+            quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
+            gemm_i8(self.dev, a, w8, dx, orient="nn", col_scales=self.ones, accumulate=accumulate)
+        else:
+            a, kw = self._gemm_input(dy, d_out)
+            self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
         ab = self._lora(layer, target, self.params)
         if ab is not None:
             da, db = self._lora(layer, target, self.grads)

@@ -170,6 +170,53 @@ def test_gemm_refuses_mismatched_operands(dev: Device) -> None:
             gemm_i8(dev, a, w, dev.buffer(64))
 
 
+def _check_gemm_nn(dev: Device, m: int, r: int, p: int, cfg: I8Config | None, *, emulate: bool, **kw) -> float:
+    """dX [m, p] = dY [m, r] . W [r, p] the way the engine runs it: W's per-row scales folded into dY before its
+    8-bit rounding (quantize_i8_gpu col_scales), C's columns scaled by ones; against the float64 definition on
+    the same codes. Also the fold itself: the codes of dY * sw equal the twin's."""
+    rng = np.random.default_rng(m + r + p)
+    dy = rng.standard_normal((m, r)).astype(np.float32)
+    w = upload_i8(dev, rng.standard_normal((r, p)).astype(np.float32), p, "w")
+    a = i8_buffers(dev, m, r, r, "dy")
+    quantize_i8_gpu(dev, dev.upload(dy), a, col_scales=w.scales)
+    ac, asc = dev.read(a.codes, np.int8, (m, r)), dev.read(a.scales, np.float32, (m, 1))
+    wc, wsc = dev.read(w.codes, np.int8, (r, p)), dev.read(w.scales, np.float32, (r, 1))
+    twin, twin_scales = quantize_i8(dy * wsc[:, 0][None, :], r)
+    np.testing.assert_allclose(asc, twin_scales, rtol=1e-6)
+    assert np.abs(ac.astype(int) - twin).max() <= 1
+    ldc, c_off, alpha, accumulate = (
+        kw.get("ldc", p),
+        kw.get("c_offset", 0),
+        kw.get("alpha", 1.0),
+        kw.get("accumulate", False),
+    )
+    c0 = rng.standard_normal(c_off + m * ldc).astype(np.float32)
+    c = dev.upload(c0)
+    gemm_i8(dev, a, w, c, orient="nn", col_scales=dev.upload(np.ones(p, np.float32)), cfg=cfg, emulate=emulate, **kw)
+    got = dev.read(c, np.float32, (c_off + m * ldc,))[c_off:].reshape(m, ldc)
+    ref = alpha * (ac.astype(np.float64) @ wc.astype(np.float64)) * asc.astype(np.float64)
+    if accumulate:
+        ref = ref + c0[c_off:].reshape(m, ldc)[:, :p]
+    assert np.array_equal(got[:, p:], c0[c_off:].reshape(m, ldc)[:, p:]), "wrote past column p"
+    return float(np.abs(got[:, :p] - ref).max() / np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,r,p,cfg",
+    [(70, 64, 96, I8Config(2, 1, 1, 2, 32, 1)), (33, 128, 160, I8Config(1, 2, 2, 1, 64, 2, stages=2))],
+    ids=lambda v: getattr(v, "label", str(v)),
+)
+def test_emulated_input_gradient_gemm(dev: Device, m: int, r: int, p: int, cfg: I8Config) -> None:
+    assert _check_gemm_nn(dev, m, r, p, cfg, emulate=True) < TOL
+
+
+@pytest.mark.gpu
+def test_emulated_input_gradient_gemm_accumulates(dev: Device) -> None:
+    cfg = I8Config(2, 1, 1, 2, 32, 1)
+    assert _check_gemm_nn(dev, 20, 64, 32, cfg, emulate=True, accumulate=True, alpha=0.5, ldc=40, c_offset=3) < TOL
+
+
 TC_CASES = [  # the preset and candidate tiles, per-row and chunked scales, edges in M and N
     (4096, 1024, 4096, 4096, None),
     (300, 200, 512, 512, I8_TILE),
@@ -185,6 +232,14 @@ TC_CASES = [  # the preset and candidate tiles, per-row and chunked scales, edge
 def test_gemm_on_tensor_cores(m: int, n: int, k: int, chunk: int, cfg: I8Config | None) -> None:
     dev = tensor_core_device_or_skip()
     assert _check_gemm(dev, m, n, k, chunk, cfg, emulate=False) < TOL
+
+
+@pytest.mark.tensorcore
+@pytest.mark.parametrize("m,r,p", [(4096, 4096, 1024), (300, 512, 224), (260, 96, 64)])
+def test_input_gradient_gemm_on_tensor_cores(m: int, r: int, p: int) -> None:
+    dev = tensor_core_device_or_skip()
+    assert _check_gemm_nn(dev, m, r, p, None, emulate=False) < TOL
+    assert _check_gemm_nn(dev, m, r, p, None, emulate=False, accumulate=True, alpha=2.0, ldc=p + 8, c_offset=4) < TOL
 
 
 @pytest.mark.tensorcore

@@ -351,10 +351,13 @@ INT8_REL = 1e-1
 
 
 @pytest.mark.tensorcore
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0], ids=lambda t: t.name)
-def test_int8_step_matches_reference(qtype: int) -> None:
-    """The step with every frozen projection's forward (and the backward's recompute) on the integer tensor cores
-    and the rest as tensorcore, against the float64 reference on the dequantized weights (H200 only)."""
+@pytest.mark.parametrize(
+    "qtype,int8_grads", [(Q.Q4_0, True), (Q.Q8_0, True), (Q.Q4_0, False)], ids=["Q4_0", "Q8_0", "Q4_0-f16-grads"]
+)
+def test_int8_step_matches_reference(qtype: int, int8_grads: bool) -> None:
+    """The step with every frozen projection's forward (and the backward's recompute) and input gradient on the
+    integer tensor cores (int8_grads False: the input gradients on f16 ones) and the rest as tensorcore, against
+    the float64 reference on the dequantized weights (H200 only)."""
     dev = tensor_core_device_or_skip()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, qtype)
@@ -371,6 +374,7 @@ def test_int8_step_matches_reference(qtype: int) -> None:
         loss=loss_cfg,
         precision="int8",
     )
+    st.int8_input_grads = int8_grads
     assert sorted(st.w8) == sorted((i, t) for i in range(CFG.n_layers) for t in LORA_TARGETS)
     st.set_adapter(lora)
     st.write_batch(ids, targets, mask, tids, tlp, ttail)

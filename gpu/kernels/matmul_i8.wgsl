@@ -1,7 +1,9 @@
 // Integer tensor-core GEMM through Dawn's subgroup matrices: int8 operands, i32 accumulation (16 x 16 x 32).
-//   C[M, N] (+)= alpha * sum_c SA[m, c] * SW[n, c] * sum_{k in chunk c} A[m, k] * W[n, k]
-// A [M, K] and W [N, K] are int8 codes packed four per u32 word (little-endian), read 16 at a time
-// (vec4<u32>); SA [M, K / chunk] and SW [N, K / chunk] their f32 scales (model/int8.py is the numpy twin).
+//   C[M, N] (+)= alpha * sum_c SA[m, c] * SW[n, c] * sum_{k in chunk c} A[m, k] * B[k, n]
+// with B = W^T for a weight W [N, K] (orientation "nt", the forward: matmul_i8_b_nt.wgsl stages W's rows) or
+// B = W for W [K, N] (orientation "nn", the input gradient: matmul_i8_b_nn.wgsl; one chunk, SW a column scale).
+// A [M, K] and W are int8 codes packed four per u32 word (little-endian), read 16 at a time (vec4<u32>); SA
+// [M, K / chunk] and SW [N, K / chunk] their f32 scales (model/int8.py is the numpy twin).
 // A workgroup of SG_M x SG_N subgroups computes a BM x BN tile of C; each subgroup owns TM x TN i32 result
 // matrices. BK codes of every row are staged per step in workgroup memory (i32 words), the next step's loads
 // held in registers while the tensor cores work: one buffer and two barriers a step, or (STAGES 2) two
@@ -53,18 +55,13 @@ const B_RB: u32 = BN / SG_N;        // rows of W per B block (one per subgroup c
 const LDW: u32 = ${LDW}u;           // staged row stride in words (BK / 4 + padding)
 
 var<workgroup> As: array<array<i32, ${A_BLK}>, ${A_BLOCKS}>;   // [buffer * SG_M + subgroup row]
-var<workgroup> Bs: array<array<i32, ${B_BLK}>, ${B_BLOCKS}>;   // [buffer * SG_N + subgroup column]
+var<workgroup> Bs: array<array<i32, ${B_BLK}>, ${B_BLOCKS}>;   // [buffer * SG_N + subgroup column block]
 var<workgroup> Cs: array<array<i32, ${CS_LEN}>, NSG>;   // FM result matrices per subgroup (the scaling)
 ${EMULATION}
 
 fn ld_a(u: u32, m0: u32, t: u32) -> vec4<u32> {
     let m = min(m0 + u / UPR, prm.M - 1u);
     return A[prm.a_off + m * prm.lda + t * UPR + u % UPR];
-}
-
-fn ld_b(u: u32, n0: u32, t: u32) -> vec4<u32> {
-    let n = min(n0 + u / UPR, prm.N - 1u);
-    return W[n * prm.ldw + t * UPR + u % UPR];
 }
 
 fn put_a(u: u32, v: vec4<u32>, buf: u32) {
@@ -77,16 +74,7 @@ fn put_a(u: u32, v: vec4<u32>, buf: u32) {
     As[b][o + 3u] = bitcast<i32>(v.w);
 }
 
-fn put_b(u: u32, v: vec4<u32>, buf: u32) {
-    let row = u / UPR;
-    let o = (row % B_RB) * LDW + (u % UPR) * 4u;
-    let b = buf * SG_N + row / B_RB;
-    Bs[b][o] = bitcast<i32>(v.x);
-    Bs[b][o + 1u] = bitcast<i32>(v.y);
-    Bs[b][o + 2u] = bitcast<i32>(v.z);
-    Bs[b][o + 3u] = bitcast<i32>(v.w);
-}
-
+${B_STAGING}
 ${RASTER}
 
 // SW of 8 consecutive columns from n (clamped to the last row of W)

@@ -18,6 +18,11 @@ struct Params {
 @group(0) @binding(1) var<storage, read> X: array<f32>;
 @group(0) @binding(2) var<storage, read_write> Q: array<u32>;
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
+${CS_BINDING}
+// element k of row r (first element x0 = X's index of the row's chunk c start)
+fn value(i: u32, k: u32) -> f32 {
+    return X[i]${CS_FACTOR};
+}
 
 const WG: u32 = 64u;
 alias Reduced = f32;
@@ -37,15 +42,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let r = wid.y;
     let x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
     var m = 0.0;
+    let k0 = c * prm.chunk;
     for (var i = lid; i < prm.chunk; i += WG) {
-        m = max(m, abs(X[x0 + i]));
+        m = max(m, abs(value(x0 + i, k0 + i)));
     }
     let scale = workgroup_reduce(lid, m) / 127.0;
     let q0 = (r * prm.k + c * prm.chunk) / 4u;
     for (var w = lid; w < prm.chunk / 4u; w += WG) {
         let i = x0 + 4u * w;
-        Q[q0 + w] = code(X[i], scale) | (code(X[i + 1u], scale) << 8u) | (code(X[i + 2u], scale) << 16u)
-            | (code(X[i + 3u], scale) << 24u);
+        let k = k0 + 4u * w;
+        Q[q0 + w] = code(value(i, k), scale) | (code(value(i + 1u, k + 1u), scale) << 8u)
+            | (code(value(i + 2u, k + 2u), scale) << 16u) | (code(value(i + 3u, k + 3u), scale) << 24u);
     }
     if (lid == 0u) {
         S[r * prm.chunks + c] = scale;

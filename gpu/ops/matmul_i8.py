@@ -80,8 +80,9 @@ def pick_i8_config(chunks: int, chunk: int) -> I8Config:
 def all_i8_variants() -> list[I8Variant]:
     """Every variant gemm_i8 dispatches with its presets (the kernel registry compiles them)."""
     return [
-        I8Variant(pick_i8_config(chunks, chunk), chunked=chunks > 1, accumulate=acc)
-        for chunks in (1, 2)
+        I8Variant(pick_i8_config(chunks, chunk), chunked=chunks > 1, accumulate=acc, orient=orient)
+        for orient, all_chunks in (("nt", (1, 2)), ("nn", (1,)))
+        for chunks in all_chunks
         for chunk in (64, 32)
         for acc in (False, True)
     ]
@@ -93,6 +94,8 @@ def gemm_i8(
     w: Int8Matrix,
     c: Any,
     *,
+    orient: str = "nt",
+    col_scales: Any = None,
     accumulate: bool = False,
     alpha: float = 1.0,
     ldc: int | None = None,
@@ -100,31 +103,46 @@ def gemm_i8(
     cfg: I8Config | None = None,
     emulate: bool = False,
 ) -> None:
-    """C[a.rows, w.rows] (+)= alpha * A . W^T over the int8 operands (same k and chunk). C is f32, row stride ldc
-    (default w.rows). emulate=True runs the same kernel with the matrix builtins emulated (slow; lavapipe)."""
+    """C[m, P] (+)= alpha * A . B over the int8 operands, m = a.rows: "nt" (the forward) B = W^T, P = w.rows, A
+    and W with the same k and chunks; "nn" (the input gradient) B = W, P = w.k (a multiple of 16), A's k =
+    w.rows, one chunk each, and col_scales (f32, P values) scale C's columns in place of W's row scales (which
+    the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
+    matrix builtins emulated (slow; lavapipe)."""
     name = w.name or "int8 weight"
     if not emulate and (problem := int8_problem(dev)) is not None:
         raise DeviceError(f"gemm_i8 with {name!r}: {problem}")
-    if (a.k, a.chunk) != (w.k, w.chunk):
+    if orient == "nt" and (a.k, a.chunk) != (w.k, w.chunk):
         raise DeviceError(f"gemm_i8 with {name!r}: A has k={a.k} chunk={a.chunk}, W k={w.k} chunk={w.chunk}")
-    m, n, k = a.rows, w.rows, w.k
-    ldc = n if ldc is None else ldc
-    if m > 0 and nbytes(c) < 4 * (c_offset + (m - 1) * ldc + n):
-        raise DeviceError(f"gemm_i8 with {name!r}: output C has {nbytes(c)} bytes for {m} x {n} (ldc {ldc})")
-    if m > 0 and (nbytes(a.codes) < m * k or nbytes(a.scales) < 4 * m * a.chunks):
-        raise DeviceError(f"gemm_i8 with {name!r}: A's codes or scales hold fewer than {m} rows of {k}")
-    if m <= 0 or n <= 0:
+    if orient == "nn" and (a.k != w.rows or a.chunks != 1 or w.k % 16 or col_scales is None):
+        raise DeviceError(
+            f"gemm_i8 'nn' with {name!r}: needs A's k ({a.k}) = W's rows ({w.rows}), one chunk, W's row length "
+            f"({w.k}) a multiple of 16 and col_scales"
+        )
+    if orient not in ("nt", "nn"):
+        raise DeviceError(f"gemm_i8 with {name!r}: orient={orient!r}, expected 'nt' or 'nn'")
+    m, r = a.rows, a.k
+    p = w.rows if orient == "nt" else w.k
+    ldc = p if ldc is None else ldc
+    if m > 0 and nbytes(c) < 4 * (c_offset + (m - 1) * ldc + p):
+        raise DeviceError(f"gemm_i8 with {name!r}: output C has {nbytes(c)} bytes for {m} x {p} (ldc {ldc})")
+    if m > 0 and (nbytes(a.codes) < m * r or nbytes(a.scales) < 4 * m * a.chunks):
+        raise DeviceError(f"gemm_i8 with {name!r}: A's codes or scales hold fewer than {m} rows of {r}")
+    if orient == "nn" and nbytes(col_scales) < 4 * p:
+        raise DeviceError(f"gemm_i8 with {name!r}: col_scales hold fewer than {p} values")
+    if m <= 0 or p <= 0:
         return
-    cfg = cfg or (EMU_TILE if emulate else pick_i8_config(w.chunks, w.chunk))
-    if w.chunk % cfg.bk or k % cfg.bk:
-        raise DeviceError(f"gemm_i8 with {name!r}: chunk {w.chunk} and k {k} must be multiples of bk={cfg.bk}")
+    cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk))
+    if a.chunk % cfg.bk or r % cfg.bk:
+        raise DeviceError(f"gemm_i8 with {name!r}: chunk {a.chunk} and k {r} must be multiples of bk={cfg.bk}")
     cfg.validate(
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
         max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
     )
-    variant = I8Variant(cfg, chunked=w.chunks > 1, accumulate=accumulate)
+    variant = I8Variant(cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient)
     pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_i8_source(variant, emulate=emulate))
-    grid = (-(-n // cfg.bn), -(-m // cfg.bm))
+    grid = (-(-p // cfg.bn), -(-m // cfg.bm))
     alpha_bits = int(np.float32(alpha).view(np.uint32))
-    prm = np.array([m, n, k, k // 16, k // 16, 0, ldc, c_offset, alpha_bits, w.chunks, w.chunk // cfg.bk, 0], np.uint32)
-    dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, w.scales, c], grid)
+    ldw = r // 16 if orient == "nt" else p // 16
+    prm = np.array([m, p, r, r // 16, ldw, 0, ldc, c_offset, alpha_bits, a.chunks, a.chunk // cfg.bk, 0], np.uint32)
+    sw = w.scales if orient == "nt" else col_scales
+    dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, sw, c], grid)

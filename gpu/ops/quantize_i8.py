@@ -15,16 +15,23 @@ from gpu.registry import pipeline
 from gpu.weights import QuantTensor
 
 
-def quantize_i8_gpu(dev: Device, x: Any, out: Int8Matrix, *, ldx: int | None = None, x_offset: int = 0) -> None:
-    """out <- int8 codes and scales of the f32 rows x[out.rows, out.k] (row stride ldx, default k)."""
+def quantize_i8_gpu(
+    dev: Device, x: Any, out: Int8Matrix, *, ldx: int | None = None, x_offset: int = 0, col_scales: Any = None
+) -> None:
+    """out <- int8 codes and scales of the f32 rows x[out.rows, out.k] (row stride ldx, default k), each element
+    first multiplied by col_scales[k] when given (f32, out.k values)."""
     ldx = out.k if ldx is None else ldx
     need = 4 * (x_offset + (out.rows - 1) * ldx + out.k)
     if out.rows > 0 and nbytes(x) < need:
         raise DeviceError(f"quantize_i8 of {out.name!r}: input has {nbytes(x)} bytes, needs {need}")
+    if col_scales is not None and nbytes(col_scales) < 4 * out.k:
+        raise DeviceError(f"quantize_i8 of {out.name!r}: col_scales hold fewer than {out.k} values")
     if out.rows > int(dev.limits.get("max-compute-workgroups-per-dimension", 65535)):
         raise DeviceError(f"quantize_i8 of {out.name!r}: {out.rows} rows exceed the workgroups per dimension")
     prm = np.array([out.k, ldx, x_offset, out.chunk, out.chunks, 0, 0, 0], np.uint32)
-    dev.dispatch(pipeline(dev, "quantize_i8"), [prm, x, out.codes, out.scales], (out.chunks, out.rows))
+    bindings = [prm, x, out.codes, out.scales] + ([] if col_scales is None else [col_scales])
+    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None)
+    dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
 def weight_to_i8(dev: Device, w: QuantTensor) -> Int8Matrix:
