@@ -181,6 +181,8 @@ def bench_ours(args: argparse.Namespace) -> None:
         weights = StudentWeights.from_gguf(dev, args.gguf)
     else:
         weights = StudentWeights.upload(dev, SHAPES[args.shape], random_tensors(SHAPES[args.shape], Q[args.quant], rng))
+    if args.precision == "int8" and not args.keep_ggml:
+        weights.to_int8(dev)  # the projections as int8 codes only: the integer path's memory
     cfg = weights.cfg
     emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k
@@ -428,6 +430,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
     p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer forward) or auto")
+    p.add_argument("--keep-ggml", action="store_true", help="int8: keep the GGML projections beside the int8 codes")
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")

@@ -59,6 +59,18 @@ class StudentWeights:
     proj: dict[tuple[int, str], QuantTensor]
     nbytes: int = 0
     biases: dict[tuple[int, str], Any] = field(default_factory=dict)
+    proj8: dict[tuple[int, str], Int8Matrix] = field(default_factory=dict)  # int8-only projections (to_int8)
+
+    def to_int8(self, dev: Device) -> None:
+        """Keep every projection whose two sides are multiples of 32 (one integer step) as int8 codes with per-row
+        scales only (gpu/kernels/weight_i8.wgsl), releasing its GGML data: the integer path's GPU memory (1 byte
+        a weight and 4 a row instead of the GGML type's and the int8 copy's). Only precision int8 with the
+        integer input gradients (the default) can run such weights."""
+        for key, w in list(self.proj.items()):
+            if w.n % MMA_K == 0 and w.k % MMA_K == 0:
+                self.proj8[key] = weight_to_i8(dev, w)
+                self.nbytes += w.n * w.k + 4 * w.n - w.nbytes
+                del self.proj[key]
 
     @classmethod
     def upload(
@@ -256,11 +268,14 @@ class GPUModel:
         self.start_layer = start_layer  # > 0: the forward starts here from a given residual stream (write_prefix)
         # int8: each frozen projection the forward runs (rows a multiple of one integer step) as per-row int8 codes
         # beside its GGML data (the input gradients stay on the f16 path), decoded once on the GPU
-        self.w8 = (
-            {key: weight_to_i8(dev, w) for key, w in weights.proj.items() if key[0] >= start_layer and w.k % MMA_K == 0}
-            if self.precision == "int8"
-            else {}
-        )
+        if weights.proj8 and self.precision != "int8":
+            raise DeviceError(f"precision {self.precision!r}: the student's projections were kept as int8 only")
+        self.w8: dict[tuple[int, str], Int8Matrix] = {}
+        if self.precision == "int8":
+            self.w8 = {key: w for key, w in weights.proj8.items() if key[0] >= start_layer}
+            for key, w in weights.proj.items():
+                if key[0] >= start_layer and w.k % MMA_K == 0:
+                    self.w8[key] = weight_to_i8(dev, w)
         self.scale = alpha / r
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from gpu.device import DeviceError
 from gpu.model import StudentWeights
 from gpu.student import GPUStudent
 from model import reference
@@ -407,6 +408,59 @@ def test_tensorcore_teacher_topk_close() -> None:
     print(f"tensorcore teacher: top-k log-prob err {err:.2e} of max")
     assert err < TC_REL
     assert np.mean(got[0][..., 0] == want[0][..., 0]) > 0.95
+
+
+def test_int8_only_weights_refuse_other_precisions() -> None:
+    """StudentWeights.to_int8 keeps every projection as int8 codes (per-row scales) and drops its GGML data; a
+    model on another precision then refuses the weights in one line instead of reading what is gone."""
+    from gpu.model import GPUModel
+
+    dev = device_or_skip()
+    w, *_ = _problem(3, Q.Q4_0)
+    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    before = weights.nbytes
+    weights.to_int8(dev)
+    small = {(i, t) for i in range(CFG.n_layers) for t in ("k", "v")}  # 16 rows: no multiple of one integer step
+    assert set(weights.proj) == small
+    assert set(weights.proj8) == {(i, t) for i in range(CFG.n_layers) for t in LORA_TARGETS} - small
+    q = weights.proj8[(0, "q")]
+    assert (q.rows, q.k, q.chunks) == (CFG.q_dim, CFG.hidden, 1) and weights.nbytes != before
+    with pytest.raises(DeviceError, match="kept as int8 only"):
+        GPUModel(dev, weights, batch=B, seq_len=T, precision="f32")
+
+
+@pytest.mark.tensorcore
+def test_int8_only_weights_train_the_same() -> None:
+    """A step on int8-only weights (to_int8) is bitwise the step on GGML weights converted by the model: the same
+    codes either way (H200 only)."""
+    dev = tensor_core_device_or_skip()
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    out = []
+    for int8_only in (False, True):
+        weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+        if int8_only:
+            weights.to_int8(dev)
+        st = GPUStudent(
+            dev,
+            weights,
+            targets=LORA_TARGETS,
+            r=R,
+            alpha=2 * R,
+            batch=B,
+            seq_len=T,
+            top_k=K,
+            loss=loss_cfg,
+            precision="int8",
+        )
+        st.set_adapter(lora)
+        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        out.append((st.loss_and_grads(), st.get_grads()))
+    assert out[0][0] == out[1][0]
+    for key, g in out[0][1].items():
+        np.testing.assert_array_equal(g.A, out[1][1][key].A)
+        np.testing.assert_array_equal(g.B, out[1][1][key].B)
 
 
 @pytest.mark.tensorcore
