@@ -177,12 +177,14 @@ def bench_ours(args: argparse.Namespace) -> None:
     dev = Device(args.backend)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
+    int8_only = args.precision == "int8" and not args.keep_ggml  # the projections as int8 codes only
     if args.gguf:
         weights = StudentWeights.from_gguf(dev, args.gguf)
+        if int8_only:
+            weights.to_int8(dev)
     else:
-        weights = StudentWeights.upload(dev, SHAPES[args.shape], random_tensors(SHAPES[args.shape], Q[args.quant], rng))
-    if args.precision == "int8" and not args.keep_ggml:
-        weights.to_int8(dev)  # the projections as int8 codes only: the integer path's memory
+        cfg = SHAPES[args.shape]
+        weights = StudentWeights.upload(dev, cfg, random_tensors(cfg, Q[args.quant], rng), int8=int8_only)
     cfg = weights.cfg
     emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k

@@ -63,25 +63,33 @@ class StudentWeights:
 
     def to_int8(self, dev: Device) -> None:
         """Keep every projection whose two sides are multiples of 32 (one integer step) as int8 codes with per-row
-        scales only (gpu/kernels/weight_i8.wgsl), releasing its GGML data: the integer path's GPU memory (1 byte
-        a weight and 4 a row instead of the GGML type's and the int8 copy's). Only precision int8 with the
-        integer input gradients (the default) can run such weights."""
+        scales only (gpu/kernels/weight_i8.wgsl), releasing its GGML data (upload(int8=True) does it tensor by
+        tensor, so the GGML data never all coexist with the codes). Only precision int8 with the integer input
+        gradients (the default) can run such weights: 1 byte a weight, more than a 4-bit type but 2-3x its GEMM
+        speed."""
         for key, w in list(self.proj.items()):
-            if w.n % MMA_K == 0 and w.k % MMA_K == 0:
+            if _int8_only(w):
                 self.proj8[key] = weight_to_i8(dev, w)
                 self.nbytes += w.n * w.k + 4 * w.n - w.nbytes
                 del self.proj[key]
 
     @classmethod
     def upload(
-        cls, dev: Device, cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray, int, tuple[int, ...]]]
+        cls,
+        dev: Device,
+        cfg: ModelConfig,
+        tensors: Iterable[tuple[str, np.ndarray, int, tuple[int, ...]]],
+        *,
+        int8: bool = False,
     ) -> StudentWeights:
-        """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time."""
+        """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time; int8: each
+        projection as to_int8 keeps it, converted as soon as it is uploaded."""
         from model.quant import dequantize
 
         stem_to_target = {v: k for k, v in LORA_TARGETS.items()}
         norms: dict[str, Any] = {}
         proj: dict[tuple[int, str], QuantTensor] = {}
+        proj8: dict[tuple[int, str], Int8Matrix] = {}
         biases: dict[tuple[int, str], Any] = {}
         embed = lm_head = None
         total = 0
@@ -103,10 +111,18 @@ class StudentWeights:
                 )
             elif parts[0] == "blk" and parts[2] in stem_to_target:
                 t = upload_quant(dev, data, qtype, shape, name)
-                proj[(int(parts[1]), stem_to_target[parts[2]])] = t
-                total += t.nbytes
+                key = (int(parts[1]), stem_to_target[parts[2]])
+                if int8 and _int8_only(t):
+                    proj8[key] = weight_to_i8(dev, t)
+                    total += t.n * t.k + 4 * t.n
+                else:
+                    proj[key] = t
+                    total += t.nbytes
         missing = [
-            f"blk.{i}.{LORA_TARGETS[t]}.weight" for i in range(cfg.n_layers) for t in LORA_TARGETS if (i, t) not in proj
+            f"blk.{i}.{LORA_TARGETS[t]}.weight"
+            for i in range(cfg.n_layers)
+            for t in LORA_TARGETS
+            if (i, t) not in proj and (i, t) not in proj8
         ]
         missing += [n for n, v in (("token_embd.weight", embed), ("lm_head", lm_head)) if v is None]
         for i in range(cfg.n_layers):
@@ -116,10 +132,12 @@ class StudentWeights:
                 missing += [n for n in (f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight") if n not in norms]
         if missing:
             raise DeviceError(f"student weights incomplete: missing {', '.join(missing[:5])}")
-        return cls(cfg, embed, lm_head, norms, proj, total, biases if cfg.qkv_bias else {})
+        return cls(cfg, embed, lm_head, norms, proj, total, biases if cfg.qkv_bias else {}, proj8)
 
     @classmethod
-    def from_arrays(cls, dev: Device, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: int = Q.F32):
+    def from_arrays(
+        cls, dev: Device, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: int = Q.F32, *, int8: bool = False
+    ) -> StudentWeights:
         """Upload float weights (GGUF names), quantizing 2-D projections to `qtype` (tests, random models)."""
         from model.quant import quantize
 
@@ -130,7 +148,7 @@ class StudentWeights:
                 t = qtype if is_proj else Q.F32
                 yield name, quantize(w, t) if t != Q.F32 else w, t, w.shape
 
-        return cls.upload(dev, cfg, items())
+        return cls.upload(dev, cfg, items(), int8=int8)
 
     @classmethod
     def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> StudentWeights:
@@ -175,6 +193,11 @@ class StudentWeights:
                     with contextlib.suppress(queue.Empty):
                         items.get_nowait()
                     reader.join(timeout=0.01)
+
+
+def _int8_only(w: QuantTensor) -> bool:
+    """Whether to_int8 keeps projection w as int8 codes only: both sides multiples of one integer step."""
+    return w.n % MMA_K == 0 and w.k % MMA_K == 0
 
 
 def _upload_f32(dev: Device, a: np.ndarray, label: str) -> Any:

@@ -427,6 +427,13 @@ def test_int8_only_weights_refuse_other_precisions() -> None:
     assert (q.rows, q.k, q.chunks) == (CFG.q_dim, CFG.hidden, 1) and weights.nbytes != before
     with pytest.raises(DeviceError, match="kept as int8 only"):
         GPUModel(dev, weights, batch=B, seq_len=T, precision="f32")
+    at_upload = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0, int8=True)  # converted tensor by tensor
+    assert set(at_upload.proj) == small and at_upload.nbytes == weights.nbytes
+    for key, m in weights.proj8.items():
+        got = at_upload.proj8[key]
+        assert (
+            dev.read(got.codes, np.int8, (m.rows, m.k)).tobytes() == dev.read(m.codes, np.int8, (m.rows, m.k)).tobytes()
+        )
 
 
 @pytest.mark.tensorcore
