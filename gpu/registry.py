@@ -151,8 +151,10 @@ KERNELS: dict[str, Kernel] = {
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
-    "quantize_i8": Kernel(("workgroup_reduce", "quantize_i8"), {"scaled": BOOLS}, _quantize_i8_values),
-    "weight_i8": Kernel(("workgroup_reduce", "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
+    "quantize_i8": Kernel(("workgroup_reduce", "int8_codes", "quantize_i8"), {"scaled": BOOLS}, _quantize_i8_values),
+    "weight_i8": Kernel(
+        ("workgroup_reduce", "int8_codes", "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values
+    ),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
     "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),

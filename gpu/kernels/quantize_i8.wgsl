@@ -1,7 +1,7 @@
 // Activations to int8 for the integer GEMM (model/int8.py quantize_i8 is the numpy twin): per row r and chunk c of
 // `chunk` consecutive elements, S[r, c] = max |X[r, chunk c]| / 127 and Q[r, k] = round(X[r, k] / S[r, c])
 // (ties to even, |q| <= 127; an all-zero chunk gives S = 0 and codes 0), four codes per u32 word, little-endian.
-// A workgroup per (chunk, row): the absmax by the fixed tree of workgroup_reduce.wgsl, then the codes.
+// A workgroup per (chunk, row): the absmax by the fixed tree of workgroup_reduce.wgsl, then the codes (int8_codes.wgsl).
 
 struct Params {
     k: u32,        // row length (codes per row of Q)
@@ -25,17 +25,6 @@ fn value(i: u32, k: u32) -> f32 {
 }
 
 const WG: u32 = 64u;
-alias Reduced = f32;
-
-fn combine(a: Reduced, b: Reduced) -> Reduced {
-    return max(a, b);
-}
-
-fn code(x: f32, scale: f32) -> u32 {
-    let q = select(0.0, clamp(round(x / scale), -127.0, 127.0), scale > 0.0);
-    return u32(i32(q)) & 0xffu;
-}
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let c = wid.x;
@@ -51,8 +40,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var w = lid; w < prm.chunk / 4u; w += WG) {
         let i = x0 + 4u * w;
         let k = k0 + 4u * w;
-        Q[q0 + w] = code(value(i, k), scale) | (code(value(i + 1u, k + 1u), scale) << 8u)
-            | (code(value(i + 2u, k + 2u), scale) << 16u) | (code(value(i + 3u, k + 3u), scale) << 24u);
+        let v = vec4<f32>(value(i, k), value(i + 1u, k + 1u), value(i + 2u, k + 2u), value(i + 3u, k + 3u));
+        Q[q0 + w] = pack4(v, scale);
     }
     if (lid == 0u) {
         S[r * prm.chunks + c] = scale;

@@ -1,7 +1,7 @@
 // A frozen weight's int8 codes for the integer GEMM, decoded in-kernel from its GGML type: per row n,
 // S[n] = max |W[n, :]| / 127 and Q[n, k] = round(W[n, k] / S[n]) (ties to even, |q| <= 127; an all-zero row gives
 // S = 0 and codes 0), four codes per u32 word. model/int8.py quantize_i8 with one chunk per row is the twin.
-// A workgroup per row (2-D grid: wid.x + wid.y * nwg.x); the absmax by the fixed tree of workgroup_reduce.wgsl.
+// A workgroup per row (2-D grid: wid.x + wid.y * nwg.x); the absmax by workgroup_reduce.wgsl, codes by int8_codes.wgsl.
 
 ${DECODE}
 
@@ -18,17 +18,6 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
 
 const WG: u32 = 256u;
-alias Reduced = f32;
-
-fn combine(a: Reduced, b: Reduced) -> Reduced {
-    return max(a, b);
-}
-
-fn code(x: f32, scale: f32) -> u32 {
-    let q = select(0.0, clamp(round(x / scale), -127.0, 127.0), scale > 0.0);
-    return u32(i32(q)) & 0xffu;
-}
-
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -40,9 +29,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
     let scale = workgroup_reduce(lid, m) / 127.0;
     for (var w = lid; w < prm.K / 4u; w += WG) {
-        let v = decode4(n, 4u * w, prm.K);
-        Q[n * (prm.K / 4u) + w] = code(v.x, scale) | (code(v.y, scale) << 8u) | (code(v.z, scale) << 16u)
-            | (code(v.w, scale) << 24u);
+        Q[n * (prm.K / 4u) + w] = pack4(decode4(n, 4u * w, prm.K), scale);
     }
     if (lid == 0u) {
         S[n] = scale;
