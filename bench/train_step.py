@@ -431,7 +431,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="timing windows (the median is reported)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
-    p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer forward) or auto")
+    p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer GEMMs) or auto")
     p.add_argument("--keep-ggml", action="store_true", help="int8: keep the GGML projections beside the int8 codes")
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)

@@ -289,8 +289,9 @@ class GPUModel:
                 f"{self.layout.lowest_layer} (blocks below it carry no LoRA)"
             )
         self.start_layer = start_layer  # > 0: the forward starts here from a given residual stream (write_prefix)
-        # int8: each frozen projection the forward runs (rows a multiple of one integer step) as per-row int8 codes
-        # beside its GGML data (the input gradients stay on the f16 path), decoded once on the GPU
+        # int8: each frozen projection the forward runs whose rows are a multiple of one integer step, as per-row int8
+        # codes: the student's int8-only ones (StudentWeights.to_int8), the rest decoded once on the GPU beside their
+        # GGML data
         if weights.proj8 and self.precision != "int8":
             raise DeviceError(f"precision {self.precision!r}: the student's projections were kept as int8 only")
         self.w8: dict[tuple[int, str], Int8Matrix] = {}
@@ -439,7 +440,7 @@ class GPUModel:
         rows, h = self.rows, self.cfg.hidden
         y16 = None if self.w8 and not head else self._half_copy(rows * h)
         rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
-        return self._operand(y, y16) if y16 is not None or head else self._forward_input(y, h)
+        return self._forward_input(y, h) if self.w8 and not head else self._operand(y, y16)
 
     def _forward_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand of the frozen forward GEMMs over x [rows, width]: with int8, x's codes and per-row
@@ -492,12 +493,9 @@ class GPUModel:
         projections, or written by x's producer), else packed here by _gemm_input."""
         d_out, d_in = self.cfg.target_shape(target)
         a, kw = gemm_input or self._forward_input(x, d_in)
-        w8 = self.w8.get((layer, target))
-        if kw.get("int8") and w8 is not None:
-            gemm_i8(self.dev, a, w8, y)
+        if kw.get("int8"):  # every projection whose input _forward_input quantizes is in self.w8
+            gemm_i8(self.dev, a, self.w8[(layer, target)], y)
         else:
-            if kw.get("int8"):  # this weight kept its GGML data only: its input as _gemm_input packs it
-                a, kw = self._gemm_input(x, d_in)
             self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
         bias = self.w.biases.get((layer, target))
         if bias is not None:
