@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -61,6 +62,23 @@ def _check_quant_list(value: tuple[str, ...] | None) -> tuple[str, ...] | None:
 
 
 QuantList = Annotated[tuple[QuantName, ...] | None, BeforeValidator(_quant_list), AfterValidator(_check_quant_list)]
+
+_NOT_IN_A_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
+
+
+def _check_file_name(value: str | None) -> str | None:
+    """A name that becomes a file name under the workdir: one path component, never a path."""
+    if value is None:
+        return None
+    if value.strip() in ("", ".", "..") or _NOT_IN_A_NAME.search(value) or len(value) > 200:
+        raise ValueError(
+            "must be a plain name, not a path (no '/', '\\' or control characters, not '.' or '..', at most 200 "
+            "characters): it names files under <workdir>/reports"
+        )
+    return value
+
+
+FileName = Annotated[str | None, AfterValidator(_check_file_name)]
 
 
 class Section(BaseModel):
@@ -427,7 +445,11 @@ class RunSection(Section):
         description="MLflow tracking URI, e.g. http://127.0.0.1:5000 from infra/up.sh (null: $MLFLOW_TRACKING_URI "
         "when set, else sqlite:///<workdir>/mlflow.db with artifacts under workdir).",
     )
-    run_name: str | None = Field(None, description="MLflow / Prefect run name (null: generated).")
+    run_name: FileName = Field(
+        None,
+        description="MLflow / Prefect run name (null: generated); also the report's file name "
+        "(<workdir>/reports/<run_name>.md), so a plain name, not a path.",
+    )
     task: Literal["distill", "dpo"] = Field(
         "distill",
         description="distill: teacher -> student knowledge distillation. dpo: preference tuning of the student's "

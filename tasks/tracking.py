@@ -31,7 +31,7 @@ from schemas.manifests import (
     TeacherManifest,
     TokenizeManifest,
 )
-from stages.layout import workdir
+from stages.layout import file_name, inside, workdir
 from stages.train import read_steps
 from tasks.cached import cached_run, remember
 from tasks.caching import as_config, stage_states
@@ -232,14 +232,12 @@ class RunRecord(FlowRunRecord):
         self._log_evals()
         summary = self.summary()
         report = render_report(self.cfg, summary)
-        out = workdir(self.cfg) / "reports"
-        out.mkdir(parents=True, exist_ok=True)
-        report_path = out / f"{self.flow_run_name}.md"
+        report_path, plots = report_paths(workdir(self.cfg), self.flow_run_name)
         report_path.write_text(report, encoding="utf-8")
         (workdir(self.cfg) / "report.md").write_text(report, encoding="utf-8")
         summary["report"] = str(report_path)
         self.client.log_artifact(self.id, str(report_path), "report")
-        for plot in write_plots(self.cfg, self, out / f"{self.flow_run_name}-plots"):
+        for plot in write_plots(self.cfg, self, plots):
             self.client.log_artifact(self.id, str(plot), "plots")
         if self.exported is not None and self.best is not None:
             summary["registered_model"] = self._log_adapter()
@@ -290,6 +288,15 @@ class RunRecord(FlowRunRecord):
             name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
         )
         return {"name": name, "version": str(version.version), "source": source, "new": True}
+
+
+def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:
+    """(<root>/reports/<name>.md, <root>/reports/<name>-plots) of a flow run, never outside root (the folder
+    created)."""
+    name = file_name(flow_run_name)
+    report, plots = inside(root, "reports", f"{name}.md"), inside(root, "reports", f"{name}-plots")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    return report, plots
 
 
 def _eval_values(ev: EvalManifest) -> dict[str, float]:

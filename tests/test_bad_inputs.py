@@ -171,6 +171,8 @@ CASES: list[Case] = [
         _set("data.seq_len=4096"),
         lambda c: ["data.seq_len", str(tiny_inputs() / "teacher-f32.gguf")],
     ),
+    Case("run name a path (../../x)", _set("run.run_name=../../x"), lambda c: ["run.run_name", _config_path(c)]),
+    Case("run name absolute", _set("run.run_name=/tmp/x"), lambda c: ["run.run_name", "not a path"]),
     Case("config file missing", lambda c: ["run", str(c.dir / "nope.yaml")], lambda c: [str(c.dir / "nope.yaml")]),
     Case(
         "config file not YAML",
