@@ -41,6 +41,7 @@ from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harnes
     tokenizer_metadata,
     write_tiny_llama,
 )
+from tests.test_security import json_record, pickle_record
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,6 +321,7 @@ class Recovery:
     damage: Callable[[Path, dict[str, Any]], None]
     says: str
     ran: list[str]
+    absent: str | None = None  # a file (relative to the workdir) that must not exist after the rerun
 
 
 def _checkpoint_dir(wd: Path, s: dict[str, Any], epoch: int) -> Path:
@@ -330,7 +332,25 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:1000])
 
 
+def _export_record(wd: Path) -> Path:
+    (record,) = (wd / ".prefect" / "results").glob("export-typed-*")
+    return record
+
+
 RECOVERIES = [
+    Recovery(
+        "stage record naming pickle (a payload that creates a file)",
+        lambda wd, s: _export_record(wd).write_bytes(pickle_record(wd / "pwned")),
+        "names the 'pickle' serializer",
+        ["export"],
+        absent="pwned",
+    ),
+    Recovery(
+        "stage record holding a plain dict",
+        lambda wd, s: _export_record(wd).write_bytes(json_record(json.dumps({"dir": "export"}))),
+        "holds a plain object",
+        ["export"],
+    ),
     Recovery(
         "checkpoint missing (epoch 1's folder deleted)",
         lambda wd, s: shutil.rmtree(_checkpoint_dir(wd, s, 1)),
@@ -470,6 +490,7 @@ def test_broken_output_is_rebuilt_with_one_warning_line(outcomes: list[Outcome],
     assert item.says in o.error and str(o.workdir) in o.error, o.error
     assert o.output.count("cached result not used") == 1, o.output[-3000:]
     assert f"ran: {', '.join(item.ran)}\n" in o.output, o.output[-1500:]
+    assert item.absent is None or not (o.workdir / item.absent).exists()
 
 
 def test_report_lists_every_case(outcomes: list[Outcome]) -> None:
