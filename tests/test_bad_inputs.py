@@ -174,6 +174,27 @@ CASES: list[Case] = [
     ),
     Case("run name a path (../../x)", _set("run.run_name=../../x"), lambda c: ["run.run_name", _config_path(c)]),
     Case("run name absolute", _set("run.run_name=/tmp/x"), lambda c: ["run.run_name", "not a path"]),
+    Case(
+        "duplicate section in the file",
+        lambda c: ["run", str(c.file("config.yaml", yaml.safe_dump(tiny_config(c.workdir)) + "lora:\n  r: 64\n"))],
+        lambda c: [_config_path(c), "duplicate key 'lora'", "first at line"],
+    ),
+    Case(
+        "duplicate key in a section",
+        lambda c: [
+            "run",
+            str(c.file("config.yaml", yaml.safe_dump(tiny_config(c.workdir)).replace("lora:\n", "lora:\n  r: 64\n"))),
+        ],
+        lambda c: [_config_path(c), "duplicate key 'r'"],
+    ),
+    Case("YAML 1.1 boolean as a number (epochs=yes)", _set("train.epochs=yes"), lambda c: ["train.epochs", "'yes'"]),
+    Case("YAML 1.1 boolean as a number (alpha=on)", _set("lora.alpha=on"), lambda c: ["lora.alpha", "'on'"]),
+    Case("boolean as a number (epochs=true)", _set("train.epochs=true"), lambda c: ["train.epochs", "a boolean"]),
+    Case(
+        "relative data path (relative to the config file)",
+        lambda c: ["run", str(c.config(data={"path": "nope.jsonl"}))],
+        lambda c: ["data.path", str(c.dir / "nope.jsonl")],
+    ),
     Case("config file missing", lambda c: ["run", str(c.dir / "nope.yaml")], lambda c: [str(c.dir / "nope.yaml")]),
     Case(
         "config file not YAML",
