@@ -134,7 +134,7 @@ class DataSection(Section):
         description="Held-out data in the same format as path: when set, every document of path trains, every "
         "document of eval_path is held out, and eval_fraction is not used (a split by source, e.g. other books "
         "than the training ones, so no held-out text overlaps the training text). null: hold out eval_fraction "
-        "of path's documents.",
+        "of path's documents. Refused when it names path's files (held-out metrics would be training metrics).",
     )
     format: Literal["auto", "jsonl", "json", "parquet", "text", "hf_dir"] = Field(
         "auto",

@@ -3,8 +3,8 @@
 Checks what can be checked from file headers: both GGUFs models distillery can run, tokenizer included
 (model.gguf.check_model_file: architecture, family settings, tensors, quant types), the same vocabulary
 (data.topk.check_vocab), data.seq_len within both context lengths, top_k within the vocabulary, lora.layers
-within the blocks, the data path present. Record-level problems (an empty dataset, a missing field) surface in
-tokenize with the file and record named.
+within the blocks, the data path present, the held-out data not the training data. Record-level problems (an
+empty dataset, a missing field) surface in tokenize with the file and record named.
 """
 
 from __future__ import annotations
@@ -67,3 +67,17 @@ def check_inputs(cfg: RunConfig) -> None:
             resolve_format(path, cfg.data.format)
         except ValueError as exc:
             raise InputError(f"{field}: {exc}") from None
+    _check_held_out(cfg)
+
+
+def _check_held_out(cfg: RunConfig) -> None:
+    """data.eval_path must not be data.path (or a file of it): the held-out metrics would be training metrics."""
+    if cfg.data.eval_path is None:
+        return
+    train = {f.resolve() for f in resolve_format(cfg.data.path, cfg.data.format)[1]}
+    shared = sorted(str(f) for f in resolve_format(cfg.data.eval_path, cfg.data.format)[1] if f.resolve() in train)
+    if shared:
+        raise InputError(
+            f"data.eval_path: {cfg.data.eval_path}: the training data (data.path {cfg.data.path}) includes "
+            f"{shared[0]}; held-out data must be other documents (or unset eval_path to hold out data.eval_fraction)"
+        )

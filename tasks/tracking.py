@@ -11,6 +11,7 @@ sqlite URI the experiment's artifacts go to <workdir>/mlartifacts, where infra/m
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -384,7 +385,10 @@ def failed_on_error(client: Any, run_id: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        client.set_terminated(run_id, "FAILED")
+        try:
+            client.set_terminated(run_id, "FAILED")
+        except Exception as exc:  # noqa: BLE001 -- e.g. the disk that failed the run is full: keep its error
+            logging.getLogger(__name__).warning("MLflow run %s not marked FAILED: %s", run_id, exc)
         raise
 
 

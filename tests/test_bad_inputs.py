@@ -12,6 +12,7 @@ three at a time.
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ import pytest
 import yaml
 from gguf import GGMLQuantizationType as Q
 
+from data import records
+from data.records import DataError, load_records
 from model import reference as R
 from model.config import ModelConfig
 from model.gguf import llama_metadata, write_gguf
@@ -81,6 +85,7 @@ class Case:
     build: Callable[[Ctx], list[str]]
     expect: Callable[[Ctx], list[str]]
     stage: str | None = None
+    fault: str | None = None  # DISTILLERY_FAULT for the run (tasks/faults.py), e.g. a full disk at a write
 
 
 def _model(path: Path, *, vocab_extra: tuple[str, ...] = (), meta: dict | None = None, drop: tuple[str, ...] = (),
@@ -126,6 +131,11 @@ def _n_tensors_pos(data: bytes) -> int:
 
 def _texts(ctx: Ctx, lines: list[str], name: str = "data.jsonl") -> Path:
     return ctx.file(name, "\n".join(lines) + "\n")
+
+
+def _symlink(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
 
 
 def _run_with(**sections: dict[str, Any]) -> Callable[[Ctx], list[str]]:
@@ -291,6 +301,28 @@ CASES: list[Case] = [
         stage="tokenize",
     ),
     Case(
+        "data file in latin-1 (not UTF-8) on line 2",
+        lambda c: [
+            "run",
+            str(
+                c.config(
+                    data={"path": str(c.file("data.jsonl", '{"text": "a b"}\n{"text": "caf\xe9"}\n'.encode("latin-1")))}
+                )
+            ),
+        ],
+        lambda c: ["data.path", _data(c, "data.jsonl"), "line 2", "not UTF-8"],
+        stage="tokenize",
+    ),
+    Case(
+        "data file in UTF-16",
+        lambda c: [
+            "run",
+            str(c.config(data={"path": str(c.file("data.jsonl", '{"text": "a b"}\n'.encode("utf-16")))})),
+        ],
+        lambda c: ["data.path", _data(c, "data.jsonl"), "UTF-16"],
+        stage="tokenize",
+    ),
+    Case(
         "wrong text field name",
         lambda c: ["run", str(c.config(data={"path": str(tiny_inputs() / "texts.jsonl"), "text_field": "body"}))],
         lambda c: ["data.text_field", str(tiny_inputs() / "texts.jsonl")],
@@ -318,7 +350,27 @@ CASES: list[Case] = [
         lambda c: ["data.path", _data(c, "data.parquet")],
         stage="tokenize",
     ),
+    Case(
+        "held-out data is the training data",
+        lambda c: ["run", str(c.config(data={"eval_path": str(tiny_inputs() / "texts.jsonl")}))],
+        lambda c: ["data.eval_path", str(tiny_inputs() / "texts.jsonl"), "held-out data must be other documents"],
+    ),
+    Case(
+        "held-out data is the training data (through a symlink)",
+        lambda c: [
+            "run",
+            str(c.config(data={"eval_path": str(_symlink(c.dir / "eval.jsonl", tiny_inputs() / "texts.jsonl"))})),
+        ],
+        lambda c: ["data.eval_path", str(c.dir / "eval.jsonl")],
+    ),
     # --- where it runs
+    Case(
+        "disk full while writing a checkpoint",
+        _set(),
+        lambda c: ["epoch-000/adapter.safetensors: cannot write: No space left on device", "[Errno 28]"],
+        stage="train",
+        fault="write=epoch-000/adapter.safetensors:enospc",
+    ),
     Case(
         "workdir not writable (under a file)",
         lambda c: ["run", str(c.config(run={"workdir": str(c.file("plain-file", "x") / "run")}))],
@@ -407,6 +459,7 @@ def _run_case(case: Case, root: Path, api_url: str) -> Outcome:
     args = case.build(ctx)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
     env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="80")
+    env.update({"DISTILLERY_FAULT": case.fault} if case.fault else {})
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
@@ -519,3 +572,36 @@ def test_report_lists_every_case(outcomes: list[Outcome]) -> None:
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
     assert len(rows) == len(CASES) + len(RECOVERIES) and f"{len(CASES)} bad inputs:" in text
     assert "<tmp>/" in text and "/tmp/pytest-of" not in text
+
+
+# ---------------------------------------------------------------------------------------------- data files
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    bom = codecs.BOM_UTF8
+    for name, text in (("a.jsonl", '{"text": "the river"}\n'), ("a.json", '[{"text": "the river"}]'),
+                       ("a.txt", "the river\n")):  # fmt: skip
+        (tmp_path / name).write_bytes(bom + text.encode())
+        (doc,) = load_records(tmp_path / name)
+        assert doc.text == "the river", name
+
+
+def test_not_utf8_names_the_file_and_line(tmp_path: Path) -> None:
+    for name, data in (("a.jsonl", b'{"text": "a"}\n\n{"text": "caf\xe9"}\n'), ("a.txt", b"a\n\nb\ncaf\xe9\n")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=f"{tmp_path / name} line [34]: not UTF-8 text \\(byte 0xe9"):
+            load_records(tmp_path / name)
+
+
+def test_a_line_without_end_is_refused_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 1 << 16)
+    path = tmp_path / "huge.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "' + b"x" * (16 << 20))  # 16 MiB on line 2, no newline
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=f"{path} line 2: longer than 0.0625 MiB"):
+            load_records(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the 16 MiB line is never held
