@@ -7,6 +7,7 @@ import codecs
 import hashlib
 import itertools
 import json
+import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ FORMATS = ("jsonl", "json", "parquet", "text", "hf_dir")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+log = logging.getLogger(__name__)
 MAX_LINE_BYTES = 64 << 20  # a JSON Lines record longer than this is not a record (a file without newlines)
 
 
@@ -265,7 +267,30 @@ def load_records(
             docs.append(_to_document(file, locator, item, text_field, messages_field))
     if not docs:
         raise DataError(f"{path}: empty dataset (no documents found)")
+    _check_blank(path, docs)
     return docs
+
+
+def _is_blank(doc: Document) -> bool:
+    """No text but whitespace: an empty text, or a chat whose every message content is blank."""
+    if doc.messages is not None:
+        return all(not str(m.get("content") or "").strip() for m in doc.messages)
+    return not (doc.text or "").strip()
+
+
+def _check_blank(path: str | Path, docs: list[Document]) -> None:
+    """Refuse a dataset of blank documents only; warn about some (they would train the model on whitespace)."""
+    blank = [d for d in docs if _is_blank(d)]
+    if len(blank) == len(docs):
+        raise DataError(f"{path}: every document ({len(docs)}, e.g. {docs[0].locator}) is empty or whitespace only")
+    if blank:
+        log.warning(
+            "%s: %d of %d documents are empty or whitespace only (first: %s); they train on whitespace",
+            path,
+            len(blank),
+            len(docs),
+            blank[0].locator,
+        )
 
 
 def dataset_fingerprint(

@@ -62,10 +62,16 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def git_commit() -> str | None:
-    """HEAD of the git checkout the process runs in, if any (plus '-dirty' with local changes)."""
+    """HEAD of the git checkout distillery's code is in, if any (plus '-dirty' with local changes); not the
+    current directory's, which may be any other repository."""
+    here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5, cwd=here
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")

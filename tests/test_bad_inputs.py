@@ -13,6 +13,7 @@ three at a time.
 from __future__ import annotations
 
 import codecs
+import io
 import json
 import os
 import re
@@ -21,23 +22,31 @@ import struct
 import subprocess
 import sys
 import tracemalloc
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
 from gguf import GGMLQuantizationType as Q
+from rich.console import Console
 
 from data import records
 from data.records import DataError, load_records
+from flows.compare import CompareError, compare_runs
 from model import reference as R
 from model.config import ModelConfig
 from model.gguf import llama_metadata, write_gguf
+from schemas.config import ConfigError, RunConfig, load_config
+from stages.train import warn_small_split
+from tasks.tracking import git_commit
 from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
+    WORDS,
     _prefect_harness,
     _reference_run,
     tiny_config,
@@ -46,6 +55,7 @@ from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harnes
     write_tiny_llama,
 )
 from tests.test_security import json_record, pickle_record
+from training import engines
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +186,16 @@ CASES: list[Case] = [
     Case("unknown LoRA target", _set("lora.targets=[qq]"), lambda c: ["lora.targets", _config_path(c)]),
     Case("override without a value", _set("lora.r"), lambda c: ["lora.r", _config_path(c)]),
     Case("top-k above the vocabulary", _set("teacher.top_k=100000"), lambda c: ["teacher.top_k", "vocabulary"]),
+    Case(
+        "LoRA rank above the hidden size",
+        _set("lora.r=64"),
+        lambda c: ["lora.r", "hidden size 32", str(tiny_inputs() / "teacher-f32.gguf")],
+    ),
+    Case(
+        "student_quant Q4_K on rows of 32",
+        _set("model.student_quant=[Q4_K]"),
+        lambda c: ["model.student_quant", "tensor 'blk.0.", "not a multiple of Q4_K's block 256"],
+    ),
     Case("LoRA layer outside the model", _set("lora.layers=[7]"), lambda c: ["lora.layers", "blocks 0..1"]),
     Case(
         "sequence longer than the context",
@@ -323,6 +343,31 @@ CASES: list[Case] = [
         stage="tokenize",
     ),
     Case(
+        "whitespace-only documents",
+        lambda c: ["run", str(c.config(data={"path": str(_texts(c, ['{"text": "  "}', '{"text": "\\n\\t "}']))}))],
+        lambda c: ["data.path", _data(c, "data.jsonl"), "whitespace only"],
+        stage="tokenize",
+    ),
+    Case(
+        "chats without an assistant turn (nothing to train)",
+        lambda c: [
+            "run",
+            str(
+                c.config(
+                    data={
+                        "path": str(
+                            _texts(
+                                c, [json.dumps({"messages": [{"role": "user", "content": " ".join(WORDS[:12])}]})] * 12
+                            )
+                        )
+                    }
+                )
+            ),
+        ],
+        lambda c: ["data.path", _data(c, "data.jsonl"), "no trainable tokens"],
+        stage="tokenize",
+    ),
+    Case(
         "wrong text field name",
         lambda c: ["run", str(c.config(data={"path": str(tiny_inputs() / "texts.jsonl"), "text_field": "body"}))],
         lambda c: ["data.text_field", str(tiny_inputs() / "texts.jsonl")],
@@ -439,6 +484,134 @@ RECOVERIES = [
 ]
 
 
+# Inputs and faults checked by other tests (or by the unit tests at the end of this file): (case, what the user
+# sees, the test that checks it). They join the generated table in docs/reliability.md.
+ELSEWHERE: list[tuple[str, str, str]] = [
+    (
+        "kill -9 at every stage boundary, mid teacher shard, mid checkpoint, mid export",
+        "the rerun resumes from the cache and the last checkpoint: the same adapter bytes as an unbroken run",
+        "test_faults.py::test_killed_at_every_boundary_and_mid_write_resumes_to_the_reference_bytes",
+    ),
+    (
+        "SIGTERM or SIGHUP during a run",
+        "`interrupted by SIGTERM: rerun the same command to resume from the cache`, "
+        "exit 143 / 129, the temporary Prefect server stopped",
+        "test_faults.py::test_sigterm_and_sighup_stop_the_run_and_its_server_with_the_resume_hint",
+    ),
+    (
+        "two runs on one workdir at once",
+        "the second prints `waiting: another run (...) is using <workdir>` and both finish with the same results",
+        "test_faults.py::test_concurrent_runs_on_a_new_and_on_a_used_workdir",
+    ),
+    (
+        "disk full (ENOSPC) in any atomic data write",
+        "`[Errno 28] <file>: cannot write: No space left on device`, the temporary file removed",
+        "test_faults.py::test_a_full_disk_is_one_line_naming_the_file",
+    ),
+    (
+        "a stage record naming pickle, read by the stage store",
+        "a cache miss; the payload never runs (it does under Prefect's own store)",
+        "test_security.py::test_the_store_never_runs_a_pickle_record",
+    ),
+    (
+        "a stage record of garbage, a list, a dict, a foreign `__class__`, an invalid manifest, a named JSON decoder, "
+        "16 MiB+",
+        "a cache miss: `cached result not used (<record>: ...)`, the stage recomputes",
+        "test_security.py::test_records_that_are_not_manifests_are_refused",
+    ),
+    (
+        "a flow run name that is a path (a deployment's form)",
+        "the report is `reports/<name with / as _>.md` inside the workdir",
+        "test_security.py::test_report_paths_stay_in_the_workdir",
+    ),
+    (
+        "a report path through a symlink out of the workdir",
+        "`OutsideWorkdir: ... outside the workdir <workdir>`",
+        "test_security.py::test_inside_refuses_every_escape",
+    ),
+    (
+        "run.run_name '..', 'a/b', 'a\\b', a tab, empty",
+        "`run.run_name: must be a plain name, not a path ...`",
+        "test_security.py::test_run_name_that_is_a_path_is_refused_at_load",
+    ),
+    (
+        "a duplicate key in a JSON config or a --set mapping",
+        "`<file>: duplicate key 'r'; a key may appear once in a section`",
+        "test_schemas.py::test_duplicate_keys_are_errors_naming_file_key_and_lines",
+    ),
+    (
+        "`run.experiment=2024-01-01`, `run.run_name=2024`, `yes` for a string",
+        "accepted as the strings written",
+        "test_schemas.py::test_yaml_12_scalars",
+    ),
+    (
+        "a config run from another directory with relative paths",
+        "paths resolve against the config file's folder (a --set value: the current directory)",
+        "test_schemas.py::test_relative_paths_in_a_file_are_relative_to_its_folder",
+    ),
+    (
+        "a UTF-8 byte-order mark (jsonl, json, text)",
+        "accepted",
+        "test_bad_inputs.py::test_a_utf8_byte_order_mark_is_accepted",
+    ),
+    (
+        "non-UTF-8 bytes in a text file",
+        "`<file> line 4: not UTF-8 text (byte 0xe9: invalid continuation byte)`",
+        "test_bad_inputs.py::test_not_utf8_names_the_file_and_line",
+    ),
+    (
+        "a JSON Lines file with a huge line (no newline)",
+        "`<file> line 2: longer than 64 MiB; JSON Lines holds one record per line`, memory bounded by the cap",
+        "test_bad_inputs.py::test_a_line_without_end_is_refused_in_bounded_memory",
+    ),
+    (
+        "some blank documents",
+        "one warning line: `<file>: 2 of 3 documents are empty or whitespace only (first: line 2)`",
+        "test_bad_inputs.py::test_some_blank_documents_are_a_warning",
+    ),
+    (
+        "a train split smaller than one optimizer step",
+        "one warning line: `train: the train split has 5 sequences ..., fewer than one optimizer step's 8`",
+        "test_bad_inputs.py::test_a_split_smaller_than_one_step_is_a_warning",
+    ),
+    (
+        "`compare --workdir` of a folder with no runs",
+        "`no MLflow store <dir>/mlflow.db: no run was tracked there`, nothing created",
+        "test_bad_inputs.py::test_compare_on_a_missing_workdir_creates_nothing",
+    ),
+    (
+        "a damaged output of every stage (deleted, truncated, flipped)",
+        "one warning line naming the file; that stage is rebuilt to the same bytes",
+        "test_pipeline.py::test_damaged_outputs_of_every_stage_are_rebuilt_to_the_same_bytes",
+    ),
+    (
+        "3,000 random edits of a valid config file and --set overrides (fuzz)",
+        "a RunConfig or a ConfigError naming the file and field, never another exception",
+        "test_bad_inputs.py::test_fuzzed_configs_load_or_fail_with_a_config_error",
+    ),
+    (
+        "2,000 random byte edits of a JSON Lines / text data file (fuzz)",
+        "documents or a DataError naming the file, never another exception",
+        "test_bad_inputs.py::test_fuzzed_data_files_load_or_fail_with_a_data_error",
+    ),
+    (
+        "the engine chosen on a machine whose only adapter is a CPU (train.backend=auto)",
+        "the numpy engine, without the 'no discrete GPU' warning of the unused kernels",
+        "test_bad_inputs.py::test_choosing_the_engine_does_not_warn_about_a_cpu_adapter",
+    ),
+    (
+        "a run started from another git repository",
+        "the MLflow tag git.commit is distillery's checkout, not the current directory's",
+        "test_bad_inputs.py::test_git_commit_is_the_code_checkouts_not_the_current_directorys",
+    ),
+    (
+        "GGUF files truncated at every sixteenth, patched headers, random bytes, mutation fuzz",
+        "`model.student: <file>: <where>: <what>` (a GGUFError naming the offset or key)",
+        "test_gguf_hostile.py",
+    ),
+]
+
+
 def _records(workdir: Path) -> list[str]:
     results = workdir / ".prefect" / "results"
     return sorted(p.name for p in results.iterdir()) if results.is_dir() else []
@@ -511,7 +684,7 @@ def _write_report(done: list[Outcome], short: dict[str, str]) -> None:
 
     errors = [o for o in done if isinstance(o.case, Case)]
     lines = [
-        "# Reliability: bad inputs through the CLI",
+        "# Reliability: bad inputs and faults",
         "",
         "Generated by `tests/test_bad_inputs.py` (every `make test`): each case runs `python -m flows.cli ...` in a",
         "subprocess. Every bad input ends in one line naming the file and the config field, no traceback, a",
@@ -533,6 +706,14 @@ def _write_report(done: list[Outcome], short: dict[str, str]) -> None:
         "|---|---|---|",
     ]
     lines += [f"| {cell(o.case.name)} | {cell(o.error)} | {o.code} |" for o in done if isinstance(o.case, Recovery)]
+    lines += [
+        "",
+        f"{len(ELSEWHERE)} more inputs and faults, checked by the tests named (`tests/`):",
+        "",
+        "| case | what the user sees | test |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {cell(case)} | {cell(sees)} | `{test}` |" for case, sees, test in ELSEWHERE]
     REPORT.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -552,6 +733,7 @@ def test_bad_input_is_one_line_naming_file_and_field(outcomes: list[Outcome], ca
     records = _records(o.workdir)
     if case.stage is None:
         assert records == [], records  # refused before any stage
+        assert not o.workdir.exists() or case.name.startswith("workdir"), case.name  # nor a workdir left behind
     else:
         assert not [r for r in records if r.startswith(f"{case.stage}-typed-")], records
     assert not list((o.workdir / ".cache" / "runs").glob("*.json"))  # no run remembered as complete
@@ -570,7 +752,11 @@ def test_broken_output_is_rebuilt_with_one_warning_line(outcomes: list[Outcome],
 def test_report_lists_every_case(outcomes: list[Outcome]) -> None:
     text = REPORT.read_text(encoding="utf-8")
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
-    assert len(rows) == len(CASES) + len(RECOVERIES) and f"{len(CASES)} bad inputs:" in text
+    assert len(rows) == len(CASES) + len(RECOVERIES) + len(ELSEWHERE) >= 50 and f"{len(CASES)} bad inputs:" in text
+    for _, _, test in ELSEWHERE:  # every test named exists
+        file, _, name = test.partition("::")
+        assert (ROOT / "tests" / file).is_file(), test
+        assert not name or f"def {name}(" in (ROOT / "tests" / file).read_text(), test
     assert "<tmp>/" in text and "/tmp/pytest-of" not in text
 
 
@@ -605,3 +791,123 @@ def test_a_line_without_end_is_refused_in_bounded_memory(tmp_path: Path, monkeyp
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, peak  # the 16 MiB line is never held
+
+
+def test_some_blank_documents_are_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "the river"}\n{"text": " \\t"}\n{"messages": [{"role": "user", "content": ""}]}\n')
+    with caplog.at_level("WARNING", logger="data.records"):
+        assert len(load_records(path)) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 3 documents are empty or whitespace only (first: line 2); they train on whitespace"
+    ]
+
+
+def test_a_split_smaller_than_one_step_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = RunConfig.model_validate(tiny_config(Path("w"), train={"batch_size": 4, "grad_accum": 2}))
+    tokens = SimpleNamespace(train=SimpleNamespace(n_sequences=5, n_positions=60))
+    with caplog.at_level("WARNING", logger="stages.train"):
+        warn_small_split(cfg, tokens)  # type: ignore[arg-type]
+        warn_small_split(cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": 1})}), tokens)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "5 sequences (60 trained positions), fewer than one optimizer step's 8" in message
+
+
+def test_compare_on_a_missing_workdir_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(CompareError, match=f"no MLflow store {missing / 'mlflow.db'}: no run was tracked there"):
+        compare_runs(Console(file=io.StringIO()), [], workdir=missing)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_git_commit_is_the_code_checkouts_not_the_current_directorys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    monkeypatch.chdir(tmp_path)  # another repository (no commit yet)
+    ours = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert (git_commit() or "").startswith(ours.stdout.strip())
+
+
+def test_choosing_the_engine_does_not_warn_about_a_cpu_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines, "_DEVICES", {})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        backend, why = engines.resolve_backend("auto", "wgpu")
+    assert not [w for w in seen if "no discrete GPU" in str(w.message)], (backend, why)
+
+
+# ---------------------------------------------------------------------------------------------- fuzz
+
+TOKENS = ("yes", "no", "on", "-1", "0", "1e309", ".nan", "null", "[", "{a: 1}", "2024-01-01", "~", "''", "0x10",
+          "!!python/object/apply:os.system ['true']", "&a x", "*a", "1_000", "\x00", "é", "true", "- x", "a: b: c",
+          '"', "\t", "<<: {r: 1}", "[[[[[[[[[[]]]]]]]]]]", "../../x", "/abs", "1.5", "1" * 20)  # fmt: skip
+
+
+def _mutate_text(rng: np.random.Generator, text: str) -> str:
+    """One random edit of a config's text: a line deleted or doubled, a value replaced, a character changed."""
+    lines = text.splitlines()
+    i = int(rng.integers(len(lines)))
+    kind = int(rng.integers(4))
+    if kind == 0:
+        del lines[i]
+    elif kind == 1:
+        lines.insert(i, lines[i])
+    elif kind == 2 and ":" in lines[i]:
+        lines[i] = lines[i].split(":", 1)[0] + ": " + str(rng.choice(TOKENS))
+    else:
+        pos = int(rng.integers(len(lines[i]) + 1))
+        lines[i] = lines[i][:pos] + chr(int(rng.integers(1, 0x250))) + lines[i][pos:]
+    return "\n".join(lines) + "\n"
+
+
+def test_fuzzed_configs_load_or_fail_with_a_config_error(tmp_path: Path) -> None:
+    """3,000 random edits of a valid config file and random --set overrides: a RunConfig or a ConfigError."""
+    rng = np.random.default_rng(0)
+    text = yaml.safe_dump(tiny_config(tmp_path / "run"), sort_keys=False)
+    keys = [f"{section}.{name}" for section, cls in RunConfig.model_fields.items()
+            for name in getattr(cls.annotation, "model_fields", {})]  # fmt: skip
+    path = tmp_path / "config.yaml"
+    outcomes = {"loaded": 0, "refused": 0}
+    for n in range(3000):
+        mutated = text
+        for _ in range(int(rng.integers(1, 4))):
+            mutated = _mutate_text(rng, mutated)
+        path.write_text(mutated, encoding="utf-8")
+        overrides = [f"{rng.choice(keys)}={rng.choice(TOKENS)}"] if n % 3 == 0 else []
+        try:
+            load_config(path, overrides)
+            outcomes["loaded"] += 1
+        except ConfigError as exc:
+            assert str(exc).strip(), mutated
+            outcomes["refused"] += 1
+        except Exception as exc:  # noqa: BLE001 -- the finding: anything else is a bug
+            pytest.fail(f"{type(exc).__name__}: {exc}\n--- config ---\n{mutated}--- overrides: {overrides}")
+    assert min(outcomes.values()) > 100, outcomes
+
+
+def test_fuzzed_data_files_load_or_fail_with_a_data_error(tmp_path: Path) -> None:
+    """2,000 random byte edits of a valid JSON Lines file (and as text): documents or a DataError."""
+    rng = np.random.default_rng(1)
+    good = (tiny_inputs() / "texts.jsonl").read_bytes()[:4000]
+    extras = (b"\xff", b"\x00", b"\n", b'"', b"{", b"}", codecs.BOM_UTF8, codecs.BOM_UTF16_LE, b"\\u12", b"\xc3")
+    outcomes = {"loaded": 0, "refused": 0}
+    for n in range(2000):
+        data = bytearray(good)
+        for _ in range(int(rng.integers(1, 6))):
+            pos = int(rng.integers(len(data) + 1))
+            if rng.random() < 0.5:
+                data[pos:pos] = extras[int(rng.integers(len(extras)))]
+            else:
+                del data[pos : pos + int(rng.integers(1, 40))]
+        path = tmp_path / ("data.jsonl" if n % 4 else "data.txt")
+        path.write_bytes(bytes(data))
+        try:
+            load_records(path)
+            outcomes["loaded"] += 1
+        except DataError as exc:
+            assert str(path) in str(exc), exc
+            outcomes["refused"] += 1
+        except Exception as exc:  # noqa: BLE001 -- the finding: anything else is a bug
+            pytest.fail(f"{type(exc).__name__}: {exc}\n--- data ---\n{bytes(data)[:300]!r}")
+    assert min(outcomes.values()) > 100, outcomes
