@@ -42,7 +42,6 @@ cat <<MSG
 Prefect UI  http://127.0.0.1:$prefect_port      (state: $data/prefect; the UI's API: PREFECT_UI_API_URL=$ui_api_url)
 MLflow UI   http://127.0.0.1:$mlflow_port      (state: $data/mlflow)
 Point distillery at them:
-  export PREFECT_API_URL=http://127.0.0.1:$prefect_port/api
-  distillery run CONFIG --set run.mlflow_uri=http://127.0.0.1:$mlflow_port
+  export PREFECT_API_URL=http://127.0.0.1:$prefect_port/api MLFLOW_TRACKING_URI=http://127.0.0.1:$mlflow_port
 Stop them: infra/down.sh $data
 MSG

@@ -53,10 +53,8 @@ def read_record(path: Path) -> Any:
     read, nothing is deserialized any other way). Miss when absent or not such a record."""
     try:
         return read_manifest_record(path)
-    except OSError as exc:
-        raise Miss(f"{path}: {exc.strerror or type(exc).__name__}") from None
     except BadRecord as exc:
-        raise Miss(f"{path}: {exc}") from None
+        raise Miss(str(exc)) from None
 
 
 @dataclass

@@ -110,14 +110,7 @@ def _load(store: ResultStore, key: str) -> Manifest | None:
     if resolve is None:
         raise BadRecord(f"record {key}: result storage is not a local folder; only local records are read")
     path = Path(resolve(key))
-    if not path.exists():
-        return None
-    try:
-        return read_manifest_record(path)
-    except OSError as exc:
-        raise BadRecord(f"{path}: unreadable ({exc.strerror or type(exc).__name__})") from None
-    except BadRecord as exc:
-        raise BadRecord(f"{path}: {exc}") from None
+    return read_manifest_record(path) if path.exists() else None
 
 
 class ManifestStore(ResultStore):

@@ -67,6 +67,12 @@ def manifest_record(content: bytes) -> Manifest:
 
 
 def read_manifest_record(path: Path) -> Manifest:
-    """manifest_record of the file `path`, read up to the size cap (OSError when it cannot be read)."""
-    with open(path, "rb") as f:
-        return manifest_record(f.read(MAX_RECORD_BYTES + 1))
+    """manifest_record of the file `path`, read up to the size cap; BadRecord naming the file otherwise (an
+    unreadable file included)."""
+    try:
+        with open(path, "rb") as f:
+            return manifest_record(f.read(MAX_RECORD_BYTES + 1))
+    except OSError as exc:
+        raise BadRecord(f"{path}: unreadable ({exc.strerror or type(exc).__name__})") from None
+    except BadRecord as exc:
+        raise BadRecord(f"{path}: {exc}") from None

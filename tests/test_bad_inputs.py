@@ -148,6 +148,16 @@ def _symlink(link: Path, target: Path) -> Path:
     return link
 
 
+def _data_case(name: str, content: str | bytes, *says: str) -> Case:
+    """A run whose data.path is a data.jsonl holding `content`, refused by tokenize with `says` in its line."""
+    return Case(
+        name,
+        lambda c: ["run", str(c.config(data={"path": str(c.file("data.jsonl", content))}))],
+        lambda c: ["data.path", _data(c, "data.jsonl"), *says],
+        stage="tokenize",
+    )
+
+
 def _run_with(**sections: dict[str, Any]) -> Callable[[Ctx], list[str]]:
     return lambda ctx: ["run", str(ctx.config(**sections))]
 
@@ -308,64 +318,20 @@ CASES: list[Case] = [
         lambda c: ["run", str(c.config(data={"path": str(c.dir / "nope.jsonl")}))],
         lambda c: ["data.path", str(c.dir / "nope.jsonl")],
     ),
-    Case(
-        "empty data file",
-        lambda c: ["run", str(c.config(data={"path": str(c.file("data.jsonl", ""))}))],
-        lambda c: ["data.path", _data(c, "data.jsonl")],
-        stage="tokenize",
-    ),
-    Case(
-        "malformed JSON line",
-        lambda c: ["run", str(c.config(data={"path": str(_texts(c, ['{"text": "a b c."}', '{"text": "unclosed']))}))],
-        lambda c: ["data.path", _data(c, "data.jsonl"), "line 2"],
-        stage="tokenize",
-    ),
-    Case(
+    _data_case("empty data file", ""),
+    _data_case("malformed JSON line", '{"text": "a b c."}\n{"text": "unclosed\n', "line 2"),
+    _data_case(
         "data file in latin-1 (not UTF-8) on line 2",
-        lambda c: [
-            "run",
-            str(
-                c.config(
-                    data={"path": str(c.file("data.jsonl", '{"text": "a b"}\n{"text": "caf\xe9"}\n'.encode("latin-1")))}
-                )
-            ),
-        ],
-        lambda c: ["data.path", _data(c, "data.jsonl"), "line 2", "not UTF-8"],
-        stage="tokenize",
+        '{"text": "a b"}\n{"text": "caf\xe9"}\n'.encode("latin-1"),
+        "line 2",
+        "not UTF-8",
     ),
-    Case(
-        "data file in UTF-16",
-        lambda c: [
-            "run",
-            str(c.config(data={"path": str(c.file("data.jsonl", '{"text": "a b"}\n'.encode("utf-16")))})),
-        ],
-        lambda c: ["data.path", _data(c, "data.jsonl"), "UTF-16"],
-        stage="tokenize",
-    ),
-    Case(
-        "whitespace-only documents",
-        lambda c: ["run", str(c.config(data={"path": str(_texts(c, ['{"text": "  "}', '{"text": "\\n\\t "}']))}))],
-        lambda c: ["data.path", _data(c, "data.jsonl"), "whitespace only"],
-        stage="tokenize",
-    ),
-    Case(
+    _data_case("data file in UTF-16", '{"text": "a b"}\n'.encode("utf-16"), "UTF-16"),
+    _data_case("whitespace-only documents", '{"text": "  "}\n{"text": "\\n\\t "}\n', "whitespace only"),
+    _data_case(
         "chats without an assistant turn (nothing to train)",
-        lambda c: [
-            "run",
-            str(
-                c.config(
-                    data={
-                        "path": str(
-                            _texts(
-                                c, [json.dumps({"messages": [{"role": "user", "content": " ".join(WORDS[:12])}]})] * 12
-                            )
-                        )
-                    }
-                )
-            ),
-        ],
-        lambda c: ["data.path", _data(c, "data.jsonl"), "no trainable tokens"],
-        stage="tokenize",
+        (json.dumps({"messages": [{"role": "user", "content": " ".join(WORDS[:12])}]}) + "\n") * 12,
+        "no trainable tokens",
     ),
     Case(
         "wrong text field name",

@@ -35,7 +35,8 @@ def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> N
     try:
         up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
-        assert f"export PREFECT_API_URL=http://127.0.0.1:{ports['PREFECT_PORT']}/api" in up.stdout
+        exports = f"export PREFECT_API_URL=http://127.0.0.1:{ports['PREFECT_PORT']}/api"
+        assert f"{exports} MLFLOW_TRACKING_URI=http://127.0.0.1:{ports['MLFLOW_PORT']}\n" in up.stdout  # README's
         pids = {name: int((data / f"{name}.pid").read_text()) for name in ("prefect", "mlflow")}
         for url in (
             f"http://127.0.0.1:{ports['PREFECT_PORT']}/api/health",
