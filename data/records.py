@@ -3,8 +3,11 @@ dataset fingerprint that cache keys use. Errors name the file, record and field.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
+import itertools
 import json
+import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ FORMATS = ("jsonl", "json", "parquet", "text", "hf_dir")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 _HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+log = logging.getLogger(__name__)
+MAX_LINE_BYTES = 64 << 20  # a JSON Lines record longer than this is not a record (a file without newlines)
 
 
 class DataError(ValueError):
@@ -111,20 +116,51 @@ def read_records(kind: str, path: Path, fields: Sequence[str]) -> Iterator[tuple
     return _read_text(path)
 
 
+def _decode(path: Path, data: bytes, lineno: int = 1) -> str:
+    """`data` (the file `path` from line `lineno` on) as UTF-8 text; a UTF-8 byte-order mark at the start of the
+    file is dropped (Windows tools write one); anything else that is not UTF-8 is a DataError naming the line."""
+    if lineno == 1:
+        if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            raise DataError(f"{path}: UTF-16 text (it starts with a UTF-16 byte-order mark); save it as UTF-8")
+        data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = lineno + data.count(b"\n", 0, exc.start)
+        raise DataError(
+            f"{path} line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x}: {exc.reason}); save it as UTF-8"
+        ) from None
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file one line at a time, each at most MAX_LINE_BYTES (memory stays bounded
+    on a huge file without newlines): DataError naming the file and line otherwise."""
+    with open(path, "rb") as fh:
+        for lineno in itertools.count(1):
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise DataError(
+                    f"{path} line {lineno}: longer than {MAX_LINE_BYTES / 2**20:g} MiB; JSON Lines holds one record "
+                    "per line (is this a JSON Lines file?)"
+                )
+            yield lineno, _decode(path, raw, lineno)
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"line {lineno}", json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
+    for lineno, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield f"line {lineno}", json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(_decode(path, path.read_bytes()))
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(data, list):
@@ -177,10 +213,7 @@ def _read_hf_dir(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]
 
 
 def _read_text(path: Path) -> Iterator[tuple[str, Any]]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = _decode(path, path.read_bytes())
     for i, para in enumerate(p.strip() for p in _PARAGRAPH.split(text)):
         if para:
             yield f"paragraph {i}", para
@@ -234,7 +267,30 @@ def load_records(
             docs.append(_to_document(file, locator, item, text_field, messages_field))
     if not docs:
         raise DataError(f"{path}: empty dataset (no documents found)")
+    _check_blank(path, docs)
     return docs
+
+
+def _is_blank(doc: Document) -> bool:
+    """No text but whitespace: an empty text, or a chat whose every message content is blank."""
+    if doc.messages is not None:
+        return all(not str(m.get("content") or "").strip() for m in doc.messages)
+    return not (doc.text or "").strip()
+
+
+def _check_blank(path: str | Path, docs: list[Document]) -> None:
+    """Refuse a dataset of blank documents only; warn about some (they would train the model on whitespace)."""
+    blank = [d for d in docs if _is_blank(d)]
+    if len(blank) == len(docs):
+        raise DataError(f"{path}: every document ({len(docs)}, e.g. {docs[0].locator}) is empty or whitespace only")
+    if blank:
+        log.warning(
+            "%s: %d of %d documents are empty or whitespace only (first: %s); they train on whitespace",
+            path,
+            len(blank),
+            len(docs),
+            blank[0].locator,
+        )
 
 
 def dataset_fingerprint(

@@ -30,6 +30,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 
+from data.atomic import atomic_write_bytes
 from model.chat import tokenize_chat
 from schemas.files import TOKEN_SHARD_SCHEMA, check_token_shard
 from schemas.manifests import FileRef, TokenizeManifest, TokenSplit
@@ -280,15 +281,6 @@ def _split_documents_count(ds: datasets.Dataset) -> int:
         return 0
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def write_token_shards(
     train: datasets.Dataset,
     eval: datasets.Dataset,
@@ -334,7 +326,7 @@ def write_token_shards(
         train=splits["train"],
         eval=splits["eval"],
     )
-    _atomic_write_text(out / MANIFEST_NAME, manifest.model_dump_json(indent=2))
+    atomic_write_bytes(out / MANIFEST_NAME, manifest.model_dump_json(indent=2).encode())
     return manifest
 
 

@@ -253,10 +253,10 @@ def _run(config: Path | None, overrides: list[str] | None, until: str, extra: tu
             from stages.inputs import check_inputs
 
             cfg = _load_config(config, [*(overrides or []), *extra])
-            root = _writable_workdir(cfg.run.workdir)
             if cfg.run.task == "dpo":
                 from stages.pairs import check_inputs  # the preference preflight (the chat template, the reference)
             check_inputs(cfg)
+            root = _writable_workdir(cfg.run.workdir)  # created only for inputs that passed the preflight
             summary = _results(cfg, root, until)
     except KeyboardInterrupt as exc:
         code = 128 + exc.signum if isinstance(exc, Terminated) else 130

@@ -146,6 +146,15 @@ def table(experiment: str, table_rows: Sequence[RunRow]) -> Table:
     return out
 
 
+def _check_store(uri: str) -> None:
+    """A sqlite store must exist already: opening a missing one would create it (and its folders)."""
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        raise CompareError(
+            f"no MLflow store {uri.removeprefix('sqlite:///')}: no run was tracked there (give the --workdir or "
+            "--config of a run, or --tracking-uri)"
+        )
+
+
 def compare_runs(
     console: Console,
     selectors: Sequence[str],
@@ -159,6 +168,7 @@ def compare_runs(
     from mlflow import MlflowClient
 
     resolved, config_experiment = tracking_uri(config, workdir, uri)
+    _check_store(resolved)
     name = experiment or config_experiment or "distillery"
     client = MlflowClient(tracking_uri=resolved)
     runs = find_runs(client, name, selectors)

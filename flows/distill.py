@@ -17,7 +17,7 @@ from schemas.config import RunConfig
 from stages.evaluate import select_best
 from stages.inputs import check_inputs
 from stages.layout import workdir
-from tasks.caching import as_config
+from tasks.caching import as_config, strict_results
 from tasks.evaluate import evaluate_baseline, evaluate_checkpoint, evaluate_merged
 from tasks.export import export_adapter
 from tasks.prefix import prefix_cache
@@ -41,6 +41,7 @@ Stage = Literal["tokenize", "teacher", "train", "evaluate", "export"]
 def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
     """Distil cfg.model.teacher into a LoRA adapter on the quantized cfg.model.student, up to `until`."""
     cfg = as_config(cfg)
+    strict_results()  # cached stage results: JSON manifests only, never deserialized otherwise
     if cfg.run.task == "dpo":  # a preference config (e.g. from a served deployment's form): its own flow
         from flows.preference import preference
 

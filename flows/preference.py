@@ -16,7 +16,7 @@ from schemas.config import RunConfig
 from stages.layout import workdir
 from stages.pairs import check_inputs
 from stages.preference_evaluate import select_best
-from tasks.caching import as_config
+from tasks.caching import as_config, strict_results
 from tasks.export import export_adapter
 from tasks.preference import dpo_epoch, evaluate, pairs, reference
 from tasks.preference_tracking import preference_run
@@ -32,6 +32,7 @@ Stage = Literal["tokenize", "teacher", "train", "evaluate", "export"]
 def preference(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
     """Tune the student's LoRA adapter on preference pairs (DPO and variants), up to `until`."""
     cfg = as_config(cfg)
+    strict_results()  # cached stage results: JSON manifests only, never deserialized otherwise
     check_inputs(cfg)
 
     def reaches(stage: Stage) -> bool:

@@ -5,6 +5,8 @@
 # Stop exactly these servers with infra/down.sh [DATA_DIR].
 # The Prefect UI finds its API at PREFECT_UI_API_URL, whose default is PREFECT_API_URL if set, else port 4200: the
 # server gets PREFECT_UI_API_URL=http://127.0.0.1:$PREFECT_PORT/api (set it yourself for a proxy or another host).
+# DISTILLERY_AUTH=1: the Prefect API asks for basic auth (PREFECT_SERVER_API_AUTH_STRING) with a secret generated
+# once into DATA_DIR/prefect-auth (mode 600); clients pass it as PREFECT_API_AUTH_STRING (the export printed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -22,6 +24,13 @@ start() {  # name pidfile command...: a new session (setsid), so down.sh can sto
   echo $! >"$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"
 }
 
+auth_file="$data/prefect-auth" auth_export=""
+if [ "${DISTILLERY_AUTH:-0}" = 1 ]; then
+  [ -s "$auth_file" ] || (umask 077 && "$root/.venv/bin/python" -c \
+    "import secrets; print('distillery:' + secrets.token_urlsafe(24))" >"$auth_file")
+  export PREFECT_SERVER_API_AUTH_STRING="$(cat "$auth_file")"
+  auth_export=" PREFECT_API_AUTH_STRING=\"\$(cat $auth_file)\""
+fi
 PREFECT_HOME="$data/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL="$ui_api_url" \
   start prefect "$data/prefect.pid" "$root/.venv/bin/prefect" server start --host 127.0.0.1 --port "$prefect_port"
 MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}" \
@@ -42,7 +51,6 @@ cat <<MSG
 Prefect UI  http://127.0.0.1:$prefect_port      (state: $data/prefect; the UI's API: PREFECT_UI_API_URL=$ui_api_url)
 MLflow UI   http://127.0.0.1:$mlflow_port      (state: $data/mlflow)
 Point distillery at them:
-  export PREFECT_API_URL=http://127.0.0.1:$prefect_port/api
-  distillery run CONFIG --set run.mlflow_uri=http://127.0.0.1:$mlflow_port
+  export PREFECT_API_URL=http://127.0.0.1:$prefect_port/api MLFLOW_TRACKING_URI=http://127.0.0.1:$mlflow_port$auth_export
 Stop them: infra/down.sh $data
 MSG

@@ -479,6 +479,8 @@ def choose_student_type(
         if row_len > 0 and row_len % c.block_size == 0:
             return c.qtype
     p, f = codec(preferred), codec(fallback)
+    if p.qtype == f.qtype:
+        raise QuantError(f"row length {row_len} is not a multiple of {p.qtype.name}'s block {p.block_size}")
     raise QuantError(
         f"row length {row_len} is a multiple of neither {p.qtype.name} (block {p.block_size}) "
         f"nor {f.qtype.name} (block {f.block_size})"

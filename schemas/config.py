@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import types
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -62,11 +64,46 @@ def _check_quant_list(value: tuple[str, ...] | None) -> tuple[str, ...] | None:
 
 QuantList = Annotated[tuple[QuantName, ...] | None, BeforeValidator(_quant_list), AfterValidator(_check_quant_list)]
 
+_NOT_IN_A_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
+
+
+def _check_file_name(value: str | None) -> str | None:
+    """A name that becomes a file name under the workdir: one path component, never a path."""
+    if value is None:
+        return None
+    if value.strip() in ("", ".", "..") or _NOT_IN_A_NAME.search(value) or len(value) > 200:
+        raise ValueError(
+            "must be a plain name, not a path (no '/', '\\' or control characters, not '.' or '..', at most 200 "
+            "characters): it names files under <workdir>/reports"
+        )
+    return value
+
+
+FileName = Annotated[str | None, AfterValidator(_check_file_name)]
+
+
+def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
+    """Whether a field's annotation is one of `kinds`, or one of them or None; never when it admits bool."""
+    options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
+    return bool not in options and any(option in kinds for option in options)
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, defaults are validated, no inf/nan."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _scalars_as_meant(cls, value: Any, info: ValidationInfo) -> Any:
+        """A boolean is not a number (pydantic would read true as 1); an integer where a string is expected is
+        that string (experiment: 2024)."""
+        annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if isinstance(value, bool) and _admits(annotation, (int, float)):
+            raise ValueError("a boolean where a number is expected")
+        if type(value) is int and _admits(annotation, (str,)):
+            return str(value)
+        return value
 
 
 class ModelSection(Section):
@@ -97,7 +134,7 @@ class DataSection(Section):
         description="Held-out data in the same format as path: when set, every document of path trains, every "
         "document of eval_path is held out, and eval_fraction is not used (a split by source, e.g. other books "
         "than the training ones, so no held-out text overlaps the training text). null: hold out eval_fraction "
-        "of path's documents.",
+        "of path's documents. Refused when it names path's files (held-out metrics would be training metrics).",
     )
     format: Literal["auto", "jsonl", "json", "parquet", "text", "hf_dir"] = Field(
         "auto",
@@ -427,7 +464,11 @@ class RunSection(Section):
         description="MLflow tracking URI, e.g. http://127.0.0.1:5000 from infra/up.sh (null: $MLFLOW_TRACKING_URI "
         "when set, else sqlite:///<workdir>/mlflow.db with artifacts under workdir).",
     )
-    run_name: str | None = Field(None, description="MLflow / Prefect run name (null: generated).")
+    run_name: FileName = Field(
+        None,
+        description="MLflow / Prefect run name (null: generated); also the report's file name "
+        "(<workdir>/reports/<run_name>.md), so a plain name, not a path.",
+    )
     task: Literal["distill", "dpo"] = Field(
         "distill",
         description="distill: teacher -> student knowledge distillation. dpo: preference tuning of the student's "
@@ -499,6 +540,64 @@ class RunConfig(Section):
 # ---------------------------------------------------------------------------------------------- loading
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one mapping of a config (YAML or JSON keeps the last one silently)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML 1.2's core schema (booleans are true/false only, so yes/no/on/off and dates stay strings; ints
+    decimal, 0o octal or 0x hex) that refuses a key given twice in one mapping."""
+
+    yaml_implicit_resolvers: dict[str, list[tuple[str, re.Pattern[str]]]] = {}
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                line = key_node.start_mark.line + 1
+                if key_node.value in seen:
+                    raise DuplicateKey(
+                        f"line {line}: duplicate key '{key_node.value}' (first at line {seen[key_node.value]}); "
+                        "a key may appear once in a section"
+                    )
+                seen[key_node.value] = line
+        return super().construct_mapping(node, deep)
+
+    def construct_core_int(self, node: yaml.ScalarNode) -> int:
+        text = str(self.construct_scalar(node))
+        return int(text, 0) if text.lstrip("+-")[:2] in ("0x", "0o") else int(text, 10)
+
+
+for _tag, _pattern, _first in (
+    ("bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF"),
+    ("null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+    ("int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+    (
+        "float",
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$",
+        "-+0123456789.",
+    ),
+    ("merge", r"^(?:<<)$", "<"),
+):
+    _StrictLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(_pattern), list(_first))
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_core_int)
+
+
+def parse_yaml(text: str) -> Any:
+    """YAML text read with the 1.2 core schema, duplicate keys refused (DuplicateKey, a yaml.YAMLError)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a key given twice is DuplicateKey."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(f"duplicate key '{key}'; a key may appear once in a section")
+        out[key] = value
+    return out
+
+
 def _read_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -506,11 +605,13 @@ def _read_file(path: Path) -> dict[str, Any]:
     suffix = path.suffix.lower()
     try:
         if suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = parse_yaml(text)
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         else:
             raise ConfigError(f"{path}: unknown config format {suffix!r} (use .yaml, .yml or .json)")
+    except DuplicateKey as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path}: cannot parse: {' '.join(str(exc).split())}") from None
     if data is None:
@@ -547,7 +648,7 @@ def _apply_override(data: dict[str, Any], item: str) -> str:
         raise ConfigError(f"--set {item}: expected key.sub=value, e.g. lora.r=8")
     parts = _check_key(key, item)
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item}: cannot parse value: {' '.join(str(exc).split())}") from None
     node = data
@@ -595,13 +696,35 @@ def _parent_model(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
+def _path_fields() -> list[tuple[str, str]]:
+    """(section, field) of every config field that names a file or folder."""
+    found = []
+    for section in RunConfig.model_fields:
+        fields = getattr(_section_class(RunConfig, section), "model_fields", {})
+        found += [(section, name) for name, f in fields.items() if _admits(f.annotation, (Path,))]
+    return found
+
+
+def _anchor_paths(data: dict[str, Any], base: Path) -> None:
+    """Make the relative paths of a config file's path fields absolute, relative to the file's folder `base`."""
+    for section, name in _path_fields():
+        node = data.get(section)
+        value = node.get(name) if isinstance(node, dict) else None
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            node[name] = os.path.normpath(base.absolute() / value)
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML/JSON config (None: start from defaults), apply `key.sub=value` overrides, validate.
 
-    Override values are parsed as YAML scalars/lists ("8" -> 8, "[q,v]" -> list, "null" -> None).
+    YAML is read with the 1.2 core schema (yes/no/on/off and dates are strings) and a key given twice is an
+    error. Relative paths in the file are relative to the file's folder; in an override, to the current
+    directory. Override values are parsed as YAML scalars/lists ("8" -> 8, "[q,v]" -> list, "null" -> None).
     Raises ConfigError with one line per bad field, naming the source file and any override responsible.
     """
     data = _read_file(Path(path)) if path is not None else {}
+    if path is not None:
+        _anchor_paths(data, Path(path).parent)
     source = str(path) if path is not None else "(no file)"
     overridden: dict[str, str] = {}
     for item in overrides:
@@ -613,8 +736,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
 
 
 def dump_config(cfg: RunConfig) -> str:
-    """The config as YAML (every field, defaults included); load_config reads it back unchanged."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+    """The config as YAML (every field, defaults included, paths absolute); load_config reads it back unchanged
+    from any folder."""
+    data = cfg.model_dump(mode="json")
+    _anchor_paths(data, Path.cwd())
+    return yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
 
 
 def config_fingerprint(cfg: RunConfig, fields: Iterable[str]) -> str:

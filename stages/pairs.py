@@ -63,7 +63,8 @@ def check_inputs(cfg: RunConfig) -> None:
     if ref is not None:
         if cfg.preference.reference_free:
             raise InputError("preference.reference: set, but preference.reference_free is true (no reference used)")
-        tokens, ctx, _ = _open(ref, "preference.reference")
+        tokens, ref_cfg = _open(ref, "preference.reference")
+        ctx = ref_cfg.context_length
         try:
             check_vocab(tokens, student_tokens, ref, cfg.model.student)
         except ValueError as exc:

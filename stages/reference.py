@@ -10,14 +10,13 @@ Skipped when preference.reference_free (SimPO).
 from __future__ import annotations
 
 import logging
-import os
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data.atomic import atomic_file
 from data.preferences import read_pair_rows
 from schemas.config import RunConfig
 from schemas.manifests import FileRef, ManifestError, StudentManifest
@@ -68,9 +67,8 @@ def run(cfg: RunConfig, student: StudentManifest, pairs: PairsManifest, bar: Bar
             columns[name] += v.tolist()
     table = pa.table(columns, schema=REFERENCE_SCHEMA)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{FILE}.{uuid.uuid4().hex[:8]}.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, out / FILE)
+    with atomic_file(out / FILE) as fh:
+        pq.write_table(table, fh)
     log.info("reference log-probs (%s %s): %d pairs -> %s", kind, gguf.name, table.num_rows, out / FILE)
     manifest = ReferenceManifest(
         reference_sha256=sha, reference=kind, file=FileRef.of((out / FILE).resolve(), root), n_pairs=table.num_rows

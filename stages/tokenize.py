@@ -57,9 +57,13 @@ def run(cfg: RunConfig) -> TokenizeManifest:
     eval_docs = None
     if d.eval_path is not None:  # a split by source: every document of eval_path is held out
         eval_docs = _records(cfg, "data.eval_path")
-    train, held_out = tokenize_dataset(
-        docs, tokenizer, d.seq_len, d.eval_fraction, SPLIT_SEED, d.pack, d.assistant_only, eval_docs
-    )
+    try:
+        train, held_out = tokenize_dataset(
+            docs, tokenizer, d.seq_len, d.eval_fraction, SPLIT_SEED, d.pack, d.assistant_only, eval_docs
+        )
+    except DataError as exc:  # name the field whose file it is
+        field = "data.eval_path" if d.eval_path is not None and str(d.eval_path) in str(exc) else "data.path"
+        raise DataError(f"{field}: {exc}") from None
     for name, split in (("train", train), ("eval", held_out)):
         if len(split) == 0:
             raise DataError(

@@ -74,6 +74,22 @@ def steps_per_epoch(cfg: RunConfig, tokens: TokenizeManifest) -> int:
     return schedule.steps_per_epoch(cfg, tokens.train.n_sequences)
 
 
+def warn_small_split(cfg: RunConfig, tokens: TokenizeManifest) -> None:
+    """Warn when the train split does not fill one optimizer step (each epoch is then one partial step)."""
+    n, per_step = tokens.train.n_sequences, cfg.train.sequences_per_step
+    if n < per_step:
+        log.warning(
+            "train: the train split has %d sequences (%d trained positions), fewer than one optimizer step's %d "
+            "(train.batch_size %d x train.grad_accum %d): each epoch is one partial step; give more data or lower "
+            "train.batch_size",
+            n,
+            tokens.train.n_positions,
+            per_step,
+            cfg.train.batch_size,
+            cfg.train.grad_accum,
+        )
+
+
 def run_epoch(
     cfg: RunConfig,
     student: StudentManifest,
@@ -88,6 +104,8 @@ def run_epoch(
     from training.engines import upload_stats
     from training.loop import epoch_dir, train_epoch
 
+    if epoch == 0:
+        warn_small_split(cfg, tokens)
     root = workdir(cfg)
     prefix = stages.prefix.cache(cfg, student, tokens)
     ckpt_root = checkpoint_root(cfg, student, tokens, teacher)

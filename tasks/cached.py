@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import schemas.manifests as manifests
 import stages.evaluate
 import stages.export
 import stages.prefix
@@ -32,6 +31,7 @@ import stages.train
 from schemas.config import RunConfig, dump_config
 from stages.keys import StageKey, outputs_problem
 from stages.layout import workdir
+from tasks.records import BadRecord, read_manifest_record
 
 STAGES = ("tokenize", "teacher", "train", "evaluate", "export")
 RESULTS = Path(".prefect") / "results"
@@ -49,20 +49,12 @@ def record_key(stage: str, key: str) -> str:
 
 
 def read_record(path: Path) -> Any:
-    """A manifest from a Prefect JSON result record ({"result": '{"__class__": ..., "data": ...}'}); only
-    schemas.manifests classes are accepted. Miss when absent or unreadable."""
+    """The manifest of a Prefect JSON result record (tasks.records: only JSON manifests of a known schema are
+    read, nothing is deserialized any other way). Miss when absent or not such a record."""
     try:
-        outer = json.loads(path.read_text(encoding="utf-8"))
-        inner = json.loads(outer["result"])
-        module, _, name = str(inner["__class__"]).rpartition(".")
-        cls = getattr(manifests, name, None) if module == manifests.__name__ else None
-        if not (isinstance(cls, type) and issubclass(cls, manifests.Manifest)):
-            raise Miss(f"{path}: not a manifest record ({inner['__class__']})")
-        return cls.model_validate(inner["data"])
-    except Miss:
-        raise
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise Miss(f"{path}: {type(exc).__name__}") from None
+        return read_manifest_record(path)
+    except BadRecord as exc:
+        raise Miss(str(exc)) from None
 
 
 @dataclass

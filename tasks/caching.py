@@ -3,7 +3,9 @@ reused only after the files it names verify.
 
 Never Prefect's DEFAULT policy (it includes the run id) and never a bare Path (Prefect would hash the string).
 Results are persisted as JSON (tasks return typed manifests, which Prefect's JSON serializer round-trips) into
-the storage the flow runs with, which flows.distill puts under the run's workdir. Before a cached result is
+the storage the flow runs with, which flows.distill puts under the run's workdir. They are read back only by
+tasks.records (ManifestStore): a record that is not a JSON manifest of a known schema (one naming pickle, a plain
+dict, garbage) is a cache miss with one warning line, never deserialized. Before a cached result is
 reused, its manifest's files are checked (stages.keys.outputs_problem: size and sha256 of every output, or a
 stage's own check such as a teacher shard's): when one is missing or differs, one warning line says which and
 the record is dropped, so the task runs again, rebuilds its files (deterministically) and stores a fresh
@@ -19,12 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
 from prefect.cache_policies import CachePolicy
+from prefect.results import ResultStore, get_result_store
+from prefect.serializers import JSONSerializer
 
 from schemas.config import RunConfig
 from schemas.manifests import Manifest
 from stages.keys import StageKey, outputs_problem
 from tasks import faults
+from tasks.records import BadRecord, read_manifest_record
 
 # Records are stored as '<stage>-typed-<sha256>': the manifests a task returns now, never the plain dicts that
 # earlier versions stored under '<stage>-<sha256>'. The sha256 (and so every stage folder) is the content key.
@@ -77,12 +83,16 @@ class StageCache(CachePolicy):
     ) -> str | None:
         cfg = as_config(inputs["cfg"])
         record = self.record_key(self.key(cfg, inputs))
-        cached = _read_record(record)
-        if cached is None:
-            return record
-        problem = self.verify(cfg, inputs, cached)
-        if problem is None:
-            return record
+        try:
+            cached = _load(get_result_store(), record)
+        except BadRecord as exc:
+            problem: str | None = str(exc)
+        else:
+            if cached is None:
+                return record
+            problem = self.verify(cfg, inputs, cached)
+            if problem is None:
+                return record
         from prefect import get_run_logger
 
         name = getattr(getattr(task_ctx, "task_run", None), "name", None) or self.stage
@@ -93,20 +103,56 @@ class StageCache(CachePolicy):
         return record if _drop_record(record) else None
 
 
-def _read_record(key: str) -> Any | None:
-    """The value cached under `key` in the current result store, or None (absent or unreadable)."""
-    from prefect.results import get_result_store
+def _load(store: ResultStore, key: str) -> Manifest | None:
+    """The manifest recorded under `key` in the store's local folder (tasks.records: JSON manifests only),
+    None when there is no record; BadRecord when there is one that is not such a manifest."""
+    resolve = getattr(store.result_storage, "_resolve_path", None)
+    if resolve is None:
+        raise BadRecord(f"record {key}: result storage is not a local folder; only local records are read")
+    path = Path(resolve(key))
+    return read_manifest_record(path) if path.exists() else None
 
-    try:
-        return get_result_store().read(key).result
-    except Exception:  # noqa: BLE001 -- an unreadable record is a miss: the task runs and rewrites it
-        return None
+
+class ManifestStore(ResultStore):
+    """Prefect's result store, reading records only through tasks.records: a record that is not a JSON manifest
+    of a known schema does not exist for Prefect (a cache miss), and nothing in it is ever deserialized by the
+    serializer it names. Installed for a flow run's tasks by `strict_results`."""
+
+    def _read(self, key: str, holder: str) -> ResultRecord[Any]:
+        manifest = _load(self, key)
+        if manifest is None:
+            raise BadRecord(f"record {key}: missing")  # exists() said yes a moment ago: a concurrent writer
+        record = ResultRecord(
+            metadata=ResultRecordMetadata(storage_key=key, serializer=JSONSerializer()), result=manifest
+        )
+        record.mark_persisted()
+        return record
+
+    async def _aread(self, key: str, holder: str) -> ResultRecord[Any]:
+        return self._read(key, holder)
+
+    def _exists(self, key: str) -> bool:
+        try:
+            return _load(self, key) is not None
+        except BadRecord:
+            return False
+
+    async def _aexists(self, key: str) -> bool:
+        return self._exists(key)
+
+
+def strict_results() -> None:
+    """Make the current flow run's tasks read cached results through ManifestStore (call first in a flow)."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    if ctx is not None and not isinstance(ctx.result_store, ManifestStore):
+        store = ctx.result_store
+        ctx.result_store = ManifestStore.model_construct(**{k: getattr(store, k) for k in type(store).model_fields})
 
 
 def _drop_record(key: str) -> bool:
     """Delete the record `key` from local result storage; False when the storage is not a local folder."""
-    from prefect.results import get_result_store
-
     store = get_result_store()
     resolve = getattr(store.result_storage, "_resolve_path", None)
     if resolve is None or store.metadata_storage is not None:

@@ -2,7 +2,7 @@
 
 Items are `point=value[:mode]`. `check(point, value)` acts when the variable arms that point at that value;
 mode `raise` (the default) raises InjectedFault, mode `kill` ends the process at once with SIGKILL (no cleanup,
-no flush: what `kill -9` does). Points:
+no flush: what `kill -9` does), mode `enospc` raises the OSError a full disk gives (errno 28). Points:
   teacher.shard=i        after top-k shard i is written and recorded (the task then fails)
   train.step=n           after optimizer step n (global, 1-based) and any checkpoint of that step
   after=<task run name>  after that stage ran and its result was stored (a stage boundary), e.g. after=student
@@ -14,13 +14,14 @@ A test sets the variable, runs the flow (which fails or dies), clears it and run
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from pathlib import Path
 from typing import Any
 
 ENV = "DISTILLERY_FAULT"
-MODES = ("raise", "kill")
+MODES = ("raise", "kill", "enospc")
 
 
 class InjectedFault(RuntimeError):
@@ -36,7 +37,7 @@ def _armed() -> dict[str, dict[str, str]]:
         value, _, mode = rest.partition(":")
         mode = mode.strip() or "raise"
         if not sep or not name.strip() or not value.strip() or mode not in MODES:
-            raise ValueError(f"{ENV}={spec!r}: expected point=value[:raise|kill] items such as teacher.shard=1")
+            raise ValueError(f"{ENV}={spec!r}: expected point=value[:{'|'.join(MODES)}] items such as teacher.shard=1")
         points.setdefault(name.strip(), {})[value.strip()] = mode
     return points
 
@@ -44,6 +45,8 @@ def _armed() -> dict[str, dict[str, str]]:
 def _act(mode: str, where: str) -> None:
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     raise InjectedFault(f"injected fault at {where} ({ENV})")
 
 

@@ -23,6 +23,7 @@ from tasks.tracking import (
     log_config,
     log_steps,
     manifest_json,
+    report_paths,
     summary_header,
 )
 
@@ -96,9 +97,7 @@ class PreferenceRecord(FlowRunRecord):
             self._metrics({f"best/{k}": v for k, v in self.evals[self.best].metrics().items()})
             self._metrics({"best/epoch": float(self.best)})
         summary = self.summary()
-        out = root / "reports"
-        out.mkdir(parents=True, exist_ok=True)
-        report = out / f"{self.flow_run_name}.md"
+        report, _ = report_paths(root, self.flow_run_name)
         report.write_text(render_report(summary), encoding="utf-8")
         summary["report"] = str(report)
         self.client.log_artifact(self.id, str(report), "report")

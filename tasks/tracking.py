@@ -11,6 +11,7 @@ sqlite URI the experiment's artifacts go to <workdir>/mlartifacts, where infra/m
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import subprocess
@@ -31,7 +32,7 @@ from schemas.manifests import (
     TeacherManifest,
     TokenizeManifest,
 )
-from stages.layout import workdir
+from stages.layout import file_name, inside, workdir
 from stages.train import read_steps
 from tasks.cached import cached_run, remember
 from tasks.caching import as_config, stage_states
@@ -61,10 +62,16 @@ def flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def git_commit() -> str | None:
-    """HEAD of the git checkout the process runs in, if any (plus '-dirty' with local changes)."""
+    """HEAD of the git checkout distillery's code is in, if any (plus '-dirty' with local changes); not the
+    current directory's, which may be any other repository."""
+    here = Path(__file__).resolve().parent
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, cwd=here, check=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], capture_output=True, text=True, timeout=5, cwd=here
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
@@ -232,14 +239,12 @@ class RunRecord(FlowRunRecord):
         self._log_evals()
         summary = self.summary()
         report = render_report(self.cfg, summary)
-        out = workdir(self.cfg) / "reports"
-        out.mkdir(parents=True, exist_ok=True)
-        report_path = out / f"{self.flow_run_name}.md"
+        report_path, plots = report_paths(workdir(self.cfg), self.flow_run_name)
         report_path.write_text(report, encoding="utf-8")
         (workdir(self.cfg) / "report.md").write_text(report, encoding="utf-8")
         summary["report"] = str(report_path)
         self.client.log_artifact(self.id, str(report_path), "report")
-        for plot in write_plots(self.cfg, self, out / f"{self.flow_run_name}-plots"):
+        for plot in write_plots(self.cfg, self, plots):
             self.client.log_artifact(self.id, str(plot), "plots")
         if self.exported is not None and self.best is not None:
             summary["registered_model"] = self._log_adapter()
@@ -290,6 +295,15 @@ class RunRecord(FlowRunRecord):
             name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
         )
         return {"name": name, "version": str(version.version), "source": source, "new": True}
+
+
+def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:
+    """(<root>/reports/<name>.md, <root>/reports/<name>-plots) of a flow run, never outside root (the folder
+    created)."""
+    name = file_name(flow_run_name)
+    report, plots = inside(root, "reports", f"{name}.md"), inside(root, "reports", f"{name}-plots")
+    report.parent.mkdir(parents=True, exist_ok=True)
+    return report, plots
 
 
 def _eval_values(ev: EvalManifest) -> dict[str, float]:
@@ -377,7 +391,10 @@ def failed_on_error(client: Any, run_id: str) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        client.set_terminated(run_id, "FAILED")
+        try:
+            client.set_terminated(run_id, "FAILED")
+        except Exception as exc:  # noqa: BLE001 -- e.g. the disk that failed the run is full: keep its error
+            logging.getLogger(__name__).warning("MLflow run %s not marked FAILED: %s", run_id, exc)
         raise
 
 

@@ -12,6 +12,8 @@ three at a time.
 
 from __future__ import annotations
 
+import codecs
+import io
 import json
 import os
 import re
@@ -19,21 +21,32 @@ import shutil
 import struct
 import subprocess
 import sys
+import tracemalloc
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 import yaml
 from gguf import GGMLQuantizationType as Q
+from rich.console import Console
 
+from data import records
+from data.records import DataError, load_records
+from flows.compare import CompareError, compare_runs
 from model import reference as R
 from model.config import ModelConfig
 from model.gguf import llama_metadata, write_gguf
+from schemas.config import ConfigError, RunConfig, load_config
+from stages.train import warn_small_split
+from tasks.tracking import git_commit
 from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
+    WORDS,
     _prefect_harness,
     _reference_run,
     tiny_config,
@@ -41,6 +54,8 @@ from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harnes
     tokenizer_metadata,
     write_tiny_llama,
 )
+from tests.test_security import json_record, pickle_record
+from training import engines
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +95,7 @@ class Case:
     build: Callable[[Ctx], list[str]]
     expect: Callable[[Ctx], list[str]]
     stage: str | None = None
+    fault: str | None = None  # DISTILLERY_FAULT for the run (tasks/faults.py), e.g. a full disk at a write
 
 
 def _model(path: Path, *, vocab_extra: tuple[str, ...] = (), meta: dict | None = None, drop: tuple[str, ...] = (),
@@ -127,6 +143,21 @@ def _texts(ctx: Ctx, lines: list[str], name: str = "data.jsonl") -> Path:
     return ctx.file(name, "\n".join(lines) + "\n")
 
 
+def _symlink(link: Path, target: Path) -> Path:
+    link.symlink_to(target)
+    return link
+
+
+def _data_case(name: str, content: str | bytes, *says: str) -> Case:
+    """A run whose data.path is a data.jsonl holding `content`, refused by tokenize with `says` in its line."""
+    return Case(
+        name,
+        lambda c: ["run", str(c.config(data={"path": str(c.file("data.jsonl", content))}))],
+        lambda c: ["data.path", _data(c, "data.jsonl"), *says],
+        stage="tokenize",
+    )
+
+
 def _run_with(**sections: dict[str, Any]) -> Callable[[Ctx], list[str]]:
     return lambda ctx: ["run", str(ctx.config(**sections))]
 
@@ -165,11 +196,44 @@ CASES: list[Case] = [
     Case("unknown LoRA target", _set("lora.targets=[qq]"), lambda c: ["lora.targets", _config_path(c)]),
     Case("override without a value", _set("lora.r"), lambda c: ["lora.r", _config_path(c)]),
     Case("top-k above the vocabulary", _set("teacher.top_k=100000"), lambda c: ["teacher.top_k", "vocabulary"]),
+    Case(
+        "LoRA rank above the hidden size",
+        _set("lora.r=64"),
+        lambda c: ["lora.r", "hidden size 32", str(tiny_inputs() / "teacher-f32.gguf")],
+    ),
+    Case(
+        "student_quant Q4_K on rows of 32",
+        _set("model.student_quant=[Q4_K]"),
+        lambda c: ["model.student_quant", "tensor 'blk.0.", "not a multiple of Q4_K's block 256"],
+    ),
     Case("LoRA layer outside the model", _set("lora.layers=[7]"), lambda c: ["lora.layers", "blocks 0..1"]),
     Case(
         "sequence longer than the context",
         _set("data.seq_len=4096"),
         lambda c: ["data.seq_len", str(tiny_inputs() / "teacher-f32.gguf")],
+    ),
+    Case("run name a path (../../x)", _set("run.run_name=../../x"), lambda c: ["run.run_name", _config_path(c)]),
+    Case("run name absolute", _set("run.run_name=/tmp/x"), lambda c: ["run.run_name", "not a path"]),
+    Case(
+        "duplicate section in the file",
+        lambda c: ["run", str(c.file("config.yaml", yaml.safe_dump(tiny_config(c.workdir)) + "lora:\n  r: 64\n"))],
+        lambda c: [_config_path(c), "duplicate key 'lora'", "first at line"],
+    ),
+    Case(
+        "duplicate key in a section",
+        lambda c: [
+            "run",
+            str(c.file("config.yaml", yaml.safe_dump(tiny_config(c.workdir)).replace("lora:\n", "lora:\n  r: 64\n"))),
+        ],
+        lambda c: [_config_path(c), "duplicate key 'r'"],
+    ),
+    Case("YAML 1.1 boolean as a number (epochs=yes)", _set("train.epochs=yes"), lambda c: ["train.epochs", "'yes'"]),
+    Case("YAML 1.1 boolean as a number (alpha=on)", _set("lora.alpha=on"), lambda c: ["lora.alpha", "'on'"]),
+    Case("boolean as a number (epochs=true)", _set("train.epochs=true"), lambda c: ["train.epochs", "a boolean"]),
+    Case(
+        "relative data path (relative to the config file)",
+        lambda c: ["run", str(c.config(data={"path": "nope.jsonl"}))],
+        lambda c: ["data.path", str(c.dir / "nope.jsonl")],
     ),
     Case("config file missing", lambda c: ["run", str(c.dir / "nope.yaml")], lambda c: [str(c.dir / "nope.yaml")]),
     Case(
@@ -254,17 +318,20 @@ CASES: list[Case] = [
         lambda c: ["run", str(c.config(data={"path": str(c.dir / "nope.jsonl")}))],
         lambda c: ["data.path", str(c.dir / "nope.jsonl")],
     ),
-    Case(
-        "empty data file",
-        lambda c: ["run", str(c.config(data={"path": str(c.file("data.jsonl", ""))}))],
-        lambda c: ["data.path", _data(c, "data.jsonl")],
-        stage="tokenize",
+    _data_case("empty data file", ""),
+    _data_case("malformed JSON line", '{"text": "a b c."}\n{"text": "unclosed\n', "line 2"),
+    _data_case(
+        "data file in latin-1 (not UTF-8) on line 2",
+        '{"text": "a b"}\n{"text": "caf\xe9"}\n'.encode("latin-1"),
+        "line 2",
+        "not UTF-8",
     ),
-    Case(
-        "malformed JSON line",
-        lambda c: ["run", str(c.config(data={"path": str(_texts(c, ['{"text": "a b c."}', '{"text": "unclosed']))}))],
-        lambda c: ["data.path", _data(c, "data.jsonl"), "line 2"],
-        stage="tokenize",
+    _data_case("data file in UTF-16", '{"text": "a b"}\n'.encode("utf-16"), "UTF-16"),
+    _data_case("whitespace-only documents", '{"text": "  "}\n{"text": "\\n\\t "}\n', "whitespace only"),
+    _data_case(
+        "chats without an assistant turn (nothing to train)",
+        (json.dumps({"messages": [{"role": "user", "content": " ".join(WORDS[:12])}]}) + "\n") * 12,
+        "no trainable tokens",
     ),
     Case(
         "wrong text field name",
@@ -294,7 +361,27 @@ CASES: list[Case] = [
         lambda c: ["data.path", _data(c, "data.parquet")],
         stage="tokenize",
     ),
+    Case(
+        "held-out data is the training data",
+        lambda c: ["run", str(c.config(data={"eval_path": str(tiny_inputs() / "texts.jsonl")}))],
+        lambda c: ["data.eval_path", str(tiny_inputs() / "texts.jsonl"), "held-out data must be other documents"],
+    ),
+    Case(
+        "held-out data is the training data (through a symlink)",
+        lambda c: [
+            "run",
+            str(c.config(data={"eval_path": str(_symlink(c.dir / "eval.jsonl", tiny_inputs() / "texts.jsonl"))})),
+        ],
+        lambda c: ["data.eval_path", str(c.dir / "eval.jsonl")],
+    ),
     # --- where it runs
+    Case(
+        "disk full while writing a checkpoint",
+        _set(),
+        lambda c: ["epoch-000/adapter.safetensors: cannot write: No space left on device", "[Errno 28]"],
+        stage="train",
+        fault="write=epoch-000/adapter.safetensors:enospc",
+    ),
     Case(
         "workdir not writable (under a file)",
         lambda c: ["run", str(c.config(run={"workdir": str(c.file("plain-file", "x") / "run")}))],
@@ -318,6 +405,7 @@ class Recovery:
     damage: Callable[[Path, dict[str, Any]], None]
     says: str
     ran: list[str]
+    absent: str | None = None  # a file (relative to the workdir) that must not exist after the rerun
 
 
 def _checkpoint_dir(wd: Path, s: dict[str, Any], epoch: int) -> Path:
@@ -328,7 +416,25 @@ def _truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[:1000])
 
 
+def _export_record(wd: Path) -> Path:
+    (record,) = (wd / ".prefect" / "results").glob("export-typed-*")
+    return record
+
+
 RECOVERIES = [
+    Recovery(
+        "stage record naming pickle (a payload that creates a file)",
+        lambda wd, s: _export_record(wd).write_bytes(pickle_record(wd / "pwned")),
+        "names the 'pickle' serializer",
+        ["export"],
+        absent="pwned",
+    ),
+    Recovery(
+        "stage record holding a plain dict",
+        lambda wd, s: _export_record(wd).write_bytes(json_record(json.dumps({"dir": "export"}))),
+        "holds a plain object",
+        ["export"],
+    ),
     Recovery(
         "checkpoint missing (epoch 1's folder deleted)",
         lambda wd, s: shutil.rmtree(_checkpoint_dir(wd, s, 1)),
@@ -340,6 +446,139 @@ RECOVERIES = [
         lambda wd, s: _truncate(wd / s["files"]["gguf_lora"]),
         "adapter-lora.gguf: size 1000 bytes",
         ["export"],
+    ),
+]
+
+
+# Inputs and faults checked by other tests (or by the unit tests at the end of this file): (case, what the user
+# sees, the test that checks it). They join the generated table in docs/reliability.md.
+ELSEWHERE: list[tuple[str, str, str]] = [
+    (
+        "kill -9 at every stage boundary, mid teacher shard, mid checkpoint, mid export",
+        "the rerun resumes from the cache and the last checkpoint: the same adapter bytes as an unbroken run",
+        "test_faults.py::test_killed_at_every_boundary_and_mid_write_resumes_to_the_reference_bytes",
+    ),
+    (
+        "SIGTERM or SIGHUP during a run",
+        "`interrupted by SIGTERM: rerun the same command to resume from the cache`, "
+        "exit 143 / 129, the temporary Prefect server stopped",
+        "test_faults.py::test_sigterm_and_sighup_stop_the_run_and_its_server_with_the_resume_hint",
+    ),
+    (
+        "two runs on one workdir at once",
+        "the second prints `waiting: another run (...) is using <workdir>` and both finish with the same results",
+        "test_faults.py::test_concurrent_runs_on_a_new_and_on_a_used_workdir",
+    ),
+    (
+        "disk full (ENOSPC) in any atomic data write",
+        "`[Errno 28] <file>: cannot write: No space left on device`, the temporary file removed",
+        "test_faults.py::test_a_full_disk_is_one_line_naming_the_file",
+    ),
+    (
+        "a stage record naming pickle, read by the stage store",
+        "a cache miss; the payload never runs (it does under Prefect's own store)",
+        "test_security.py::test_the_store_never_runs_a_pickle_record",
+    ),
+    (
+        "a stage record of garbage, a list, a dict, a foreign `__class__`, an invalid manifest, a named JSON decoder, "
+        "16 MiB+",
+        "a cache miss: `cached result not used (<record>: ...)`, the stage recomputes",
+        "test_security.py::test_records_that_are_not_manifests_are_refused",
+    ),
+    (
+        "a flow run name that is a path (a deployment's form)",
+        "the report is `reports/<name with / as _>.md` inside the workdir",
+        "test_security.py::test_report_paths_stay_in_the_workdir",
+    ),
+    (
+        "a report path through a symlink out of the workdir",
+        "`OutsideWorkdir: ... outside the workdir <workdir>`",
+        "test_security.py::test_inside_refuses_every_escape",
+    ),
+    (
+        "run.run_name '..', 'a/b', 'a\\b', a tab, empty",
+        "`run.run_name: must be a plain name, not a path ...`",
+        "test_security.py::test_run_name_that_is_a_path_is_refused_at_load",
+    ),
+    (
+        "a duplicate key in a JSON config or a --set mapping",
+        "`<file>: duplicate key 'r'; a key may appear once in a section`",
+        "test_schemas.py::test_duplicate_keys_are_errors_naming_file_key_and_lines",
+    ),
+    (
+        "`run.experiment=2024-01-01`, `run.run_name=2024`, `yes` for a string",
+        "accepted as the strings written",
+        "test_schemas.py::test_yaml_12_scalars",
+    ),
+    (
+        "a config run from another directory with relative paths",
+        "paths resolve against the config file's folder (a --set value: the current directory)",
+        "test_schemas.py::test_relative_paths_in_a_file_are_relative_to_its_folder",
+    ),
+    (
+        "a UTF-8 byte-order mark (jsonl, json, text)",
+        "accepted",
+        "test_bad_inputs.py::test_a_utf8_byte_order_mark_is_accepted",
+    ),
+    (
+        "non-UTF-8 bytes in a text file",
+        "`<file> line 4: not UTF-8 text (byte 0xe9: invalid continuation byte)`",
+        "test_bad_inputs.py::test_not_utf8_names_the_file_and_line",
+    ),
+    (
+        "a JSON Lines file with a huge line (no newline)",
+        "`<file> line 2: longer than 64 MiB; JSON Lines holds one record per line`, memory bounded by the cap",
+        "test_bad_inputs.py::test_a_line_without_end_is_refused_in_bounded_memory",
+    ),
+    (
+        "some blank documents",
+        "one warning line: `<file>: 2 of 3 documents are empty or whitespace only (first: line 2)`",
+        "test_bad_inputs.py::test_some_blank_documents_are_a_warning",
+    ),
+    (
+        "a train split smaller than one optimizer step",
+        "one warning line: `train: the train split has 5 sequences ..., fewer than one optimizer step's 8`",
+        "test_bad_inputs.py::test_a_split_smaller_than_one_step_is_a_warning",
+    ),
+    (
+        "`compare --workdir` of a folder with no runs",
+        "`no MLflow store <dir>/mlflow.db: no run was tracked there`, nothing created",
+        "test_bad_inputs.py::test_compare_on_a_missing_workdir_creates_nothing",
+    ),
+    (
+        "a damaged output of every stage (deleted, truncated, flipped)",
+        "one warning line naming the file; that stage is rebuilt to the same bytes",
+        "test_pipeline.py::test_damaged_outputs_of_every_stage_are_rebuilt_to_the_same_bytes",
+    ),
+    (
+        "3,000 random edits of a valid config file and --set overrides (fuzz)",
+        "a RunConfig or a ConfigError naming the file and field, never another exception",
+        "test_bad_inputs.py::test_fuzzed_configs_load_or_fail_with_a_config_error",
+    ),
+    (
+        "2,000 random byte edits of a JSON Lines / text data file (fuzz)",
+        "documents or a DataError naming the file, never another exception",
+        "test_bad_inputs.py::test_fuzzed_data_files_load_or_fail_with_a_data_error",
+    ),
+    (
+        "the engine chosen on a machine whose only adapter is a CPU (train.backend=auto)",
+        "the numpy engine, without the 'no discrete GPU' warning of the unused kernels",
+        "test_bad_inputs.py::test_choosing_the_engine_does_not_warn_about_a_cpu_adapter",
+    ),
+    (
+        "a run started from another git repository",
+        "the MLflow tag git.commit is distillery's checkout, not the current directory's",
+        "test_bad_inputs.py::test_git_commit_is_the_code_checkouts_not_the_current_directorys",
+    ),
+    (
+        "the Prefect API of `DISTILLERY_AUTH=1 infra/up.sh` called without its secret (or a wrong one)",
+        "HTTP 401 (health probes stay open); the secret in DATA_DIR/prefect-auth, mode 600",
+        "test_infra.py::test_up_with_auth_refuses_the_prefect_api_without_its_secret",
+    ),
+    (
+        "GGUF files truncated at every sixteenth, patched headers, random bytes, mutation fuzz",
+        "`model.student: <file>: <where>: <what>` (a GGUFError naming the offset or key)",
+        "test_gguf_hostile.py",
     ),
 ]
 
@@ -364,6 +603,7 @@ def _run_case(case: Case, root: Path, api_url: str) -> Outcome:
     args = case.build(ctx)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
     env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="80")
+    env.update({"DISTILLERY_FAULT": case.fault} if case.fault else {})
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
@@ -415,7 +655,7 @@ def _write_report(done: list[Outcome], short: dict[str, str]) -> None:
 
     errors = [o for o in done if isinstance(o.case, Case)]
     lines = [
-        "# Reliability: bad inputs through the CLI",
+        "# Reliability: bad inputs and faults",
         "",
         "Generated by `tests/test_bad_inputs.py` (every `make test`): each case runs `python -m flows.cli ...` in a",
         "subprocess. Every bad input ends in one line naming the file and the config field, no traceback, a",
@@ -437,6 +677,14 @@ def _write_report(done: list[Outcome], short: dict[str, str]) -> None:
         "|---|---|---|",
     ]
     lines += [f"| {cell(o.case.name)} | {cell(o.error)} | {o.code} |" for o in done if isinstance(o.case, Recovery)]
+    lines += [
+        "",
+        f"{len(ELSEWHERE)} more inputs and faults, checked by the tests named (`tests/`):",
+        "",
+        "| case | what the user sees | test |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {cell(case)} | {cell(sees)} | `{test}` |" for case, sees, test in ELSEWHERE]
     REPORT.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
@@ -456,6 +704,7 @@ def test_bad_input_is_one_line_naming_file_and_field(outcomes: list[Outcome], ca
     records = _records(o.workdir)
     if case.stage is None:
         assert records == [], records  # refused before any stage
+        assert not o.workdir.exists() or case.name.startswith("workdir"), case.name  # nor a workdir left behind
     else:
         assert not [r for r in records if r.startswith(f"{case.stage}-typed-")], records
     assert not list((o.workdir / ".cache" / "runs").glob("*.json"))  # no run remembered as complete
@@ -468,10 +717,168 @@ def test_broken_output_is_rebuilt_with_one_warning_line(outcomes: list[Outcome],
     assert item.says in o.error and str(o.workdir) in o.error, o.error
     assert o.output.count("cached result not used") == 1, o.output[-3000:]
     assert f"ran: {', '.join(item.ran)}\n" in o.output, o.output[-1500:]
+    assert item.absent is None or not (o.workdir / item.absent).exists()
 
 
 def test_report_lists_every_case(outcomes: list[Outcome]) -> None:
     text = REPORT.read_text(encoding="utf-8")
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
-    assert len(rows) == len(CASES) + len(RECOVERIES) and f"{len(CASES)} bad inputs:" in text
+    assert len(rows) == len(CASES) + len(RECOVERIES) + len(ELSEWHERE) >= 50 and f"{len(CASES)} bad inputs:" in text
+    for _, _, test in ELSEWHERE:  # every test named exists
+        file, _, name = test.partition("::")
+        assert (ROOT / "tests" / file).is_file(), test
+        assert not name or f"def {name}(" in (ROOT / "tests" / file).read_text(), test
     assert "<tmp>/" in text and "/tmp/pytest-of" not in text
+
+
+# ---------------------------------------------------------------------------------------------- data files
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path: Path) -> None:
+    bom = codecs.BOM_UTF8
+    for name, text in (("a.jsonl", '{"text": "the river"}\n'), ("a.json", '[{"text": "the river"}]'),
+                       ("a.txt", "the river\n")):  # fmt: skip
+        (tmp_path / name).write_bytes(bom + text.encode())
+        (doc,) = load_records(tmp_path / name)
+        assert doc.text == "the river", name
+
+
+def test_not_utf8_names_the_file_and_line(tmp_path: Path) -> None:
+    for name, data in (("a.jsonl", b'{"text": "a"}\n\n{"text": "caf\xe9"}\n'), ("a.txt", b"a\n\nb\ncaf\xe9\n")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(DataError, match=f"{tmp_path / name} line [34]: not UTF-8 text \\(byte 0xe9"):
+            load_records(tmp_path / name)
+
+
+def test_a_line_without_end_is_refused_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 1 << 16)
+    path = tmp_path / "huge.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "' + b"x" * (16 << 20))  # 16 MiB on line 2, no newline
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=f"{path} line 2: longer than 0.0625 MiB"):
+            load_records(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the 16 MiB line is never held
+
+
+def test_some_blank_documents_are_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "the river"}\n{"text": " \\t"}\n{"messages": [{"role": "user", "content": ""}]}\n')
+    with caplog.at_level("WARNING", logger="data.records"):
+        assert len(load_records(path)) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}: 2 of 3 documents are empty or whitespace only (first: line 2); they train on whitespace"
+    ]
+
+
+def test_a_split_smaller_than_one_step_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = RunConfig.model_validate(tiny_config(Path("w"), train={"batch_size": 4, "grad_accum": 2}))
+    tokens = SimpleNamespace(train=SimpleNamespace(n_sequences=5, n_positions=60))
+    with caplog.at_level("WARNING", logger="stages.train"):
+        warn_small_split(cfg, tokens)  # type: ignore[arg-type]
+        warn_small_split(cfg.model_copy(update={"train": cfg.train.model_copy(update={"grad_accum": 1})}), tokens)
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "5 sequences (60 trained positions), fewer than one optimizer step's 8" in message
+
+
+def test_compare_on_a_missing_workdir_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(CompareError, match=f"no MLflow store {missing / 'mlflow.db'}: no run was tracked there"):
+        compare_runs(Console(file=io.StringIO()), [], workdir=missing)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_git_commit_is_the_code_checkouts_not_the_current_directorys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    monkeypatch.chdir(tmp_path)  # another repository (no commit yet)
+    ours = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert (git_commit() or "").startswith(ours.stdout.strip())
+
+
+def test_choosing_the_engine_does_not_warn_about_a_cpu_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engines, "_DEVICES", {})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        backend, why = engines.resolve_backend("auto", "wgpu")
+    assert not [w for w in seen if "no discrete GPU" in str(w.message)], (backend, why)
+
+
+# ---------------------------------------------------------------------------------------------- fuzz
+
+TOKENS = ("yes", "no", "on", "-1", "0", "1e309", ".nan", "null", "[", "{a: 1}", "2024-01-01", "~", "''", "0x10",
+          "!!python/object/apply:os.system ['true']", "&a x", "*a", "1_000", "\x00", "é", "true", "- x", "a: b: c",
+          '"', "\t", "<<: {r: 1}", "[[[[[[[[[[]]]]]]]]]]", "../../x", "/abs", "1.5", "1" * 20)  # fmt: skip
+
+
+def _mutate_text(rng: np.random.Generator, text: str) -> str:
+    """One random edit of a config's text: a line deleted or doubled, a value replaced, a character changed."""
+    lines = text.splitlines()
+    i = int(rng.integers(len(lines)))
+    kind = int(rng.integers(4))
+    if kind == 0:
+        del lines[i]
+    elif kind == 1:
+        lines.insert(i, lines[i])
+    elif kind == 2 and ":" in lines[i]:
+        lines[i] = lines[i].split(":", 1)[0] + ": " + str(rng.choice(TOKENS))
+    else:
+        pos = int(rng.integers(len(lines[i]) + 1))
+        lines[i] = lines[i][:pos] + chr(int(rng.integers(1, 0x250))) + lines[i][pos:]
+    return "\n".join(lines) + "\n"
+
+
+def test_fuzzed_configs_load_or_fail_with_a_config_error(tmp_path: Path) -> None:
+    """3,000 random edits of a valid config file and random --set overrides: a RunConfig or a ConfigError."""
+    rng = np.random.default_rng(0)
+    text = yaml.safe_dump(tiny_config(tmp_path / "run"), sort_keys=False)
+    keys = [f"{section}.{name}" for section, cls in RunConfig.model_fields.items()
+            for name in getattr(cls.annotation, "model_fields", {})]  # fmt: skip
+    path = tmp_path / "config.yaml"
+    outcomes = {"loaded": 0, "refused": 0}
+    for n in range(3000):
+        mutated = text
+        for _ in range(int(rng.integers(1, 4))):
+            mutated = _mutate_text(rng, mutated)
+        path.write_text(mutated, encoding="utf-8")
+        overrides = [f"{rng.choice(keys)}={rng.choice(TOKENS)}"] if n % 3 == 0 else []
+        try:
+            load_config(path, overrides)
+            outcomes["loaded"] += 1
+        except ConfigError as exc:
+            assert str(exc).strip(), mutated
+            outcomes["refused"] += 1
+        except Exception as exc:  # noqa: BLE001 -- the finding: anything else is a bug
+            pytest.fail(f"{type(exc).__name__}: {exc}\n--- config ---\n{mutated}--- overrides: {overrides}")
+    assert min(outcomes.values()) > 100, outcomes
+
+
+def test_fuzzed_data_files_load_or_fail_with_a_data_error(tmp_path: Path) -> None:
+    """2,000 random byte edits of a valid JSON Lines file (and as text): documents or a DataError."""
+    rng = np.random.default_rng(1)
+    good = (tiny_inputs() / "texts.jsonl").read_bytes()[:4000]
+    extras = (b"\xff", b"\x00", b"\n", b'"', b"{", b"}", codecs.BOM_UTF8, codecs.BOM_UTF16_LE, b"\\u12", b"\xc3")
+    outcomes = {"loaded": 0, "refused": 0}
+    for n in range(2000):
+        data = bytearray(good)
+        for _ in range(int(rng.integers(1, 6))):
+            pos = int(rng.integers(len(data) + 1))
+            if rng.random() < 0.5:
+                data[pos:pos] = extras[int(rng.integers(len(extras)))]
+            else:
+                del data[pos : pos + int(rng.integers(1, 40))]
+        path = tmp_path / ("data.jsonl" if n % 4 else "data.txt")
+        path.write_bytes(bytes(data))
+        try:
+            load_records(path)
+            outcomes["loaded"] += 1
+        except DataError as exc:
+            assert str(path) in str(exc), exc
+            outcomes["refused"] += 1
+        except Exception as exc:  # noqa: BLE001 -- the finding: anything else is a bug
+            pytest.fail(f"{type(exc).__name__}: {exc}\n--- data ---\n{bytes(data)[:300]!r}")
+    assert min(outcomes.values()) > 100, outcomes

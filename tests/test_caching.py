@@ -209,7 +209,8 @@ def test_stale_cached_result_is_recomputed_and_its_record_dropped(
     policy = caching.StageCache(spec=keys.StageKey(stage="s", inputs=("x",)), verify=lambda c, i, r: problem[0])
     inputs = {"cfg": cfg, "x": _ref("a", "7")}
     records: dict[str, Any] = {}
-    monkeypatch.setattr(caching, "_read_record", records.get)
+    monkeypatch.setattr(caching, "get_result_store", lambda: None)
+    monkeypatch.setattr(caching, "_load", lambda store, key: records.get(key))
     monkeypatch.setattr(caching, "_drop_record", lambda key: records.pop(key, None) is not None)
     monkeypatch.setattr("prefect.get_run_logger", lambda: __import__("logging").getLogger("t"))
     key = policy.compute_key(None, inputs, {})

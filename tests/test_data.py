@@ -180,9 +180,10 @@ def test_no_tokens_after_tokenization(tmp_path: Path, tok: GGUFTokenizer) -> Non
     docs = load_records(_write_jsonl(tmp_path / "p.jsonl", prompts_only))
     with pytest.raises(DataError, match=r"p\.jsonl: no trainable tokens"):
         tokenize_dataset(docs, tok, 32, 0.1, 0)
-    docs = load_records(_write_jsonl(tmp_path / "e.jsonl", [{"text": ""}, {"text": ""}]))
+    with pytest.raises(DataError, match=r"e\.jsonl: every document \(2, e\.g\. line 1\) is empty or whitespace only"):
+        load_records(_write_jsonl(tmp_path / "e.jsonl", [{"text": ""}, {"text": " "}]))  # refused when read
     with pytest.raises(DataError, match="no trainable tokens"):
-        tokenize_dataset(docs, tok, 32, 0.1, 0)
+        tokenize_dataset([Document("e.jsonl", f"line {i}", text="") for i in (1, 2)], tok, 32, 0.1, 0)
 
 
 # ---------------------------------------------------------------------------------------------- split

@@ -11,6 +11,7 @@ server (PREFECT_API_URL), those that check the temporary server start their own.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from data.atomic import WriteError, atomic_write_bytes
 from data.topk import read_manifest
 from schemas.manifests import CheckpointManifest, ExportManifest, sha256_file
 from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
@@ -182,3 +184,17 @@ def test_concurrent_runs_on_a_new_and_on_a_used_workdir(reference_run: tuple[dic
     for code, out in map(_finish, again):
         assert code == 0 and "ran: nothing (all cached)" in out, out[-2000:]
     _no_orphans(tmp_path)
+
+
+def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    target = tmp_path / "step-00000002" / "adapter.safetensors"
+    target.parent.mkdir()
+    with pytest.raises(WriteError) as err:
+        atomic_write_bytes(target, b"x" * 100)
+    assert str(err.value) == f"[Errno 28] {target}: cannot write: No space left on device"
+    assert err.value.errno == errno.ENOSPC and isinstance(err.value, OSError)
+    assert list(target.parent.iterdir()) == []  # the temporary file is gone, nothing in place

@@ -3,10 +3,12 @@ leaves no process of theirs behind; the Prefect UI is told its API on a port oth
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -35,7 +37,8 @@ def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> N
     try:
         up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
-        assert f"export PREFECT_API_URL=http://127.0.0.1:{ports['PREFECT_PORT']}/api" in up.stdout
+        exports = f"export PREFECT_API_URL=http://127.0.0.1:{ports['PREFECT_PORT']}/api"
+        assert f"{exports} MLFLOW_TRACKING_URI=http://127.0.0.1:{ports['MLFLOW_PORT']}\n" in up.stdout  # README's
         pids = {name: int((data / f"{name}.pid").read_text()) for name in ("prefect", "mlflow")}
         for url in (
             f"http://127.0.0.1:{ports['PREFECT_PORT']}/api/health",
@@ -55,3 +58,38 @@ def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> N
     assert down.returncode == 0, down.stdout + down.stderr
     assert all(not _group_alive(pgid) for pgid in pids.values()), down.stdout
     assert not list(data.glob("*.pid"))
+
+
+def _status(url: str, auth: str | None = None) -> int:
+    """HTTP status of a POST to `url` (an empty filter), with basic auth `auth` ('user:secret') when given."""
+    request = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
+    if auth is not None:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_up_with_auth_refuses_the_prefect_api_without_its_secret(tmp_path: Path) -> None:
+    data = tmp_path / "servers"
+    ports = {"PREFECT_PORT": str(_free_port()), "MLFLOW_PORT": str(_free_port())}
+    env = {**os.environ, **ports, "SERVER_WAIT_S": "240", "DISTILLERY_AUTH": "1"}
+    env.pop("PREFECT_UI_API_URL", None)
+    api = f"http://127.0.0.1:{ports['PREFECT_PORT']}/api"
+    try:
+        up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stdout + up.stderr
+        secret_file = data / "prefect-auth"
+        secret = secret_file.read_text().strip()
+        assert secret_file.stat().st_mode & 0o077 == 0 and secret.startswith("distillery:") and len(secret) > 30
+        assert f'PREFECT_API_AUTH_STRING="$(cat {secret_file})"' in up.stdout and secret not in up.stdout
+        with urllib.request.urlopen(f"{api}/health", timeout=10) as reply:  # probes stay open
+            assert reply.status == 200
+        assert _status(f"{api}/flows/filter") == 401
+        assert _status(f"{api}/flows/filter", "distillery:wrong") == 401
+        assert _status(f"{api}/flows/filter", secret) == 200
+    finally:
+        down = subprocess.run([ROOT / "infra/down.sh", data], capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr

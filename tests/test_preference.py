@@ -103,7 +103,7 @@ def test_config_checks(tmp_path: Path) -> None:
     cfg = load_config(None, base)
     assert cfg.model.teacher == cfg.model.student  # not read by a preference run
     shipped = load_config(EXAMPLE.parents[2] / "configs" / "dpo.yaml")
-    assert shipped.run.task == "dpo" and Path(shipped.data.path) == Path("docs/examples/prefs.jsonl")
+    assert shipped.run.task == "dpo" and shipped.data.path == EXAMPLE.resolve()  # relative to configs/
     with pytest.raises(ConfigError, match="label_smoothing applies to loss_type sigmoid only"):
         load_config(None, [*base, "preference.loss_type=ipo", "preference.label_smoothing=0.1"])
     with pytest.raises(ConfigError, match="gamma is the SimPO margin"):

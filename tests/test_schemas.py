@@ -99,7 +99,8 @@ def test_yaml_and_overrides(tmp_path):
     cfg = load_config(path, ["lora.r=8", "lora.targets=[down,q]", "data.max_documents=null", "train.seed=7"])
     assert cfg.lora.r == 8 and isinstance(cfg.lora.r, int)
     assert cfg.lora.targets == ("q", "down")  # canonical order
-    assert cfg.data.seq_len == 256 and cfg.data.max_documents is None and cfg.data.path == Path("data")
+    assert cfg.data.seq_len == 256 and cfg.data.max_documents is None
+    assert cfg.data.path == tmp_path / "data" and cfg.model.student == tmp_path / "s.gguf"  # the file's folder
     assert cfg.train.seed == 7 and cfg.optim.lr == pytest.approx(1e-4)
     assert cfg.model.student_quant == ("Q4_K", "Q4_0")
     assert load_config(path).lora.targets == ("q", "v")
@@ -107,7 +108,15 @@ def test_yaml_and_overrides(tmp_path):
 
 
 def test_json_config_and_dump_round_trip(tmp_path):
-    cfg = _cfg("lora.targets=all", "export.merge=true", "export.merge_quant=[Q6_K, Q8_0]", "optim.betas=[0.8,0.9]")
+    paths = [f"{key}={tmp_path / value}" for key, value in (o.split("=") for o in REQUIRED)]
+    extra = [
+        f"run.workdir={tmp_path / 'w'}",
+        "lora.targets=all",
+        "export.merge=true",
+        "export.merge_quant=[Q6_K, Q8_0]",
+        "optim.betas=[0.8,0.9]",
+    ]
+    cfg = load_config(None, [*paths, *extra])
     yml = tmp_path / "dumped.yaml"
     yml.write_text(dump_config(cfg))
     assert load_config(yml) == cfg
@@ -449,3 +458,56 @@ def test_tracking_uri_prefers_config_then_environment_then_workdir(
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert run.tracking_uri() == "http://127.0.0.1:5000"
     assert RunSection(workdir=tmp_path, mlflow_uri="http://team:5000").tracking_uri() == "http://team:5000"
+
+
+# ---------------------------------------------------------------------------------------------- strict parsing
+
+
+def test_duplicate_keys_are_errors_naming_file_key_and_lines(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  student: s.gguf\n  teacher: t.gguf\nlora:\n  r: 4\ndata:\n  path: d\nlora:\n  r: 64\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}: line 8: duplicate key 'lora' (first at line 4); a key may appear once in a section"
+    )
+    js = tmp_path / "run.json"
+    js.write_text('{"lora": {"r": 4, "r": 64}}')
+    with pytest.raises(ConfigError, match=f"{js}: duplicate key 'r'"):
+        load_config(js)
+    with pytest.raises(ConfigError, match="duplicate key 'r'"):
+        load_config(None, [*REQUIRED, "lora={r: 1, r: 2}"])
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("train.epochs=yes", "train.epochs: Input should be a valid integer"),
+        ("lora.alpha=on", "lora.alpha: Input should be a valid number"),
+        ("train.epochs=true", "train.epochs: a boolean where a number is expected"),
+        ("data.max_documents=false", "data.max_documents: a boolean where a number is expected"),
+    ],
+)
+def test_yaml_11_booleans_are_not_numbers(override, says):
+    with pytest.raises(ConfigError, match=says):
+        _cfg(override)
+
+
+def test_yaml_12_scalars():
+    cfg = _cfg("run.experiment=2024-01-01", "run.run_name=2024", "optim.lr=2e-4", "lora.r=010", "data.pack=false")
+    assert cfg.run.experiment == "2024-01-01" and cfg.run.run_name == "2024"  # strings, not a date or an int
+    assert cfg.optim.lr == 2e-4 and cfg.lora.r == 10 and cfg.data.pack is False
+    assert _cfg("run.experiment=yes").run.experiment == "yes"
+    assert _cfg("lora.r=0x10").lora.r == 16 and _cfg("optim.eps=1e-6").optim.eps == 1e-6
+
+
+def test_relative_paths_in_a_file_are_relative_to_its_folder(tmp_path, monkeypatch):
+    sub = tmp_path / "configs"
+    sub.mkdir()
+    files = {"model": {"student": "../m/s.gguf", "teacher": "/abs/t.gguf"}, "data": {"path": "d.jsonl"}}
+    _write_yaml(sub, files)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(Path("configs/run.yaml"), ["data.eval_path=e.jsonl"])
+    assert cfg.model.student == tmp_path / "m" / "s.gguf" and cfg.model.teacher == Path("/abs/t.gguf")
+    assert cfg.data.path == sub / "d.jsonl" and cfg.run.workdir == Path("runs/default")  # default: cwd
+    assert cfg.data.eval_path == Path("e.jsonl")  # an override: relative to the current directory

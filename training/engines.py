@@ -38,13 +38,16 @@ _UPLOAD_STATS: dict[str, float] = {}
 _LOGGED: set[tuple[str, str, str]] = set()
 
 
-def get_device(backend: str = "auto") -> Device:
-    """The process's Device for `backend` (auto, wgpu, dawn), created once."""
+def get_device(backend: str = "auto", probe: bool = False) -> Device:
+    """The process's Device for `backend` (auto, wgpu, dawn), created once. `probe`: asked only to choose an
+    engine, so a CPU adapter's slow-kernels warning is not shown (auto then picks numpy, not the kernels)."""
     from gpu.device import Device
 
     if backend not in _DEVICES:
         with warnings.catch_warnings():
             warnings.simplefilter("default")
+            if probe:
+                warnings.filterwarnings("ignore", "GPU: no discrete GPU", RuntimeWarning)
             _DEVICES[backend] = Device(None if backend == "auto" else backend)
     return _DEVICES[backend]
 
@@ -117,7 +120,7 @@ def resolve_backend(choice: str, gpu_backend: str = "auto", what: str = "train.b
     from gpu.device import DeviceError
 
     try:
-        dev = get_device(gpu_backend)
+        dev = get_device(gpu_backend, probe=True)
     except DeviceError as exc:
         return "numpy", f"{what}=auto and no GPU adapter ({exc})"
     if dev.is_cpu:
