@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import save as st_save
 
-from data.checkpoint import atomic_write_bytes
+from data.files import atomic_write_bytes
 from model import quant as qc
 from model.config import LORA_TARGETS, PEFT_MODULES, ModelConfig
 from model.gguf import GGUFFile, write_gguf, write_lora_gguf

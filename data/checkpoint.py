@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from data.files import atomic_write_bytes, fsync_dir
 from model.config import LORA_TARGETS
 from model.reference import LoraPair
 from schemas.manifests import CheckpointManifest, FileRef
@@ -41,35 +41,6 @@ _ADAPTER_KEY = re.compile(r"^blk\.(\d+)\.([a-z]+)\.lora_([ab])$")
 
 class CheckpointError(ValueError):
     """A checkpoint is incomplete, corrupt or malformed; the message names the file and field."""
-
-
-# ---------------------------------------------------------------- atomic files
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary name next to `path`, fsync it, rename it into place, fsync the folder."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 # ---------------------------------------------------------------- adapter <-> flat tensors
@@ -223,7 +194,7 @@ def save_checkpoint(
     state_path = folder / STATE_FILE
     if state_path.exists():  # from here until the new JSON lands the folder is an incomplete checkpoint
         state_path.unlink()
-        _fsync_dir(folder)
+        fsync_dir(folder)
     atomic_write_bytes(folder / ADAPTER_FILE, adapter_bytes)
     atomic_write_bytes(folder / OPTIMIZER_FILE, optimizer_bytes)
     record = {

@@ -12,8 +12,6 @@ Stored as one Parquet file per split (schemas: PAIR_SCHEMA below), written atomi
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data.files import atomic_file
 from data.records import DataError, read_records, resolve_format
 from model.chat import check_messages, tokenize_chat
 from model.tokenizer import GGUFTokenizer
@@ -204,9 +203,8 @@ def write_pair_rows(rows: PairRows, path: Path) -> Path:
         schema=PAIR_SCHEMA,
     )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with atomic_file(path) as fh:
+        pq.write_table(table, fh)
     return path
 
 

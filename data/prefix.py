@@ -14,15 +14,13 @@ loses at most the shard being written. Readers verify every shard's size and sha
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from data.files import atomic_file, atomic_write_text
 from schemas.manifests import ManifestError, PrefixManifest, PrefixShard, sha256_file
 
 MANIFEST_NAME = "prefix_manifest.json"
@@ -71,17 +69,10 @@ def write_shard(folder: str | Path, split: str, index: int, seq_start: int, x: n
     folder = Path(folder)
     path = folder / shard_file(split, index)
     x = to_f16(x, str(path))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as fh:
-            np.save(fh, np.ascontiguousarray(x), allow_pickle=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        digest, size = sha256_file(tmp), tmp.stat().st_size
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    with atomic_file(path) as fh:
+        np.save(fh, np.ascontiguousarray(x), allow_pickle=False)
+        fh.flush()
+        digest, size = sha256_file(Path(fh.name)), fh.tell()
     return PrefixShard(
         file=path.name, split=split, seq_start=seq_start, seq_end=seq_start + len(x), sha256=digest, bytes=size
     )
@@ -90,9 +81,7 @@ def write_shard(folder: str | Path, split: str, index: int, seq_start: int, x: n
 def write_manifest(folder: str | Path, manifest: PrefixManifest) -> None:
     """Atomically replace the folder's prefix_manifest.json (stored without dir)."""
     path = Path(folder) / MANIFEST_NAME
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(manifest.model_copy(update={"dir": ""}).model_dump_json(indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_text(path, manifest.model_copy(update={"dir": ""}).model_dump_json(indent=1))
 
 
 def read_manifest(folder: str | Path) -> PrefixManifest | None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from model.tokenizer import GGUFTokenizer
     from schemas.config import DataSection
 
+from data.files import atomic_write_text, fsync_dir
 from data.records import DataError, Document, dataset_fingerprint, load_records
 
 SPLITS = ("train", "eval")
@@ -240,11 +241,7 @@ def _fsync_tree(path: Path) -> None:
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path)
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
@@ -278,15 +275,6 @@ def _split_documents_count(ds: datasets.Dataset) -> int:
         return int(json.loads(ds.info.description or "{}").get("n_documents", 0))
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
         return 0
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def write_token_shards(
@@ -334,7 +322,7 @@ def write_token_shards(
         train=splits["train"],
         eval=splits["eval"],
     )
-    _atomic_write_text(out / MANIFEST_NAME, manifest.model_dump_json(indent=2))
+    atomic_write_text(out / MANIFEST_NAME, manifest.model_dump_json(indent=2))
     return manifest
 
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data.files import atomic_file
 from schemas.files import TOPK_MANIFEST, SchemaError, topk_schema, validate_table
 from schemas.manifests import ManifestError, ShardRecord, TeacherManifest, sha256_file
 
@@ -202,32 +201,12 @@ def compute_shard_rows(
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
 def _write_parquet_atomic(table: pa.Table, path: Path, **options: object) -> str:
-    """Write `table` to a temp file, fsync, rename to `path`; return its sha256."""
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "wb") as fh:
-            pq.write_table(table, fh, **options)
-            fh.flush()
-            os.fsync(fh.fileno())
-        digest = sha256_file(tmp)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    _fsync_dir(path.parent)
+    """Write `table` to `path` atomically (data/files.py); return its sha256."""
+    with atomic_file(path) as fh:
+        pq.write_table(table, fh, **options)
+        fh.flush()
+        digest = sha256_file(Path(fh.name))
     return digest
 
 
