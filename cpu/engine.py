@@ -3,7 +3,7 @@
 The math is model/reference.py's op pairs (block_forward / block_backward, batched over [B, T] in float32: every
 projection is one [B*T, in] x [in, out] GEMM) and model/kd.py's per-row loss pieces, with the lm_head chunked over
 the vocabulary (cpu/head.py). Parameters, gradients and AdamW moments live in flat float32 arrays laid out like
-GPUStudent's (gpu.lora_layout.LoraLayout), so adapters, gradients and optimizer state are interchangeable.
+GPUStudent's (model.lora_layout.LoraLayout), so adapters, gradients and optimizer state are interchangeable.
 
 Memory: the per-block caches of the adapted blocks are kept from the forward for the backward when they fit in
 `activation_budget` bytes; otherwise only each adapted block's input is kept and the block is recomputed from it
@@ -20,10 +20,10 @@ import numpy as np
 from cpu.adamw import NumpyAdamW
 from cpu.head import VocabHead, VocabPass, head_backward, kd_rows
 from cpu.weights import check_weights, load_gguf_f32
-from gpu.lora_layout import LoraLayout
 from model import reference as R
 from model.config import ModelConfig
 from model.kd import LossConfig
+from model.lora_layout import LoraLayout
 from schemas.optim import AdamWConfig, StepStats
 
 ACTIVATION_BUDGET = 2 << 30  # bytes of block caches kept between forward and backward before recomputing

@@ -1,7 +1,7 @@
 """The frozen decoder forward on the GPU (llama, mistral, qwen2 with q/k/v biases, qwen3 with per-head q/k
 RMSNorm; NORM or NEOX RoPE, Llama 3 frequency factors), shared by the student (training, gpu/student.py) and the teacher
 (top-k, gpu/teacher.py): the weights uploaded still in their GGML types, and GPUModel, the forward over `batch`
-sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by gpu/lora_layout.py).
+sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by model/lora_layout.py).
 
 Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it;
 rows are `batch * seq_len` tokens; only attention works per sequence (the tensor-core kernels take the whole
@@ -22,7 +22,6 @@ from gguf import GGMLQuantizationType as Q
 
 from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS
 from gpu.device import BufferView, Device, DeviceError, Tape
-from gpu.lora_layout import LoraLayout, aligned_floats
 from gpu.ops.add import add, add_bias
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
@@ -36,6 +35,7 @@ from gpu.ops.rope import RopeTable, rope_forward
 from gpu.ops.swiglu import swiglu_forward
 from gpu.weights import QuantTensor, upload_quant
 from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
+from model.lora_layout import LoraLayout, aligned_floats
 from model.reference import LoraPair
 
 PREFETCH = 2  # tensors read ahead of the upload

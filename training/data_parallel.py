@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from gpu.lora_layout import LoraLayout
 from model.config import ModelConfig
+from model.lora_layout import LoraLayout
 from model.reference import LoraPair
 from schemas.config import RunConfig
 from schemas.optim import StepStats
