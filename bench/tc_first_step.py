@@ -21,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from gpu.objectives import GpuKd
+from model.engine_spec import EngineSpec, KdBatch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -81,13 +84,17 @@ def main() -> None:
     for name in args.variants.split(","):
         gemm, attn = plans[name]
         st = GPUStudent(
-            dev, w, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, top_k=k,
-            loss=LossConfig("forward_kl", tau=1.0, use_tail=True), precision="f32",
-        )  # fmt: skip
+            dev,
+            w,
+            EngineSpec(
+                w.cfg, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, precision="f32"
+            ),
+            GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k),
+        )
         st._linear, st._linear_grad = gemms[gemm]
         st._attention_fwd, st._attention_bwd = attns[attn]
         st.set_adapter(adapter)
-        st.write_batch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32))
+        st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
         calls = []
         for call in range(2):
             loss = st.loss_and_grads()

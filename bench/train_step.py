@@ -33,6 +33,9 @@ from typing import Any
 
 import numpy as np
 
+from gpu.objectives import GpuKd
+from model.engine_spec import EngineSpec, KdBatch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -172,19 +175,21 @@ def bench_ours(args: argparse.Namespace) -> None:
     st = GPUStudent(
         dev,
         weights,
-        targets=LORA_TARGETS,
-        r=args.rank,
-        alpha=2 * args.rank,
-        batch=b,
-        seq_len=t,
-        top_k=k,
-        loss=LossConfig("forward_kl", tau=1.0, use_tail=True),
-        precision=args.precision,
+        EngineSpec(
+            weights.cfg,
+            targets=LORA_TARGETS,
+            r=args.rank,
+            alpha=2 * args.rank,
+            batch=b,
+            seq_len=t,
+            precision=args.precision,
+        ),
+        GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k),
     )
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
     ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
-    st.write_batch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32))
+    st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
     losses: list[float] = []
 
     def step() -> None:

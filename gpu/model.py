@@ -37,6 +37,7 @@ from gpu.weights import QuantTensor, upload_quant
 from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
 from model.lora_layout import LoraLayout, aligned_floats
 from model.reference import LoraPair
+from schemas.config import lora_scale
 
 PREFETCH = 2  # tensors read ahead of the upload
 # padded per-sequence attention slots (GPUModel.direct_attention False) and whether each holds q- or kv-width rows
@@ -176,7 +177,6 @@ class _Buffers:
     batch: int
     seq_len: int
     r: int
-    k: int
     bufs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -244,12 +244,12 @@ class GPUModel:
                 f"{self.layout.lowest_layer} (blocks below it carry no LoRA)"
             )
         self.start_layer = start_layer  # > 0: the forward starts here from a given residual stream (write_prefix)
-        self.scale = alpha / r
+        self.scale = lora_scale(alpha, r)
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
         self.params = dev.buffer(4 * max(self.layout.n_params, 1), label="lora params")
         self.rope = RopeTable.for_model(dev, cfg, seq_len)
-        self._b = _Buffers(dev, cfg, batch, seq_len, r, 0)
+        self._b = _Buffers(dev, cfg, batch, seq_len, r)
         self._alloc()
         self._tapes: dict[Hashable, Tape] = {}  # recorded steps by what shapes their commands (see _taped)
 
@@ -289,7 +289,7 @@ class GPUModel:
 
     # ---- buffers ---------------------------------------------------------------------------------------
     def _alloc(self) -> None:
-        cfg, rows, k = self.cfg, self.rows, max(getattr(self, "k", 0), 1)
+        cfg, rows = self.cfg, self.rows
         h, f, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
         self.slot = aligned_floats(rows * h)
         b = self._b.get
@@ -301,17 +301,8 @@ class GPUModel:
         if self.bf16_checkpoints:  # blocks 0 .. L-2: the top block is never recomputed
             self.slot16 = aligned_floats(rows * h // 2)  # u32 words: two bf16 each
             self.xs16 = b("layer inputs bf16", max(cfg.n_layers - 1, 1) * self.slot16)
-        for name, n in (
-            ("ids", rows),
-            ("positions", rows),
-            ("targets", rows),
-            ("mask", rows),
-            ("teacher_ids", rows * k),
-            ("teacher_logprobs", rows * k),
-            ("teacher_tail", rows),
-            ("loss", 4),
-        ):
-            b(name, n)
+        for name in ("ids", "positions"):  # an objective's own inputs are its own (gpu/objectives.py)
+            b(name, rows)
         sizes = {
             "n1": h,
             "q": qd,

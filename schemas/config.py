@@ -197,6 +197,11 @@ class LossSection(Section):
         return value
 
 
+def lora_scale(alpha: float, r: int) -> float:
+    """The factor on a LoRA adapter's output, alpha / r (PEFT's convention): the one place it is computed."""
+    return alpha / r
+
+
 class LoraSection(Section):
     """LoRA adapters (PEFT convention: y = x W^T + (alpha/r) (x A^T) B^T; A Kaiming-uniform, B zero)."""
 
@@ -245,7 +250,7 @@ class LoraSection(Section):
     @property
     def scale(self) -> float:
         """alpha / r, the factor on the adapter's output."""
-        return self.alpha / self.r
+        return lora_scale(self.alpha, self.r)
 
 
 class OptimSection(Section):

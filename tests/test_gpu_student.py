@@ -8,9 +8,11 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu.model import StudentWeights
+from gpu.objectives import GpuKd
 from gpu.student import GPUStudent
 from model import reference
 from model.config import LORA_TARGETS, ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
 from schemas.optim import AdamWConfig
@@ -94,10 +96,13 @@ def test_step_matches_reference(qtype: int, loss_cfg: LossConfig) -> None:
     scale = 2.0
     weights = StudentWeights.from_arrays(dev, CFG, w, qtype)
     st = GPUStudent(
-        dev, weights, targets=LORA_TARGETS, r=R, alpha=scale * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg
+        dev,
+        weights,
+        EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=scale * R, batch=B, seq_len=T),
+        GpuKd(loss_cfg, K),
     )
     st.set_adapter(lora)
-    st.write_batch(ids, targets, mask, tids, tlp, ttail if loss_cfg.use_tail else None)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail if loss_cfg.use_tail else None))
     loss = st.loss_and_grads()
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, scale)
     assert abs(loss - want_loss) / abs(want_loss) < REL
@@ -123,11 +128,14 @@ def test_bf16_checkpoints_keep_the_loss_and_bound_the_gradients() -> None:
     runs = {}
     for kind in ("f32", "bf16"):
         st = GPUStudent(
-            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
+            dev,
+            weights,
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
             checkpoints=kind,
-        )  # fmt: skip
+        )
         st.set_adapter(lora)
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         runs[kind] = (st, st.loss_and_grads(), st.get_grads())
     (f32, loss_f32, grads_f32), (bf16, loss_bf16, grads_bf16) = runs["f32"], runs["bf16"]
     assert loss_bf16 == loss_f32
@@ -140,9 +148,12 @@ def test_bf16_checkpoints_keep_the_loss_and_bound_the_gradients() -> None:
     assert any(not np.array_equal(grads_bf16[k].A, grads_f32[k].A) for k in want)
     with pytest.raises(ValueError, match="checkpoints='f16'"):
         GPUStudent(
-            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
+            dev,
+            weights,
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
             checkpoints="f16",
-        )  # fmt: skip
+        )
 
 
 def test_attention_views_equal_padded_slots() -> None:
@@ -160,10 +171,11 @@ def test_attention_views_equal_padded_slots() -> None:
     weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     results = []
     for cls in (GPUStudent, SlottedStudent):
-        st = cls(dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg)
+        spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T)
+        st = cls(dev, weights, spec, GpuKd(loss_cfg, K))
         assert st.direct_attention == (cls is GPUStudent)
         st.set_adapter(lora)
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         results.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
     assert results[0][0] == results[1][0]
     np.testing.assert_array_equal(results[0][1], results[1][1])
@@ -182,18 +194,21 @@ def test_replayed_step_reads_the_new_batch() -> None:
 
     def student() -> GPUStudent:
         st = GPUStudent(
-            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg
+            dev,
+            weights,
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
         )
         st.set_adapter(lora)
         return st
 
     taped = student()
     for batch in batches:
-        taped.write_batch(*batch)
+        taped.write_batch(KdBatch(*batch))
         replayed = (taped.loss_and_grads(), taped.layout.pack(taped.get_grads()))
     assert len(taped._tapes) == 1
     fresh = student()
-    fresh.write_batch(*batches[1])
+    fresh.write_batch(KdBatch(*batches[1]))
     assert replayed[0] == fresh.loss_and_grads()
     np.testing.assert_array_equal(replayed[1], fresh.layout.pack(fresh.get_grads()))
 
@@ -209,17 +224,12 @@ def test_training_reduces_kl_and_is_bitwise_reproducible() -> None:
         st = GPUStudent(
             dev,
             weights,
-            targets=LORA_TARGETS,
-            r=R,
-            alpha=2 * R,
-            batch=B,
-            seq_len=T,
-            top_k=K,
-            loss=loss_cfg,
-            optim=AdamWConfig(lr=1e-2, max_grad_norm=1.0),
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
+            AdamWConfig(lr=1e-2, max_grad_norm=1.0),
         )
         st.set_adapter(reference.init_lora(CFG, list(LORA_TARGETS), R, seed=0))
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         losses = [st.train_step(lr=1e-2).loss for _ in range(n_steps)]
         return losses, st.layout.pack(st.get_adapter())
 
@@ -273,16 +283,11 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
         st = GPUStudent(
             dev,
             weights,
-            targets=LORA_TARGETS,
-            r=R,
-            alpha=R,
-            batch=B,
-            seq_len=T,
-            top_k=K,
-            loss=LossConfig("forward_kl", tau=1.0, use_tail=True),
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=R, batch=B, seq_len=T),
+            GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), K),
         )
         st.set_adapter(lora)
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         losses.append(st.loss_and_grads())
     assert losses[0] == losses[1]
 
@@ -319,20 +324,11 @@ def test_tensorcore_step_matches_reference() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    st = GPUStudent(
-        dev,
-        StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0),
-        targets=LORA_TARGETS,
-        r=R,
-        alpha=2 * R,
-        batch=B,
-        seq_len=T,
-        top_k=K,
-        loss=loss_cfg,
-        precision="tensorcore",
-    )
+    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision="tensorcore")
+    st = GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K))
     st.set_adapter(lora)
-    st.write_batch(ids, targets, mask, tids, tlp, ttail)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
     loss = st.loss_and_grads()
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, 2.0)
     assert abs(loss - want_loss) / abs(want_loss) < TC_REL

@@ -1,4 +1,4 @@
-"""Token splits as dense arrays and the [B, T] batches (with teacher top-k) an engine takes."""
+"""Token splits as dense arrays and the [B, T] KdBatches (with teacher top-k) an engine takes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 from data.prefix import PrefixReader
 from data.tokens import read_token_split
 from data.topk import TopkReader
+from model.engine_spec import KdBatch
 
 
 # ---- data -------------------------------------------------------------------------------------------------
@@ -27,8 +28,9 @@ def read_split(token_dir: Path, split: str) -> Split:
     return Split(np.asarray(ds["seq_id"]), ids.astype(np.int64), mask.astype(np.uint8))
 
 
-def batch_arrays(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> tuple[np.ndarray, ...]:
-    """Dense [B, T] inputs for Engine.write_batch; missing rows (the last partial batch) are masked out."""
+def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> KdBatch:
+    """The dense [B, T] KdBatch of split rows `rows` (teacher tail included, no prefix) for Engine.write_batch;
+    missing rows (the last partial batch) are masked out."""
     t = split.ids.shape[1]
     ids = np.zeros((batch, t), np.int64)
     mask = np.zeros((batch, t), np.uint8)
@@ -45,11 +47,11 @@ def batch_arrays(split: Split, rows: np.ndarray, batch: int, reader: TopkReader,
         tids[b_idx, t_idx] = top.ids
         tlp[b_idx, t_idx] = top.logprobs
         tail[b_idx, t_idx] = top.tail
-    return ids, targets, mask, tids, tlp, tail
+    return KdBatch(ids, targets, mask, tids, tlp, tail)
 
 
 def batch_prefix(split: Split, rows: np.ndarray, batch: int, reader: PrefixReader) -> np.ndarray:
-    """[batch, T, hidden] float32 for Engine.write_batch's prefix: the cached input of the engine's start block
+    """[batch, T, hidden] float32 for KdBatch.prefix: the cached input of the engine's start block
     for each row (missing rows of the last partial batch are zero; their mask is 0)."""
     m = reader.manifest
     out = np.zeros((batch, split.ids.shape[1], m.hidden), np.float32)

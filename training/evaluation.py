@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from data.topk import TopkReader
 from model import reference
 from schemas.config import RunConfig
 from training import engines
-from training.batches import Split, batch_arrays, batch_prefix, read_split
+from training.batches import Split, batch_prefix, kd_batch, read_split
 from training.engine import AdapterLayout
 
 
@@ -62,15 +63,16 @@ def evaluate(
     tau2 = cfg.teacher.temperature**2
     kl_sum = ce_sum = top1 = n = 0.0
     for rows in eval_batches(cfg, split):
-        ids, targets, mask, tids, tlp, tail = batch_arrays(split, rows, cfg.train.batch_size, reader, cfg.teacher.top_k)
-        given = {} if prefix is None else {"prefix": batch_prefix(split, rows, cfg.train.batch_size, prefix)}
-        engine.write_batch(ids, targets, mask, tids, tlp, tail, **given)
+        batch = kd_batch(split, rows, cfg.train.batch_size, reader, cfg.teacher.top_k)
+        if prefix is not None:
+            batch = replace(batch, prefix=batch_prefix(split, rows, cfg.train.batch_size, prefix))
+        engine.write_batch(batch)
         out = engine.evaluate_batch()
-        m = mask.reshape(-1) != 0
+        m = batch.mask.reshape(-1) != 0
         count = int(m.sum())
         kl_sum += float(out["kd_loss"][0]) * count / tau2
         ce_sum += float(out["ce"][m].sum())
-        top1 += float((out["top1"][m] == tids.reshape(-1, cfg.teacher.top_k)[m, 0]).sum())
+        top1 += float((out["top1"][m] == batch.teacher_ids.reshape(-1, cfg.teacher.top_k)[m, 0]).sum())
         n += count
         if on_batch is not None:
             on_batch(len(rows))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ from model import reference
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, FileRef
 from training import engines
-from training.batches import batch_arrays, batch_prefix, read_split
+from training.batches import batch_prefix, kd_batch, read_split
 from training.engine import Engine
 from training.schedule import learning_rate, steps_per_epoch
 
@@ -80,10 +80,14 @@ def train_epoch(
         engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
 
     def write_micro(part: np.ndarray) -> int:
-        batch = batch_arrays(train, part, cfg.train.batch_size, reader, cfg.teacher.top_k)
-        given = {} if prefix is None else {"prefix": batch_prefix(train, part, cfg.train.batch_size, prefix)}
-        engine.write_batch(*batch[:5], batch[5] if cfg.teacher.tail else None, **given)
-        return int(batch[2].sum())
+        batch = kd_batch(train, part, cfg.train.batch_size, reader, cfg.teacher.top_k)
+        batch = replace(
+            batch,
+            teacher_tail=batch.teacher_tail if cfg.teacher.tail else None,
+            prefix=None if prefix is None else batch_prefix(train, part, cfg.train.batch_size, prefix),
+        )
+        engine.write_batch(batch)
+        return int(batch.mask.sum())
 
     return run_steps(cfg, engine, Path(ckpt_root), epoch, len(train.seq_ids), write_micro, on_step)
 
