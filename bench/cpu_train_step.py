@@ -97,13 +97,13 @@ def bench_lavapipe(path: Path, batch: tuple, args: argparse.Namespace) -> dict:
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     os.environ.setdefault("WGPU_BACKEND_TYPE", "Vulkan")
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.student import GPUStudent
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the "CPU adapter" warning
         dev = Device()
-    weights = StudentWeights.from_gguf(dev, path)
+    weights = ModelWeights.from_gguf(dev, path)
     st = GPUStudent(
         dev,
         weights,

@@ -30,7 +30,7 @@ F16_MIN_NORMAL = 6.103515625e-05
 def main() -> None:
     from bench.train_step import _teacher_batch
     from gpu.device import BufferView, Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.student import GPUStudent
     from model import reference
     from model.config import LORA_TARGETS
@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--precision", default="f32", help="f32 (the oracle) or tensorcore (find its first bad operand)")
     args = p.parse_args()
     dev = Device()
-    weights = StudentWeights.from_gguf(dev, args.gguf)
+    weights = ModelWeights.from_gguf(dev, args.gguf)
     cfg = weights.cfg
     b, t, k = args.batch, args.seq, args.top_k
     st = GPUStudent(

@@ -43,7 +43,7 @@ def main() -> None:
 
     from bench.train_step import SHAPES, _teacher_batch, random_tensors
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.ops.attention import attention_backward, attention_forward
     from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
     from gpu.ops.matmul import linear, linear_input_grad
@@ -66,12 +66,12 @@ def main() -> None:
     dev = Device()
     rng = np.random.default_rng(0)
     if args.gguf:
-        w = StudentWeights.from_gguf(dev, args.gguf)
+        w = ModelWeights.from_gguf(dev, args.gguf)
     else:
         cfg = SHAPES[args.shape]
         if args.layers:
             cfg = dataclasses.replace(cfg, n_layers=args.layers)
-        w = StudentWeights.upload(dev, cfg, random_tensors(cfg, Q.Q4_K, rng))
+        w = ModelWeights.upload(dev, cfg, random_tensors(cfg, Q.Q4_K, rng))
     cfg, b, t, k = w.cfg, args.batch, args.seq, args.top_k
     ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))

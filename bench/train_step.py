@@ -10,7 +10,7 @@ the side's whole-process footprint, measured the same way for both; each side al
 (our Device.peak_bytes, torch.cuda.max_memory_allocated). Throughput: one warm-up step, then --repeats windows
 of --steps steps each; the median window is reported with all windows. The last line is a summary with ratios.
 
-Weights: --gguf FILE loads a real student (ours: StudentWeights.from_gguf; HF: from_pretrained(dir,
+Weights: --gguf FILE loads a real student (ours: ModelWeights.from_gguf; HF: from_pretrained(dir,
 gguf_file=...)), else --shape builds random weights at checkpoint-like scales (embedding and projections
 N(0, 0.02), o/down scaled by 1/sqrt(2 n_layers), norms 1; ours as random GGML blocks of --quant whose f16
 scales are set to that RMS, the embedding Q4_K (Q8_0 where the row length is not a multiple of 256) and the
@@ -155,7 +155,7 @@ def _teacher_batch(vocab: int, b: int, t: int, k: int, rng: np.random.Generator)
 # ---- ours ---------------------------------------------------------------------------------------------------
 def bench_ours(args: argparse.Namespace) -> None:
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.profile import Profiler
     from gpu.student import GPUStudent
     from gpu.teacher import GPUTeacher
@@ -166,9 +166,9 @@ def bench_ours(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
     if args.gguf:
-        weights = StudentWeights.from_gguf(dev, args.gguf)
+        weights = ModelWeights.from_gguf(dev, args.gguf)
     else:
-        weights = StudentWeights.upload(dev, SHAPES[args.shape], random_tensors(SHAPES[args.shape], Q[args.quant], rng))
+        weights = ModelWeights.upload(dev, SHAPES[args.shape], random_tensors(SHAPES[args.shape], Q[args.quant], rng))
     cfg = weights.cfg
     emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k

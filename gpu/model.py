@@ -46,9 +46,9 @@ _SLOT_KIND = {"aq": "q", "ak": "kv", "av": "kv", "ao": "q", "adq": "q", "adk": "
 
 # ---- frozen weights --------------------------------------------------------------------------------------
 @dataclass
-class StudentWeights:
-    """The frozen student on the GPU: 2-D projections in their GGML types, lm_head as stored; norms (q/k norms
-    included) and q/k/v biases in f32."""
+class ModelWeights:
+    """A frozen model (the student, or the teacher) on the GPU: 2-D projections in their GGML types, lm_head as
+    stored; norms (q/k norms included) and q/k/v biases in f32."""
 
     cfg: ModelConfig
     embed: QuantTensor
@@ -61,7 +61,7 @@ class StudentWeights:
     @classmethod
     def upload(
         cls, dev: Device, cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray, int, tuple[int, ...]]]
-    ) -> StudentWeights:
+    ) -> ModelWeights:
         """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time."""
         from model.quant import dequantize
 
@@ -119,7 +119,7 @@ class StudentWeights:
         return cls.upload(dev, cfg, items())
 
     @classmethod
-    def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> StudentWeights:
+    def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> ModelWeights:
         """Stream a GGUF tensor by tensor into GPU memory, still quantized.
 
         A background thread reads the next tensors from the memory map (at most `PREFETCH` in flight, so host
@@ -210,7 +210,7 @@ class GPUModel:
     def __init__(
         self,
         dev: Device,
-        weights: StudentWeights,
+        weights: ModelWeights,
         *,
         batch: int,
         seq_len: int,

@@ -21,20 +21,45 @@ per-row weight in the KD head (a float mask) would remove both.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
 
 import numpy as np
 
+from gpu.device import Device
+from gpu.model import ModelWeights
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
+from model.config import ModelConfig
 from model.dpo import DpoConfig, PairTerms, preference_loss
-from model.engine_spec import KdBatch, PairBatch
+from model.engine_spec import EngineSpec, KdBatch, PairBatch
 from model.kd import LossConfig
 
-if TYPE_CHECKING:
-    from gpu.student import GPUStudent
+
+class Trunk(Protocol):
+    """What an objective reads of the GPU trunk it is plugged into (gpu/student.py's GPUStudent, a GPUModel):
+    its shapes, buffers, and the forward it records its head after."""
+
+    dev: Device
+    cfg: ModelConfig
+    w: ModelWeights
+    spec: EngineSpec
+    batch: int  # sequences per batch
+    seq_len: int
+    rows: int  # batch * seq_len
+    grad_accum: int
+    start_layer: int
+    a: dict[str, Any]  # activation buffers: the head reads "nf" and leaves dL/dh in "tmp"
+    losses: Any  # [grad_accum] f32: each micro-batch's loss
+    _b: Any  # the named input buffers ("ids", "positions"; an objective adds its own)
+    _pack_inputs: bool  # tensor cores: GEMM inputs packed to f16
+
+    def write_prefix(self, x: np.ndarray) -> None: ...
+
+    def _taped(self, key: Hashable, record: Callable[[], None]) -> None: ...
+
+    def _forward_to_head(self, checkpoint: bool = False) -> Any: ...
 
 
 class GpuObjective(Protocol):
@@ -43,7 +68,7 @@ class GpuObjective(Protocol):
     host_pass: bool
     """True when each step needs a host computation between forward passes (prepare): no one-encoder step."""
 
-    def bind(self, student: GPUStudent) -> None:
+    def bind(self, student: Trunk) -> None:
         """Called once by the student's constructor: check its shapes and allocate the objective's buffers."""
         ...
 
@@ -87,7 +112,7 @@ class GpuKd:
         self.loss_cfg, self.k = loss, top_k
         self._has_tail = False
 
-    def bind(self, student: GPUStudent) -> None:
+    def bind(self, student: Trunk) -> None:
         st, rows, k = student, student.rows, self.k
         self.st = st
         b = st._b.get
@@ -208,7 +233,7 @@ class GpuPreference:
         self._ref: np.ndarray | None = None
         self._row_scale: np.ndarray | None = None
 
-    def bind(self, student: GPUStudent) -> None:
+    def bind(self, student: Trunk) -> None:
         if student.batch % 2:
             raise ValueError(f"a preference batch is 2 sequences per pair: batch={student.batch} is odd")
         if student.start_layer:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from gpu.device import Device
-from gpu.model import GPUModel, StudentWeights
+from gpu.model import GPUModel, ModelWeights
 from gpu.objectives import GpuObjective
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
@@ -53,7 +53,7 @@ class GPUStudent(GPUModel):
     def __init__(
         self,
         dev: Device,
-        weights: StudentWeights,
+        weights: ModelWeights,
         spec: EngineSpec,
         objective: GpuObjective,
         optim: AdamWConfig | None = None,

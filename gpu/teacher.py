@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu.device import Device
-from gpu.model import GPUModel, StudentWeights
+from gpu.model import GPUModel, ModelWeights
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
 
@@ -18,7 +18,7 @@ class GPUTeacher(GPUModel):
     def __init__(
         self,
         dev: Device,
-        weights: StudentWeights,
+        weights: ModelWeights,
         *,
         batch: int,
         seq_len: int,

@@ -231,7 +231,7 @@ GPU_REL = 1e-4  # f32 kernels on lavapipe vs numpy BLAS, relative to each tensor
 def test_gpu_engine_matches_numpy_engine(oracle, name: str) -> None:
     """GPUStudent with GpuPreference (the KD head as CE, its dL/dh rows scaled by the DPO weights) against the
     numpy engine held to torch above: loss, every LoRA gradient, and two accumulated micro-batches then a step."""
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.objectives import GpuPreference
     from gpu.student import GPUStudent
     from model.engine_spec import EngineSpec
@@ -242,7 +242,7 @@ def test_gpu_engine_matches_numpy_engine(oracle, name: str) -> None:
     c = VARIANTS[name]
     common = {"targets": ALL, "r": R_RANK, "alpha": ALPHA, "batch": 2 * PAIRS, "seq_len": T, "grad_accum": 2}
     numpy_engine = NumpyEngine.from_gguf(folder / "tiny.gguf", NumpyPreference(c), **common)
-    weights = StudentWeights.from_gguf(dev, folder / "tiny.gguf")
+    weights = ModelWeights.from_gguf(dev, folder / "tiny.gguf")
     gpu_engine = GPUStudent(dev, weights, EngineSpec(weights.cfg, **common), GpuPreference(c))
     stats = {}
     for engine in (numpy_engine, gpu_engine):

@@ -82,12 +82,12 @@ def test_numpy_engine(objective: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("objective", ["kd", "preference"])
 def test_gpu_student(objective: str) -> None:
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.objectives import GpuKd, GpuPreference
     from gpu.student import GPUStudent
 
     dev = device_or_skip()
-    weights = StudentWeights.from_arrays(dev, CFG, R.random_weights(CFG, 3, np.float32))
+    weights = ModelWeights.from_arrays(dev, CFG, R.random_weights(CFG, 3, np.float32))
     if objective == "kd":
         _check_engine(GPUStudent(dev, weights, _spec(), GpuKd(LOSS, K)), _kd_batch(), _pair_batch(), KD_RESULTS)
     else:

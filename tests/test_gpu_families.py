@@ -10,7 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu.device import Device
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
 from gpu.objectives import GpuKd
 from gpu.ops.add import add_bias
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
@@ -143,7 +143,7 @@ def test_student_step_matches_reference(name: str, qtype: int) -> None:
     cfg = FAMILIES[name]
     w, lora, ids, targets, mask, tids, tlp = _problem(cfg, 7, qtype)
     loss_cfg = LossConfig("forward_kl", tau=1.0, ce_weight=0.2)
-    weights = StudentWeights.from_arrays(dev, cfg, w, qtype)
+    weights = ModelWeights.from_arrays(dev, cfg, w, qtype)
     spec = EngineSpec(weights.cfg, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T)
     st = GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K))
     st.set_adapter(lora)
@@ -171,7 +171,7 @@ def test_tensorcore_step_matches_reference(name: str) -> None:
     cfg = FAMILIES[name]
     w, lora, ids, targets, mask, tids, tlp = _problem(cfg, 9, Q.Q4_0)
     loss_cfg = LossConfig("forward_kl", tau=1.0)
-    weights = StudentWeights.from_arrays(dev, cfg, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, cfg, w, Q.Q4_0)
     st = GPUStudent(
         dev,
         weights,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
 from gpu.objectives import GpuKd
 from gpu.student import GPUStudent, TrainingDiverged
 from model import reference
@@ -25,7 +25,7 @@ T, K, R = 8, 4, 2
 
 def _student(grad_accum: int = 1, max_skips_in_a_row: int = 8) -> GPUStudent:
     dev = device_or_skip()
-    weights = StudentWeights.from_arrays(dev, CFG, reference.random_weights(CFG, 0, np.float32), Q.Q8_0)
+    weights = ModelWeights.from_arrays(dev, CFG, reference.random_weights(CFG, 0, np.float32), Q.Q8_0)
     st = GPUStudent(
         dev,
         weights,

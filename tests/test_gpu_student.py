@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
 from gpu.objectives import GpuKd
 from gpu.student import GPUStudent
 from model import reference
@@ -94,7 +94,7 @@ def test_step_matches_reference(qtype: int, loss_cfg: LossConfig) -> None:
     w, lora, ids, targets, mask, rng = _problem(3, qtype)
     tids, tlp, ttail = _teacher(rng, loss_cfg.tau)
     scale = 2.0
-    weights = StudentWeights.from_arrays(dev, CFG, w, qtype)
+    weights = ModelWeights.from_arrays(dev, CFG, w, qtype)
     st = GPUStudent(
         dev,
         weights,
@@ -124,7 +124,7 @@ def test_bf16_checkpoints_keep_the_loss_and_bound_the_gradients() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     runs = {}
     for kind in ("f32", "bf16"):
         st = GPUStudent(
@@ -168,7 +168,7 @@ def test_attention_views_equal_padded_slots() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(5, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     results = []
     for cls in (GPUStudent, SlottedStudent):
         spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T)
@@ -190,7 +190,7 @@ def test_replayed_step_reads_the_new_batch() -> None:
     batches = [(ids, targets, mask, *_teacher(rng, 1.0))]
     _, _, ids2, targets2, mask2, rng2 = _problem(10, Q.Q4_0)
     batches.append((ids2, targets2, mask2, *_teacher(rng2, 1.0)))
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
 
     def student() -> GPUStudent:
         st = GPUStudent(
@@ -218,7 +218,7 @@ def test_training_reduces_kl_and_is_bitwise_reproducible() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, _, ids, targets, mask, rng = _problem(5, Q.Q8_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q8_0)
 
     def run(n_steps: int) -> tuple[list[float], np.ndarray]:
         st = GPUStudent(
@@ -246,7 +246,7 @@ def test_teacher_topk_matches_reference() -> None:
     dev = device_or_skip()
     w, _, ids, _, _, _ = _problem(7, Q.F32)
     tau = 1.5
-    teacher = GPUTeacher(dev, StudentWeights.from_arrays(dev, CFG, w), batch=B, seq_len=T, top_k=K, tau=tau)
+    teacher = GPUTeacher(dev, ModelWeights.from_arrays(dev, CFG, w), batch=B, seq_len=T, top_k=K, tau=tau)
     got_ids, got_lp, got_tail = teacher.topk(ids)
     w64 = {n: a.astype(np.float64) for n, a in w.items()}
     for s in range(B):
@@ -259,7 +259,7 @@ def test_teacher_topk_matches_reference() -> None:
 
 
 def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
-    """StudentWeights.from_gguf (read-ahead thread) gives the same step as uploading the arrays directly."""
+    """ModelWeights.from_gguf (read-ahead thread) gives the same step as uploading the arrays directly."""
     from model.gguf import llama_metadata, write_gguf
 
     dev = device_or_skip()
@@ -275,11 +275,11 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
     ]
     write_gguf(tmp_path / "s.gguf", "llama", meta, tensors)
     seen = []
-    streamed = StudentWeights.from_gguf(dev, tmp_path / "s.gguf", progress=lambda info: seen.append(info.name))
+    streamed = ModelWeights.from_gguf(dev, tmp_path / "s.gguf", progress=lambda info: seen.append(info.name))
     assert sorted(seen) == sorted(w)
     tids, tlp, ttail = _teacher(rng, 1.0)
     losses = []
-    for weights in (streamed, StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)):
+    for weights in (streamed, ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)):
         st = GPUStudent(
             dev,
             weights,
@@ -303,7 +303,7 @@ def test_tensorcore_f16_gemm_inputs_are_exact() -> None:
 
     dev = tensor_core_device_or_skip()
     w, lora, ids, *_ = _problem(3, Q.Q4_0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     streams = []
     for packed in (True, False):
         model = GPUModel(
@@ -324,7 +324,7 @@ def test_tensorcore_step_matches_reference() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision="tensorcore")
     st = GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K))
     st.set_adapter(lora)
@@ -347,7 +347,7 @@ def test_tensorcore_teacher_topk_close() -> None:
 
     dev = tensor_core_device_or_skip()
     w, _, ids, _, _, _ = _problem(7, Q.F32)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     got, want = (
         GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.0, precision=p).topk(ids)
         for p in ("tensorcore", "f32")

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gpu.codegen import KERNEL_DIR
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
 from gpu.objectives import GpuKd
 from gpu.ops.matmul import pick_tile
 from gpu.ops.matmul_tc import pick_config
@@ -158,7 +158,7 @@ def test_model_dispatches_only_registry_members(monkeypatch: pytest.MonkeyPatch)
     rng = np.random.default_rng(0)
     w = reference.random_weights(CFG, 0, np.float32)
     ids, targets, mask, tids, tlp, tail = _problem(rng)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     loss = LossConfig("jsd", tau=2.0, beta=0.3, ce_weight=0.25, use_tail=True)
     st = GPUStudent(
         dev,

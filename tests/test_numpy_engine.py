@@ -80,12 +80,12 @@ def _engine(w, loss: LossConfig, optim: AdamWConfig | None = None, **kw) -> Nump
 
 
 def _gpu_student(dev, w, loss: LossConfig, optim: AdamWConfig | None = None, **kw):
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.objectives import GpuKd
     from gpu.student import GPUStudent
 
     optim = optim or AdamWConfig(lr=1e-2, weight_decay=0.1)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q8_0)
     return GPUStudent(dev, weights, _spec(**kw), GpuKd(loss, K), optim)
 
 

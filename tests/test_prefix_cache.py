@@ -121,13 +121,13 @@ def test_numpy_engine_from_the_cache_gives_the_whole_forwards_gradients() -> Non
 
 @pytest.mark.gpu
 def test_gpu_student_from_the_cache_gives_the_whole_forwards_gradients() -> None:
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.objectives import GpuKd
     from gpu.student import GPUStudent
 
     dev = device_or_skip()
     w, batch = _weights(), _batch()
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q8_0)
 
     def engine(start: int) -> GPUStudent:
         return GPUStudent(
@@ -209,9 +209,9 @@ def test_prefix_stage_writes_verified_float16_activations(tiny: dict) -> None:
     assert n_seq == tokens.train.n_sequences + tokens.eval.n_sequences
 
     from data.tokens import read_token_split
-    from training.engines import load_host_student
+    from training.engines import load_host_weights
 
-    model_cfg, w = load_host_student(student.path_in(root))
+    model_cfg, w = load_host_weights(student.path_in(root))
     ds = read_token_split(tokens.path_in(root), "eval").with_format("numpy")
     ids, seq_ids = np.stack(ds["input_ids"]).astype(np.int64), np.asarray(ds["seq_id"])
     got = PrefixReader(manifest.path_in(root)).read(seq_ids.tolist())

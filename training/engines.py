@@ -1,6 +1,8 @@
 """The engines that train and evaluate a student (training.engine.Engine), built from the run config, and the
-process-wide caches behind them: one GPU device and one uploaded student per process (GPU memory does not
-outlive a process), or one float32 copy of the student in host memory for the numpy engine.
+process-wide caches behind them: one GPU device and one uploaded model (the student, or the GPU teacher) per
+process (GPU memory does not outlive a process), or one float32 copy in host memory for the numpy engine. An
+engine is a trunk built from an EngineSpec with an objective plugged in (KD here, preference in
+training/preference.py): objective_engine builds either on either backend.
 
 train.backend picks the engine: gpu (gpu/student.py's GPUStudent, wgpu kernels), numpy (cpu.NumpyEngine, float32
 through BLAS), or auto (numpy when the only adapter is a CPU, such as lavapipe, or there is none; else gpu).
@@ -28,14 +30,14 @@ if TYPE_CHECKING:
     import numpy as np
 
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
 
 log = logging.getLogger(__name__)
 
 # ---- one device, one uploaded student per process ---------------------------------------------------------
 _DEVICES: dict[str, Device] = {}
-_STUDENTS: dict[tuple, StudentWeights] = {}
-_HOST_STUDENTS: dict[tuple, tuple[Any, dict[str, np.ndarray]]] = {}
+_GPU_WEIGHTS: dict[tuple, ModelWeights] = {}
+_HOST_WEIGHTS: dict[tuple, tuple[Any, dict[str, np.ndarray]]] = {}
 _UPLOAD_STATS: dict[str, float] = {}
 _LOGGED: set[tuple[str, str, str]] = set()
 
@@ -67,29 +69,29 @@ def _record_upload(t0: float, nbytes: int) -> None:
     )
 
 
-def load_student(path: Path, backend: str = "auto", progress: Callable[[Any], None] | None = None) -> StudentWeights:
+def load_gpu_weights(path: Path, backend: str = "auto", progress: Callable[[Any], None] | None = None) -> ModelWeights:
     """Stream the GGUF at `path` into GPU memory once per process (keyed by path, size, mtime, backend)."""
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
 
     key = _file_key(path, backend)
-    if key not in _STUDENTS:
+    if key not in _GPU_WEIGHTS:
         dev = get_device(backend)
         t0 = time.perf_counter()
-        weights = StudentWeights.from_gguf(dev, path, progress=progress)
+        weights = ModelWeights.from_gguf(dev, path, progress=progress)
         dev.sync()
         _record_upload(t0, weights.nbytes)
-        _STUDENTS.clear()  # one student resident at a time
-        _STUDENTS[key] = weights
-    return _STUDENTS[key]
+        _GPU_WEIGHTS.clear()  # one model resident at a time
+        _GPU_WEIGHTS[key] = weights
+    return _GPU_WEIGHTS[key]
 
 
-def load_host_student(path: Path, progress: Callable[[Any], None] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
+def load_host_weights(path: Path, progress: Callable[[Any], None] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
     """(ModelConfig, {GGUF name: float32 array}) of the GGUF at `path`, dequantized once per process (keyed by
     path, size, mtime): what the numpy engine trains on; progress(info) after each tensor."""
     from model.gguf import GGUFFile
 
     key = _file_key(path)
-    if key not in _HOST_STUDENTS:
+    if key not in _HOST_WEIGHTS:
         t0 = time.perf_counter()
         with GGUFFile(path) as f:
             cfg, weights = f.config(), {}
@@ -98,9 +100,9 @@ def load_host_student(path: Path, progress: Callable[[Any], None] | None = None)
                 if progress is not None:
                     progress(info)
         _record_upload(t0, sum(a.nbytes for a in weights.values()))
-        _HOST_STUDENTS.clear()  # one student resident at a time
-        _HOST_STUDENTS[key] = (cfg, weights)
-    return _HOST_STUDENTS[key]
+        _HOST_WEIGHTS.clear()  # one model resident at a time
+        _HOST_WEIGHTS[key] = (cfg, weights)
+    return _HOST_WEIGHTS[key]
 
 
 def upload_stats() -> dict[str, float]:
@@ -139,9 +141,9 @@ def chosen_backend(cfg: RunConfig) -> str:
 def preload_student(cfg: RunConfig, path: Path, progress: Callable[[Any], None] | None = None) -> None:
     """Load the student where this run's engine reads it (GPU memory, or host float32 for numpy), once."""
     if chosen_backend(cfg) == "numpy":
-        load_host_student(path, progress)
+        load_host_weights(path, progress)
     else:
-        load_student(path, cfg.run.gpu_backend, progress)
+        load_gpu_weights(path, cfg.run.gpu_backend, progress)
 
 
 # ---- the engine of a run ------------------------------------------------------------------------------------
@@ -198,12 +200,12 @@ def objective_engine(
     if (backend or chosen_backend(cfg)) == "numpy":
         from cpu import NumpyEngine
 
-        model_cfg, weights = load_host_student(gguf)
+        model_cfg, weights = load_host_weights(gguf)
         return NumpyEngine(weights, spec(model_cfg), numpy_objective(), adamw_config(cfg))
     from gpu.device import DeviceError
     from gpu.student import GPUStudent
 
-    device, weights = get_device(cfg.run.gpu_backend), load_student(gguf, cfg.run.gpu_backend)
+    device, weights = get_device(cfg.run.gpu_backend), load_gpu_weights(gguf, cfg.run.gpu_backend)
     built = spec(weights.cfg)
     try:
         return GPUStudent(device, weights, built, gpu_objective(), adamw_config(cfg))

@@ -16,7 +16,7 @@ import numpy as np
 
 from data.topk import TeacherFn
 from schemas.config import RunConfig
-from training.engines import get_device, load_student, resolve_backend
+from training.engines import get_device, load_gpu_weights, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
         return Teacher(numpy_fn, NUMPY_ROWS_PER_CALL, "numpy")
     from gpu.teacher import GPUTeacher
 
-    weights = load_student(teacher_gguf, cfg.run.gpu_backend)
+    weights = load_gpu_weights(teacher_gguf, cfg.run.gpu_backend)
     dev = get_device(cfg.run.gpu_backend)
     batch = cfg.train.batch_size
     teachers: dict[int, GPUTeacher] = {}
