@@ -26,7 +26,7 @@ from cpu.objectives import Batch, NumpyObjective
 from cpu.weights import check_weights, load_gguf_f32
 from model import reference as R
 from model.config import ModelConfig
-from model.engine_spec import EngineSpec, KdBatch, PairBatch
+from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
 from schemas.optim import AdamWConfig, StepStats
 
 ACTIVATION_BUDGET = 2 << 30  # bytes of block caches kept between forward and backward before recomputing
@@ -125,12 +125,7 @@ class NumpyEngine:
         return {"grads": self.grads.copy(), "losses": self.losses.copy()}
 
     def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
-        grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
-        if grads.shape != self.grads.shape or losses.shape != self.losses.shape:
-            raise ValueError(
-                f"gradients {grads.shape}, losses {losses.shape}: expected {self.grads.shape}, {self.losses.shape}"
-            )
-        self.grads[:], self.losses[:] = grads, losses
+        self.grads[:], self.losses[:] = gradient_state(state, self.layout.n_params, self.grad_accum)
 
     # ---- inputs ----------------------------------------------------------------------------------------
     def write_batch(self, batch: KdBatch | PairBatch) -> None:

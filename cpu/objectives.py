@@ -24,7 +24,7 @@ import numpy as np
 from cpu.head import VocabHead, VocabPass, head_backward, kd_rows
 from model.config import ModelConfig
 from model.dpo import DpoConfig, PairTerms, preference_loss
-from model.engine_spec import KdBatch, PairBatch
+from model.engine_spec import KdBatch, PairBatch, check_pair_engine, expect_batch, pair_arrays
 from model.kd import LossConfig
 
 Batch = dict[str, Any]  # an objective's arrays of the written batch; "ids" and "prefix" feed the trunk's forward
@@ -82,8 +82,7 @@ class NumpyKd:
     def write(self, batch: KdBatch) -> Batch:
         """ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T] or None; prefix [B, T, H]:
         the input of block start_layer (required when start_layer > 0, refused otherwise)."""
-        if not isinstance(batch, KdBatch):
-            raise TypeError(f"the KD objective takes a KdBatch, not {type(batch).__name__}")
+        expect_batch(batch, KdBatch, "KD")
         e, prefix = self.engine, batch.prefix
         bt, v = (e.batch, e.seq_len), e.cfg.vocab
         if (prefix is None) != (e.start_layer == 0):
@@ -151,26 +150,17 @@ class NumpyPreference:
         self.last_hidden: np.ndarray | None = None  # the normed final hidden states [2P * T, H] of the last evaluation
 
     def bind(self, engine: Trunk) -> None:
-        if engine.batch % 2:
-            raise ValueError(f"a preference batch is 2 sequences per pair: batch={engine.batch} is odd")
-        if engine.start_layer:
-            raise ValueError("the preference objective starts at block 0 (no frozen-prefix cache)")
-        self.engine, self.pairs = engine, engine.batch // 2
+        self.engine, self.pairs = engine, check_pair_engine(engine.batch, engine.start_layer)
 
     def write(self, batch: PairBatch) -> Batch:
         """ids, mask [2P, T] (chosen rows first); the last position of each row has no target."""
-        if not isinstance(batch, PairBatch):
-            raise TypeError(f"the preference objective takes a PairBatch, not {type(batch).__name__}")
+        expect_batch(batch, PairBatch, "preference")
         e = self.engine
-        bt = (e.batch, e.seq_len)
-        ids = np.asarray(batch.ids).reshape(bt).astype(np.intp)
+        ids, mask, targets = pair_arrays(batch, (e.batch, e.seq_len))
         _check_ids("token ids", ids, e.cfg.vocab)
-        mask = np.asarray(batch.mask).reshape(bt) != 0
-        mask[:, -1] = False  # the last position has no target
-        targets = np.zeros(bt, np.intp)
-        targets[:, :-1] = ids[:, 1:]
         ref = None if batch.ref_logps is None else np.asarray(batch.ref_logps, np.float64).reshape(e.batch)
-        return {"ids": ids, "targets": targets.reshape(-1), "mask": mask.reshape(-1), "ref": ref, "prefix": None}
+        targets = targets.reshape(-1).astype(np.intp)
+        return {"ids": ids.astype(np.intp), "targets": targets, "mask": mask.reshape(-1), "ref": ref, "prefix": None}
 
     def _token_pass(self, b: Batch, nf: np.ndarray, rows: np.ndarray, backward: bool) -> tuple[np.ndarray, VocabPass]:
         """(log p(target) per masked row, the vocabulary pass) for the normed rows nf[rows]."""

@@ -33,7 +33,7 @@ from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
 from model.config import ModelConfig
 from model.dpo import DpoConfig, PairTerms, preference_loss
-from model.engine_spec import EngineSpec, KdBatch, PairBatch
+from model.engine_spec import EngineSpec, KdBatch, PairBatch, check_pair_engine, expect_batch, pair_arrays
 from model.kd import LossConfig
 
 
@@ -134,8 +134,7 @@ class GpuKd:
     def write(self, batch: KdBatch) -> None:
         """Upload ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T]; prefix [B, T, H]:
         the input of block start_layer (required when start_layer > 0, refused otherwise)."""
-        if not isinstance(batch, KdBatch):
-            raise TypeError(f"the KD objective takes a KdBatch, not {type(batch).__name__}")
+        expect_batch(batch, KdBatch, "KD")
         st, prefix = self.st, batch.prefix
         if (prefix is None) != (st.start_layer == 0):
             raise ValueError(f"prefix activations: given {prefix is not None}, start_layer is {st.start_layer}")
@@ -234,26 +233,17 @@ class GpuPreference:
         self._row_scale: np.ndarray | None = None
 
     def bind(self, student: Trunk) -> None:
-        if student.batch % 2:
-            raise ValueError(f"a preference batch is 2 sequences per pair: batch={student.batch} is odd")
-        if student.start_layer:
-            raise ValueError("the preference objective starts at block 0 (no frozen-prefix cache)")
-        self.st, self.pairs = student, student.batch // 2
+        self.st, self.pairs = student, check_pair_engine(student.batch, student.start_layer)
         self.ce.bind(student)
         self._mask = np.zeros(student.rows, bool)
         self._micro_losses = np.zeros(student.grad_accum, np.float32)
 
     def write(self, batch: PairBatch) -> None:
         """As NumpyPreference.write: ids, mask [2P, T] (chosen rows first), ref_logps [2P] or None."""
-        if not isinstance(batch, PairBatch):
-            raise TypeError(f"the preference objective takes a PairBatch, not {type(batch).__name__}")
+        expect_batch(batch, PairBatch, "preference")
         st = self.st
         bt = (st.batch, st.seq_len)
-        ids = np.asarray(batch.ids).reshape(bt).astype(np.int64)
-        mask = np.asarray(batch.mask).reshape(bt) != 0
-        mask[:, -1] = False
-        targets = np.zeros(bt, np.int64)
-        targets[:, :-1] = ids[:, 1:]
+        ids, mask, targets = pair_arrays(batch, bt)
         zeros = np.zeros((*bt, 1), np.float32)
         self.ce.write(KdBatch(ids, targets, mask.astype(np.uint8), targets[..., None], zeros, None))
         self._mask = mask.reshape(-1)

@@ -31,7 +31,7 @@ from gpu.ops.lora import lora_backward
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from gpu.ops.swiglu import swiglu_backward
-from model.engine_spec import EngineSpec, KdBatch, PairBatch
+from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
 from model.reference import LoraPair
 
 MAX_SKIPS_IN_A_ROW = 8  # consecutive non-finite steps before training stops (a diverged or overflowing run)
@@ -129,12 +129,7 @@ class GPUStudent(GPUModel):
 
     def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace the accumulated gradients and micro-batch losses (e.g. with their sum over workers)."""
-        grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
-        if grads.shape != (self.layout.n_params,) or losses.shape != (self.grad_accum,):
-            raise ValueError(
-                f"gradients {grads.shape}, losses {losses.shape}: "
-                f"expected ({self.layout.n_params},), ({self.grad_accum},)"
-            )
+        grads, losses = gradient_state(state, self.layout.n_params, self.grad_accum)
         self.dev.write(self.grads, grads)
         self.dev.write(self.losses, losses)
 

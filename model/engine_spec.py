@@ -10,6 +10,7 @@ states into a loss and dL/dh, and what an evaluation returns; the trunk does the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,3 +118,39 @@ class PairBatch:
     ids: np.ndarray
     mask: np.ndarray
     ref_logps: np.ndarray | None = None
+
+
+def expect_batch(batch: object, kind: type, objective: str) -> None:
+    """Refuse another objective's batch: TypeError unless `batch` is a `kind`."""
+    if not isinstance(batch, kind):
+        raise TypeError(f"the {objective} objective takes a {kind.__name__}, not {type(batch).__name__}")
+
+
+def check_pair_engine(batch: int, start_layer: int) -> int:
+    """The number of pairs of a preference engine of `batch` sequences starting at block `start_layer`; refuses
+    an odd batch or a frozen-prefix start."""
+    if batch % 2:
+        raise ValueError(f"a preference batch is 2 sequences per pair: batch={batch} is odd")
+    if start_layer:
+        raise ValueError("the preference objective starts at block 0 (no frozen-prefix cache)")
+    return batch // 2
+
+
+def pair_arrays(batch: PairBatch, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids int64, mask bool, targets int64) [B, T] of a PairBatch: the last position of each row has no target
+    (its mask is cleared), targets[t] = ids[t + 1]."""
+    ids = np.asarray(batch.ids).reshape(shape).astype(np.int64)
+    mask = np.asarray(batch.mask).reshape(shape) != 0
+    mask[:, -1] = False
+    targets = np.zeros(shape, np.int64)
+    targets[:, :-1] = ids[:, 1:]
+    return ids, mask, targets
+
+
+def gradient_state(state: Mapping[str, np.ndarray], n_params: int, grad_accum: int) -> tuple[np.ndarray, np.ndarray]:
+    """(grads [n_params], losses [grad_accum]) float32 of an Engine.gradients() state handed to set_gradients;
+    ValueError when the shapes are not the engine's."""
+    grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
+    if grads.shape != (n_params,) or losses.shape != (grad_accum,):
+        raise ValueError(f"gradients {grads.shape}, losses {losses.shape}: expected ({n_params},), ({grad_accum},)")
+    return grads, losses

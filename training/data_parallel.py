@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from model.config import ModelConfig
-from model.engine_spec import KdBatch, PairBatch
+from model.engine_spec import KdBatch, PairBatch, gradient_state
 from model.lora_layout import LoraLayout
 from model.reference import LoraPair
 from schemas.config import RunConfig
@@ -239,12 +239,7 @@ class DataParallelEngine:
 
     def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace the step's summed gradients and losses: apply(lr) then steps every worker on them."""
-        grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
-        if grads.shape != (self.layout.n_params,) or losses.shape != (self.grad_accum,):
-            raise ValueError(
-                f"gradients {grads.shape}, losses {losses.shape}: "
-                f"expected ({self.layout.n_params},), ({self.grad_accum},)"
-            )
+        grads, losses = gradient_state(state, self.layout.n_params, self.grad_accum)
         self._summed, self._gathered = {"grads": grads.copy(), "losses": losses.copy()}, {}
 
     def apply(self, lr: float) -> StepStats:
