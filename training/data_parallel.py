@@ -73,6 +73,11 @@ class TrainWorker:
         grads = self.engine.gradients()
         return grads["grads"], float(grads["losses"][0]), t0, time.time()
 
+    def evaluate(self, batch: KdBatch) -> dict[str, np.ndarray]:
+        """Forward only on `batch`: the engine's evaluate_batch."""
+        self.engine.write_batch(batch)
+        return self.engine.evaluate_batch()
+
     def apply(self, summed: Mapping[str, np.ndarray], lr: float) -> tuple[tuple[float, float, bool, float], float]:
         """set_gradients(summed) and one AdamW step: ((grad_norm, clip_scale, skipped, loss), start time)."""
         t0 = time.time()
@@ -111,7 +116,7 @@ class _Micro:
 
 
 class DataParallelEngine:
-    """The training Engine of train.workers = N > 1 (see the module docstring); training only (no evaluation)."""
+    """The training Engine of train.workers = N > 1 (see the module docstring); evaluate_batch runs on worker 0."""
 
     def __init__(self, cfg: RunConfig, student_gguf: Path, seq_len: int, start_layer: int = 0) -> None:
         from model.gguf import GGUFFile
@@ -273,7 +278,11 @@ class DataParallelEngine:
         return StepStats(grad_norm, clip_scale, skipped, loss)
 
     def evaluate_batch(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError("DataParallelEngine trains only; evaluation builds its own engine")
+        """Forward only on the written batch, on worker 0's engine: a training engine, so kd_loss is the run's
+        training loss (held-out evaluation builds an evaluation engine of its own, training/evaluation.py)."""
+        if self._batch is None:
+            raise RuntimeError("DataParallelEngine: call write_batch() before evaluate_batch()")
+        return self.ray.get(self.workers[0].evaluate.remote(self._batch))
 
     # ---- failures ----------------------------------------------------------------------------------------------
     def _micro_result(self, m: _Micro) -> tuple[np.ndarray, float, float, float]:
