@@ -1,8 +1,9 @@
-"""Token splits as dense arrays and the [B, T] KdBatches (with teacher top-k) an engine takes."""
+"""Token splits as dense arrays and the [B, T] KdBatches (with teacher top-k and the frozen-prefix cache) an engine
+takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +59,29 @@ def batch_prefix(split: Split, rows: np.ndarray, batch: int, reader: PrefixReade
     if len(rows):
         out[: len(rows)] = reader.read(split.seq_ids[rows].tolist())
     return out
+
+
+@dataclass
+class KdSource:
+    """A token split with its teacher top-k shards and, when the run has one, its frozen-prefix cache: where the
+    KdBatches of training and evaluation come from."""
+
+    split: Split
+    reader: TopkReader
+    prefix: PrefixReader | None = None
+
+    @classmethod
+    def open(cls, split: Split, topk_dir: Path, prefix_dir: Path | None = None) -> KdSource:
+        return cls(split, TopkReader(topk_dir), None if prefix_dir is None else PrefixReader(prefix_dir))
+
+    @property
+    def start_layer(self) -> int:
+        """The block an engine fed from here starts its forward at: the prefix cache's, else 0."""
+        return 0 if self.prefix is None else self.prefix.manifest.layer
+
+    def batch(self, rows: np.ndarray, batch: int, k: int, tail: bool = True) -> KdBatch:
+        """The KdBatch of split rows `rows` (kd_batch), without the teacher tail unless `tail`, with the cached
+        prefix when there is a cache."""
+        out = kd_batch(self.split, rows, batch, self.reader, k)
+        prefix = None if self.prefix is None else batch_prefix(self.split, rows, batch, self.prefix)
+        return replace(out, teacher_tail=out.teacher_tail if tail else None, prefix=prefix)
