@@ -74,7 +74,7 @@ class NumpyKd:
     """KD over the teacher's top-k (model/kd.py's `loss`), k = top_k ids per position."""
 
     def __init__(self, loss: LossConfig, top_k: int) -> None:
-        self.loss_cfg, self.k = loss, top_k
+        self.loss_cfg, self.top_k = loss, top_k
 
     def bind(self, engine: Trunk) -> None:
         self.engine = engine
@@ -92,7 +92,7 @@ class NumpyKd:
             if prefix.shape != (*bt, e.cfg.hidden):
                 raise ValueError(f"prefix activations of shape {prefix.shape}, the engine takes {(*bt, e.cfg.hidden)}")
         ids = np.asarray(batch.ids).reshape(bt).astype(np.intp)
-        tids = np.asarray(batch.teacher_ids).reshape(e.rows, self.k).astype(np.intp)
+        tids = np.asarray(batch.teacher_ids).reshape(e.rows, self.top_k).astype(np.intp)
         targets = np.asarray(batch.targets).reshape(-1).astype(np.intp)
         for name, a in (("token ids", ids), ("teacher ids", tids), ("targets", targets)):
             _check_ids(name, a, v)
@@ -102,7 +102,7 @@ class NumpyKd:
             "targets": targets,
             "mask": np.asarray(batch.mask).reshape(-1) != 0,
             "teacher_ids": tids,
-            "teacher_logprobs": np.asarray(batch.teacher_logprobs, np.float32).reshape(e.rows, self.k),
+            "teacher_logprobs": np.asarray(batch.teacher_logprobs, np.float32).reshape(e.rows, self.top_k),
             "teacher_tail": None if tail is None else np.asarray(tail, np.float32).reshape(-1),
             "prefix": prefix,
         }
@@ -135,7 +135,7 @@ class NumpyKd:
             loss = float(np.sum(kd_rows(sub, b["teacher_logprobs"][rows], tail, c, len(rows), False).row_loss))
         return {
             "kd_loss": np.array([loss], np.float32),
-            "ce": vp.lse_1 - vp.gathered[:, self.k].astype(np.float64),
+            "ce": vp.lse_1 - vp.gathered[:, self.top_k].astype(np.float64),
             "top1": vp.top1.astype(np.uint32),
         }
 

@@ -109,11 +109,11 @@ class GpuKd:
     host_pass = False
 
     def __init__(self, loss: LossConfig, top_k: int) -> None:
-        self.loss_cfg, self.k = loss, top_k
+        self.loss_cfg, self.top_k = loss, top_k
         self._has_tail = False
 
     def bind(self, student: Trunk) -> None:
-        st, rows, k = student, student.rows, self.k
+        st, rows, k = student, student.rows, self.top_k
         self.st = st
         b = st._b.get
         for name, n in (
@@ -150,7 +150,7 @@ class GpuKd:
         w(bufs["positions"], np.tile(np.arange(st.seq_len, dtype=np.uint32), st.batch))
         w(bufs["targets"], np.asarray(batch.targets).reshape(bt).astype(np.uint32).reshape(-1))
         w(bufs["mask"], (np.asarray(batch.mask).reshape(bt) != 0).astype(np.uint32).reshape(-1))
-        w(bufs["teacher_ids"], np.asarray(batch.teacher_ids).reshape(*bt, self.k).astype(np.uint32).reshape(-1))
+        w(bufs["teacher_ids"], np.asarray(batch.teacher_ids).reshape(*bt, self.top_k).astype(np.uint32).reshape(-1))
         w(bufs["teacher_logprobs"], np.asarray(batch.teacher_logprobs, np.float32).reshape(-1))
         tail = np.zeros(bt, np.float32) if batch.teacher_tail is None else np.asarray(batch.teacher_tail, np.float32)
         w(bufs["teacher_tail"], tail.reshape(-1))
@@ -173,7 +173,7 @@ class GpuKd:
             kd_head_forward_backward(
                 st.dev, st.a["nf"], st.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
                 bufs["targets"], bufs["mask"], self.loss_cfg, st.a["tmp"], st.losses, st.rows, cfg.hidden,
-                cfg.vocab, self.k, scratch=self.scratch, loss_index=loss_index, backward=backward,
+                cfg.vocab, self.top_k, scratch=self.scratch, loss_index=loss_index, backward=backward,
                 h16=h16,
             )  # fmt: skip
 
@@ -189,8 +189,8 @@ class GpuKd:
         with dev.step():
             st._taped(("evaluate", self.tape_key()), self._record_evaluate)
         lse = dev.read(self.scratch.lse, np.float32, (rows, 4)).astype(np.float64)
-        gathered = dev.read(self.scratch.gathered, np.float32, (rows, self.k + 1)).astype(np.float64)
-        ce = lse[:, 2] + np.log(lse[:, 3]) - gathered[:, self.k]
+        gathered = dev.read(self.scratch.gathered, np.float32, (rows, self.top_k + 1)).astype(np.float64)
+        ce = lse[:, 2] + np.log(lse[:, 3]) - gathered[:, self.top_k]
         return {
             "kd_loss": dev.read(st.losses, np.float32, (1,)),
             "ce": ce,
