@@ -27,6 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from gpu.objectives import GpuKd
+from model.engine_spec import EngineSpec, KdBatch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import reference  # noqa: E402
@@ -76,14 +79,14 @@ def tokens_per_s(row: dict, tokens: int) -> dict:
 
 
 def bench_numpy(path: Path, batch: tuple, args: argparse.Namespace) -> dict:
-    from cpu import NumpyEngine
+    from cpu import NumpyEngine, NumpyKd
 
     t0 = time.perf_counter()
-    st = NumpyEngine.from_gguf(path, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=args.batch,
-                               seq_len=args.seq, top_k=args.top_k, loss=LOSS)  # fmt: skip
+    st = NumpyEngine.from_gguf(path, NumpyKd(LOSS, args.top_k), targets=LORA_TARGETS, r=args.rank,
+                               alpha=2 * args.rank, batch=args.batch, seq_len=args.seq)  # fmt: skip
     load_s = time.perf_counter() - t0
     st.set_adapter(reference.init_lora(st.cfg, list(LORA_TARGETS), args.rank, seed=0))
-    st.write_batch(*batch)
+    st.write_batch(KdBatch(*batch))
     row = timed(lambda: st.train_step(lr=1e-4).loss, 1, args.steps)
     return {"load_seconds": round(load_s, 2), "keep_caches": st.keep_caches, **row}
 
@@ -94,17 +97,23 @@ def bench_lavapipe(path: Path, batch: tuple, args: argparse.Namespace) -> dict:
     os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
     os.environ.setdefault("WGPU_BACKEND_TYPE", "Vulkan")
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.student import GPUStudent
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the "CPU adapter" warning
         dev = Device()
-    weights = StudentWeights.from_gguf(dev, path)
-    st = GPUStudent(dev, weights, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=args.batch,
-                    seq_len=args.seq, top_k=args.top_k, loss=LOSS)  # fmt: skip
+    weights = ModelWeights.from_gguf(dev, path)
+    st = GPUStudent(
+        dev,
+        weights,
+        EngineSpec(
+            weights.cfg, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=args.batch, seq_len=args.seq
+        ),
+        GpuKd(LOSS, args.top_k),
+    )
     st.set_adapter(reference.init_lora(weights.cfg, list(LORA_TARGETS), args.rank, seed=0))
-    st.write_batch(*batch)
+    st.write_batch(KdBatch(*batch))
     row = timed(lambda: st.train_step(lr=1e-4).loss, 1, args.gpu_steps)
     return {"adapter": dev.adapter.summary, "is_cpu": dev.is_cpu, **row}
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from model.engine_spec import KdBatch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -134,7 +136,7 @@ def train_steps(args: argparse.Namespace, engine: Any, data: list[tuple[np.ndarr
     for step in range(args.steps + 1):
         t0 = time.perf_counter()
         for micro in range(args.accum):
-            engine.write_batch(*data[i % len(data)])
+            engine.write_batch(KdBatch(*data[i % len(data)]))
             engine.accumulate(micro)
             i += 1
         stats = engine.apply(1e-4)

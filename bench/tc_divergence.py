@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> None:
     from bench.train_step import _teacher_batch
     from gpu.device import Device
-    from gpu.model import GPUModel, StudentWeights
+    from gpu.model import GPUModel, ModelWeights
     from gpu.ops.attention import attention_forward
     from gpu.ops.matmul import linear
 
@@ -34,7 +34,7 @@ def main() -> None:
     p.add_argument("--emulate", action="store_true", help="emulated tensor-core kernels (any adapter)")
     args = p.parse_args()
     dev = Device()
-    w = StudentWeights.from_gguf(dev, args.gguf)
+    w = ModelWeights.from_gguf(dev, args.gguf)
     b, t = args.batch, args.seq
     ids = _teacher_batch(w.cfg.vocab, b, t, 8, np.random.default_rng(0))[0]
     ref = GPUModel(dev, w, batch=b, seq_len=t, precision="f32")

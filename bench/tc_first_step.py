@@ -21,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
+from gpu.objectives import GpuKd
+from model.engine_spec import EngineSpec, KdBatch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -40,7 +43,7 @@ def main() -> None:
 
     from bench.train_step import SHAPES, _teacher_batch, random_tensors
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.ops.attention import attention_backward, attention_forward
     from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
     from gpu.ops.matmul import linear, linear_input_grad
@@ -63,12 +66,12 @@ def main() -> None:
     dev = Device()
     rng = np.random.default_rng(0)
     if args.gguf:
-        w = StudentWeights.from_gguf(dev, args.gguf)
+        w = ModelWeights.from_gguf(dev, args.gguf)
     else:
         cfg = SHAPES[args.shape]
         if args.layers:
             cfg = dataclasses.replace(cfg, n_layers=args.layers)
-        w = StudentWeights.upload(dev, cfg, random_tensors(cfg, Q.Q4_K, rng))
+        w = ModelWeights.upload(dev, cfg, random_tensors(cfg, Q.Q4_K, rng))
     cfg, b, t, k = w.cfg, args.batch, args.seq, args.top_k
     ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
@@ -81,13 +84,17 @@ def main() -> None:
     for name in args.variants.split(","):
         gemm, attn = plans[name]
         st = GPUStudent(
-            dev, w, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, top_k=k,
-            loss=LossConfig("forward_kl", tau=1.0, use_tail=True), precision="f32",
-        )  # fmt: skip
+            dev,
+            w,
+            EngineSpec(
+                w.cfg, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, precision="f32"
+            ),
+            GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k),
+        )
         st._linear, st._linear_grad = gemms[gemm]
         st._attention_fwd, st._attention_bwd = attns[attn]
         st.set_adapter(adapter)
-        st.write_batch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32))
+        st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
         calls = []
         for call in range(2):
             loss = st.loss_and_grads()

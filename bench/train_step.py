@@ -10,7 +10,7 @@ the side's whole-process footprint, measured the same way for both; each side al
 (our Device.peak_bytes, torch.cuda.max_memory_allocated). Throughput: one warm-up step, then --repeats windows
 of --steps steps each; the median window is reported with all windows. The last line is a summary with ratios.
 
-Weights: --gguf FILE loads a real student (ours: StudentWeights.from_gguf; HF: from_pretrained(dir,
+Weights: --gguf FILE loads a real student (ours: ModelWeights.from_gguf; HF: from_pretrained(dir,
 gguf_file=...)), else --shape builds random weights at checkpoint-like scales (embedding and projections
 N(0, 0.02), o/down scaled by 1/sqrt(2 n_layers), norms 1; ours as random GGML blocks of --quant whose f16
 scales are set to that RMS, the embedding Q4_K (Q8_0 where the row length is not a multiple of 256) and the
@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from gpu.objectives import GpuKd
+from model.engine_spec import EngineSpec, KdBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -167,7 +170,7 @@ def _teacher_batch(vocab: int, b: int, t: int, k: int, rng: np.random.Generator)
 # ---- ours ---------------------------------------------------------------------------------------------------
 def bench_ours(args: argparse.Namespace) -> None:
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
     from gpu.profile import Profiler
     from gpu.student import GPUStudent
     from gpu.teacher import GPUTeacher
@@ -179,31 +182,33 @@ def bench_ours(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     int8_only = args.precision == "int8" and not args.keep_ggml  # the projections as int8 codes only
     if args.gguf:
-        weights = StudentWeights.from_gguf(dev, args.gguf)
+        weights = ModelWeights.from_gguf(dev, args.gguf)
         if int8_only:
             weights.to_int8(dev)
     else:
         cfg = SHAPES[args.shape]
-        weights = StudentWeights.upload(dev, cfg, random_tensors(cfg, Q[args.quant], rng), int8=int8_only)
+        weights = ModelWeights.upload(dev, cfg, random_tensors(cfg, Q[args.quant], rng), int8=int8_only)
     cfg = weights.cfg
     emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k
     st = GPUStudent(
         dev,
         weights,
-        targets=LORA_TARGETS,
-        r=args.rank,
-        alpha=2 * args.rank,
-        batch=b,
-        seq_len=t,
-        top_k=k,
-        loss=LossConfig("forward_kl", tau=1.0, use_tail=True),
-        precision=args.precision,
+        EngineSpec(
+            weights.cfg,
+            targets=LORA_TARGETS,
+            r=args.rank,
+            alpha=2 * args.rank,
+            batch=b,
+            seq_len=t,
+            precision=args.precision,
+        ),
+        GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k),
     )
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
     ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
-    st.write_batch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32))
+    st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
     losses: list[float] = []
 
     def step() -> None:

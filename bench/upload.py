@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from train_step import SHAPES, random_tensors  # noqa: E402
 
 from gpu.device import Device  # noqa: E402
-from gpu.model import StudentWeights  # noqa: E402
+from gpu.model import ModelWeights  # noqa: E402
 from model.gguf import llama_metadata, write_gguf  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main() -> None:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         dev = Device(args.backend)
         t0 = time.perf_counter()
-        weights = StudentWeights.from_gguf(dev, path)
+        weights = ModelWeights.from_gguf(dev, path)
         dev.sync()
         dt = time.perf_counter() - t0
         size = path.stat().st_size

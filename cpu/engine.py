@@ -1,9 +1,11 @@
-"""NumpyEngine: LoRA knowledge distillation on the CPU at BLAS speed, the training/evaluation API of GPUStudent.
+"""NumpyEngine: LoRA training on the CPU at BLAS speed, the training/evaluation API of GPUStudent. It is the trunk
+(forward, backward, parameters, AdamW); what it optimises is the objective plugged into it (cpu/objectives.py: KD
+or a preference loss), built from an EngineSpec (model/engine_spec.py).
 
 The math is model/reference.py's op pairs (block_forward / block_backward, batched over [B, T] in float32: every
-projection is one [B*T, in] x [in, out] GEMM) and model/kd.py's per-row loss pieces, with the lm_head chunked over
+projection is one [B*T, in] x [in, out] GEMM) and the objective's head, with the lm_head chunked over
 the vocabulary (cpu/head.py). Parameters, gradients and AdamW moments live in flat float32 arrays laid out like
-GPUStudent's (gpu.lora_layout.LoraLayout), so adapters, gradients and optimizer state are interchangeable.
+GPUStudent's (model.lora_layout.LoraLayout), so adapters, gradients and optimizer state are interchangeable.
 
 Memory: the per-block caches of the adapted blocks are kept from the forward for the backward when they fit in
 `activation_budget` bytes; otherwise only each adapted block's input is kept and the block is recomputed from it
@@ -12,95 +14,78 @@ before its backward (layer-input checkpointing, as on the GPU). The backward sto
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from cpu.adamw import NumpyAdamW
-from cpu.head import VocabHead, VocabPass, head_backward, kd_rows
+from cpu.head import VocabHead
+from cpu.objectives import Batch, NumpyObjective
 from cpu.weights import check_weights, load_gguf_f32
-from gpu.lora_layout import LoraLayout
 from model import reference as R
 from model.config import ModelConfig
-from model.kd import LossConfig
+from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
 from schemas.optim import AdamWConfig, StepStats
 
 ACTIVATION_BUDGET = 2 << 30  # bytes of block caches kept between forward and backward before recomputing
 
 
 class NumpyEngine:
-    """Training and evaluation of LoRA on a frozen float32 student held in host memory."""
+    """Training and evaluation of LoRA on a frozen float32 student held in host memory, for `spec`'s shapes,
+    optimising `objective` (cpu/objectives.py) with AdamW (`optim`)."""
 
     precision = "f32"
 
     def __init__(
         self,
-        cfg: ModelConfig | None,
-        weights: Mapping[str, np.ndarray] | str | Path,
-        *,
-        targets: Iterable[str],
-        r: int,
-        alpha: float,
-        batch: int,
-        seq_len: int,
-        top_k: int,
-        loss: LossConfig,
+        weights: Mapping[str, np.ndarray],
+        spec: EngineSpec,
+        objective: NumpyObjective,
         optim: AdamWConfig | None = None,
-        vocab_chunk: int = 4096,
-        layers: Iterable[int] | None = None,
-        grad_accum: int = 1,
-        precision: str = "f32",
+        *,
         activation_budget: int = ACTIVATION_BUDGET,
-        start_layer: int = 0,
+        source: str = "NumpyEngine weights",
     ) -> None:
-        if precision not in ("f32", "auto"):
+        if spec.precision not in ("f32", "auto"):
             raise ValueError(
-                f"precision {precision!r}: the numpy engine computes in f32 (train.precision: f32 or auto)"
+                f"precision {spec.precision!r}: the numpy engine computes in f32 (train.precision: f32 or auto)"
             )
-        if isinstance(weights, (str, Path)):
-            source = str(weights)
-            file_cfg, weights = load_gguf_f32(weights)
-            if cfg is not None and cfg != file_cfg:
-                raise ValueError(f"{source}: the GGUF's config {file_cfg} differs from the one given {cfg}")
-            cfg = file_cfg
-        else:
-            source = "NumpyEngine weights"
-        if cfg is None:
-            raise ValueError("NumpyEngine: pass a ModelConfig with a weights dict (or a GGUF path)")
-        if seq_len > cfg.context_length:
-            raise ValueError(f"seq_len={seq_len} exceeds the model's context length {cfg.context_length}")
-        if grad_accum < 1:
-            raise ValueError(f"grad_accum={grad_accum} must be >= 1")
-        self.cfg, self.w = cfg, check_weights(cfg, weights, source)
-        self.layout = LoraLayout.build(cfg, targets, r, layers)
+        cfg = spec.cfg
+        self.spec, self.cfg, self.w = spec, cfg, check_weights(cfg, weights, source)
+        self.layout = spec.layout()
         if self.layout.n_params == 0:
             raise ValueError("NumpyEngine needs at least one LoRA target")
-        if not 0 <= start_layer <= self.layout.lowest_layer:
+        if not 0 <= spec.start_layer <= self.layout.lowest_layer:
             raise ValueError(
-                f"start_layer={start_layer}: must be a block at or below the lowest adapted block "
+                f"start_layer={spec.start_layer}: must be a block at or below the lowest adapted block "
                 f"{self.layout.lowest_layer} (blocks below it carry no LoRA)"
             )
-        self.start_layer = start_layer  # > 0: the forward starts here from the prefix write_batch gets
-        self.scale = alpha / r
-        self.batch, self.seq_len, self.rows, self.k = batch, seq_len, batch * seq_len, top_k
-        self.loss_cfg, self.grad_accum = loss, grad_accum
-        self.head = VocabHead(R.lm_head_weight(self.w), vocab_chunk)
+        self.start_layer = spec.start_layer  # > 0: the forward starts here from the prefix write_batch gets
+        self.scale = spec.scale
+        self.batch, self.seq_len, self.rows, self.grad_accum = spec.batch, spec.seq_len, spec.rows, spec.grad_accum
+        self.head = VocabHead(R.lm_head_weight(self.w), spec.vocab_chunk)
         self.params = np.zeros(self.layout.n_params, np.float32)
         self.grads = np.zeros(self.layout.n_params, np.float32)
         self.optim = NumpyAdamW(self.layout.n_params, optim or AdamWConfig())
         self._lora = self._views(self.params)  # LoraPairs viewing self.params: updates need no re-pack
-        self.losses = np.zeros(grad_accum, np.float32)
+        self.losses = np.zeros(spec.grad_accum, np.float32)
         self.applied_steps = 0
         self.skipped_steps = 0
         adapted = cfg.n_layers - self.layout.lowest_layer
         self.keep_caches = adapted * self.rows * _cache_floats(cfg) * 4 <= activation_budget
-        self._batch: dict[str, np.ndarray | None] | None = None
+        self._batch: Batch | None = None
+        self.objective = objective
+        objective.bind(self)
 
     @classmethod
-    def from_gguf(cls, path: str | Path, **kwargs: object) -> NumpyEngine:
-        """The engine on the GGUF at `path`, dequantized once to float32."""
-        return cls(None, path, **kwargs)
+    def from_gguf(
+        cls, path: str | Path, objective: NumpyObjective, optim: AdamWConfig | None = None, **spec: Any
+    ) -> NumpyEngine:
+        """The engine on the GGUF at `path`, dequantized once to float32; `spec`: EngineSpec's fields but cfg."""
+        cfg, weights = load_gguf_f32(path)
+        return cls(weights, EngineSpec(cfg, **spec), objective, optim, source=str(path))
 
     # ---- parameters ------------------------------------------------------------------------------------
     def _views(self, flat: np.ndarray) -> dict[tuple[int, str], R.LoraPair]:
@@ -140,52 +125,15 @@ class NumpyEngine:
         return {"grads": self.grads.copy(), "losses": self.losses.copy()}
 
     def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
-        grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
-        if grads.shape != self.grads.shape or losses.shape != self.losses.shape:
-            raise ValueError(
-                f"gradients {grads.shape}, losses {losses.shape}: expected {self.grads.shape}, {self.losses.shape}"
-            )
-        self.grads[:], self.losses[:] = grads, losses
+        self.grads[:], self.losses[:] = gradient_state(state, self.layout.n_params, self.grad_accum)
 
     # ---- inputs ----------------------------------------------------------------------------------------
-    def write_batch(
-        self,
-        ids: np.ndarray,
-        targets: np.ndarray,
-        mask: np.ndarray,
-        teacher_ids: np.ndarray,
-        teacher_logprobs: np.ndarray,
-        teacher_tail: np.ndarray | None,
-        prefix: np.ndarray | None = None,
-    ) -> None:
-        """Take one batch: ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T] or None;
-        prefix [B, T, H]: the input of block start_layer (required when start_layer > 0, refused otherwise)."""
-        bt, v = (self.batch, self.seq_len), self.cfg.vocab
-        if (prefix is None) != (self.start_layer == 0):
-            raise ValueError(f"prefix activations: given {prefix is not None}, start_layer is {self.start_layer}")
-        if prefix is not None:
-            prefix = np.asarray(prefix, np.float32)
-            if prefix.shape != (*bt, self.cfg.hidden):
-                raise ValueError(
-                    f"prefix activations of shape {prefix.shape}, the engine takes {(*bt, self.cfg.hidden)}"
-                )
-        ids = np.asarray(ids).reshape(bt).astype(np.intp)
-        tids = np.asarray(teacher_ids).reshape(self.rows, self.k).astype(np.intp)
-        targets = np.asarray(targets).reshape(-1).astype(np.intp)
-        for name, a in (("token ids", ids), ("teacher ids", tids), ("targets", targets)):
-            if a.size and (a.min() < 0 or a.max() >= v):
-                raise ValueError(f"{name} outside the student's vocabulary [0, {v})")
-        self._batch = {
-            "ids": ids,
-            "targets": targets,
-            "mask": np.asarray(mask).reshape(-1) != 0,
-            "teacher_ids": tids,
-            "teacher_logprobs": np.asarray(teacher_logprobs, np.float32).reshape(self.rows, self.k),
-            "teacher_tail": None if teacher_tail is None else np.asarray(teacher_tail, np.float32).reshape(-1),
-            "prefix": prefix,
-        }
+    def write_batch(self, batch: KdBatch | PairBatch) -> None:
+        """Take one batch of the objective's type (model/engine_spec.py); raises ValueError for ids outside the
+        vocabulary or a prefix that does not fit the engine."""
+        self._batch = self.objective.write(batch)
 
-    def _inputs(self) -> dict[str, np.ndarray | None]:
+    def _inputs(self) -> Batch:
         if self._batch is None:
             raise RuntimeError("NumpyEngine: call write_batch() before a step or an evaluation")
         return self._batch
@@ -207,21 +155,9 @@ class NumpyEngine:
         return x, nf.reshape(self.rows, cfg.hidden), inputs, caches
 
     def _head_loss_rows(self, backward: bool):
-        """Forward, then the KD head over the masked rows: (loss, dL/dh of those rows, rows, forward state)."""
-        b = self._inputs()
+        """Forward, then the objective's head: (loss, dL/dh of the rows that count, those rows, forward state)."""
         x, nf, inputs, caches = self._forward(keep=backward)
-        rows = np.flatnonzero(b["mask"])
-        count = len(rows)
-        if count == 0:
-            return 0.0, None, rows, (x, inputs, caches)
-        c = self.loss_cfg
-        weighted = ("tau+1" if c.ce_weight and c.tau != 1.0 else "tau") if backward else ""
-        tids, targets = b["teacher_ids"][rows], b["targets"][rows]
-        vp = self.head.vocab_pass(nf[rows], tids, targets, c.tau, weighted=weighted)
-        tail = None if b["teacher_tail"] is None else b["teacher_tail"][rows]
-        kd = kd_rows(vp, b["teacher_logprobs"][rows], tail, c, count, backward)
-        loss = float(np.sum(kd.row_loss))
-        dh = head_backward(self.head, vp, kd, tids, targets, c, count) if backward else None
+        loss, dh, rows = self.objective.head(self._inputs(), nf, backward)
         return loss, dh, rows, (x, inputs, caches)
 
     def _loss_and_grads(self, accumulate: bool) -> float:
@@ -288,22 +224,13 @@ class NumpyEngine:
 
     # ---- evaluation ------------------------------------------------------------------------------------
     def evaluate_batch(self) -> dict[str, np.ndarray]:
-        """Forward only: kd_loss (the batch's masked-mean loss, [1]), ce [rows] and the student's top-1 id
-        [rows] (u32); rows with mask 0 are included (callers select masked rows)."""
-        b, c = self._inputs(), self.loss_cfg
-        _, nf, _, _ = self._forward(keep=False)
-        vp = self.head.vocab_pass(nf, b["teacher_ids"], b["targets"], c.tau, top1=True)
-        rows = np.flatnonzero(b["mask"])
-        loss = 0.0
-        if len(rows):
-            sub = VocabPass(vp.lse_tau[rows], vp.lse_1[rows], vp.gathered[rows], None, None, None)
-            tail = None if b["teacher_tail"] is None else b["teacher_tail"][rows]
-            loss = float(np.sum(kd_rows(sub, b["teacher_logprobs"][rows], tail, c, len(rows), False).row_loss))
-        return {
-            "kd_loss": np.array([loss], np.float32),
-            "ce": vp.lse_1 - vp.gathered[:, self.k].astype(np.float64),
-            "top1": vp.top1.astype(np.uint32),
-        }
+        """Forward only: the objective's results of the written batch (NumpyKd: kd_loss [1], ce and top1 [rows];
+        NumpyPreference: logps, counts and the loss terms)."""
+        return self.objective.evaluate(self._inputs(), self.final_hidden())
+
+    def final_hidden(self) -> np.ndarray:
+        """Forward only: the normed final hidden states [rows, H] of the written batch (the LM head's input)."""
+        return self._forward(keep=False)[1]
 
 
 def _cache_floats(cfg: ModelConfig) -> int:

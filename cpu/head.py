@@ -183,3 +183,25 @@ def head_backward(
         cw = np.float32(cfg.ce_weight / max(1, count))
         dh += cw * (vp.p_w - head.w[targets])
     return dh
+
+
+def kl_rows(h: np.ndarray, w: np.ndarray, h_ref: np.ndarray, w_ref: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """KL(softmax(h W^T) || softmax(h_ref W_ref^T)) per row [n] float64, one pass over vocabulary chunks:
+    KL = sum_v p_v (z_v - z'_v) - lse(z) + lse(z'), the p-weighted sum kept rescaled to the running max."""
+    n, vocab = h.shape[0], w.shape[0]
+    m = np.full(n, -np.inf)
+    m_ref = np.full(n, -np.inf)
+    s, s_ref, acc = np.zeros(n), np.zeros(n), np.zeros(n)
+    for c0 in range(0, vocab, chunk):
+        z = (h @ w[c0 : c0 + chunk].T).astype(np.float64)
+        zr = (h_ref @ w_ref[c0 : c0 + chunk].T).astype(np.float64)
+        m_new = np.maximum(m, z.max(axis=1))
+        alpha = np.exp(m - m_new)
+        e = np.exp(z - m_new[:, None])
+        s = s * alpha + e.sum(axis=1)
+        acc = acc * alpha + (e * (z - zr)).sum(axis=1)
+        m = m_new
+        mr_new = np.maximum(m_ref, zr.max(axis=1))
+        s_ref = s_ref * np.exp(m_ref - mr_new) + np.exp(zr - mr_new[:, None]).sum(axis=1)
+        m_ref = mr_new
+    return np.maximum(acc / s - (m + np.log(s)) + (m_ref + np.log(s_ref)), 0.0)

@@ -1,7 +1,7 @@
 """The frozen decoder forward on the GPU (llama, mistral, qwen2 with q/k/v biases, qwen3 with per-head q/k
 RMSNorm; NORM or NEOX RoPE, Llama 3 frequency factors), shared by the student (training, gpu/student.py) and the teacher
 (top-k, gpu/teacher.py): the weights uploaded still in their GGML types, and GPUModel, the forward over `batch`
-sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by gpu/lora_layout.py).
+sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by model/lora_layout.py).
 
 Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it;
 rows are `batch * seq_len` tokens; only attention works per sequence (the tensor-core kernels take the whole
@@ -23,7 +23,6 @@ from gguf import GGMLQuantizationType as Q
 from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS
 from gpu.codegen_i8 import MMA_K
 from gpu.device import BufferView, Device, DeviceError, Tape
-from gpu.lora_layout import LoraLayout, aligned_floats
 from gpu.ops.add import add, add_bias
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
@@ -39,7 +38,10 @@ from gpu.ops.rope import RopeTable, rope_forward
 from gpu.ops.swiglu import swiglu_forward
 from gpu.weights import QuantTensor, upload_quant
 from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
+from model.engine_spec import PRECISIONS
+from model.lora_layout import LoraLayout, aligned_floats
 from model.reference import LoraPair
+from schemas.config import lora_scale
 
 PREFETCH = 2  # tensors read ahead of the upload
 # padded per-sequence attention slots (GPUModel.direct_attention False) and whether each holds q- or kv-width rows
@@ -48,9 +50,9 @@ _SLOT_KIND = {"aq": "q", "ak": "kv", "av": "kv", "ao": "q", "adq": "q", "adk": "
 
 # ---- frozen weights --------------------------------------------------------------------------------------
 @dataclass
-class StudentWeights:
-    """The frozen student on the GPU: 2-D projections in their GGML types, lm_head as stored; norms (q/k norms
-    included) and q/k/v biases in f32."""
+class ModelWeights:
+    """A frozen model (the student, or the teacher) on the GPU: 2-D projections in their GGML types, lm_head as
+    stored; norms (q/k norms included) and q/k/v biases in f32."""
 
     cfg: ModelConfig
     embed: QuantTensor
@@ -81,7 +83,7 @@ class StudentWeights:
         tensors: Iterable[tuple[str, np.ndarray, int, tuple[int, ...]]],
         *,
         int8: bool = False,
-    ) -> StudentWeights:
+    ) -> ModelWeights:
         """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time; int8: each
         projection as to_int8 keeps it, converted as soon as it is uploaded."""
         from model.quant import dequantize
@@ -137,7 +139,7 @@ class StudentWeights:
     @classmethod
     def from_arrays(
         cls, dev: Device, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: int = Q.F32, *, int8: bool = False
-    ) -> StudentWeights:
+    ) -> ModelWeights:
         """Upload float weights (GGUF names), quantizing 2-D projections to `qtype` (tests, random models)."""
         from model.quant import quantize
 
@@ -151,7 +153,7 @@ class StudentWeights:
         return cls.upload(dev, cfg, items(), int8=int8)
 
     @classmethod
-    def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> StudentWeights:
+    def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> ModelWeights:
         """Stream a GGUF tensor by tensor into GPU memory, still quantized.
 
         A background thread reads the next tensors from the memory map (at most `PREFETCH` in flight, so host
@@ -214,7 +216,6 @@ class _Buffers:
     batch: int
     seq_len: int
     r: int
-    k: int
     bufs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -225,9 +226,6 @@ class _Buffers:
         if name not in self.bufs:
             self.bufs[name] = self.dev.buffer(4 * max(n_elems, 1), label=f"student {name}")
         return self.bufs[name]
-
-
-PRECISIONS = ("f32", "tensorcore", "int8", "auto")
 
 
 def _resolve_precision(dev: Device, precision: str) -> str:
@@ -254,7 +252,7 @@ class GPUModel:
     def __init__(
         self,
         dev: Device,
-        weights: StudentWeights,
+        weights: ModelWeights,
         *,
         batch: int,
         seq_len: int,
@@ -290,7 +288,7 @@ class GPUModel:
             )
         self.start_layer = start_layer  # > 0: the forward starts here from a given residual stream (write_prefix)
         # int8: each frozen projection the forward runs whose rows are a multiple of one integer step, as per-row int8
-        # codes: the student's int8-only ones (StudentWeights.to_int8), the rest decoded once on the GPU beside their
+        # codes: the student's int8-only ones (ModelWeights.to_int8), the rest decoded once on the GPU beside their
         # GGML data
         if weights.proj8 and self.precision != "int8":
             raise DeviceError(f"precision {self.precision!r}: the student's projections were kept as int8 only")
@@ -300,12 +298,12 @@ class GPUModel:
             for key, w in weights.proj.items():
                 if key[0] >= start_layer and w.k % MMA_K == 0:
                     self.w8[key] = weight_to_i8(dev, w)
-        self.scale = alpha / r
+        self.scale = lora_scale(alpha, r)
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
         self.params = dev.buffer(4 * max(self.layout.n_params, 1), label="lora params")
         self.rope = RopeTable.for_model(dev, cfg, seq_len)
-        self._b = _Buffers(dev, cfg, batch, seq_len, r, 0)
+        self._b = _Buffers(dev, cfg, batch, seq_len, r)
         self._alloc()
         self._tapes: dict[Hashable, Tape] = {}  # recorded steps by what shapes their commands (see _taped)
 
@@ -345,7 +343,7 @@ class GPUModel:
 
     # ---- buffers ---------------------------------------------------------------------------------------
     def _alloc(self) -> None:
-        cfg, rows, k = self.cfg, self.rows, max(getattr(self, "k", 0), 1)
+        cfg, rows = self.cfg, self.rows
         h, f, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
         self.slot = aligned_floats(rows * h)
         b = self._b.get
@@ -357,17 +355,8 @@ class GPUModel:
         if self.bf16_checkpoints:  # blocks 0 .. L-2: the top block is never recomputed
             self.slot16 = aligned_floats(rows * h // 2)  # u32 words: two bf16 each
             self.xs16 = b("layer inputs bf16", max(cfg.n_layers - 1, 1) * self.slot16)
-        for name, n in (
-            ("ids", rows),
-            ("positions", rows),
-            ("targets", rows),
-            ("mask", rows),
-            ("teacher_ids", rows * k),
-            ("teacher_logprobs", rows * k),
-            ("teacher_tail", rows),
-            ("loss", 4),
-        ):
-            b(name, n)
+        for name in ("ids", "positions"):  # an objective's own inputs are its own (gpu/objectives.py)
+            b(name, rows)
         sizes = {
             "n1": h,
             "q": qd,

@@ -1,5 +1,7 @@
 """The student on the GPU: LoRA training on the frozen quantized model of gpu/model.py. One training step
-(forward, KD loss, complete backward, AdamW) is recorded into one command encoder.
+(forward, the objective's loss, complete backward, AdamW) is recorded into one command encoder. GPUStudent is the
+trunk; what it optimises is the objective plugged into it (gpu/objectives.py: KD or a preference loss), built
+from an EngineSpec (model/engine_spec.py).
 
 Memory: only each block's input is kept ([L+1, rows, H]); the backward recomputes one block at a time from
 its input (layer-input checkpointing) and then runs the block backward, mirroring model/reference.py's
@@ -15,26 +17,24 @@ builds it); train_step, loss_and_grads and get_grads are extras for tests and be
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from gpu.codegen_i8 import MMA_K
 from gpu.device import Device, DeviceError
-from gpu.model import GPUModel, StudentWeights
+from gpu.model import GPUModel, ModelWeights
+from gpu.objectives import GpuObjective
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
-from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.lora import lora_backward
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8
 from gpu.ops.quantize_i8 import quantize_i8_gpu
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from gpu.ops.swiglu import swiglu_backward
-from gpu.ops.topk import TopKState, hidden_topk
-from gpu.profile import scope
-from model.kd import LossConfig
+from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
 from model.reference import LoraPair
 
 MAX_SKIPS_IN_A_ROW = 8  # consecutive non-finite steps before training stops (a diverged or overflowing run)
@@ -48,7 +48,8 @@ CHECKPOINTS = ("auto", "f32", "bf16")  # the block inputs kept for the backward 
 
 
 class GPUStudent(GPUModel):
-    """Training and evaluation of LoRA on a frozen quantized student, one step = one command encoder."""
+    """Training and evaluation of LoRA on a frozen quantized student, one step = one command encoder, for
+    `spec`'s shapes, optimising `objective` (gpu/objectives.py) with AdamW (`optim`)."""
 
     saves_lora_t = True  # the forward's t = x A^T serves the backward's recompute and the LoRA gradients
     int8_input_grads = True  # with precision int8, the projections' input gradients on the integer GEMM too
@@ -56,56 +57,44 @@ class GPUStudent(GPUModel):
     def __init__(
         self,
         dev: Device,
-        weights: StudentWeights,
-        *,
-        targets: Iterable[str],
-        r: int,
-        alpha: float,
-        batch: int,
-        seq_len: int,
-        top_k: int,
-        loss: LossConfig,
+        weights: ModelWeights,
+        spec: EngineSpec,
+        objective: GpuObjective,
         optim: AdamWConfig | None = None,
-        vocab_chunk: int = 4096,
-        layers: Iterable[int] | None = None,
-        grad_accum: int = 1,
-        precision: str = "f32",
-        start_layer: int = 0,
+        *,
         max_skips_in_a_row: int = MAX_SKIPS_IN_A_ROW,
         checkpoints: str = "auto",
     ) -> None:
         if checkpoints not in CHECKPOINTS:
             raise ValueError(f"checkpoints={checkpoints!r}: expected one of {', '.join(CHECKPOINTS)}")
-        self.k, self.loss_cfg, self._checkpoints = top_k, loss, checkpoints
+        if spec.cfg != weights.cfg:
+            raise ValueError(f"the spec's model config {spec.cfg} differs from the weights' {weights.cfg}")
+        self.spec, self._checkpoints = spec, checkpoints
         super().__init__(
             dev,
             weights,
-            batch=batch,
-            seq_len=seq_len,
-            targets=targets,
-            r=r,
-            alpha=alpha,
-            layers=layers,
-            precision=precision,
-            start_layer=start_layer,
+            batch=spec.batch,
+            seq_len=spec.seq_len,
+            targets=spec.targets,
+            r=spec.r,
+            alpha=spec.alpha,
+            layers=spec.layers,
+            precision=spec.precision,
+            start_layer=spec.start_layer,
         )
-        self.grad_accum = grad_accum
-        self.losses = dev.buffer(4 * grad_accum, label="micro-batch losses")
+        self.grad_accum = spec.grad_accum
+        self.losses = dev.buffer(4 * spec.grad_accum, label="micro-batch losses")
         if self.layout.n_params == 0:
             raise ValueError("GPUStudent needs at least one LoRA target")
         self.grads = dev.buffer(4 * self.layout.n_params, label="lora grads")
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
-        chunk, tc_head = min(vocab_chunk, self.cfg.vocab), self.cfg.hidden if self._pack_inputs else None
-        self.kd = KdScratch.build(dev, self.rows, top_k, chunk, hidden=tc_head)  # tc_head: its backward on TCs
-        self.top1 = TopKState.build(dev, self.rows, 1)
-        self.top1_lp = dev.buffer(4 * self.rows, label="student top-1 logprob")
-        self.top1_tail = dev.buffer(4 * self.rows, label="student top-1 tail")
         self.applied_steps = 0
         self.skipped_steps = 0
         self.skips_in_a_row = 0  # TrainingDiverged when it reaches max_skips_in_a_row
         self.max_skips_in_a_row = max_skips_in_a_row
         self._acc_grads = False
-        self._has_tail = False
+        self.objective = objective
+        objective.bind(self)
 
     def _wants_bf16_checkpoints(self) -> bool:
         return self.tensor_cores if self._checkpoints == "auto" else self._checkpoints == "bf16"
@@ -144,12 +133,7 @@ class GPUStudent(GPUModel):
 
     def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
         """Replace the accumulated gradients and micro-batch losses (e.g. with their sum over workers)."""
-        grads, losses = np.asarray(state["grads"], np.float32), np.asarray(state["losses"], np.float32)
-        if grads.shape != (self.layout.n_params,) or losses.shape != (self.grad_accum,):
-            raise ValueError(
-                f"gradients {grads.shape}, losses {losses.shape}: "
-                f"expected ({self.layout.n_params},), ({self.grad_accum},)"
-            )
+        grads, losses = gradient_state(state, self.layout.n_params, self.grad_accum)
         self.dev.write(self.grads, grads)
         self.dev.write(self.losses, losses)
 
@@ -276,59 +260,20 @@ class GPUStudent(GPUModel):
         )
 
     # ---- inputs ----------------------------------------------------------------------------------------
-    def write_batch(
-        self,
-        ids: np.ndarray,
-        targets: np.ndarray,
-        mask: np.ndarray,
-        teacher_ids: np.ndarray,
-        teacher_logprobs: np.ndarray,
-        teacher_tail: np.ndarray | None,
-        prefix: np.ndarray | None = None,
-    ) -> None:
-        """Upload one batch: ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T]; prefix
-        [B, T, H]: the input of block start_layer (required when start_layer > 0, refused otherwise)."""
-        if (prefix is None) != (self.start_layer == 0):
-            raise ValueError(f"prefix activations: given {prefix is not None}, start_layer is {self.start_layer}")
-        if prefix is not None:
-            self.write_prefix(prefix)
-        bt = (self.batch, self.seq_len)
-        ids = np.asarray(ids).reshape(bt)
-        if np.any(ids < 0) or np.any(ids >= self.cfg.vocab):
-            raise ValueError(f"token ids outside the student's vocabulary [0, {self.cfg.vocab})")
-        w = self.dev.write
-        bufs = self._b.bufs
-        w(bufs["ids"], ids.astype(np.uint32).reshape(-1))
-        w(bufs["positions"], np.tile(np.arange(self.seq_len, dtype=np.uint32), self.batch))
-        w(bufs["targets"], np.asarray(targets).reshape(bt).astype(np.uint32).reshape(-1))
-        w(bufs["mask"], (np.asarray(mask).reshape(bt) != 0).astype(np.uint32).reshape(-1))
-        w(bufs["teacher_ids"], np.asarray(teacher_ids).reshape(*bt, self.k).astype(np.uint32).reshape(-1))
-        w(bufs["teacher_logprobs"], np.asarray(teacher_logprobs, np.float32).reshape(-1))
-        tail = np.zeros(bt, np.float32) if teacher_tail is None else np.asarray(teacher_tail, np.float32)
-        w(bufs["teacher_tail"], tail.reshape(-1))
-        self._has_tail = teacher_tail is not None
-
-    def _kd_head(self, loss_index: int, backward: bool, h16: Any) -> None:
-        """lm_head + KD loss of the uploaded batch into losses[loss_index]; with backward, dL/dh into a["tmp"].
-        h16: the final hidden state's f16 copy from _forward_to_head (None on the f32 path)."""
-        cfg, bufs = self.cfg, self._b.bufs
-        tail = bufs["teacher_tail"] if self._has_tail else None
-        with scope(self.dev, "kd head"):
-            kd_head_forward_backward(
-                self.dev, self.a["nf"], self.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
-                bufs["targets"], bufs["mask"], self.loss_cfg, self.a["tmp"], self.losses, self.rows, cfg.hidden,
-                cfg.vocab, self.k, scratch=self.kd, loss_index=loss_index, backward=backward,
-                h16=h16,
-            )  # fmt: skip
+    def write_batch(self, batch: KdBatch | PairBatch) -> None:
+        """Upload one batch of the objective's type (model/engine_spec.py); raises ValueError for ids outside the
+        vocabulary or a prefix that does not fit the model."""
+        self.objective.write(batch)
 
     def _record_loss_and_grads(self, micro: int) -> None:
         self._acc_grads = micro > 0
-        self._taped(("loss_and_grads", micro, self._has_tail), lambda: self._record_forward_backward(micro))
+        key = ("loss_and_grads", micro, self.objective.tape_key())
+        self._taped(key, lambda: self._record_forward_backward(micro))
 
     def _record_forward_backward(self, micro: int) -> None:
         cfg, dev = self.cfg, self.dev
         h16 = self._forward_to_head(checkpoint=True)
-        self._kd_head(micro, backward=True, h16=h16)
+        self.objective.head(micro, backward=True, h16=h16)
         rmsnorm_backward(
             dev,
             self.a["tmp"],
@@ -351,18 +296,28 @@ class GPUStudent(GPUModel):
                     self._replay_lora_t = False
             self._block_backward(layer)
 
+    def _record_step(self, micro: int, then: Callable[[], None] | None = None) -> None:
+        """Record micro-batch `micro`'s forward + backward (and `then`) in one step, between the objective's
+        prepare and finish."""
+        self.objective.prepare(micro)
+        try:
+            with self.dev.step():
+                self._record_loss_and_grads(micro)
+                if then is not None:
+                    then()
+        finally:
+            self.objective.finish()
+
     def loss_and_grads(self) -> float:
         """Loss of the uploaded batch; gradients land in self.grads (read them with get_grads())."""
-        with self.dev.step():
-            self._record_loss_and_grads(0)
-        return float(self.dev.read(self.losses, np.float32, (1,))[0])
+        self._record_step(0)
+        return self.objective.micro_loss(0)
 
     def accumulate(self, micro: int) -> None:
         """Record forward + backward of the uploaded micro-batch `micro` (0-based) into the gradients."""
         if not 0 <= micro < self.grad_accum:
             raise ValueError(f"micro-batch {micro} outside 0..{self.grad_accum - 1}")
-        with self.dev.step():
-            self._record_loss_and_grads(micro)
+        self._record_step(micro)
 
     def apply(self, lr: float) -> StepStats:
         """Average the accumulated gradients and take one AdamW step (skipped when any micro-batch's loss or the
@@ -378,12 +333,15 @@ class GPUStudent(GPUModel):
         return self._count(StepStats(stats.grad_norm, stats.clip_scale, skipped, float(losses.mean())))
 
     def train_step(self, lr: float) -> StepStats:
-        """Forward, backward and one AdamW update on the uploaded batch (grad_accum == 1), one encoder."""
+        """Forward, backward and one AdamW update on the uploaded batch (grad_accum == 1), one encoder (an
+        objective with a host pass: accumulate, then apply)."""
         if self.grad_accum != 1:
             raise ValueError("train_step is for grad_accum=1: call accumulate() per micro-batch, then apply()")
-        with self.dev.step():
-            self._record_loss_and_grads(0)
-            self.optim.step(self.params, self.grads, self.applied_steps + 1, lr=lr, loss=self.losses)
+        if self.objective.host_pass:
+            self.accumulate(0)
+            return self.apply(lr)
+        step = self.applied_steps + 1
+        self._record_step(0, lambda: self.optim.step(self.params, self.grads, step, lr=lr, loss=self.losses))
         return self._count(self.optim.read_stats())
 
     def _count(self, stats: StepStats) -> StepStats:
@@ -409,39 +367,6 @@ class GPUStudent(GPUModel):
         return stats
 
     def evaluate_batch(self) -> dict[str, np.ndarray]:
-        """Forward only: per masked row the KD loss share, the CE on the target and the student's top-1 id.
-
-        Returns kd_loss (the batch's masked-mean loss, [1]), ce [rows], top1 [rows] (u32); rows with mask 0 are
-        included (callers select masked rows).
-        """
-        dev = self.dev
-        with dev.step():
-            self._taped(("evaluate", self._has_tail), self._record_evaluate)
-        lse = dev.read(self.kd.lse, np.float32, (self.rows, 4)).astype(np.float64)
-        gathered = dev.read(self.kd.gathered, np.float32, (self.rows, self.k + 1)).astype(np.float64)
-        ce = lse[:, 2] + np.log(lse[:, 3]) - gathered[:, self.k]
-        return {
-            "kd_loss": dev.read(self.losses, np.float32, (1,)),
-            "ce": ce,
-            "top1": dev.read(self.top1.ids, np.uint32, (self.rows,)),
-        }
-
-    def _record_evaluate(self) -> None:
-        """evaluate_batch's forward, KD loss and top-1, recorded into the current step."""
-        cfg = self.cfg
-        h16 = self._forward_to_head()  # one f16 copy for the KD head and the top-1
-        self._kd_head(0, backward=False, h16=h16)
-        hidden_topk(
-            self.dev,
-            self.a["nf"],
-            self.w.lm_head,
-            self.top1,
-            self.top1_lp,
-            self.top1_tail,
-            cfg.hidden,
-            cfg.vocab,
-            1.0,
-            logits_scratch=self.kd.logits,
-            chunk=self.kd.chunk,
-            h16=h16,
-        )
+        """Forward only: the objective's results of the uploaded batch (GpuKd: kd_loss [1], ce and top1 [rows];
+        GpuPreference: logps, counts and the loss terms)."""
+        return self.objective.evaluate()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu.device import Device
-from gpu.model import GPUModel, StudentWeights
+from gpu.model import GPUModel, ModelWeights
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
 
@@ -18,7 +18,7 @@ class GPUTeacher(GPUModel):
     def __init__(
         self,
         dev: Device,
-        weights: StudentWeights,
+        weights: ModelWeights,
         *,
         batch: int,
         seq_len: int,
@@ -27,8 +27,8 @@ class GPUTeacher(GPUModel):
         vocab_chunk: int = 4096,
         precision: str = "f32",
     ) -> None:
-        self.k = top_k
         super().__init__(dev, weights, batch=batch, seq_len=seq_len, precision=precision)
+        self.top_k = top_k
         self.tau = tau
         self.chunk = min(vocab_chunk, self.cfg.vocab)
         self.state = TopKState.build(dev, self.rows, top_k)
@@ -38,7 +38,7 @@ class GPUTeacher(GPUModel):
 
     def topk(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids [B, T] -> (top-k ids [B, T, k] u32, logprobs [B, T, k] f32 sorted descending, tail [B, T] f32)."""
-        b, t, k = self.batch, self.seq_len, self.k
+        b, t, k = self.batch, self.seq_len, self.top_k
         ids = np.asarray(ids).reshape(b, t)
         if np.any(ids < 0) or np.any(ids >= self.cfg.vocab):
             raise ValueError(f"token ids outside the teacher's vocabulary [0, {self.cfg.vocab})")

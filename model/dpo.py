@@ -62,6 +62,18 @@ class PairTerms:
     def margin(self) -> np.ndarray:
         return self.chosen_reward - self.rejected_reward
 
+    def metrics(self) -> dict[str, np.ndarray]:
+        """The evaluation arrays of the batch (what a preference engine's evaluate_batch returns besides logps):
+        loss [1], pair_loss, margin, chosen_reward, rejected_reward, valid [P]."""
+        return {
+            "loss": np.array([self.loss], np.float64),
+            "pair_loss": self.pair_loss,
+            "margin": self.margin,
+            "chosen_reward": self.chosen_reward,
+            "rejected_reward": self.rejected_reward,
+            "valid": self.valid,
+        }
+
 
 def _log_sigmoid(x: np.ndarray) -> np.ndarray:
     return -np.logaddexp(0.0, -x)

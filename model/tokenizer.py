@@ -9,6 +9,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from tokenizers.pre_tokenizers import PreTokenizer
 
+from model.gguf_reader import GGUFFile
+
 # llama.cpp token types (tokenizer.ggml.token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
@@ -242,8 +244,6 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
 
 def load_tokenizer(path: str | Path) -> GGUFTokenizer:
     """Tokenizer of the GGUF file at `path`."""
-    from model.gguf import GGUFFile
-
     with GGUFFile(path) as gf:
         metadata = gf.metadata
     try:

@@ -234,6 +234,11 @@ class LossSection(Section):
         return value
 
 
+def lora_scale(alpha: float, r: int) -> float:
+    """The factor on a LoRA adapter's output, alpha / r (PEFT's convention): the one place it is computed."""
+    return alpha / r
+
+
 class LoraSection(Section):
     """LoRA adapters (PEFT convention: y = x W^T + (alpha/r) (x A^T) B^T; A Kaiming-uniform, B zero)."""
 
@@ -282,7 +287,7 @@ class LoraSection(Section):
     @property
     def scale(self) -> float:
         """alpha / r, the factor on the adapter's output."""
-        return self.alpha / self.r
+        return lora_scale(self.alpha, self.r)
 
 
 class OptimSection(Section):
@@ -319,10 +324,12 @@ class TrainSection(Section):
         0, ge=0, description="Also checkpoint every N optimizer steps (0: only at the end of each epoch)."
     )
     seed: int = Field(0, ge=0, description="Seed of LoRA init and data order; a run is reproducible from it.")
-    precision: Literal["f32", "tensorcore", "auto"] = Field(
+    precision: Literal["f32", "tensorcore", "int8", "auto"] = Field(
         "auto",
         description="Matmul path: f32 (portable, strict parity with the reference); tensorcore (f16 operands "
-        "in subgroup matrices, f32 accumulation); auto: tensorcore where the adapter supports it, else f32.",
+        "in subgroup matrices, f32 accumulation); int8 (opt-in: the frozen projections' GEMMs on integer "
+        "subgroup matrices, 8-bit activations and weights with per-row scales; README Numerics); auto: "
+        "tensorcore where the adapter supports it, else f32.",
     )
     backend: Literal["auto", "gpu", "numpy"] = Field(
         "auto",

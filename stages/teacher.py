@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from data.tokens import read_token_split
 from data.topk import (
@@ -35,9 +33,7 @@ from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
 from stages.keys import StageKey, file_sha256
 from stages.layout import stage_dir, workdir
 from stages.progress import BarFactory, no_bar
-
-if TYPE_CHECKING:
-    from training.teacher import Teacher
+from training.teacher import release_teacher, teacher_fn
 
 log = logging.getLogger(__name__)
 
@@ -88,29 +84,6 @@ def shard_problem(cfg: RunConfig, planned: TeacherManifest, record: ShardRecord)
     except (ShardError, ValueError) as exc:
         return str(exc)
     return None
-
-
-# One teacher per process, kept across the shards of a run (loading it is the expensive part).
-_TEACHER: dict[tuple, Teacher] = {}
-
-
-def teacher_fn(cfg: RunConfig) -> Teacher:
-    """The process's batched teacher for cfg (numpy or GPU per teacher.backend), loaded once."""
-    from training.teacher import make_teacher_fn
-
-    path = Path(cfg.model.teacher).resolve()
-    st = path.stat()
-    t = cfg.teacher
-    key = (str(path), st.st_size, st.st_mtime_ns, t.top_k, t.temperature, t.backend, cfg.train.batch_size)
-    if key not in _TEACHER:
-        _TEACHER.clear()
-        _TEACHER[key] = make_teacher_fn(cfg, path)
-    return _TEACHER[key]
-
-
-def release_teacher() -> None:
-    """Drop the process's teacher (its weights) once the shards are done."""
-    _TEACHER.clear()
 
 
 def shard(

@@ -1,7 +1,7 @@
 """teacher on Ray (teacher.runner: ray): the planned shards not yet complete run as Ray tasks; the driver records.
 
 Each missing shard is one Ray task (one GPU where the cluster has GPUs and teacher.backend may use one, else one
-CPU) that computes the shard's rows with the worker process's teacher (stages.teacher.teacher_fn: loaded once per
+CPU) that computes the shard's rows with the worker process's teacher (training.teacher.teacher_fn: loaded once per
 worker process and kept across its shards) and writes the Parquet file through a pyarrow filesystem
 (write_shard_uri: a plain path or file:// URL, or an object store URL resolved by pyarrow.fs.FileSystem.from_uri)
 with the same writer options as the local runner, so the bytes are the same. The task returns the shard's record
@@ -147,8 +147,8 @@ def compute_shard(
 ) -> str:
     """The body of one shard's Ray task: rows of shard `record` by the worker's teacher, written under out_uri.
     Arguments and result travel as JSON (the manifests' own format); returns the complete record as JSON."""
-    from stages.teacher import teacher_fn
     from training.cluster import pin_assigned_gpu
+    from training.teacher import teacher_fn
 
     pin_assigned_gpu()
     cfg = RunConfig.model_validate_json(cfg_json)

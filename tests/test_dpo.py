@@ -1,11 +1,11 @@
 """The preference objective and its gradient on the numpy engine.
 
 model/dpo.py: dL/dlogπ of every variant against central finite differences in float64 (relative 1e-7).
-cpu/preference.py: loss and every LoRA gradient against an independent oracle, torch autograd through PEFT on
-the exported adapter (HF transformers loads our tiny GGUF): the DPO / IPO / hinge / SimPO losses written
-directly in torch on log_softmax of PEFT's logits. Tolerances (float32 engine vs float32 torch; measured on
-this model 2026-12-03: loss 2.4e-7, gradients 1.9e-6): loss relative 1e-5, gradients 2e-5 of each tensor's
-largest |value|.
+cpu/objectives.py's NumpyPreference on the numpy engine: loss and every LoRA gradient against an independent
+oracle, torch autograd through PEFT on the exported adapter (HF transformers loads our tiny GGUF): the DPO / IPO /
+hinge / SimPO losses written directly in torch on log_softmax of PEFT's logits. Tolerances (float32 engine vs
+float32 torch; measured on this model 2026-12-03: loss 2.4e-7, gradients 1.9e-6): loss relative 1e-5, gradients
+2e-5 of each tensor's largest |value|.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from cpu.preference import PreferenceEngine, kl_rows
+from cpu import NumpyEngine
+from cpu.head import kl_rows
+from cpu.objectives import NumpyPreference
 from data.adapters import export_peft, gguf_to_hf_rows, peft_key
 from model.dpo import DpoConfig, preference_loss
+from model.engine_spec import PairBatch
 from tests.test_export import ALL, CFG, random_adapter, write_tiny_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -152,11 +155,12 @@ def test_engine_matches_torch_peft(oracle, name: str, monkeypatch: pytest.Monkey
     folder, adapter = oracle
     c = VARIANTS[name]
     ids, mask, ref = _batch(seed=5)
-    engine = PreferenceEngine(
-        None, folder / "tiny.gguf", targets=ALL, r=R_RANK, alpha=ALPHA, pairs=PAIRS, seq_len=T, dpo=c, vocab_chunk=40
-    )
+    engine = NumpyEngine.from_gguf(
+        folder / "tiny.gguf", NumpyPreference(c), targets=ALL, r=R_RANK, alpha=ALPHA, batch=2 * PAIRS, seq_len=T,
+        vocab_chunk=40,
+    )  # fmt: skip
     engine.set_adapter(adapter)
-    engine.write_pairs(ids, mask, None if c.reference_free else ref)
+    engine.write_batch(PairBatch(ids, mask, None if c.reference_free else ref))
     ours = engine.loss_and_grads()
     grads = engine.get_grads()
 
@@ -189,12 +193,14 @@ def test_sequence_logps_and_kl(oracle, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder, adapter = oracle
     ids, mask, _ = _batch(seed=6)
-    engine = PreferenceEngine(
-        None, folder / "tiny.gguf", targets=ALL, r=R_RANK, alpha=ALPHA, pairs=PAIRS, seq_len=T, dpo=DpoConfig()
-    )
+    engine = NumpyEngine.from_gguf(
+        folder / "tiny.gguf", NumpyPreference(DpoConfig()), targets=ALL, r=R_RANK, alpha=ALPHA, batch=2 * PAIRS,
+        seq_len=T,
+    )  # fmt: skip
     engine.set_adapter(adapter)
-    engine.write_pairs(ids, mask)
-    logp, count = engine.sequence_logps()
+    engine.write_batch(PairBatch(ids, mask))
+    out = engine.evaluate_batch()
+    logp, count = out["logps"], out["counts"]
     h = engine.final_hidden()
     model = _peft_model(folder)
     with torch.no_grad():
@@ -223,24 +229,27 @@ GPU_REL = 1e-4  # f32 kernels on lavapipe vs numpy BLAS, relative to each tensor
 
 @pytest.mark.parametrize("name", ["sigmoid", "simpo"])
 def test_gpu_engine_matches_numpy_engine(oracle, name: str) -> None:
-    """GPUPreferenceStudent (the KD head as CE, its dL/dh rows scaled by the DPO weights) against the numpy
-    engine held to torch above: loss, every LoRA gradient, and two accumulated micro-batches then a step."""
-    from gpu.model import StudentWeights
-    from gpu.preference import GPUPreferenceStudent
+    """GPUStudent with GpuPreference (the KD head as CE, its dL/dh rows scaled by the DPO weights) against the
+    numpy engine held to torch above: loss, every LoRA gradient, and two accumulated micro-batches then a step."""
+    from gpu.model import ModelWeights
+    from gpu.objectives import GpuPreference
+    from gpu.student import GPUStudent
+    from model.engine_spec import EngineSpec
     from tests.gpu_fixtures import device_or_skip
 
     dev = device_or_skip()
     folder, adapter = oracle
     c = VARIANTS[name]
-    common = {"targets": ALL, "r": R_RANK, "alpha": ALPHA, "pairs": PAIRS, "seq_len": T, "dpo": c, "grad_accum": 2}
-    numpy_engine = PreferenceEngine(None, folder / "tiny.gguf", **common)
-    gpu_engine = GPUPreferenceStudent(dev, StudentWeights.from_gguf(dev, folder / "tiny.gguf"), **common)
+    common = {"targets": ALL, "r": R_RANK, "alpha": ALPHA, "batch": 2 * PAIRS, "seq_len": T, "grad_accum": 2}
+    numpy_engine = NumpyEngine.from_gguf(folder / "tiny.gguf", NumpyPreference(c), **common)
+    weights = ModelWeights.from_gguf(dev, folder / "tiny.gguf")
+    gpu_engine = GPUStudent(dev, weights, EngineSpec(weights.cfg, **common), GpuPreference(c))
     stats = {}
     for engine in (numpy_engine, gpu_engine):
         engine.set_adapter(adapter)
         for micro, seed in enumerate((5, 8)):
             ids, mask, ref = _batch(seed)
-            engine.write_pairs(ids, mask, None if c.reference_free else ref)
+            engine.write_batch(PairBatch(ids, mask, None if c.reference_free else ref))
             engine.accumulate(micro)
         grads = engine.get_grads()
         stats[engine] = (engine.apply(1e-3), grads)

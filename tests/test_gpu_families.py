@@ -10,13 +10,15 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu.device import Device
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
+from gpu.objectives import GpuKd
 from gpu.ops.add import add_bias
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.student import GPUStudent
 from model import reference as ref
 from model.config import LORA_TARGETS, ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.gguf import llama3_rope_factors
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
@@ -141,19 +143,11 @@ def test_student_step_matches_reference(name: str, qtype: int) -> None:
     cfg = FAMILIES[name]
     w, lora, ids, targets, mask, tids, tlp = _problem(cfg, 7, qtype)
     loss_cfg = LossConfig("forward_kl", tau=1.0, ce_weight=0.2)
-    st = GPUStudent(
-        dev,
-        StudentWeights.from_arrays(dev, cfg, w, qtype),
-        targets=LORA_TARGETS,
-        r=RANK,
-        alpha=SCALE * RANK,
-        batch=B,
-        seq_len=T,
-        top_k=K,
-        loss=loss_cfg,
-    )
+    weights = ModelWeights.from_arrays(dev, cfg, w, qtype)
+    spec = EngineSpec(weights.cfg, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T)
+    st = GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K))
     st.set_adapter(lora)
-    st.write_batch(ids, targets, mask, tids, tlp, None)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, None))
     loss = st.loss_and_grads()
     w64 = {n: a.astype(np.float64) for n, a in w.items()}
     l64 = {k: ref.LoraPair(p.A.astype(np.float64), p.B.astype(np.float64)) for k, p in lora.items()}
@@ -177,13 +171,17 @@ def test_tensorcore_step_matches_reference(name: str) -> None:
     cfg = FAMILIES[name]
     w, lora, ids, targets, mask, tids, tlp = _problem(cfg, 9, Q.Q4_0)
     loss_cfg = LossConfig("forward_kl", tau=1.0)
-    weights = StudentWeights.from_arrays(dev, cfg, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, cfg, w, Q.Q4_0)
     st = GPUStudent(
-        dev, weights, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
-        precision="tensorcore",
-    )  # fmt: skip
+        dev,
+        weights,
+        EngineSpec(
+            weights.cfg, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, precision="tensorcore"
+        ),
+        GpuKd(loss_cfg, K),
+    )
     st.set_adapter(lora)
-    st.write_batch(ids, targets, mask, tids, tlp, None)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, None))
     loss = st.loss_and_grads()
     w64 = {n: a.astype(np.float64) for n, a in w.items()}
     l64 = {k: ref.LoraPair(p.A.astype(np.float64), p.B.astype(np.float64)) for k, p in lora.items()}

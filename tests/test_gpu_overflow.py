@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
+from gpu.objectives import GpuKd
 from gpu.student import GPUStudent, TrainingDiverged
 from model import reference
 from model.config import LORA_TARGETS, ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.kd import LossConfig
 from tests.gpu_fixtures import device_or_skip
 
@@ -23,25 +25,19 @@ T, K, R = 8, 4, 2
 
 def _student(grad_accum: int = 1, max_skips_in_a_row: int = 8) -> GPUStudent:
     dev = device_or_skip()
-    weights = StudentWeights.from_arrays(dev, CFG, reference.random_weights(CFG, 0, np.float32), Q.Q8_0)
+    weights = ModelWeights.from_arrays(dev, CFG, reference.random_weights(CFG, 0, np.float32), Q.Q8_0)
     st = GPUStudent(
         dev,
         weights,
-        targets=LORA_TARGETS,
-        r=R,
-        alpha=2 * R,
-        batch=1,
-        seq_len=T,
-        top_k=K,
-        loss=LossConfig("forward_kl", tau=1.0, use_tail=False),
-        grad_accum=grad_accum,
+        EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=1, seq_len=T, grad_accum=grad_accum),
+        GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=False), K),
         max_skips_in_a_row=max_skips_in_a_row,
     )
     st.set_adapter(reference.init_lora(CFG, list(LORA_TARGETS), R, seed=1))
     rng = np.random.default_rng(0)
     ids = rng.integers(0, CFG.vocab, (1, T))
     tids = np.stack([rng.permutation(CFG.vocab)[:K] for _ in range(T)])[None]
-    st.write_batch(ids, np.roll(ids, -1, 1), np.ones((1, T)), tids, np.full((1, T, K), np.log(1 / K)), None)
+    st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((1, T)), tids, np.full((1, T, K), np.log(1 / K)), None))
     return st
 
 

@@ -8,10 +8,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from gpu.device import DeviceError
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
+from gpu.objectives import GpuKd
 from gpu.student import GPUStudent
 from model import reference
 from model.config import LORA_TARGETS, ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
 from schemas.optim import AdamWConfig
@@ -93,12 +95,15 @@ def test_step_matches_reference(qtype: int, loss_cfg: LossConfig) -> None:
     w, lora, ids, targets, mask, rng = _problem(3, qtype)
     tids, tlp, ttail = _teacher(rng, loss_cfg.tau)
     scale = 2.0
-    weights = StudentWeights.from_arrays(dev, CFG, w, qtype)
+    weights = ModelWeights.from_arrays(dev, CFG, w, qtype)
     st = GPUStudent(
-        dev, weights, targets=LORA_TARGETS, r=R, alpha=scale * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg
+        dev,
+        weights,
+        EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=scale * R, batch=B, seq_len=T),
+        GpuKd(loss_cfg, K),
     )
     st.set_adapter(lora)
-    st.write_batch(ids, targets, mask, tids, tlp, ttail if loss_cfg.use_tail else None)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail if loss_cfg.use_tail else None))
     loss = st.loss_and_grads()
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, scale)
     assert abs(loss - want_loss) / abs(want_loss) < REL
@@ -120,15 +125,18 @@ def test_bf16_checkpoints_keep_the_loss_and_bound_the_gradients() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     runs = {}
     for kind in ("f32", "bf16"):
         st = GPUStudent(
-            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
+            dev,
+            weights,
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
             checkpoints=kind,
-        )  # fmt: skip
+        )
         st.set_adapter(lora)
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         runs[kind] = (st, st.loss_and_grads(), st.get_grads())
     (f32, loss_f32, grads_f32), (bf16, loss_bf16, grads_bf16) = runs["f32"], runs["bf16"]
     assert loss_bf16 == loss_f32
@@ -141,9 +149,12 @@ def test_bf16_checkpoints_keep_the_loss_and_bound_the_gradients() -> None:
     assert any(not np.array_equal(grads_bf16[k].A, grads_f32[k].A) for k in want)
     with pytest.raises(ValueError, match="checkpoints='f16'"):
         GPUStudent(
-            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg,
+            dev,
+            weights,
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
             checkpoints="f16",
-        )  # fmt: skip
+        )
 
 
 def test_attention_views_equal_padded_slots() -> None:
@@ -158,13 +169,14 @@ def test_attention_views_equal_padded_slots() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(5, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     results = []
     for cls in (GPUStudent, SlottedStudent):
-        st = cls(dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg)
+        spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T)
+        st = cls(dev, weights, spec, GpuKd(loss_cfg, K))
         assert st.direct_attention == (cls is GPUStudent)
         st.set_adapter(lora)
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         results.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
     assert results[0][0] == results[1][0]
     np.testing.assert_array_equal(results[0][1], results[1][1])
@@ -179,22 +191,25 @@ def test_replayed_step_reads_the_new_batch() -> None:
     batches = [(ids, targets, mask, *_teacher(rng, 1.0))]
     _, _, ids2, targets2, mask2, rng2 = _problem(10, Q.Q4_0)
     batches.append((ids2, targets2, mask2, *_teacher(rng2, 1.0)))
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
 
     def student() -> GPUStudent:
         st = GPUStudent(
-            dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss_cfg
+            dev,
+            weights,
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
         )
         st.set_adapter(lora)
         return st
 
     taped = student()
     for batch in batches:
-        taped.write_batch(*batch)
+        taped.write_batch(KdBatch(*batch))
         replayed = (taped.loss_and_grads(), taped.layout.pack(taped.get_grads()))
     assert len(taped._tapes) == 1
     fresh = student()
-    fresh.write_batch(*batches[1])
+    fresh.write_batch(KdBatch(*batches[1]))
     assert replayed[0] == fresh.loss_and_grads()
     np.testing.assert_array_equal(replayed[1], fresh.layout.pack(fresh.get_grads()))
 
@@ -204,23 +219,18 @@ def test_training_reduces_kl_and_is_bitwise_reproducible() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, _, ids, targets, mask, rng = _problem(5, Q.Q8_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q8_0)
 
     def run(n_steps: int) -> tuple[list[float], np.ndarray]:
         st = GPUStudent(
             dev,
             weights,
-            targets=LORA_TARGETS,
-            r=R,
-            alpha=2 * R,
-            batch=B,
-            seq_len=T,
-            top_k=K,
-            loss=loss_cfg,
-            optim=AdamWConfig(lr=1e-2, max_grad_norm=1.0),
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T),
+            GpuKd(loss_cfg, K),
+            AdamWConfig(lr=1e-2, max_grad_norm=1.0),
         )
         st.set_adapter(reference.init_lora(CFG, list(LORA_TARGETS), R, seed=0))
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         losses = [st.train_step(lr=1e-2).loss for _ in range(n_steps)]
         return losses, st.layout.pack(st.get_adapter())
 
@@ -237,7 +247,7 @@ def test_teacher_topk_matches_reference() -> None:
     dev = device_or_skip()
     w, _, ids, _, _, _ = _problem(7, Q.F32)
     tau = 1.5
-    teacher = GPUTeacher(dev, StudentWeights.from_arrays(dev, CFG, w), batch=B, seq_len=T, top_k=K, tau=tau)
+    teacher = GPUTeacher(dev, ModelWeights.from_arrays(dev, CFG, w), batch=B, seq_len=T, top_k=K, tau=tau)
     got_ids, got_lp, got_tail = teacher.topk(ids)
     w64 = {n: a.astype(np.float64) for n, a in w.items()}
     for s in range(B):
@@ -250,7 +260,7 @@ def test_teacher_topk_matches_reference() -> None:
 
 
 def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
-    """StudentWeights.from_gguf (read-ahead thread) gives the same step as uploading the arrays directly."""
+    """ModelWeights.from_gguf (read-ahead thread) gives the same step as uploading the arrays directly."""
     from model.gguf import llama_metadata, write_gguf
 
     dev = device_or_skip()
@@ -266,24 +276,19 @@ def test_streamed_upload_from_gguf_matches_arrays(tmp_path) -> None:
     ]
     write_gguf(tmp_path / "s.gguf", "llama", meta, tensors)
     seen = []
-    streamed = StudentWeights.from_gguf(dev, tmp_path / "s.gguf", progress=lambda info: seen.append(info.name))
+    streamed = ModelWeights.from_gguf(dev, tmp_path / "s.gguf", progress=lambda info: seen.append(info.name))
     assert sorted(seen) == sorted(w)
     tids, tlp, ttail = _teacher(rng, 1.0)
     losses = []
-    for weights in (streamed, StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)):
+    for weights in (streamed, ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)):
         st = GPUStudent(
             dev,
             weights,
-            targets=LORA_TARGETS,
-            r=R,
-            alpha=R,
-            batch=B,
-            seq_len=T,
-            top_k=K,
-            loss=LossConfig("forward_kl", tau=1.0, use_tail=True),
+            EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=R, batch=B, seq_len=T),
+            GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), K),
         )
         st.set_adapter(lora)
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         losses.append(st.loss_and_grads())
     assert losses[0] == losses[1]
 
@@ -299,7 +304,7 @@ def test_tensorcore_f16_gemm_inputs_are_exact() -> None:
 
     dev = tensor_core_device_or_skip()
     w, lora, ids, *_ = _problem(3, Q.Q4_0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     streams = []
     for packed in (True, False):
         model = GPUModel(
@@ -312,6 +317,12 @@ def test_tensorcore_f16_gemm_inputs_are_exact() -> None:
     np.testing.assert_array_equal(streams[0], streams[1])
 
 
+def _precision_student(dev, weights: ModelWeights, precision: str, loss_cfg: LossConfig) -> GPUStudent:
+    """A KD student of the test shapes (LoRA on every target, alpha 2r) on `precision`."""
+    spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision=precision)
+    return GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K))
+
+
 @pytest.mark.tensorcore
 def test_tensorcore_step_matches_reference() -> None:
     """The same step with every frozen projection and the LM head's logits on tensor cores (Dawn subgroup
@@ -320,20 +331,9 @@ def test_tensorcore_step_matches_reference() -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    st = GPUStudent(
-        dev,
-        StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0),
-        targets=LORA_TARGETS,
-        r=R,
-        alpha=2 * R,
-        batch=B,
-        seq_len=T,
-        top_k=K,
-        loss=loss_cfg,
-        precision="tensorcore",
-    )
+    st = _precision_student(dev, ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0), "tensorcore", loss_cfg)
     st.set_adapter(lora)
-    st.write_batch(ids, targets, mask, tids, tlp, ttail)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
     loss = st.loss_and_grads()
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, 2.0)
     assert abs(loss - want_loss) / abs(want_loss) < TC_REL
@@ -363,22 +363,11 @@ def test_int8_step_matches_reference(qtype: int, int8_grads: bool) -> None:
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, qtype)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    st = GPUStudent(
-        dev,
-        StudentWeights.from_arrays(dev, CFG, w, qtype),
-        targets=LORA_TARGETS,
-        r=R,
-        alpha=2 * R,
-        batch=B,
-        seq_len=T,
-        top_k=K,
-        loss=loss_cfg,
-        precision="int8",
-    )
+    st = _precision_student(dev, ModelWeights.from_arrays(dev, CFG, w, qtype), "int8", loss_cfg)
     st.int8_input_grads = int8_grads
     assert sorted(st.w8) == sorted((i, t) for i in range(CFG.n_layers) for t in LORA_TARGETS)
     st.set_adapter(lora)
-    st.write_batch(ids, targets, mask, tids, tlp, ttail)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
     loss = st.loss_and_grads()
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, 2.0)
     got = st.get_grads()
@@ -399,7 +388,7 @@ def test_tensorcore_teacher_topk_close() -> None:
 
     dev = tensor_core_device_or_skip()
     w, _, ids, _, _, _ = _problem(7, Q.F32)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     got, want = (
         GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.0, precision=p).topk(ids)
         for p in ("tensorcore", "f32")
@@ -411,13 +400,13 @@ def test_tensorcore_teacher_topk_close() -> None:
 
 
 def test_int8_only_weights_refuse_other_precisions() -> None:
-    """StudentWeights.to_int8 keeps every projection as int8 codes (per-row scales) and drops its GGML data; a
+    """ModelWeights.to_int8 keeps every projection as int8 codes (per-row scales) and drops its GGML data; a
     model on another precision then refuses the weights in one line instead of reading what is gone."""
     from gpu.model import GPUModel
 
     dev = device_or_skip()
     w, *_ = _problem(3, Q.Q4_0)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     before = weights.nbytes
     weights.to_int8(dev)
     small = {(i, t) for i in range(CFG.n_layers) for t in ("k", "v")}  # 16 rows: no multiple of one integer step
@@ -427,7 +416,7 @@ def test_int8_only_weights_refuse_other_precisions() -> None:
     assert (q.rows, q.k, q.chunks) == (CFG.q_dim, CFG.hidden, 1) and weights.nbytes != before
     with pytest.raises(DeviceError, match="kept as int8 only"):
         GPUModel(dev, weights, batch=B, seq_len=T, precision="f32")
-    at_upload = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0, int8=True)  # converted tensor by tensor
+    at_upload = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0, int8=True)  # converted tensor by tensor
     assert set(at_upload.proj) == small and at_upload.nbytes == weights.nbytes
     for key, m in weights.proj8.items():
         got = at_upload.proj8[key]
@@ -446,23 +435,12 @@ def test_int8_only_weights_train_the_same() -> None:
     tids, tlp, ttail = _teacher(rng, 1.0)
     out = []
     for int8_only in (False, True):
-        weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+        weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
         if int8_only:
             weights.to_int8(dev)
-        st = GPUStudent(
-            dev,
-            weights,
-            targets=LORA_TARGETS,
-            r=R,
-            alpha=2 * R,
-            batch=B,
-            seq_len=T,
-            top_k=K,
-            loss=loss_cfg,
-            precision="int8",
-        )
+        st = _precision_student(dev, weights, "int8", loss_cfg)
         st.set_adapter(lora)
-        st.write_batch(ids, targets, mask, tids, tlp, ttail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         out.append((st.loss_and_grads(), st.get_grads()))
     assert out[0][0] == out[1][0]
     for key, g in out[0][1].items():
@@ -477,7 +455,7 @@ def test_int8_teacher_topk_close() -> None:
 
     dev = tensor_core_device_or_skip()
     w, _, ids, _, _, _ = _problem(7, Q.F32)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     got, want = (
         GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.0, precision=p).topk(ids) for p in ("int8", "f32")
     )

@@ -27,7 +27,8 @@ from gpu.codegen import KERNEL_DIR
 from gpu.codegen_i8 import matmul_i8_source
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
-from gpu.model import StudentWeights
+from gpu.model import ModelWeights
+from gpu.objectives import GpuKd
 from gpu.ops.matmul import pick_tile
 from gpu.ops.matmul_i8 import all_i8_variants
 from gpu.ops.matmul_tc import pick_config
@@ -36,6 +37,7 @@ from gpu.student import GPUStudent
 from gpu.teacher import GPUTeacher
 from model import reference
 from model.config import LORA_TARGETS, ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.kd import LossConfig, log_softmax
 from schemas.optim import AdamWConfig
 from tests.gpu_fixtures import device_or_skip
@@ -159,14 +161,17 @@ def test_model_dispatches_only_registry_members(monkeypatch: pytest.MonkeyPatch)
     rng = np.random.default_rng(0)
     w = reference.random_weights(CFG, 0, np.float32)
     ids, targets, mask, tids, tlp, tail = _problem(rng)
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     loss = LossConfig("jsd", tau=2.0, beta=0.3, ce_weight=0.25, use_tail=True)
     st = GPUStudent(
-        dev, weights, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, top_k=K, loss=loss,
-        optim=AdamWConfig(lr=1e-2), grad_accum=2,
-    )  # fmt: skip
+        dev,
+        weights,
+        EngineSpec(weights.cfg, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, grad_accum=2),
+        GpuKd(loss, K),
+        AdamWConfig(lr=1e-2),
+    )
     for micro in range(2):
-        st.write_batch(ids, targets, mask, tids, tlp, tail)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, tail))
         st.accumulate(micro)
     assert not st.apply(lr=1e-2).skipped
     st.evaluate_batch()

@@ -9,8 +9,10 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from cpu import NumpyEngine
+from cpu.objectives import NumpyKd
 from model import reference as R
 from model.config import LORA_TARGETS, ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
 from schemas.optim import AdamWConfig
@@ -65,26 +67,30 @@ def _adapter(rng: np.random.Generator, layers=LAYERS) -> dict[tuple[int, str], R
     }
 
 
-def _engine(w, loss: LossConfig, **kw) -> NumpyEngine:
-    kw = {"layers": LAYERS, "vocab_chunk": CHUNK, "optim": AdamWConfig(lr=1e-2, weight_decay=0.1), **kw}
-    return NumpyEngine(
-        CFG, w, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, top_k=K, loss=loss, **kw
-    )
+def _spec(**kw) -> EngineSpec:
+    """The tests' EngineSpec; kw: other EngineSpec fields."""
+    return EngineSpec(CFG, **{"targets": LORA_TARGETS, "r": RANK, "alpha": SCALE * RANK, "batch": B, "seq_len": T,
+                              "layers": LAYERS, **kw})  # fmt: skip
 
 
-def _gpu_student(dev, w, loss: LossConfig, **kw):
-    from gpu.model import StudentWeights
+def _engine(w, loss: LossConfig, optim: AdamWConfig | None = None, **kw) -> NumpyEngine:
+    optim = optim or AdamWConfig(lr=1e-2, weight_decay=0.1)
+    budget = {"activation_budget": kw.pop("activation_budget")} if "activation_budget" in kw else {}
+    return NumpyEngine(w, _spec(**{"vocab_chunk": CHUNK, **kw}), NumpyKd(loss, K), optim, **budget)
+
+
+def _gpu_student(dev, w, loss: LossConfig, optim: AdamWConfig | None = None, **kw):
+    from gpu.model import ModelWeights
+    from gpu.objectives import GpuKd
     from gpu.student import GPUStudent
 
-    kw = {"layers": LAYERS, "optim": AdamWConfig(lr=1e-2, weight_decay=0.1), **kw}
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)
-    return GPUStudent(
-        dev, weights, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, top_k=K, loss=loss, **kw
-    )
+    optim = optim or AdamWConfig(lr=1e-2, weight_decay=0.1)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q8_0)
+    return GPUStudent(dev, weights, _spec(**kw), GpuKd(loss, K), optim)
 
 
 def _write(st, batch: tuple[np.ndarray, ...], loss: LossConfig) -> None:
-    st.write_batch(*batch[:5], batch[5] if loss.use_tail else None)
+    st.write_batch(KdBatch(*batch[:5], batch[5] if loss.use_tail else None))
 
 
 def _grad_errors(got: dict, want: dict) -> float:
@@ -328,18 +334,19 @@ def test_from_gguf_matches_weights_dict(tmp_path) -> None:
                for n, a in w.items()]  # fmt: skip
     write_gguf(tmp_path / "s.gguf", "llama", llama_metadata(CFG), tensors)
     loss_cfg, adapter, batch = CASES[0], _adapter(rng), _batch(rng, 1.0)
-    kw = {"targets": LORA_TARGETS, "r": RANK, "alpha": SCALE * RANK, "batch": B, "seq_len": T, "top_k": K,
-          "loss": loss_cfg, "layers": LAYERS}  # fmt: skip
+    kw = {"targets": LORA_TARGETS, "r": RANK, "alpha": SCALE * RANK, "batch": B, "seq_len": T, "layers": LAYERS}
     losses = []
-    for st in (NumpyEngine.from_gguf(tmp_path / "s.gguf", **kw), NumpyEngine(CFG, w, **kw)):
+    for st in (NumpyEngine.from_gguf(tmp_path / "s.gguf", NumpyKd(loss_cfg, K), **kw),
+               NumpyEngine(w, EngineSpec(CFG, **kw), NumpyKd(loss_cfg, K))):  # fmt: skip
         st.set_adapter(adapter)
         _write(st, batch, loss_cfg)
         losses.append(st.loss_and_grads())
     assert losses[0] == losses[1]
     with pytest.raises(ValueError, match="seq_len=65 exceeds"):
-        NumpyEngine(CFG, w, **{**kw, "seq_len": 65})
+        NumpyEngine(w, EngineSpec(CFG, **{**kw, "seq_len": 65}), NumpyKd(loss_cfg, K))
     with pytest.raises(ValueError, match="missing blk.0.attn_q.weight"):
-        NumpyEngine(CFG, {n: a for n, a in w.items() if n != "blk.0.attn_q.weight"}, **kw)
+        partial = {n: a for n, a in w.items() if n != "blk.0.attn_q.weight"}
+        NumpyEngine(partial, EngineSpec(CFG, **kw), NumpyKd(loss_cfg, K))
 
 
 def test_bad_inputs_fail_with_clear_messages() -> None:
@@ -381,8 +388,13 @@ def test_other_families_match_float64_reference(family: str) -> None:
     rng = np.random.default_rng(14)
     w = R.random_weights(cfg, 14, np.float32)
     adapter, batch, loss_cfg = _adapter(rng), _batch(rng, 1.0), CASES[0]
-    st = NumpyEngine(cfg, w, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, top_k=K,
-                     loss=loss_cfg, layers=LAYERS, vocab_chunk=CHUNK)  # fmt: skip
+    st = NumpyEngine(
+        w,
+        EngineSpec(
+            cfg, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, layers=LAYERS, vocab_chunk=CHUNK
+        ),
+        NumpyKd(loss_cfg, K),
+    )
     st.set_adapter(adapter)
     _write(st, batch, loss_cfg)
     loss = st.loss_and_grads()
@@ -415,4 +427,4 @@ def test_cpu_engine_imports_nothing_of_the_gpu() -> None:
     code = "import sys, cpu, cpu.engine; print(sorted(m for m in sys.modules if m.startswith(('gpu', 'wgpu'))))"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['gpu', 'gpu.lora_layout']"
+    assert out.strip() == "[]"  # the flat LoRA layout lives in model/ since it moved out of gpu/

@@ -272,7 +272,7 @@ def test_pairs_from_parquet_and_a_saved_dataset(tmp_path: Path) -> None:
 
 
 def test_gpu_backend_trains_as_numpy_does(tmp_path: Path) -> None:
-    """train.backend=gpu (lavapipe here): the reference and two steps on GPUPreferenceStudent give the numpy
+    """train.backend=gpu (lavapipe here): the reference and two steps on GPUStudent + GpuPreference give the numpy
     engine's log-probs and losses (f32 kernels vs BLAS)."""
     import pyarrow.parquet as pq
 

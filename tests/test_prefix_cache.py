@@ -21,9 +21,11 @@ import stages.teacher
 import stages.tokenize
 import stages.train
 from cpu import NumpyEngine
+from cpu.objectives import NumpyKd
 from data.prefix import MANIFEST_NAME, PrefixError, PrefixReader, plan_shards, read_manifest, to_f16
 from model import reference as R
 from model.config import LORA_TARGETS, ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.kd import LossConfig, log_softmax
 from model.quant import dequantize, quantize
 from schemas.config import RunConfig
@@ -71,7 +73,7 @@ def _adapter(layout: object) -> dict[tuple[int, str], R.LoraPair]:
 
 def _step(engine: object, batch: tuple[np.ndarray, ...], prefix: np.ndarray | None) -> tuple[float, dict]:
     engine.set_adapter(_adapter(engine.layout))
-    engine.write_batch(*batch, **({} if prefix is None else {"prefix": prefix}))
+    engine.write_batch(KdBatch(*batch, prefix=prefix))
     return engine.loss_and_grads(), engine.get_grads()
 
 
@@ -88,8 +90,21 @@ def test_numpy_engine_from_the_cache_gives_the_whole_forwards_gradients() -> Non
     w, batch = _weights(), _batch()
 
     def engine(start: int) -> NumpyEngine:
-        return NumpyEngine(CFG, w, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, top_k=K,
-                           loss=LOSS, layers=LAYERS, vocab_chunk=64, start_layer=start)  # fmt: skip
+        return NumpyEngine(
+            w,
+            EngineSpec(
+                CFG,
+                targets=LORA_TARGETS,
+                r=RANK,
+                alpha=SCALE * RANK,
+                batch=B,
+                seq_len=T,
+                layers=LAYERS,
+                start_layer=start,
+                vocab_chunk=64,
+            ),
+            NumpyKd(LOSS, K),
+        )
 
     full = _step(engine(0), batch, None)
     prefix = numpy_prefix(w, CFG, batch[0], 2)
@@ -97,25 +112,40 @@ def test_numpy_engine_from_the_cache_gives_the_whole_forwards_gradients() -> Non
     _compare(full, _step(engine(2), batch, prefix), 1e-5)  # float32 prefix: the same numbers
     _compare(full, _step(engine(2), batch, to_f16(prefix, "test").astype(np.float32)), F16_REL)
     with pytest.raises(ValueError, match="prefix activations: given False"):
-        engine(2).write_batch(*batch)
+        engine(2).write_batch(KdBatch(*batch))
     with pytest.raises(ValueError, match="prefix activations: given True"):
-        engine(0).write_batch(*batch, prefix=prefix)
+        engine(0).write_batch(KdBatch(*batch, prefix=prefix))
     with pytest.raises(ValueError, match="lowest adapted block 2"):
         engine(3)
 
 
 @pytest.mark.gpu
 def test_gpu_student_from_the_cache_gives_the_whole_forwards_gradients() -> None:
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
+    from gpu.objectives import GpuKd
     from gpu.student import GPUStudent
 
     dev = device_or_skip()
     w, batch = _weights(), _batch()
-    weights = StudentWeights.from_arrays(dev, CFG, w, Q.Q8_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q8_0)
 
     def engine(start: int) -> GPUStudent:
-        return GPUStudent(dev, weights, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T,
-                          top_k=K, loss=LOSS, layers=LAYERS, precision="f32", start_layer=start)  # fmt: skip
+        return GPUStudent(
+            dev,
+            weights,
+            EngineSpec(
+                weights.cfg,
+                targets=LORA_TARGETS,
+                r=RANK,
+                alpha=SCALE * RANK,
+                batch=B,
+                seq_len=T,
+                layers=LAYERS,
+                precision="f32",
+                start_layer=start,
+            ),
+            GpuKd(LOSS, K),
+        )
 
     full = _step(engine(0), batch, None)
     prefix = engine(0).residual_stream(batch[0], 2)
@@ -123,7 +153,7 @@ def test_gpu_student_from_the_cache_gives_the_whole_forwards_gradients() -> None
     _compare(full, _step(engine(2), batch, prefix), 1e-5)
     _compare(full, _step(engine(2), batch, to_f16(prefix, "test").astype(np.float32)), F16_REL)
     with pytest.raises(ValueError, match="prefix activations: given False"):
-        engine(2).write_batch(*batch)
+        engine(2).write_batch(KdBatch(*batch))
 
 
 def test_to_f16_refuses_what_float16_cannot_hold() -> None:
@@ -179,9 +209,9 @@ def test_prefix_stage_writes_verified_float16_activations(tiny: dict) -> None:
     assert n_seq == tokens.train.n_sequences + tokens.eval.n_sequences
 
     from data.tokens import read_token_split
-    from training.engines import load_host_student
+    from training.engines import load_host_weights
 
-    model_cfg, w = load_host_student(student.path_in(root))
+    model_cfg, w = load_host_weights(student.path_in(root))
     ds = read_token_split(tokens.path_in(root), "eval").with_format("numpy")
     ids, seq_ids = np.stack(ds["input_ids"]).astype(np.int64), np.asarray(ds["seq_id"])
     got = PrefixReader(manifest.path_in(root)).read(seq_ids.tolist())

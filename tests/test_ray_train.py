@@ -134,3 +134,39 @@ def test_two_gpu_workers_equal_one_worker_on_lavapipe(inputs: Inputs, ray_cluste
     for k in one:
         scale = max(float(np.abs(one[k]).max()), 1e-30)
         assert float(np.abs(np.asarray(one[k]) - np.asarray(two[k])).max()) <= 1e-6 * scale, k
+
+
+def test_the_data_parallel_engine_satisfies_the_protocol(inputs: Inputs, ray_cluster: Any) -> None:
+    """DataParallelEngine is an Engine (tests/test_engine_protocol.py holds the others): it takes a KdBatch and
+    refuses a PairBatch, evaluates on a worker, and its gathered gradients, handed back by set_gradients, make the
+    step its own gather would."""
+    from data.topk import TopkReader
+    from model.engine_spec import PairBatch
+    from tests.test_engine_protocol import _check_protocol
+    from training.batches import kd_batch, read_split
+    from training.engine import Engine
+
+    cfg = RunConfig.model_validate({**inputs.base, "train": {**inputs.base["train"], "backend": "numpy", "workers": 2}})
+    split = read_split(inputs.paths["token_dir"], "train")
+    engine = data_parallel.build(cfg, inputs.paths["student_gguf"], split.ids.shape[1])
+    try:
+        assert isinstance(engine, Engine)
+        _check_protocol(type(engine))
+        with pytest.raises(TypeError, match="takes a KdBatch"):
+            engine.write_batch(PairBatch(split.ids[:2], split.mask[:2]))
+        reader, k = TopkReader(inputs.paths["topk_dir"]), cfg.teacher.top_k
+        batches = [kd_batch(split, np.arange(2 * m, 2 * m + 2), 2, reader, k) for m in range(cfg.train.grad_accum)]
+        engine.write_batch(batches[0])
+        out = engine.evaluate_batch()
+        assert {"kd_loss", "ce", "top1"} <= set(out) and np.isfinite(out["kd_loss"][0])
+        for micro, batch in enumerate(batches):
+            engine.write_batch(batch)
+            engine.accumulate(micro)
+        state = engine.gradients()
+        assert state["grads"].shape == (engine.layout.n_params,) and np.isfinite(state["losses"]).all()
+        engine.set_gradients(state)
+        stats = engine.apply(1e-3)
+        assert not stats.skipped and stats.loss == pytest.approx(float(state["losses"].mean()))
+        assert engine.applied_steps == 1
+    finally:
+        engine.close()

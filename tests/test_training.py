@@ -16,11 +16,13 @@ import pyarrow as pa
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from cpu.objectives import NumpyKd
 from data import topk as S
 from data.checkpoint import load_checkpoint, save_checkpoint
 from data.tokens import write_token_shards
 from model import reference as R
 from model.config import ModelConfig
+from model.engine_spec import EngineSpec, KdBatch
 from model.gguf import GGUFFile, llama_metadata, write_gguf
 from model.kd import log_softmax
 from model.quant import quantize
@@ -240,7 +242,9 @@ class RecordingEngine:
     def set_gradients(self, state) -> None:
         self.calls.append(("set_gradients",))
 
-    def write_batch(self, ids, targets, mask, teacher_ids, teacher_logprobs, teacher_tail) -> None:
+    def write_batch(self, batch: KdBatch) -> None:
+        ids, targets, mask, teacher_ids = batch.ids, batch.targets, batch.mask, batch.teacher_ids
+        teacher_logprobs, teacher_tail = batch.teacher_logprobs, batch.teacher_tail
         shapes = (ids.shape, targets.shape, mask.shape, teacher_ids.shape, teacher_logprobs.shape)
         assert shapes == ((2, SEQ), (2, SEQ), (2, SEQ), (2, SEQ, K), (2, SEQ, K))
         assert teacher_tail is None or teacher_tail.shape == (2, SEQ)
@@ -469,8 +473,13 @@ def test_the_numpy_engine_satisfies_the_protocol(problem: dict) -> None:
     from cpu import NumpyEngine
     from model.kd import LossConfig
 
-    _check_engine(NumpyEngine(CFG, problem["student_w"], targets=("q", "v"), r=4, alpha=8, batch=2, seq_len=SEQ,
-                              top_k=K, loss=LossConfig("forward_kl", tau=1.0, use_tail=True)))  # fmt: skip
+    _check_engine(
+        NumpyEngine(
+            problem["student_w"],
+            EngineSpec(CFG, targets=("q", "v"), r=4, alpha=8, batch=2, seq_len=SEQ),
+            NumpyKd(LossConfig("forward_kl", tau=1.0, use_tail=True), K),
+        )
+    )
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
-"""Token splits as dense arrays and the [B, T] batches (with teacher top-k) an engine takes."""
+"""Token splits as dense arrays and the [B, T] KdBatches (with teacher top-k and the frozen-prefix cache) an engine
+takes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import numpy as np
 from data.prefix import PrefixReader
 from data.tokens import read_token_split
 from data.topk import TopkReader
+from model.engine_spec import KdBatch
 
 
 # ---- data -------------------------------------------------------------------------------------------------
@@ -27,8 +29,9 @@ def read_split(token_dir: Path, split: str) -> Split:
     return Split(np.asarray(ds["seq_id"]), ids.astype(np.int64), mask.astype(np.uint8))
 
 
-def batch_arrays(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> tuple[np.ndarray, ...]:
-    """Dense [B, T] inputs for Engine.write_batch; missing rows (the last partial batch) are masked out."""
+def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> KdBatch:
+    """The dense [B, T] KdBatch of split rows `rows` (teacher tail included, no prefix) for Engine.write_batch;
+    missing rows (the last partial batch) are masked out."""
     t = split.ids.shape[1]
     ids = np.zeros((batch, t), np.int64)
     mask = np.zeros((batch, t), np.uint8)
@@ -45,14 +48,40 @@ def batch_arrays(split: Split, rows: np.ndarray, batch: int, reader: TopkReader,
         tids[b_idx, t_idx] = top.ids
         tlp[b_idx, t_idx] = top.logprobs
         tail[b_idx, t_idx] = top.tail
-    return ids, targets, mask, tids, tlp, tail
+    return KdBatch(ids, targets, mask, tids, tlp, tail)
 
 
 def batch_prefix(split: Split, rows: np.ndarray, batch: int, reader: PrefixReader) -> np.ndarray:
-    """[batch, T, hidden] float32 for Engine.write_batch's prefix: the cached input of the engine's start block
+    """[batch, T, hidden] float32 for KdBatch.prefix: the cached input of the engine's start block
     for each row (missing rows of the last partial batch are zero; their mask is 0)."""
     m = reader.manifest
     out = np.zeros((batch, split.ids.shape[1], m.hidden), np.float32)
     if len(rows):
         out[: len(rows)] = reader.read(split.seq_ids[rows].tolist())
     return out
+
+
+@dataclass
+class KdSource:
+    """A token split with its teacher top-k shards and, when the run has one, its frozen-prefix cache: where the
+    KdBatches of training and evaluation come from."""
+
+    split: Split
+    reader: TopkReader
+    prefix: PrefixReader | None = None
+
+    @classmethod
+    def open(cls, split: Split, topk_dir: Path, prefix_dir: Path | None = None) -> KdSource:
+        return cls(split, TopkReader(topk_dir), None if prefix_dir is None else PrefixReader(prefix_dir))
+
+    @property
+    def start_layer(self) -> int:
+        """The block an engine fed from here starts its forward at: the prefix cache's, else 0."""
+        return 0 if self.prefix is None else self.prefix.manifest.layer
+
+    def batch(self, rows: np.ndarray, batch: int, k: int, tail: bool = True) -> KdBatch:
+        """The KdBatch of split rows `rows` (kd_batch), without the teacher tail unless `tail`, with the cached
+        prefix when there is a cache."""
+        out = kd_batch(self.split, rows, batch, self.reader, k)
+        prefix = None if self.prefix is None else batch_prefix(self.split, rows, batch, self.prefix)
+        return replace(out, teacher_tail=out.teacher_tail if tail else None, prefix=prefix)

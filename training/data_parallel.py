@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from gpu.lora_layout import LoraLayout
 from model.config import ModelConfig
+from model.engine_spec import KdBatch, PairBatch, gradient_state
+from model.lora_layout import LoraLayout
 from model.reference import LoraPair
 from schemas.config import RunConfig
 from schemas.optim import StepStats
@@ -63,17 +64,19 @@ class TrainWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def micro(
-        self, batch: tuple[np.ndarray | None, ...], prefix: np.ndarray | None
-    ) -> tuple[np.ndarray, float, float, float]:
+    def micro(self, batch: KdBatch) -> tuple[np.ndarray, float, float, float]:
         """Forward + backward of one micro-batch on its own: (gradients [n_params] float32, loss, start, end) with
         start/end the time.time() around it (the driver's timings)."""
         t0 = time.time()
-        given = {} if prefix is None else {"prefix": prefix}
-        self.engine.write_batch(*batch, **given)
+        self.engine.write_batch(batch)
         self.engine.accumulate(0)
         grads = self.engine.gradients()
         return grads["grads"], float(grads["losses"][0]), t0, time.time()
+
+    def evaluate(self, batch: KdBatch) -> dict[str, np.ndarray]:
+        """Forward only on `batch`: the engine's evaluate_batch."""
+        self.engine.write_batch(batch)
+        return self.engine.evaluate_batch()
 
     def apply(self, summed: Mapping[str, np.ndarray], lr: float) -> tuple[tuple[float, float, bool, float], float]:
         """set_gradients(summed) and one AdamW step: ((grad_norm, clip_scale, skipped, loss), start time)."""
@@ -106,15 +109,14 @@ class TrainWorker:
 @dataclass
 class _Micro:
     index: int
-    batch: tuple[np.ndarray | None, ...]
-    prefix: np.ndarray | None
+    batch: KdBatch
     worker: int
     actor: Any  # the worker handle it was sent to (a replaced worker's other micro-batches are only resent)
     ref: Any
 
 
 class DataParallelEngine:
-    """The training Engine of train.workers = N > 1 (see the module docstring); training only (no evaluation)."""
+    """The training Engine of train.workers = N > 1 (see the module docstring); evaluate_batch runs on worker 0."""
 
     def __init__(self, cfg: RunConfig, student_gguf: Path, seq_len: int, start_layer: int = 0) -> None:
         from model.gguf import GGUFFile
@@ -134,7 +136,9 @@ class DataParallelEngine:
         self.applied_steps = 0
         self.skipped_steps = 0
         self.replaced = 0
-        self._batch: tuple[tuple[np.ndarray | None, ...], np.ndarray | None] | None = None
+        self._batch: KdBatch | None = None
+        self._summed: dict[str, np.ndarray] | None = None  # the step's gathered (or given) gradient sum
+        self._gathered: dict[str, float] = {}  # the timings of its gather
         self._step: list[_Micro] = []
         self._t_step = 0.0
         self.timings: list[dict[str, float]] = []  # per step: where the time went (the all-reduce cost)
@@ -190,17 +194,11 @@ class DataParallelEngine:
         return self.ray.get(self.workers[0].state.remote())
 
     # ---- Engine: a step --------------------------------------------------------------------------------------
-    def write_batch(
-        self,
-        ids: np.ndarray,
-        targets: np.ndarray,
-        mask: np.ndarray,
-        teacher_ids: np.ndarray,
-        teacher_logprobs: np.ndarray,
-        teacher_tail: np.ndarray | None,
-        prefix: np.ndarray | None = None,
-    ) -> None:
-        self._batch = ((ids, targets, mask, teacher_ids, teacher_logprobs, teacher_tail), prefix)
+    def write_batch(self, batch: KdBatch | PairBatch) -> None:
+        """Keep the micro-batch for the worker accumulate() sends it to (the KD objective: a KdBatch)."""
+        if not isinstance(batch, KdBatch):
+            raise TypeError(f"DataParallelEngine trains KD: it takes a KdBatch, not {type(batch).__name__}")
+        self._batch = batch
 
     def accumulate(self, micro: int) -> None:
         """Send the written micro-batch to worker micro mod N (it starts at once; the loop prepares the next)."""
@@ -211,20 +209,21 @@ class DataParallelEngine:
         if micro == 0:
             self._step = []
             self._t_step = time.time()
-        batch, prefix = self._batch
+        batch = self._batch
         w = micro % self.n
         actor = self.workers[w]
-        self._step.append(_Micro(micro, batch, prefix, w, actor, actor.micro.remote(batch, prefix)))
+        self._step.append(_Micro(micro, batch, w, actor, actor.micro.remote(batch)))
         self._batch = None
 
-    def apply(self, lr: float) -> StepStats:
-        """Gather the step's micro-batch gradients in order, sum them, and have every worker take the AdamW step."""
+    def _gather(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """The step's micro-batch gradients gathered in micro-batch order (the order one engine accumulates in)
+        and summed, with their losses; and the timings of the gather."""
         if len(self._step) != self.grad_accum:
             raise RuntimeError(f"apply after {len(self._step)} of {self.grad_accum} micro-batches")
         total: np.ndarray | None = None
         losses = np.zeros(self.grad_accum, np.float32)
         t_start, gather, compute, reduce = time.time(), 0.0, 0.0, 0.0
-        for m in self._step:  # micro-batch order: the order one engine accumulates in
+        for m in self._step:
             grads, loss, t0, t1 = self._micro_result(m)
             t_got = time.time()
             gather += max(0.0, t_got - max(t1, t_start))  # result ready -> here: its transfer to the driver
@@ -235,8 +234,27 @@ class DataParallelEngine:
                 total += grads
             losses[m.index] = loss
             reduce += time.time() - t_got
+        return {"grads": total, "losses": losses}, {"gather": gather, "compute": compute, "reduce": reduce}
+
+    def gradients(self) -> dict[str, np.ndarray]:
+        """The step's gradients summed over its micro-batches (gathered from the workers) and their losses."""
+        if self._summed is None:
+            self._summed, self._gathered = self._gather()
+        return {name: value.copy() for name, value in self._summed.items()}
+
+    def set_gradients(self, state: Mapping[str, np.ndarray]) -> None:
+        """Replace the step's summed gradients and losses: apply(lr) then steps every worker on them."""
+        grads, losses = gradient_state(state, self.layout.n_params, self.grad_accum)
+        self._summed, self._gathered = {"grads": grads.copy(), "losses": losses.copy()}, {}
+
+    def apply(self, lr: float) -> StepStats:
+        """Gather the step's micro-batch gradients in order, sum them, and have every worker take the AdamW step."""
+        if self._summed is None:
+            self._summed, self._gathered = self._gather()
+        state, timing = self._summed, self._gathered
+        self._summed = None
         t_put = time.time()
-        summed = self.ray.put({"grads": total, "losses": losses})
+        summed = self.ray.put(state)
         t_sent = time.time()
         applied = self._each("apply", summed, lr)
         results = [r for r, _ in applied]
@@ -244,10 +262,10 @@ class DataParallelEngine:
             raise RuntimeError(f"data-parallel workers took different steps: {results}")
         self.timings.append(
             {
-                "gather_s": gather,  # micro-batch gradients to the driver (beyond their computation)
-                "sum_s": reduce + (t_sent - t_put),  # the ordered sum and its put into the object store
+                "gather_s": timing.get("gather", 0.0),  # micro-batch gradients to the driver (beyond their computation)
+                "sum_s": timing.get("reduce", 0.0) + (t_sent - t_put),  # the ordered sum and its put into the store
                 "broadcast_s": max(0.0, max(t0 for _, t0 in applied) - t_sent),  # the sum to the last worker
-                "micro_compute_s": compute,
+                "micro_compute_s": timing.get("compute", 0.0),
                 "step_s": time.time() - self._t_step,  # accumulate(0) -> every worker stepped
             }
         )
@@ -260,7 +278,11 @@ class DataParallelEngine:
         return StepStats(grad_norm, clip_scale, skipped, loss)
 
     def evaluate_batch(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError("DataParallelEngine trains only; evaluation builds its own engine")
+        """Forward only on the written batch, on worker 0's engine: a training engine, so kd_loss is the run's
+        training loss (held-out evaluation builds an evaluation engine of its own, training/evaluation.py)."""
+        if self._batch is None:
+            raise RuntimeError("DataParallelEngine: call write_batch() before evaluate_batch()")
+        return self.ray.get(self.workers[0].evaluate.remote(self._batch))
 
     # ---- failures ----------------------------------------------------------------------------------------------
     def _micro_result(self, m: _Micro) -> tuple[np.ndarray, float, float, float]:
@@ -273,7 +295,7 @@ class DataParallelEngine:
                 if self.workers[m.worker] is m.actor:  # not yet replaced (by an earlier micro-batch's failure)
                     self._replace(m.worker, exc)
                 m.actor = self.workers[m.worker]
-                m.ref = m.actor.micro.remote(m.batch, m.prefix)
+                m.ref = m.actor.micro.remote(m.batch)
 
     def _replace(self, i: int, exc: Exception, source: int | None = -1) -> None:
         """Replace dead worker i by a new actor holding the state of live worker `source` (-1: any live one)."""

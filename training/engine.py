@@ -9,8 +9,9 @@ Frozen prefix: an engine built with start_layer = L > 0 (at most the lowest adap
 at block L from the activations write_batch gets (training/prefix.py, data/prefix.py); the backward stops at
 the lowest adapted block either way.
 
-Shapes: an engine is built for B sequences (cfg.train.batch_size) of T tokens and the teacher's top-k k
-(cfg.teacher.top_k); rows = B * T. Adapters map (layer, target) -> model.reference.LoraPair(A [r, d_in],
+Every engine is a trunk built from one model.engine_spec.EngineSpec (B sequences of T tokens, rows = B * T,
+the LoRA settings) with one objective plugged in: KD over the teacher's top-k (cfg.teacher.top_k) or a
+preference loss over pairs (B = 2 per pair). Adapters map (layer, target) -> model.reference.LoraPair(A [r, d_in],
 B [d_out, r]) in float32, for exactly the slots of `layout`.
 """
 
@@ -22,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from model.config import ModelConfig
+from model.engine_spec import KdBatch, PairBatch
 from model.reference import LoraPair
 
 Adapter = Mapping[tuple[int, str], LoraPair]
@@ -118,22 +120,13 @@ class Engine(Protocol):
         summed over workers): apply(lr) then steps on them as if this engine had accumulated them."""
         ...
 
-    def write_batch(
-        self,
-        ids: np.ndarray,
-        targets: np.ndarray,
-        mask: np.ndarray,
-        teacher_ids: np.ndarray,
-        teacher_logprobs: np.ndarray,
-        teacher_tail: np.ndarray | None,
-        prefix: np.ndarray | None = None,
-    ) -> None:
-        """Take one batch: ids, targets (the next token) [B, T] int64 in [0, vocab); mask [B, T] uint8 (1 where
-        the loss counts); teacher top-k ids [B, T, k] int64 and log-probs [B, T, k] float32 at the teacher
-        temperature; tail [B, T] float32, the teacher mass outside the top-k, or None to leave the tail out of
-        the loss; prefix [B, T, hidden] float32, the residual stream entering the engine's start_layer (the
-        frozen-prefix cache: given exactly when the engine was built with start_layer > 0). Raises ValueError
-        for ids outside the vocabulary or a prefix that does not fit."""
+    def write_batch(self, batch: KdBatch | PairBatch) -> None:
+        """Take one batch of the engine's objective (model/engine_spec.py): a KdBatch for distillation (ids,
+        targets, mask [B, T], the teacher's top-k ids and log-probs [B, T, k] at the teacher temperature, tail
+        [B, T] or None, prefix [B, T, hidden]: the residual stream entering the engine's start_layer, given
+        exactly when the engine was built with start_layer > 0), a PairBatch for a preference loss. Raises
+        ValueError for ids outside the vocabulary or a prefix that does not fit, TypeError for the other
+        objective's batch."""
         ...
 
     def accumulate(self, micro: int) -> None:
@@ -147,8 +140,10 @@ class Engine(Protocol):
         ...
 
     def evaluate_batch(self) -> dict[str, np.ndarray]:
-        """Forward only on the written batch. Returns kd_loss ([1] float32: the masked mean of the engine's loss,
-        forward KL at the teacher temperature for an eval-mode engine), ce ([rows] float: cross-entropy of each
-        row's target) and top1 ([rows] uint32: the student's most likely next token); rows whose mask is 0 are
-        included, callers select the masked ones."""
+        """Forward only on the written batch: the objective's results. KD: kd_loss ([1] float32: the masked mean
+        of the engine's loss, forward KL at the teacher temperature for an eval-mode engine), ce ([rows] float:
+        cross-entropy of each row's target) and top1 ([rows] uint32: the student's most likely next token); rows
+        whose mask is 0 are included, callers select the masked ones. Preference: logps and counts [2P] (summed
+        response log-probs, response tokens) and, with reference log-probs or a reference-free loss, loss [1],
+        pair_loss, margin, chosen_reward, rejected_reward, valid [P]."""
         ...

@@ -1,6 +1,8 @@
 """The engines that train and evaluate a student (training.engine.Engine), built from the run config, and the
-process-wide caches behind them: one GPU device and one uploaded student per process (GPU memory does not
-outlive a process), or one float32 copy of the student in host memory for the numpy engine.
+process-wide caches behind them: one GPU device and one uploaded model (the student, or the GPU teacher) per
+process (GPU memory does not outlive a process), or one float32 copy in host memory for the numpy engine. An
+engine is a trunk built from an EngineSpec with an objective plugged in (KD here, preference in
+training/preference.py): objective_engine builds either on either backend.
 
 train.backend picks the engine: gpu (gpu/student.py's GPUStudent, wgpu kernels), numpy (cpu.NumpyEngine, float32
 through BLAS), or auto (numpy when the only adapter is a CPU, such as lavapipe, or there is none; else gpu).
@@ -17,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from model.config import ModelConfig
+from model.engine_spec import EngineSpec
 from model.kd import LossConfig
 from schemas.config import RunConfig
 from schemas.optim import AdamWConfig
@@ -26,14 +30,14 @@ if TYPE_CHECKING:
     import numpy as np
 
     from gpu.device import Device
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
 
 log = logging.getLogger(__name__)
 
 # ---- one device, one uploaded student per process ---------------------------------------------------------
 _DEVICES: dict[str, Device] = {}
-_STUDENTS: dict[tuple, StudentWeights] = {}
-_HOST_STUDENTS: dict[tuple, tuple[Any, dict[str, np.ndarray]]] = {}
+_GPU_WEIGHTS: dict[tuple, ModelWeights] = {}
+_HOST_WEIGHTS: dict[tuple, tuple[Any, dict[str, np.ndarray]]] = {}
 _UPLOAD_STATS: dict[str, float] = {}
 _LOGGED: set[tuple[str, str, str]] = set()
 
@@ -68,29 +72,29 @@ def _record_upload(t0: float, nbytes: int) -> None:
     )
 
 
-def load_student(path: Path, backend: str = "auto", progress: Callable[[Any], None] | None = None) -> StudentWeights:
+def load_gpu_weights(path: Path, backend: str = "auto", progress: Callable[[Any], None] | None = None) -> ModelWeights:
     """Stream the GGUF at `path` into GPU memory once per process (keyed by path, size, mtime, backend)."""
-    from gpu.model import StudentWeights
+    from gpu.model import ModelWeights
 
     key = _file_key(path, backend)
-    if key not in _STUDENTS:
+    if key not in _GPU_WEIGHTS:
         dev = get_device(backend)
         t0 = time.perf_counter()
-        weights = StudentWeights.from_gguf(dev, path, progress=progress)
+        weights = ModelWeights.from_gguf(dev, path, progress=progress)
         dev.sync()
         _record_upload(t0, weights.nbytes)
-        _STUDENTS.clear()  # one student resident at a time
-        _STUDENTS[key] = weights
-    return _STUDENTS[key]
+        _GPU_WEIGHTS.clear()  # one model resident at a time
+        _GPU_WEIGHTS[key] = weights
+    return _GPU_WEIGHTS[key]
 
 
-def load_host_student(path: Path, progress: Callable[[Any], None] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
+def load_host_weights(path: Path, progress: Callable[[Any], None] | None = None) -> tuple[Any, dict[str, np.ndarray]]:
     """(ModelConfig, {GGUF name: float32 array}) of the GGUF at `path`, dequantized once per process (keyed by
     path, size, mtime): what the numpy engine trains on; progress(info) after each tensor."""
     from model.gguf import GGUFFile
 
     key = _file_key(path)
-    if key not in _HOST_STUDENTS:
+    if key not in _HOST_WEIGHTS:
         t0 = time.perf_counter()
         with GGUFFile(path) as f:
             cfg, weights = f.config(), {}
@@ -99,9 +103,9 @@ def load_host_student(path: Path, progress: Callable[[Any], None] | None = None)
                 if progress is not None:
                     progress(info)
         _record_upload(t0, sum(a.nbytes for a in weights.values()))
-        _HOST_STUDENTS.clear()  # one student resident at a time
-        _HOST_STUDENTS[key] = (cfg, weights)
-    return _HOST_STUDENTS[key]
+        _HOST_WEIGHTS.clear()  # one model resident at a time
+        _HOST_WEIGHTS[key] = (cfg, weights)
+    return _HOST_WEIGHTS[key]
 
 
 def upload_stats() -> dict[str, float]:
@@ -140,9 +144,9 @@ def chosen_backend(cfg: RunConfig) -> str:
 def preload_student(cfg: RunConfig, path: Path, progress: Callable[[Any], None] | None = None) -> None:
     """Load the student where this run's engine reads it (GPU memory, or host float32 for numpy), once."""
     if chosen_backend(cfg) == "numpy":
-        load_host_student(path, progress)
+        load_host_weights(path, progress)
     else:
-        load_student(path, cfg.run.gpu_backend, progress)
+        load_gpu_weights(path, cfg.run.gpu_backend, progress)
 
 
 # ---- the engine of a run ------------------------------------------------------------------------------------
@@ -157,62 +161,75 @@ def loss_config(cfg: RunConfig, eval_mode: bool = False) -> LossConfig:
     )
 
 
-def build_engine(
-    cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool = False, start_layer: int = 0
-) -> Engine:
-    """The engine for `cfg` on the student at `student_gguf`, for batches of cfg.train.batch_size sequences of
-    seq_len tokens; eval_mode builds it for evaluate_batch (evaluation loss, no gradient accumulation).
-    start_layer > 0: the forward starts at that block from the residual stream given to write_batch (the
-    frozen-prefix cache); it must not exceed the lowest adapted block. train.backend picks the engine."""
-    common: dict[str, Any] = {
-        "targets": cfg.lora.targets,
-        "r": cfg.lora.r,
-        "alpha": cfg.lora.alpha,
-        "batch": cfg.train.batch_size,
-        "seq_len": seq_len,
-        "top_k": cfg.teacher.top_k,
-        "loss": loss_config(cfg, eval_mode),
-        "layers": cfg.lora.layers,
-        "grad_accum": 1 if eval_mode else cfg.train.grad_accum,
-        "precision": cfg.train.precision,
-    }
-    if start_layer:
-        common["start_layer"] = start_layer
-    if chosen_backend(cfg) == "numpy":
-        return _numpy_engine(cfg, student_gguf, common)
-    return _wgpu_engine(cfg, student_gguf, common)
-
-
-def _adamw(cfg: RunConfig) -> AdamWConfig:
+def adamw_config(cfg: RunConfig) -> AdamWConfig:
+    """The optimizer settings every engine gets from the run's optim section."""
     o = cfg.optim
     return AdamWConfig(
         lr=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay, max_grad_norm=o.grad_clip
     )
 
 
-def _numpy_engine(cfg: RunConfig, student_gguf: Path, common: dict[str, Any]) -> Engine:
-    """cpu.NumpyEngine on the process's float32 copy of the student."""
-    if cfg.train.precision == "tensorcore":
-        raise ValueError("train.precision: tensorcore needs the GPU engine (train.backend=gpu); numpy computes in f32")
-    from cpu import NumpyEngine
+def build_engine(
+    cfg: RunConfig, student_gguf: Path, seq_len: int, eval_mode: bool = False, start_layer: int = 0
+) -> Engine:
+    """The KD engine for `cfg` on the student at `student_gguf`, for batches of cfg.train.batch_size sequences of
+    seq_len tokens; eval_mode builds it for evaluate_batch (evaluation loss, no gradient accumulation).
+    start_layer > 0: the forward starts at that block from the residual stream given to write_batch (the
+    frozen-prefix cache); it must not exceed the lowest adapted block. train.backend picks the engine."""
+    if chosen_backend(cfg) == "numpy" and cfg.train.precision in ("tensorcore", "int8"):
+        raise ValueError(
+            f"train.precision: {cfg.train.precision} needs the GPU engine (train.backend=gpu); numpy computes in f32"
+        )
+    loss, k = loss_config(cfg, eval_mode), cfg.teacher.top_k
+    grad_accum = 1 if eval_mode else None
+    return objective_engine(
+        cfg,
+        student_gguf,
+        lambda model_cfg: EngineSpec.from_run(cfg, model_cfg, seq_len, grad_accum=grad_accum, start_layer=start_layer),
+        numpy_objective=lambda: _cpu().NumpyKd(loss, k),
+        gpu_objective=lambda: _gpu_objectives().GpuKd(loss, k),
+    )
 
-    model_cfg, weights = load_host_student(student_gguf)
-    return NumpyEngine(model_cfg, weights, optim=_adamw(cfg), **common)
 
+def objective_engine(
+    cfg: RunConfig,
+    gguf: Path,
+    spec: Callable[[ModelConfig], EngineSpec],
+    numpy_objective: Callable[[], Any],
+    gpu_objective: Callable[[], Any],
+    backend: str | None = None,
+) -> Any:
+    """The engine on the GGUF at `gguf` for the spec `spec(model config)`, with the objective of its backend:
+    train.backend's (chosen_backend), or `backend` when given. The GPU engine refuses a batch whose buffers
+    exceed the adapter's limits, naming the fields that size it."""
+    if (backend or chosen_backend(cfg)) == "numpy":
+        from cpu import NumpyEngine
 
-def _wgpu_engine(cfg: RunConfig, student_gguf: Path, common: dict[str, Any]) -> Engine:
-    """gpu/student.py's GPUStudent on the process's device and uploaded student. A batch whose buffers exceed
-    the adapter's limits is refused naming the fields that size it."""
+        model_cfg, weights = load_host_weights(gguf)
+        return NumpyEngine(weights, spec(model_cfg), numpy_objective(), adamw_config(cfg))
     from gpu.device import DeviceError
     from gpu.student import GPUStudent
 
-    device, weights = get_device(cfg.run.gpu_backend), load_student(student_gguf, cfg.run.gpu_backend)
+    device, weights = get_device(cfg.run.gpu_backend), load_gpu_weights(gguf, cfg.run.gpu_backend)
+    built = spec(weights.cfg)
     try:
-        return GPUStudent(device, weights, optim=_adamw(cfg), **common)
+        return GPUStudent(device, weights, built, gpu_objective(), adamw_config(cfg))
     except DeviceError as exc:
         if "exceeds this adapter" not in str(exc):
             raise
         raise ValueError(
-            f"train.batch_size: {common['batch']} sequences of data.seq_len {common['seq_len']} on {student_gguf}: "
+            f"train.batch_size: {built.batch} sequences of data.seq_len {built.seq_len} on {gguf}: "
             f"{exc}; lower train.batch_size or data.seq_len, or set train.backend=numpy"
         ) from None
+
+
+def _cpu() -> Any:
+    import cpu
+
+    return cpu
+
+
+def _gpu_objectives() -> Any:
+    import gpu.objectives
+
+    return gpu.objectives

@@ -10,12 +10,10 @@ from pathlib import Path
 import numpy as np
 
 from data.checkpoint import load_checkpoint
-from data.prefix import PrefixReader
-from data.topk import TopkReader
 from model import reference
 from schemas.config import RunConfig
 from training import engines
-from training.batches import Split, batch_arrays, batch_prefix, read_split
+from training.batches import KdSource, Split, read_split
 from training.engine import AdapterLayout
 
 
@@ -54,23 +52,20 @@ def evaluate(
     split = read_split(token_dir, "eval")
     if len(split.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the eval split is empty (raise data.eval_fraction)")
-    reader = TopkReader(topk_dir)
-    prefix = None if prefix_dir is None else PrefixReader(prefix_dir)
-    start = 0 if prefix is None else prefix.manifest.layer
-    engine = engines.build_engine(cfg, student_gguf, split.ids.shape[1], eval_mode=True, start_layer=start)
+    source = KdSource.open(split, topk_dir, prefix_dir)
+    engine = engines.build_engine(cfg, student_gguf, split.ids.shape[1], eval_mode=True, start_layer=source.start_layer)
     engine.set_adapter(zero_adapter(engine.layout) if checkpoint is None else load_checkpoint(checkpoint)[0])
     tau2 = cfg.teacher.temperature**2
     kl_sum = ce_sum = top1 = n = 0.0
     for rows in eval_batches(cfg, split):
-        ids, targets, mask, tids, tlp, tail = batch_arrays(split, rows, cfg.train.batch_size, reader, cfg.teacher.top_k)
-        given = {} if prefix is None else {"prefix": batch_prefix(split, rows, cfg.train.batch_size, prefix)}
-        engine.write_batch(ids, targets, mask, tids, tlp, tail, **given)
+        batch = source.batch(rows, cfg.train.batch_size, cfg.teacher.top_k)
+        engine.write_batch(batch)
         out = engine.evaluate_batch()
-        m = mask.reshape(-1) != 0
+        m = batch.mask.reshape(-1) != 0
         count = int(m.sum())
         kl_sum += float(out["kd_loss"][0]) * count / tau2
         ce_sum += float(out["ce"][m].sum())
-        top1 += float((out["top1"][m] == tids.reshape(-1, cfg.teacher.top_k)[m, 0]).sum())
+        top1 += float((out["top1"][m] == batch.teacher_ids.reshape(-1, cfg.teacher.top_k)[m, 0]).sum())
         n += count
         if on_batch is not None:
             on_batch(len(rows))

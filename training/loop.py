@@ -12,13 +12,11 @@ from pathlib import Path
 import numpy as np
 
 from data.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from data.prefix import PrefixReader
-from data.topk import TopkReader
 from model import reference
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, FileRef
 from training import engines
-from training.batches import batch_arrays, batch_prefix, read_split
+from training.batches import KdSource, read_split
 from training.engine import Engine
 from training.schedule import learning_rate, steps_per_epoch
 
@@ -69,9 +67,8 @@ def train_epoch(
     train = read_split(token_dir, "train")
     if len(train.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the train split is empty: nothing to train on")
-    reader = TopkReader(topk_dir)
-    prefix = None if prefix_dir is None else PrefixReader(prefix_dir)
-    start = 0 if prefix is None else prefix.manifest.layer
+    source = KdSource.open(train, topk_dir, prefix_dir)
+    start = source.start_layer
     if cfg.train.workers > 1:  # N Ray actors, each with its own engine; the same steps (training/data_parallel.py)
         from training import data_parallel
 
@@ -80,10 +77,9 @@ def train_epoch(
         engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
 
     def write_micro(part: np.ndarray) -> int:
-        batch = batch_arrays(train, part, cfg.train.batch_size, reader, cfg.teacher.top_k)
-        given = {} if prefix is None else {"prefix": batch_prefix(train, part, cfg.train.batch_size, prefix)}
-        engine.write_batch(*batch[:5], batch[5] if cfg.teacher.tail else None, **given)
-        return int(batch[2].sum())
+        batch = source.batch(part, cfg.train.batch_size, cfg.teacher.top_k, tail=cfg.teacher.tail)
+        engine.write_batch(batch)
+        return int(batch.mask.sum())
 
     return run_steps(cfg, engine, Path(ckpt_root), epoch, len(train.seq_ids), write_micro, on_step)
 

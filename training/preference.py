@@ -1,9 +1,10 @@
 """Preference tuning above the engine: the reference log-probs, epochs of DPO-family steps with checkpoints and
 bitwise resume (training/loop.py's checkpoint format and restore), and held-out evaluation.
 
-Training and the reference log-probs run on train.backend's engine (cpu/preference.py's PreferenceEngine or
-gpu/preference.py's GPUPreferenceStudent, chosen as for distillation); evaluation on the numpy engine (its KL to
-the reference needs the hidden states and the lm_head on the host). A batch is train.batch_size pairs
+Training and the reference log-probs run on train.backend's engine with the preference objective (NumpyEngine +
+cpu/objectives.py's NumpyPreference or GPUStudent + gpu/objectives.py's GpuPreference, chosen as for
+distillation); evaluation on the numpy engine (its KL to the reference needs the hidden states and the lm_head on
+the host). A batch is train.batch_size pairs
 (2 * batch_size sequences); train.grad_accum micro-batches make a step.
 """
 
@@ -13,20 +14,20 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from cpu.preference import PreferenceEngine, kl_rows
+from cpu.head import kl_rows
+from cpu.objectives import NumpyPreference
 from data.preferences import PairRows, pair_batch
 from model.dpo import DpoConfig
+from model.engine_spec import EngineSpec, PairBatch
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest
 from training import engines
+from training.engine import Engine
 from training.loop import StepRecord, finished_epoch, run_steps
-
-if TYPE_CHECKING:
-    from gpu.preference import GPUPreferenceStudent
 
 log = logging.getLogger(__name__)
 
@@ -45,35 +46,32 @@ def check_backend(cfg: RunConfig) -> None:
 
 def build_engine(
     cfg: RunConfig, gguf: Path, seq_len: int, grad_accum: int | None = None, backend: str | None = None
-) -> PreferenceEngine | GPUPreferenceStudent:
-    """The preference engine on the GGUF at `gguf` for train.batch_size pairs of seq_len tokens: train.backend's
-    (training.engines.chosen_backend: gpu/preference.py's GPUPreferenceStudent or cpu/preference.py's
-    PreferenceEngine), or `backend` when given (evaluation reads hidden states on the host: numpy)."""
+) -> Engine:
+    """The preference engine on the GGUF at `gguf` for train.batch_size pairs (2 sequences each) of seq_len
+    tokens: train.backend's (training.engines.chosen_backend: GPUStudent with gpu/objectives.py's GpuPreference
+    or NumpyEngine with cpu/objectives.py's NumpyPreference), or `backend` when given (evaluation reads hidden
+    states on the host: numpy)."""
     check_backend(cfg)
-    common = {
-        "targets": cfg.lora.targets,
-        "r": cfg.lora.r,
-        "alpha": cfg.lora.alpha,
-        "pairs": cfg.train.batch_size,
-        "seq_len": seq_len,
-        "dpo": dpo_config(cfg),
-        "optim": engines._adamw(cfg),
-        "layers": cfg.lora.layers,
-        "grad_accum": cfg.train.grad_accum if grad_accum is None else grad_accum,
-    }
-    if (backend or engines.chosen_backend(cfg)) == "gpu":
-        from gpu.preference import GPUPreferenceStudent
-
-        device = engines.get_device(cfg.run.gpu_backend)
-        weights = engines.load_student(gguf, cfg.run.gpu_backend)
-        return GPUPreferenceStudent(device, weights, precision=cfg.train.precision, **common)
-    if cfg.train.precision == "tensorcore":
+    if (backend or engines.chosen_backend(cfg)) != "gpu" and cfg.train.precision == "tensorcore":
         raise ValueError("train.precision: tensorcore needs the GPU engine; this run's engine is numpy (no GPU)")
-    model_cfg, host = engines.load_host_student(gguf)
-    return PreferenceEngine(model_cfg, host, **common)
+    dpo, pairs = dpo_config(cfg), cfg.train.batch_size
+    return engines.objective_engine(
+        cfg,
+        gguf,
+        lambda model_cfg: EngineSpec.from_run(cfg, model_cfg, seq_len, sequences=2 * pairs, grad_accum=grad_accum),
+        numpy_objective=lambda: NumpyPreference(dpo),
+        gpu_objective=lambda: _gpu_preference(dpo),
+        backend=backend or engines.chosen_backend(cfg),
+    )
 
 
-def zero_adapter(engine: PreferenceEngine | GPUPreferenceStudent) -> None:
+def _gpu_preference(dpo: DpoConfig) -> Any:
+    from gpu.objectives import GpuPreference
+
+    return GpuPreference(dpo)
+
+
+def zero_adapter(engine: Engine) -> None:
     """Set B = 0 in every slot (A too): the adapter adds exactly nothing, the engine is the frozen model."""
     engine.set_adapter(
         {key: type(p)(np.zeros_like(p.A), np.zeros_like(p.B)) for key, p in engine.get_adapter().items()}
@@ -92,7 +90,7 @@ class Reference:
     rejected: np.ndarray
 
     def batch(self, index: np.ndarray, pairs: int) -> np.ndarray:
-        """[2 * pairs] in write_pairs order (chosen then rejected), zero for the missing rows."""
+        """[2 * pairs] in PairBatch order (chosen then rejected), zero for the missing rows."""
         out = np.zeros(2 * pairs)
         out[: len(index)] = self.chosen[index]
         out[pairs : pairs + len(index)] = self.rejected[index]
@@ -111,8 +109,9 @@ def reference_logps(
     out = np.zeros((4, n))
     for index in _batches(n, p):
         ids, mask = pair_batch(rows, index, p, engine.seq_len)
-        engine.write_pairs(ids, mask)
-        logp, count = engine.sequence_logps()
+        engine.write_batch(PairBatch(ids, mask))
+        logps = engine.evaluate_batch()
+        logp, count = logps["logps"], logps["counts"]
         k = len(index)
         out[0, index], out[1, index] = logp[:k], logp[p : p + k]
         out[2, index], out[3, index] = count[:k], count[p : p + k]
@@ -144,7 +143,7 @@ def train_epoch(
 
     def write_micro(index: np.ndarray) -> int:
         ids, mask = pair_batch(rows, index, p, seq_len)
-        engine.write_pairs(ids, mask, None if reference is None else reference.batch(index, p))
+        engine.write_batch(PairBatch(ids, mask, None if reference is None else reference.batch(index, p)))
         return int(mask.sum())
 
     return run_steps(cfg, engine, Path(ckpt_root), epoch, len(rows), write_micro, on_step)
@@ -177,26 +176,26 @@ def evaluate(
         if max_batches is not None and b >= max_batches:
             break
         ids, mask = pair_batch(rows, index, p, seq_len)
-        engine.write_pairs(ids, mask, None if reference is None else reference.batch(index, p))
+        engine.write_batch(PairBatch(ids, mask, None if reference is None else reference.batch(index, p)))
         if adapter is None:
             zero_adapter(engine)
         else:
             engine.set_adapter(adapter)
-        terms = engine.evaluate_pairs()
-        live = np.flatnonzero(terms.valid)
-        losses += terms.pair_loss[live].tolist()
-        margins += terms.margin[live].tolist()
-        chosen += terms.chosen_reward[live].tolist()
-        rejected += terms.rejected_reward[live].tolist()
+        terms = engine.evaluate_batch()
+        live = np.flatnonzero(terms["valid"])
+        losses += terms["pair_loss"][live].tolist()
+        margins += terms["margin"][live].tolist()
+        chosen += terms["chosen_reward"][live].tolist()
+        rejected += terms["rejected_reward"][live].tolist()
         rows_m = np.flatnonzero(mask.reshape(-1) != 0)
-        h = engine.last_hidden[rows_m]
+        h = engine.objective.last_hidden[rows_m]
         if ref_engine is None and adapter is None:  # the policy is the reference
             h_ref, w_ref = h, engine.head.w
         elif ref_engine is None:
             zero_adapter(engine)
             h_ref, w_ref = engine.final_hidden()[rows_m], engine.head.w
         else:
-            ref_engine.write_pairs(ids, mask)
+            ref_engine.write_batch(PairBatch(ids, mask))
             h_ref, w_ref = ref_engine.final_hidden()[rows_m], ref_engine.head.w
         kls += kl_rows(h, engine.head.w, h_ref, w_ref).tolist()
         if on_batch is not None:

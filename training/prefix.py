@@ -17,7 +17,7 @@ import numpy as np
 
 from model import reference as R
 from schemas.config import RunConfig
-from training.engines import chosen_backend, get_device, load_host_student, load_student
+from training.engines import chosen_backend, get_device, load_gpu_weights, load_host_weights
 
 NUMPY_ROWS_PER_CALL = 2048  # positions per numpy call (a few seconds on 2 cores: a progress line per call)
 
@@ -56,14 +56,14 @@ def prefix_fn(cfg: RunConfig, student_gguf: Path, layer: int, seq_len: int) -> P
     """The residual stream entering block `layer` of the student at `student_gguf`, on the run's engine
     backend (train.backend)."""
     if chosen_backend(cfg) == "numpy":
-        model_cfg, weights = load_host_student(student_gguf)
+        model_cfg, weights = load_host_weights(student_gguf)
         return PrefixFn(
             lambda ids: numpy_prefix(weights, model_cfg, ids, layer), layer, model_cfg.hidden, NUMPY_ROWS_PER_CALL
         )
     from gpu.model import GPUModel
 
     dev = get_device(cfg.run.gpu_backend)
-    student = load_student(student_gguf, cfg.run.gpu_backend)
+    student = load_gpu_weights(student_gguf, cfg.run.gpu_backend)
     batch = cfg.train.batch_size
     model = GPUModel(dev, student, batch=batch, seq_len=seq_len, precision=cfg.train.precision)
 

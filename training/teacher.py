@@ -16,7 +16,7 @@ import numpy as np
 
 from data.topk import TeacherFn
 from schemas.config import RunConfig
-from training.engines import get_device, load_student, resolve_backend
+from training.engines import get_device, load_gpu_weights, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
         return Teacher(numpy_fn, NUMPY_ROWS_PER_CALL, "numpy")
     from gpu.teacher import GPUTeacher
 
-    weights = load_student(teacher_gguf, cfg.run.gpu_backend)
+    weights = load_gpu_weights(teacher_gguf, cfg.run.gpu_backend)
     dev = get_device(cfg.run.gpu_backend)
     batch = cfg.train.batch_size
     teachers: dict[int, GPUTeacher] = {}
@@ -79,3 +79,24 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
         return tuple(np.concatenate(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
     return Teacher(gpu_fn, batch * cfg.data.seq_len, "gpu")
+
+
+# One teacher per process, kept across the shards of a run (loading it is the expensive part).
+_TEACHER: dict[tuple, Teacher] = {}
+
+
+def teacher_fn(cfg: RunConfig) -> Teacher:
+    """The process's batched teacher for cfg (numpy or GPU per teacher.backend), loaded once."""
+    path = Path(cfg.model.teacher).resolve()
+    st = path.stat()
+    t = cfg.teacher
+    key = (str(path), st.st_size, st.st_mtime_ns, t.top_k, t.temperature, t.backend, cfg.train.batch_size)
+    if key not in _TEACHER:
+        _TEACHER.clear()
+        _TEACHER[key] = make_teacher_fn(cfg, path)
+    return _TEACHER[key]
+
+
+def release_teacher() -> None:
+    """Drop the process's teacher (its weights) once the shards are done."""
+    _TEACHER.clear()
