@@ -4,8 +4,8 @@ reused only after the files it names verify.
 Never Prefect's DEFAULT policy (it includes the run id) and never a bare Path (Prefect would hash the string).
 Results are persisted as JSON (tasks return typed manifests, which Prefect's JSON serializer round-trips) into
 the storage the flow runs with, which flows.distill puts under the run's workdir. They are read back only by
-tasks.records (ManifestStore): a record that is not a JSON manifest of a known schema (one naming a Python-object serializer, a plain
-dict, garbage) is a cache miss with one warning line, never deserialized. Before a cached result is
+tasks.records (ManifestStore): a record that is not a JSON manifest of a known schema (one naming a Python-object
+serializer, a plain dict, garbage) is a cache miss with one warning line, never deserialized. Before a cached result is
 reused, its manifest's files are checked (stages.keys.outputs_problem: size and sha256 of every output, or a
 stage's own check such as a teacher shard's): when one is missing or differs, one warning line says which and
 the record is dropped, so the task runs again, rebuilds its files (deterministically) and stores a fresh

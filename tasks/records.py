@@ -1,8 +1,8 @@
 """The only reader of the stage cache's result records: JSON manifests of a known schema, nothing else.
 
 A Prefect result record names the serializer of its payload, and Prefect deserializes with whatever it names:
-a Python-object serializer runs code, and even its JSON serializer imports the modules a record names (`__class__`,
-`object_decoder`). A workdir may be shared (the Ray set-up asks for it), so a record is untrusted input:
+a Python-object serializer runs code, and even its JSON serializer imports the modules a record names
+(`__class__`, `object_decoder`). A workdir may be shared (the Ray set-up asks for it), so a record is untrusted input:
 `manifest_record` parses it with the json module alone, accepts a record only when its serializer is plain
 JSON and its payload is one of the manifest classes below validated by pydantic, and raises BadRecord
 otherwise (the caller's cache miss). Nothing here imports Prefect.
