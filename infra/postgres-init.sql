@@ -1,1 +1,2 @@
 CREATE DATABASE mlflow;
+CREATE DATABASE mlflow_auth;

@@ -6,7 +6,10 @@
 # The Prefect UI finds its API at PREFECT_UI_API_URL, whose default is PREFECT_API_URL if set, else port 4200: the
 # server gets PREFECT_UI_API_URL=http://127.0.0.1:$PREFECT_PORT/api (set it yourself for a proxy or another host).
 # DISTILLERY_AUTH=1: the Prefect API asks for basic auth (PREFECT_SERVER_API_AUTH_STRING) with a secret generated
-# once into DATA_DIR/prefect-auth (mode 600); clients pass it as PREFECT_API_AUTH_STRING (the export printed).
+# once into DATA_DIR/prefect-auth (mode 600); clients pass it as PREFECT_API_AUTH_STRING (the export printed). MLflow
+# runs its basic-auth app (`--app-name basic-auth`, needs mlflow[auth]): admin user `distillery` with a password
+# generated once into DATA_DIR/mlflow-auth (mode 600), users in DATA_DIR/mlflow/auth.db; clients pass
+# MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (printed too). Health probes stay open on both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -24,17 +27,32 @@ start() {  # name pidfile command...: a new session (setsid), so down.sh can sto
   echo $! >"$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"
 }
 
-auth_file="$data/prefect-auth" auth_export=""
+auth_file="$data/prefect-auth" mlflow_auth_file="$data/mlflow-auth" auth_export="" mlflow_app=()
+secret() { "$root/.venv/bin/python" -c "import secrets; print('$1' + secrets.token_urlsafe(24))"; }
 if [ "${DISTILLERY_AUTH:-0}" = 1 ]; then
-  [ -s "$auth_file" ] || (umask 077 && "$root/.venv/bin/python" -c \
-    "import secrets; print('distillery:' + secrets.token_urlsafe(24))" >"$auth_file")
+  umask 077  # the secrets, and what the servers write from here on (auth.db holds password hashes), owner-only
+  [ -s "$auth_file" ] || secret distillery: >"$auth_file"
   export PREFECT_SERVER_API_AUTH_STRING="$(cat "$auth_file")"
-  auth_export=" PREFECT_API_AUTH_STRING=\"\$(cat $auth_file)\""
+  # MLflow sets the admin password only when it creates auth.db: a new password for an old auth.db would lock us out
+  if [ ! -s "$mlflow_auth_file" ] && [ -e "$data/mlflow/auth.db" ]; then
+    echo "$data/mlflow/auth.db exists but its password file $mlflow_auth_file does not: restore it or remove auth.db" >&2
+    exit 1
+  fi
+  [ -s "$mlflow_auth_file" ] || secret "" >"$mlflow_auth_file"
+  printf '[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///%s\nadmin_username = distillery\n' \
+    "$data/mlflow/auth.db" >"$data/mlflow/auth.ini"
+  # the admin password from the environment (not the ini, not argv); the Flask key signs the UI's CSRF tokens
+  export MLFLOW_AUTH_CONFIG_PATH="$data/mlflow/auth.ini" MLFLOW_AUTH_ADMIN_PASSWORD="$(cat "$mlflow_auth_file")"
+  export MLFLOW_FLASK_SERVER_SECRET_KEY="$(secret "")"
+  mlflow_app=(--app-name basic-auth)
+  auth_export=" PREFECT_API_AUTH_STRING=\"\$(cat $auth_file)\"
+  export MLFLOW_TRACKING_USERNAME=distillery MLFLOW_TRACKING_PASSWORD=\"\$(cat $mlflow_auth_file)\""
 fi
 PREFECT_HOME="$data/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL="$ui_api_url" \
   start prefect "$data/prefect.pid" "$root/.venv/bin/prefect" server start --host 127.0.0.1 --port "$prefect_port"
 MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}" \
-  start mlflow "$data/mlflow.pid" "$root/.venv/bin/mlflow" server --host 127.0.0.1 --port "$mlflow_port" --workers "${MLFLOW_WORKERS:-2}" \
+  start mlflow "$data/mlflow.pid" "$root/.venv/bin/mlflow" server "${mlflow_app[@]}" --host 127.0.0.1 --port "$mlflow_port" \
+  --workers "${MLFLOW_WORKERS:-2}" \
   --backend-store-uri "sqlite:///$data/mlflow/mlflow.db" --artifacts-destination "$data/mlflow/artifacts"
 
 answers() { "$root/.venv/bin/python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }

@@ -571,9 +571,9 @@ ELSEWHERE: list[tuple[str, str, str]] = [
         "test_bad_inputs.py::test_git_commit_is_the_code_checkouts_not_the_current_directorys",
     ),
     (
-        "the Prefect API of `DISTILLERY_AUTH=1 infra/up.sh` called without its secret (or a wrong one)",
-        "HTTP 401 (health probes stay open); the secret in DATA_DIR/prefect-auth, mode 600",
-        "test_infra.py::test_up_with_auth_refuses_the_prefect_api_without_its_secret",
+        "the Prefect or MLflow API of `DISTILLERY_AUTH=1 infra/up.sh` called without its secret (or a wrong one)",
+        "HTTP 401 (health probes stay open); the secrets in DATA_DIR/prefect-auth and DATA_DIR/mlflow-auth, mode 600",
+        "test_infra.py::test_up_with_auth_refuses_the_apis_without_their_secrets",
     ),
     (
         "GGUF files truncated at every sixteenth, patched headers, random bytes, mutation fuzz",

@@ -12,6 +12,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,9 +62,11 @@ def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> N
     assert not list(data.glob("*.pid"))
 
 
-def _status(url: str, auth: str | None = None) -> int:
-    """HTTP status of a POST to `url` (an empty filter), with basic auth `auth` ('user:secret') when given."""
-    request = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"}, method="POST")
+def _status(url: str, auth: str | None = None, post: bool = True) -> int:
+    """HTTP status of a POST to `url` (an empty filter; a GET with post=False), with basic auth `auth`
+    ('user:secret') when given."""
+    body = b"{}" if post else None
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     if auth is not None:
         request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
@@ -72,7 +76,7 @@ def _status(url: str, auth: str | None = None) -> int:
         return exc.code
 
 
-def test_up_with_auth_refuses_the_prefect_api_without_its_secret(tmp_path: Path) -> None:
+def test_up_with_auth_refuses_the_apis_without_their_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "servers"
     ports = {"PREFECT_PORT": str(_free_port()), "MLFLOW_PORT": str(_free_port())}
     env = {**os.environ, **ports, "SERVER_WAIT_S": "240", "DISTILLERY_AUTH": "1"}
@@ -90,6 +94,28 @@ def test_up_with_auth_refuses_the_prefect_api_without_its_secret(tmp_path: Path)
         assert _status(f"{api}/flows/filter") == 401
         assert _status(f"{api}/flows/filter", "distillery:wrong") == 401
         assert _status(f"{api}/flows/filter", secret) == 200
+        # MLflow: its basic-auth app, admin `distillery` with the password in DATA_DIR/mlflow-auth
+        mlflow = f"http://127.0.0.1:{ports['MLFLOW_PORT']}"
+        password_file = data / "mlflow-auth"
+        password = password_file.read_text().strip()
+        assert password_file.stat().st_mode & 0o077 == 0 and len(password) >= 30
+        assert (data / "mlflow/auth.db").stat().st_mode & 0o077 == 0 and password not in up.stdout
+        assert f'MLFLOW_TRACKING_USERNAME=distillery MLFLOW_TRACKING_PASSWORD="$(cat {password_file})"' in up.stdout
+        with urllib.request.urlopen(f"{mlflow}/health", timeout=10) as reply:
+            assert reply.status == 200
+        search = f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert _status(search, post=False) == 401
+        assert _status(search, "distillery:wrong-password", post=False) == 401
+        assert _status(search, f"distillery:{password}", post=False) == 200
+        # the MLflow client (tasks/tracking.py, flows/compare.py) reads the printed exports itself
+        from mlflow import MlflowClient
+
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "distillery")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        client = MlflowClient(tracking_uri=mlflow, registry_uri=mlflow)
+        run = client.create_run(client.create_experiment("auth"))
+        client.log_metric(run.info.run_id, "loss", 1.0)
+        assert client.get_run(run.info.run_id).data.metrics == {"loss": 1.0}
     finally:
         down = subprocess.run([ROOT / "infra/down.sh", data], capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr
