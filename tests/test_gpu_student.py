@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from gpu.device import DeviceError
 from gpu.model import ModelWeights
 from gpu.objectives import GpuKd
 from gpu.student import GPUStudent
@@ -365,7 +364,6 @@ def test_int8_step_matches_reference(qtype: int, int8_grads: bool) -> None:
     tids, tlp, ttail = _teacher(rng, 1.0)
     st = _precision_student(dev, ModelWeights.from_arrays(dev, CFG, w, qtype), "int8", loss_cfg)
     st.int8_input_grads = int8_grads
-    assert sorted(st.w8) == sorted((i, t) for i in range(CFG.n_layers) for t in LORA_TARGETS)
     st.set_adapter(lora)
     st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
     loss = st.loss_and_grads()
@@ -399,53 +397,34 @@ def test_tensorcore_teacher_topk_close() -> None:
     assert np.mean(got[0][..., 0] == want[0][..., 0]) > 0.95
 
 
-def test_int8_only_weights_refuse_other_precisions() -> None:
-    """ModelWeights.to_int8 keeps every projection as int8 codes (per-row scales) and drops its GGML data; a
-    model on another precision then refuses the weights in one line instead of reading what is gone."""
-    from gpu.model import GPUModel
-
-    dev = device_or_skip()
-    w, *_ = _problem(3, Q.Q4_0)
-    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
-    before = weights.nbytes
-    weights.to_int8(dev)
-    small = {(i, t) for i in range(CFG.n_layers) for t in ("k", "v")}  # 16 rows: no multiple of one integer step
-    assert set(weights.proj) == small
-    assert set(weights.proj8) == {(i, t) for i in range(CFG.n_layers) for t in LORA_TARGETS} - small
-    q = weights.proj8[(0, "q")]
-    assert (q.rows, q.k, q.chunks) == (CFG.q_dim, CFG.hidden, 1) and weights.nbytes != before
-    with pytest.raises(DeviceError, match="kept as int8 only"):
-        GPUModel(dev, weights, batch=B, seq_len=T, precision="f32")
-    at_upload = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0, int8=True)  # converted tensor by tensor
-    assert set(at_upload.proj) == small and at_upload.nbytes == weights.nbytes
-    for key, m in weights.proj8.items():
-        got = at_upload.proj8[key]
-        assert (
-            dev.read(got.codes, np.int8, (m.rows, m.k)).tobytes() == dev.read(m.codes, np.int8, (m.rows, m.k)).tobytes()
-        )
-
-
 @pytest.mark.tensorcore
-def test_int8_only_weights_train_the_same() -> None:
-    """A step on int8-only weights (to_int8) is bitwise the step on GGML weights converted by the model: the same
-    codes either way (H200 only)."""
+def test_int8_codes_decoded_one_block_at_a_time() -> None:
+    """int8 keeps the GGML weights and decodes one block's projections at a time into shared slots: a replayed
+    step (its tape decodes what it needs) is bitwise the recorded one, and after a step the slots hold exactly
+    the codes weight_to_i8 gives the lowest block's weights (H200 only)."""
+    from gpu.ops.quantize_i8 import weight_to_i8
+
     dev = tensor_core_device_or_skip()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    out = []
-    for int8_only in (False, True):
-        weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
-        if int8_only:
-            weights.to_int8(dev)
-        st = _precision_student(dev, weights, "int8", loss_cfg)
-        st.set_adapter(lora)
-        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
-        out.append((st.loss_and_grads(), st.get_grads()))
-    assert out[0][0] == out[1][0]
-    for key, g in out[0][1].items():
-        np.testing.assert_array_equal(g.A, out[1][1][key].A)
-        np.testing.assert_array_equal(g.B, out[1][1][key].B)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    st = _precision_student(dev, weights, "int8", loss_cfg)
+    small = {t for t in LORA_TARGETS if CFG.target_shape(t)[1] % 32}
+    assert set(st._w8_slots) == set(LORA_TARGETS) - small
+    st.set_adapter(lora)
+    st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+    runs = [(st.loss_and_grads(), st.get_grads()) for _ in range(3)]  # recorded, then replayed twice
+    for loss, grads in runs[1:]:
+        assert loss == runs[0][0]
+        for key, g in runs[0][1].items():
+            np.testing.assert_array_equal(g.A, grads[key].A)
+            np.testing.assert_array_equal(g.B, grads[key].B)
+    for target, slot in st._w8_slots.items():
+        fresh = weight_to_i8(dev, weights.proj[(0, target)])
+        for got, want in ((slot.codes, fresh.codes), (slot.scales, fresh.scales)):
+            n = slot.rows * slot.k if got is slot.codes else 4 * slot.rows
+            assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(want, np.uint8, (n,)).tobytes(), target
 
 
 @pytest.mark.tensorcore
