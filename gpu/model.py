@@ -30,7 +30,7 @@ from gpu.ops.embedding import embedding_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
-from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_problem
+from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
 from gpu.ops.rmsnorm import rmsnorm_forward
@@ -207,6 +207,8 @@ def _resolve_precision(dev: Device, precision: str) -> str:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if precision == "auto":
         return "tensorcore" if has_tensor_cores(dev) else "f32"
+    if precision == "int8" and int8_emulated(dev):  # tests: the rest of the int8 path as f32
+        return precision
     if precision in ("tensorcore", "int8") and not has_tensor_cores(dev):
         raise DeviceError(f"precision {precision!r} needs Dawn subgroup matrices: {tensor_core_problem(dev)}")
     if precision == "int8" and (problem := int8_problem(dev)) is not None:
@@ -237,7 +239,8 @@ class GPUModel:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
         self.precision = _resolve_precision(dev, precision)
-        self.tensor_cores = self.precision in ("tensorcore", "int8")
+        # f16 tensor cores: tensorcore, and int8 beside its integer GEMMs (f32 where those run emulated, in tests)
+        self.tensor_cores = self.precision == "tensorcore" or (self.precision == "int8" and not int8_emulated(dev))
         self._linear, self._linear_grad = (
             (linear_tc, linear_input_grad_tc) if self.tensor_cores else (linear, linear_input_grad)
         )
