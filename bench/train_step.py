@@ -470,6 +470,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
     p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer GEMMs) or auto")
+    p.add_argument(
+        "--int8-head", choices=("on", "off"), default="on", help="int8: the LM head on the integer GEMM too (off: f16)"
+    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -490,6 +493,9 @@ def main() -> None:
     if args.gguf and not Path(args.gguf).is_file():
         p.error(f"--gguf {args.gguf}: no such file")
     if args.side == "ours":
+        from gpu.ops import head
+
+        head.INT8_HEAD = args.int8_head == "on"
         if args.lora_path != "default":
             from gpu.ops import lora
 

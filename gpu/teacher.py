@@ -6,6 +6,8 @@ import numpy as np
 
 from gpu.device import Device
 from gpu.model import GPUModel, ModelWeights
+from gpu.ops import head
+from gpu.ops.head import Int8Head
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
 
@@ -35,6 +37,11 @@ class GPUTeacher(GPUModel):
         self.logprobs = dev.buffer(4 * self.rows * top_k, label="teacher logprobs")
         self.tail = dev.buffer(4 * self.rows, label="teacher tail")
         self.logits = dev.buffer(4 * self.rows * self.chunk, label="teacher logits chunk")
+        self.int8_head = (
+            Int8Head.build(dev, self.rows, self.cfg.hidden, self.chunk, backward=False)
+            if self.precision == "int8" and head.INT8_HEAD
+            else None
+        )
 
     def topk(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids [B, T] -> (top-k ids [B, T, k] u32, logprobs [B, T, k] f32 sorted descending, tail [B, T] f32)."""
@@ -70,4 +77,5 @@ class GPUTeacher(GPUModel):
                 logits_scratch=self.logits,
                 chunk=self.chunk,
                 h16=h16,
+                i8=self.int8_head,
             )

@@ -316,9 +316,13 @@ def test_tensorcore_f16_gemm_inputs_are_exact() -> None:
     np.testing.assert_array_equal(streams[0], streams[1])
 
 
-def _precision_student(dev, weights: ModelWeights, precision: str, loss_cfg: LossConfig) -> GPUStudent:
+def _precision_student(
+    dev, weights: ModelWeights, precision: str, loss_cfg: LossConfig, vocab_chunk: int = 4096
+) -> GPUStudent:
     """A KD student of the test shapes (LoRA on every target, alpha 2r) on `precision`."""
-    spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision=precision)
+    spec = EngineSpec(
+        CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision=precision, vocab_chunk=vocab_chunk
+    )
     return GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K))
 
 
@@ -399,8 +403,9 @@ def test_tensorcore_teacher_topk_close() -> None:
 
 def test_int8_engine_logic_with_emulated_integer_gemms() -> None:
     """The int8 path on lavapipe, its integer GEMMs emulated and its other GEMMs f32 (int8_emulation): the step's
-    loss and LoRA gradients within INT8_REL of the float64 reference (the 8-bit rounding of the projections'
-    inputs, weights and input gradients; a stale or mis-indexed block of codes is an O(1) error); a replayed step
+    loss and LoRA gradients within INT8_REL of the float64 reference (the 8-bit rounding of the projections' and
+    the LM head's inputs, weights and input gradients; a stale or mis-indexed block of codes is an O(1) error);
+    a replayed step
     (its tape decodes what it needs) bitwise the recorded one; and after a step the shared slots hold exactly the
     codes weight_to_i8 gives the lowest block's weights (one block's projections are decoded at a time)."""
     from gpu.ops.matmul_i8 import int8_emulation
@@ -412,8 +417,9 @@ def test_int8_engine_logic_with_emulated_integer_gemms() -> None:
     tids, tlp, ttail = _teacher(rng, 1.0)
     weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     with int8_emulation(dev):
-        st = _precision_student(dev, weights, "int8", loss_cfg)
-        assert not st.tensor_cores and set(st._w8_slots) == set(LORA_TARGETS)
+        # vocab chunks of 256: the first on the integer head, the last (44 wide) on the f32 one
+        st = _precision_student(dev, weights, "int8", loss_cfg, vocab_chunk=256)
+        assert not st.tensor_cores and set(st._w8_slots) == set(LORA_TARGETS) and st.objective.scratch.int8
         st.set_adapter(lora)
         st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         runs = [(st.loss_and_grads(), st.get_grads()) for _ in range(3)]  # recorded, then replayed twice
@@ -437,19 +443,38 @@ def test_int8_engine_logic_with_emulated_integer_gemms() -> None:
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
-@pytest.mark.tensorcore
-def test_int8_teacher_topk_close() -> None:
-    """The teacher's top-k with the frozen forward on the integer tensor cores vs the f32 path (H200 only)."""
+def _int8_teacher_vs_f32(dev) -> tuple[float, float]:
+    """(worst top-k log-prob error relative to the max, top-1 agreement) of the int8 teacher against the f32 one
+    on the same weights; vocab chunks of 256 put the first chunk on the integer head, the last (44) on the other."""
     from gpu.teacher import GPUTeacher
 
-    dev = tensor_core_device_or_skip()
     w, _, ids, _, _, _ = _problem(7, Q.F32)
     weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     got, want = (
-        GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.0, precision=p).topk(ids) for p in ("int8", "f32")
+        GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.0, precision=p, vocab_chunk=256).topk(ids)
+        for p in ("int8", "f32")
     )
     err = float(np.abs(got[1] - want[1]).max() / np.abs(want[1]).max())
     top1 = float(np.mean(got[0][..., 0] == want[0][..., 0]))
     print(f"int8 teacher: top-k log-prob err {err:.2e} of max, top-1 agreement {top1:.3f}")
+    return err, top1
+
+
+@pytest.mark.tensorcore
+def test_int8_teacher_topk_close() -> None:
+    """The teacher's top-k with the frozen forward and the LM head on the integer tensor cores vs the f32 path
+    (H200 only)."""
+    err, top1 = _int8_teacher_vs_f32(tensor_core_device_or_skip())
+    assert err < INT8_REL
+    assert top1 > 0.9
+
+
+def test_int8_teacher_topk_close_emulated() -> None:
+    """The same on lavapipe with the integer GEMMs emulated (the rest f32): the int8 path's indexing and scales."""
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    dev = device_or_skip()
+    with int8_emulation(dev):
+        err, top1 = _int8_teacher_vs_f32(dev)
     assert err < INT8_REL
     assert top1 > 0.9
