@@ -14,9 +14,10 @@ record; a stage downstream recomputes when its inputs' content changed (its key 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,15 +29,9 @@ from prefect.serializers import JSONSerializer
 
 from schemas.config import RunConfig
 from schemas.manifests import Manifest
-from stages.keys import StageKey, outputs_problem
+from stages.graph import Node, Runner
 from tasks import faults
-from tasks.records import BadRecord, read_manifest_record
-
-# Records are stored as '<stage>-typed-<sha256>': the manifests a task returns now, never the plain dicts that
-# earlier versions stored under '<stage>-<sha256>'. The sha256 (and so every stage folder) is the content key.
-RECORD_FORMAT = "typed"
-
-Verify = Callable[[RunConfig, Mapping[str, Any], Any], str | None]
+from tasks.records import BadRecord, read_manifest_record, record_key
 
 
 def as_config(cfg: RunConfig | Mapping[str, Any]) -> RunConfig:
@@ -44,31 +39,20 @@ def as_config(cfg: RunConfig | Mapping[str, Any]) -> RunConfig:
     return cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
 
 
-def record_key(stage: str, key: str) -> str:
-    """The Prefect result record of stage `stage`'s content key `key` ('<stage>-<sha256>')."""
-    return f"{stage}-{RECORD_FORMAT}-{key.rsplit('-', 1)[-1]}"
-
-
-def verify_outputs(cfg: RunConfig, inputs: Mapping[str, Any], result: Any) -> str | None:
-    """The default check of a cached result: the files its manifest lists (stages.keys.outputs_problem)."""
-    return outputs_problem(cfg, result) if isinstance(result, Manifest) else None
-
-
 @dataclass
 class StageCache(CachePolicy):
-    """Cache key of one pipeline stage: its content key (`spec`); a cached result is used only when `verify`
-    (cfg, the task's inputs, the cached result) finds nothing wrong with the files it names."""
+    """Cache key of one pipeline stage: its graph node's content key (stages/graph.py); a cached result is used only
+    when the node's verify (cfg, the task's inputs, the cached result) finds nothing wrong with the files it names."""
 
-    spec: StageKey = field(kw_only=True)
-    verify: Verify = field(default=verify_outputs, repr=False, kw_only=True)
+    node: Node = field(kw_only=True)
 
     @property
     def stage(self) -> str:
-        return self.spec.stage
+        return self.node.stage
 
     def key(self, cfg: RunConfig, inputs: Mapping[str, Any]) -> str:
-        """The stage's content key '<stage>-<sha256>' (stages.keys.StageKey.key)."""
-        return self.spec.key(as_config(cfg), inputs)
+        """The stage's content key '<stage>-<sha256>' (stages.graph.Node.content_key)."""
+        return self.node.content_key(as_config(cfg), inputs)
 
     def record_key(self, key: str) -> str:
         """The Prefect result record of content key `key`."""
@@ -90,7 +74,7 @@ class StageCache(CachePolicy):
         else:
             if cached is None:
                 return record
-            problem = self.verify(cfg, inputs, cached)
+            problem = self.node.verify(cfg, inputs, cached)
             if problem is None:
                 return record
         from prefect import get_run_logger
@@ -196,11 +180,13 @@ class _QuietStateHook(logging.Filter):
 logging.getLogger("prefect.task_runs").addFilter(_QuietStateHook())
 
 
-def stage_options(policy: StageCache, **options: Any) -> dict[str, Any]:
-    """Keyword arguments of @task for a cached stage: the policy, JSON results, state bookkeeping."""
+def stage_options(node: Node, **options: Any) -> dict[str, Any]:
+    """Keyword arguments of @task for the cached stage `node`: its name, run name and cache policy, JSON results,
+    state bookkeeping."""
     return {
-        "name": policy.stage,
-        "cache_policy": policy,
+        "name": node.stage,
+        "task_run_name": node.run_name,
+        "cache_policy": StageCache(node=node),
         "persist_result": True,
         "result_serializer": "json",
         "cache_result_in_memory": False,
@@ -208,3 +194,15 @@ def stage_options(policy: StageCache, **options: Any) -> dict[str, Any]:
         "on_failure": [_record_state],
         **options,
     }
+
+
+def stage_runner(cfg: RunConfig, tasks: Mapping[Node, Any], **extra: Any) -> Runner:
+    """A stages.graph Runner that runs each node as its task, `tasks[node](cfg, **inputs)`, adding the `extra`
+    keywords the task takes (an epoch task's MLflow run id)."""
+
+    def run(node: Node, /, **inputs: Any) -> Any:
+        task = tasks[node]
+        takes = inspect.signature(task.fn).parameters
+        return task(cfg, **inputs, **{name: value for name, value in extra.items() if name in takes})
+
+    return run

@@ -28,6 +28,7 @@ from schemas.manifests import (
     CheckpointManifest,
     EvalManifest,
     ExportManifest,
+    PrefixManifest,
     StudentManifest,
     TeacherManifest,
     TokenizeManifest,
@@ -174,6 +175,7 @@ class RunRecord(FlowRunRecord):
         self.reused = reused  # the summary of the run whose results this one reuses entirely: log nothing
         self.tokens: TokenizeManifest | None = None
         self.teacher: TeacherManifest | None = None
+        self.prefix: PrefixManifest | None = None
         self.baseline: EvalManifest | None = None
         self.evals: list[EvalManifest] = []
         self.merged: EvalManifest | None = None
