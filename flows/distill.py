@@ -17,11 +17,9 @@ from schemas.config import RunConfig
 from stages import graph
 from stages.graph import Phase
 from stages.inputs import check_inputs
-from stages.layout import workdir
-from tasks.caching import as_config, stage_runner, strict_results
+from tasks.caching import as_config, in_workdir, run_graph, strict_results
 from tasks.evaluate import evaluate_baseline, evaluate_checkpoint, evaluate_merged
 from tasks.export import export_adapter
-from tasks.logs import prefect_logs
 from tasks.prefix import prefix_cache
 from tasks.student import student
 from tasks.teacher import plan_teacher, teacher_on_ray, teacher_shard
@@ -61,16 +59,9 @@ def distill(cfg: RunConfig, until: Phase = "export") -> dict[str, Any]:
 
         return preference(cfg, until)
     check_inputs(cfg)
-    with mlflow_run(cfg, until) as r, prefect_logs():
-        graph.distill(cfg, until, stage_runner(cfg, TASKS, mlflow_run_id=r.id), r)
-        return r.finish()
+    return run_graph(graph.distill, cfg, until, TASKS, mlflow_run(cfg, until))
 
 
 def run_pipeline(cfg: RunConfig, until: Phase = "export") -> dict[str, Any]:
     """Run `distill` with Prefect results (the stage cache) stored under <workdir>/.prefect/results."""
-    storage = workdir(cfg) / ".prefect" / "results"
-    storage.mkdir(parents=True, exist_ok=True)
-    options: dict[str, Any] = {"result_storage": storage}
-    if cfg.run.run_name:
-        options["flow_run_name"] = cfg.run.run_name
-    return distill.with_options(**options)(cfg, until)
+    return in_workdir(distill, cfg, until)

@@ -16,11 +16,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from schemas.config import RunConfig
 from stages import graph
 from stages.graph import Phase
-from stages.layout import workdir
 from stages.pairs import check_inputs
-from tasks.caching import as_config, stage_runner, strict_results
+from tasks.caching import as_config, in_workdir, run_graph, strict_results
 from tasks.export import export_adapter
-from tasks.logs import prefect_logs
 from tasks.preference import dpo_epoch, evaluate, pairs, reference
 from tasks.preference_tracking import preference_run
 from tasks.student import student
@@ -44,19 +42,12 @@ def preference(cfg: RunConfig, until: Phase = "export") -> dict[str, Any]:
     cfg = as_config(cfg)
     strict_results()  # cached stage results: JSON manifests only, never deserialized otherwise
     check_inputs(cfg)
-    with preference_run(cfg) as r, prefect_logs():
-        graph.preference(cfg, until, stage_runner(cfg, TASKS, mlflow_run_id=r.id), r)
-        return r.finish()
+    return run_graph(graph.preference, cfg, until, TASKS, preference_run(cfg))
 
 
 def run_preference(cfg: RunConfig, until: Phase = "export") -> dict[str, Any]:
     """Run `preference` with Prefect results (the stage cache) stored under <workdir>/.prefect/results."""
-    storage = workdir(cfg) / ".prefect" / "results"
-    storage.mkdir(parents=True, exist_ok=True)
-    options: dict[str, Any] = {"result_storage": storage}
-    if cfg.run.run_name:
-        options["flow_run_name"] = cfg.run.run_name
-    return preference.with_options(**options)(cfg, until)
+    return in_workdir(preference, cfg, until)
 
 
 def print_table(summary: dict[str, Any], console: Any) -> None:

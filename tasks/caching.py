@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,9 @@ from prefect.serializers import JSONSerializer
 from schemas.config import RunConfig
 from schemas.manifests import Manifest
 from stages.graph import Node, Runner
+from stages.layout import workdir
 from tasks import faults
+from tasks.logs import prefect_logs
 from tasks.records import BadRecord, read_manifest_record, record_key
 
 
@@ -206,3 +208,22 @@ def stage_runner(cfg: RunConfig, tasks: Mapping[Node, Any], **extra: Any) -> Run
         return task(cfg, **inputs, **{name: value for name, value in extra.items() if name in takes})
 
     return run
+
+
+def run_graph(walk: Callable[..., None], cfg: RunConfig, until: str, tasks: Mapping[Node, Any], record: Any) -> Any:
+    """In a flow: walk a stage graph (stages.graph.distill / preference) with each node run as its task, results
+    set on the flow's MLflow record (`record`, a context manager entered here), the library's log lines in the
+    flow run's log; returns the record's summary."""
+    with record as r, prefect_logs():
+        walk(cfg, until, stage_runner(cfg, tasks, mlflow_run_id=r.id), r)
+        return r.finish()
+
+
+def in_workdir(flow: Any, cfg: RunConfig, until: str) -> Any:
+    """Run flow(cfg, until) with Prefect results (the stage cache) stored under <workdir>/.prefect/results."""
+    storage = workdir(cfg) / ".prefect" / "results"
+    storage.mkdir(parents=True, exist_ok=True)
+    options: dict[str, Any] = {"result_storage": storage}
+    if cfg.run.run_name:
+        options["flow_run_name"] = cfg.run.run_name
+    return flow.with_options(**options)(cfg, until)

@@ -24,6 +24,7 @@ from data.tokens import (
 from model.tokenizer import GGUFTokenizer, load_tokenizer
 from schemas.config import DataSection
 from schemas.files import SchemaError
+from schemas.manifests import TokenizeManifest
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -257,15 +258,13 @@ def test_unpacked_rows_are_truncated_and_padded(tok: GGUFTokenizer) -> None:
 def test_token_shards_schema_manifest_and_tamper(tmp_path: Path, tok: GGUFTokenizer) -> None:
     train, held = tokenize_dataset(_docs(12), tok, 12, 0.25, 0)
     out = tmp_path / "tok"
-    manifest = write_token_shards(
-        train,
-        held,
-        out,
-        dataset_fingerprint="fp",
-        tokenizer_sha256="1" * 64,
-        vocab_size=tok.vocab_size,
-        seq_len=12,
-    )
+
+    def write() -> TokenizeManifest:
+        return write_token_shards(
+            train, held, out, dataset_fingerprint="fp", tokenizer_sha256="1" * 64, vocab_size=tok.vocab_size, seq_len=12
+        )
+
+    manifest = write()
     assert read_tokenize_manifest(out) == manifest
     assert manifest.train.n_sequences == len(train) and manifest.eval.n_sequences == len(held)
     assert manifest.train.n_positions == int(np.sum(train["loss_mask"]))
@@ -277,15 +276,7 @@ def test_token_shards_schema_manifest_and_tamper(tmp_path: Path, tok: GGUFTokeni
     assert not list(out.glob(".*tmp*"))
 
     # Rewriting replaces the split in place.
-    write_token_shards(
-        train,
-        held,
-        out,
-        dataset_fingerprint="fp",
-        tokenizer_sha256="1" * 64,
-        vocab_size=tok.vocab_size,
-        seq_len=12,
-    )
+    write()
     assert sorted(p.name for p in out.iterdir()) == ["eval", "tokenize_manifest.json", "train"]
 
     arrow = out / "eval" / "data-00000-of-00001.arrow"

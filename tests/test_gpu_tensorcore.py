@@ -37,6 +37,7 @@ from gpu.ops.matmul_tc import (
 )
 from gpu.weights import random_blocks, upload_quant
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
+from tests.gpu_helpers import gemm_twice
 
 ALL_TYPES = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
 GGUF_ENCODABLE = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
@@ -295,16 +296,8 @@ def test_tensor_core_accumulate_strides_f16_input(tc_dev: Device, case: tuple) -
 @pytest.mark.tensorcore
 def test_tensor_cores_bitwise_reproducible(tc_dev: Device) -> None:
     rng = np.random.default_rng(9)
-    m, n, k = 257, 300, 512
-    raw, _ = _weight(T.Q4_K, n, k, rng)
-    w = upload_quant(tc_dev, raw, T.Q4_K, (n, k))
-    x = tc_dev.upload(rng.standard_normal((m, k)).astype(np.float32))
-    outs = []
-    for _ in range(2):
-        y = tc_dev.buffer(m * n * 4)
-        linear_tc(tc_dev, x, w, y, m)
-        outs.append(tc_dev.read(y, np.uint32, (m, n)))
-    np.testing.assert_array_equal(outs[0], outs[1])
+    raw, _ = _weight(T.Q4_K, 300, 512, rng)
+    gemm_twice(tc_dev, linear_tc, raw, T.Q4_K, (257, 300, 512), rng)
 
 
 @pytest.mark.tensorcore
