@@ -83,3 +83,27 @@ def rope_matches_reference(
     assert rel_err(y, ref.rope_forward(x.astype(np.float64), pos, base, factors, neox)) <= 1e-4
     assert rel_err(dx, ref.rope_backward(dy.astype(np.float64), pos, base, factors, neox)) <= 1e-4
     return y, x.astype(np.float64), pos
+
+
+def random_student_problem(cfg: Any, seed: int, qtype: int, rank: int, batch: int, seq_len: int) -> tuple:
+    """(weights, LoRA with random B, ids, targets, mask, rng) of a random student step: 2-D block weights
+    quantized to qtype and back (the reference sees exactly what the GPU decodes), mask ~80% ones; rng continues
+    the stream (the caller draws the teacher from it)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from model.config import LORA_TARGETS
+    from model.quant import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    w = ref.random_weights(cfg, seed, np.float32)
+    if qtype != Q.F32:
+        w = {
+            n: dequantize(quantize(a, qtype), qtype, a.shape) if a.ndim == 2 and n.startswith("blk.") else a
+            for n, a in w.items()
+        }
+    lora = ref.init_lora(cfg, list(LORA_TARGETS), rank, seed)
+    lora = {key: ref.LoraPair(p.A, rng.normal(0, 0.2, p.B.shape).astype(np.float32)) for key, p in lora.items()}
+    ids = rng.integers(0, cfg.vocab, (batch, seq_len))
+    targets = np.concatenate([ids[:, 1:], rng.integers(0, cfg.vocab, (batch, 1))], axis=1)
+    mask = (rng.random((batch, seq_len)) > 0.2).astype(np.uint8)
+    return w, lora, ids, targets, mask, rng

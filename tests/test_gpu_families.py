@@ -20,9 +20,8 @@ from model.config import LORA_TARGETS, ModelConfig
 from model.engine_spec import EngineSpec, KdBatch
 from model.gguf import llama3_rope_factors
 from model.kd import LossConfig, log_softmax
-from model.quant import dequantize, quantize
 from tests.gpu_fixtures import tensor_core_device_or_skip
-from tests.gpu_helpers import make_device, rel_err, rope_matches_reference, twice, up
+from tests.gpu_helpers import make_device, random_student_problem, rel_err, rope_matches_reference, twice, up
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4
@@ -101,18 +100,7 @@ T, B, K, RANK, SCALE = 12, 2, 8, 4, 2.0
 
 
 def _problem(cfg: ModelConfig, seed: int, qtype: int):
-    rng = np.random.default_rng(seed)
-    w = ref.random_weights(cfg, seed, np.float32)
-    if qtype != Q.F32:  # the reference sees exactly the quantized values the GPU decodes
-        w = {
-            n: dequantize(quantize(a, qtype), qtype, a.shape) if a.ndim == 2 and n[:4] == "blk." else a
-            for n, a in w.items()
-        }
-    lora = ref.init_lora(cfg, list(LORA_TARGETS), RANK, seed)
-    lora = {key: ref.LoraPair(p.A, rng.normal(0, 0.2, p.B.shape).astype(np.float32)) for key, p in lora.items()}
-    ids = rng.integers(0, cfg.vocab, (B, T))
-    targets = np.concatenate([ids[:, 1:], rng.integers(0, cfg.vocab, (B, 1))], axis=1)
-    mask = (rng.random((B, T)) > 0.2).astype(np.uint8)
+    w, lora, ids, targets, mask, rng = random_student_problem(cfg, seed, qtype, RANK, B, T)
     lp = log_softmax(rng.normal(0, 2.0, (B, T, cfg.vocab)))
     tids = np.argsort(-lp, axis=-1)[..., :K]
     tlp = np.take_along_axis(lp, tids, -1).astype(np.float32)

@@ -156,15 +156,21 @@ EMU_TILES = [
 def test_emulated_other_tiles(emu_dev: Device, cfg: TCConfig) -> None:
     """M, N off the tile grid, reduction tails (R % BK != 0), an "nn" weight with K % 8 != 0 (the checked
     B loaders), f16 A with the 8-, 4- and 1-wide loads."""
-    for qtype, orient, a_dtype, m, n, k in [
+    cases = [
         (T.Q4_K, "nt", "f32", 40, 72, 256),
         (T.Q4_0, "nn", "f32", 40, 100, 256),
         (T.F16, "nt", "f16", 33, 72, 96),
         (T.F16, "nn", "f16", 33, 72, 100),
         (T.Q8_0, "nt", "f16", 65, 66, 224),
-    ]:
-        err = _check_product(emu_dev, qtype, orient, m, n, k, seed=3, a_dtype=a_dtype, cfg=cfg, emulate=True)
-        assert err <= TOL, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
+    ]
+    _products_within(emu_dev, cfg, cases, TOL, seed=3, emulate=True)
+
+
+def _products_within(dev: Device, cfg: TCConfig, cases: list[tuple], tol: float, **kw: object) -> None:
+    """_check_product of every (qtype, orient, a_dtype, m, n, k) case on tile cfg, each within tol."""
+    for qtype, orient, a_dtype, m, n, k in cases:
+        err = _check_product(dev, qtype, orient, m, n, k, a_dtype=a_dtype, cfg=cfg, **kw)  # type: ignore[arg-type]
+        assert err <= tol, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
 
 
 # The dedicated 8-wide weight loaders (gpu/codegen_tc.py's W_STAGING): several blocks per weight row (the
@@ -275,16 +281,15 @@ TC_TILES = [
 @pytest.mark.parametrize("cfg", TC_TILES, ids=lambda c: c.label)
 def test_tensor_core_tiles_on_larger_shapes(tc_dev: Device, cfg: TCConfig) -> None:
     """Shapes off every tile grid (and one on it: interior tiles store directly); f16 A at all widths."""
-    for qtype, orient, a_dtype, m, n, k in [
+    cases = [
         (T.F16, "nt", "f16", 300, 520, 1024),
         (T.F16, "nn", "f16", 256, 256, 1000),
         (T.Q4_K, "nn", "f32", 300, 520, 1024),
         (T.Q6_K, "nt", "f32", 300, 520, 1024),
         (T.Q4_0, "nt", "f32", 512, 512, 512),
         (T.Q8_0, "nn", "f16", 129, 100, 160),
-    ]:
-        err = _check_product(tc_dev, qtype, orient, m, n, k, seed=11, a_dtype=a_dtype, cfg=cfg)
-        assert err <= TC_TOL, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
+    ]
+    _products_within(tc_dev, cfg, cases, TC_TOL, seed=11)
 
 
 @pytest.mark.tensorcore
