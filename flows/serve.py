@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-STAGES = ("tokenize", "teacher", "train", "evaluate", "export")
-
 
 class ServeError(ValueError):
     """`distillery serve` cannot start (no Prefect server, a bad schedule or stage); one line for the user."""
@@ -52,10 +50,11 @@ def serve(
 ) -> None:
     """Serve `distill` with CONFIG (+ overrides) as deployment distill/<name> until interrupted."""
     from schemas.config import load_config
+    from stages.graph import PHASES
     from stages.inputs import check_inputs
 
-    if until not in STAGES:
-        raise ServeError(f"--until {until!r}: must be one of {', '.join(STAGES)}")
+    if until not in PHASES:
+        raise ServeError(f"--until {until!r}: must be one of {', '.join(PHASES)}")
     cfg = load_config(config, list(overrides))
     check_inputs(cfg)
     results = Path(cfg.run.workdir).resolve() / ".prefect" / "results"

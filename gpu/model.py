@@ -6,6 +6,8 @@ sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameter
 Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it;
 rows are `batch * seq_len` tokens; only attention works per sequence (the tensor-core kernels take the whole
 batch in one dispatch, the sequence in grid z; the f32 kernels one sequence at a time).
+Names: `seq_len` is one sequence's tokens, `rows` all of the batch's; `target` a projection (q, k, ..., down);
+`t` only LoRA's intermediate x Aᵀ [rows, r]; `k` only the key projection.
 """
 
 from __future__ import annotations
@@ -95,17 +97,21 @@ class ModelWeights:
                     dev, dequantize(data, qtype, shape).reshape(-1), name
                 )
             elif parts[0] == "blk" and parts[2] in stem_to_target:
-                t = upload_quant(dev, data, qtype, shape, name)
+                weight = upload_quant(dev, data, qtype, shape, name)
                 key = (int(parts[1]), stem_to_target[parts[2]])
-                proj[key] = t
-                total += t.nbytes
+                proj[key] = weight
+                total += weight.nbytes
         missing = [
-            f"blk.{i}.{LORA_TARGETS[t]}.weight" for i in range(cfg.n_layers) for t in LORA_TARGETS if (i, t) not in proj
+            f"blk.{i}.{LORA_TARGETS[target]}.weight"
+            for i in range(cfg.n_layers)
+            for target in LORA_TARGETS
+            if (i, target) not in proj
         ]
         missing += [n for n, v in (("token_embd.weight", embed), ("lm_head", lm_head)) if v is None]
         for i in range(cfg.n_layers):
             if cfg.qkv_bias:
-                missing += [f"blk.{i}.{LORA_TARGETS[t]}.bias" for t in BIAS_TARGETS if (i, t) not in biases]
+                absent = [target for target in BIAS_TARGETS if (i, target) not in biases]
+                missing += [f"blk.{i}.{LORA_TARGETS[target]}.bias" for target in absent]
             if cfg.qk_norm:
                 missing += [n for n in (f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight") if n not in norms]
         if missing:
@@ -123,8 +129,8 @@ class ModelWeights:
             for name, w in weights.items():
                 w = np.asarray(w, np.float32)
                 is_proj = w.ndim == 2 and name.startswith("blk.")
-                t = qtype if is_proj else Q.F32
-                yield name, quantize(w, t) if t != Q.F32 else w, t, w.shape
+                wtype = qtype if is_proj else Q.F32
+                yield name, quantize(w, wtype) if wtype != Q.F32 else w, wtype, w.shape
 
         return cls.upload(dev, cfg, items())
 
@@ -371,7 +377,7 @@ class GPUModel:
             self._t_index = {key: i for i, key in enumerate(self.layout.slots)}
             self.t_saved = b("lora t per projection", max(len(self._t_index), 1) * self._t_slot)
         else:  # one t per target, reused by every block
-            self.t_lora = {t: b(f"lora t {t}", rows * r) for t in LORA_TARGETS}
+            self.t_lora = {target: b(f"lora t {target}", rows * r) for target in LORA_TARGETS}
         self._replay_lora_t = False  # set while a backward recomputes a block whose t the forward left
         self.dt = b("lora dt", rows * r)
         if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
@@ -461,8 +467,8 @@ class GPUModel:
         second, resident copy would cost a byte a weight."""
         slot = self._w8_slots.get(target)
         if slot is not None and self._w8_block != layer:
-            for t, out in self._w8_slots.items():
-                weight_to_i8(self.dev, self.w.proj[(layer, t)], out)
+            for other, out in self._w8_slots.items():
+                weight_to_i8(self.dev, self.w.proj[(layer, other)], out)
             self._w8_block = layer
         return slot
 
@@ -506,7 +512,7 @@ class GPUModel:
         return (self.cfg.q_dim, self.seq_q) if _SLOT_KIND[slot] == "q" else (self.cfg.kv_dim, self.seq_kv)
 
     def _heads(self) -> tuple[int, int, int]:
-        """(n_heads, n_kv_heads, head_dim): the attention ops' shape arguments after n_tokens."""
+        """(n_heads, n_kv_heads, head_dim): the attention ops' shape arguments after seq_len."""
         return self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
 
     def _seq_view(self, packed: Any, slot: str, s: int) -> BufferView:
@@ -531,10 +537,10 @@ class GPUModel:
                     self.dev.copy(self.a[slot], src, n, at, packed)
 
     def _attention(self, q: Any, k: Any, v: Any, out: Any) -> None:
-        cfg, t = self.cfg, self.seq_len
+        cfg, seq_len = self.cfg, self.seq_len
         if self.batched_attention:
             self._attention_fwd(
-                self.dev, q, k, v, out, self.lse, t, *self._heads(), n_seqs=self.batch, lse_stride=self.seq_lse
+                self.dev, q, k, v, out, self.lse, seq_len, *self._heads(), n_seqs=self.batch, lse_stride=self.seq_lse
             )
             return
         ins = ((q, "aq"), (k, "ak"), (v, "av"))
@@ -544,8 +550,8 @@ class GPUModel:
                 self.dev,
                 *(self._seq_view(buf, slot, s) for buf, slot in ins),
                 self._seq_view(out, "ao", s),
-                self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
-                t,
+                self._view(self.lse, s * self.seq_lse, cfg.n_heads * seq_len),
+                seq_len,
                 *self._heads(),
             )
         self._scatter(((out, "ao"),), to_slots=False)

@@ -115,14 +115,14 @@ class GpuKd:
         self._has_tail = False
 
     def bind(self, student: Trunk) -> None:
-        st, rows, k = student, student.rows, self.top_k
+        st, rows, top_k = student, student.rows, self.top_k
         self.st = st
         b = st._b.get
         for name, n in (
             ("targets", rows),
             ("mask", rows),
-            ("teacher_ids", rows * k),
-            ("teacher_logprobs", rows * k),
+            ("teacher_ids", rows * top_k),
+            ("teacher_logprobs", rows * top_k),
             ("teacher_tail", rows),
         ):
             b(name, n)
@@ -130,7 +130,7 @@ class GpuKd:
         chunk, tc_head = min(st.spec.vocab_chunk, st.cfg.vocab), st.cfg.hidden if st._pack_inputs else None
         int8_head = st.cfg.hidden if st.precision == "int8" and head.INT8_HEAD else None
         # tc_head: its backward on TCs; int8_head: the head on the integer GEMM
-        self.scratch = KdScratch.build(dev, rows, k, chunk, hidden=tc_head, int8_hidden=int8_head)
+        self.scratch = KdScratch.build(dev, rows, top_k, chunk, hidden=tc_head, int8_hidden=int8_head)
         self.top1 = TopKState.build(dev, rows, 1)
         self.top1_lp = dev.buffer(4 * rows, label="student top-1 logprob")
         self.top1_tail = dev.buffer(4 * rows, label="student top-1 tail")

@@ -28,6 +28,7 @@ from schemas.manifests import (
     CheckpointManifest,
     EvalManifest,
     ExportManifest,
+    PrefixManifest,
     StudentManifest,
     TeacherManifest,
     TokenizeManifest,
@@ -155,6 +156,36 @@ class FlowRunRecord:
     def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
         log_metrics(self.client, self.id, values, step)
 
+    def _log_adapter(self, files: Mapping[str, str]) -> None:
+        """The exported PEFT dir and GGUF LoRA (of those in `files`) as the run's adapter artifacts."""
+        root = workdir(self.cfg)
+        if "peft_dir" in files:
+            self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
+        if "gguf_lora" in files:
+            self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
+
+    def _register_adapter(self, description: str, tags: Mapping[str, str]) -> dict[str, Any]:
+        """A model version of the selected adapter under '<experiment>-adapter', tagged with `tags` and its
+        sha256; an adapter registered before (a cached rerun) is not registered again."""
+        from mlflow.exceptions import MlflowException
+
+        assert self.best is not None
+        name = f"{self.cfg.run.experiment}-adapter"
+        try:
+            self.client.create_registered_model(name, description=description)
+        except MlflowException as exc:
+            if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
+                raise
+        adapter_sha = self.checkpoints[self.best].adapter.sha256
+        for existing in self.client.search_model_versions(f"name='{name}'"):
+            if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
+                return {"name": name, "version": str(existing.version), "source": existing.source, "new": False}
+        source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
+        version = self.client.create_model_version(
+            name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
+        )
+        return {"name": name, "version": str(version.version), "source": source, "new": True}
+
 
 class RunRecord(FlowRunRecord):
     """What a distillation flow run produced and its MLflow run."""
@@ -174,6 +205,7 @@ class RunRecord(FlowRunRecord):
         self.reused = reused  # the summary of the run whose results this one reuses entirely: log nothing
         self.tokens: TokenizeManifest | None = None
         self.teacher: TeacherManifest | None = None
+        self.prefix: PrefixManifest | None = None
         self.baseline: EvalManifest | None = None
         self.evals: list[EvalManifest] = []
         self.merged: EvalManifest | None = None
@@ -247,7 +279,10 @@ class RunRecord(FlowRunRecord):
         for plot in write_plots(self.cfg, self, plots):
             self.client.log_artifact(self.id, str(plot), "plots")
         if self.exported is not None and self.best is not None:
-            summary["registered_model"] = self._log_adapter()
+            self._log_adapter(self.exported.files())
+            best = self.evals[self.best]
+            tags = {"epoch": str(best.epoch), "kl": f"{best.kl:.6g}", "top1": f"{best.top1:.6g}"}
+            summary["registered_model"] = self._register_adapter("LoRA adapters distilled by distillery", tags)
         _prefect_markdown(report)
         self.client.set_terminated(self.id, "FINISHED")
         remember(self.cfg, self.until, summary)
@@ -263,38 +298,6 @@ class RunRecord(FlowRunRecord):
             tags["teacher.sha256"] = self.teacher.teacher_sha256
         for key, value in tags.items():
             self.client.set_tag(self.id, key, value)
-
-    def _log_adapter(self) -> dict[str, Any]:
-        assert self.exported is not None and self.best is not None
-        root, files = workdir(self.cfg), self.exported.files()
-        if "peft_dir" in files:
-            self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
-        if "gguf_lora" in files:
-            self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
-        name = f"{self.cfg.run.experiment}-adapter"
-        from mlflow.exceptions import MlflowException
-
-        try:
-            self.client.create_registered_model(name, description="LoRA adapters distilled by distillery")
-        except MlflowException as exc:
-            if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
-                raise
-        best = self.evals[self.best]
-        adapter_sha = self.checkpoints[self.best].adapter.sha256
-        for existing in self.client.search_model_versions(f"name='{name}'"):
-            if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
-                return {
-                    "name": name,
-                    "version": str(existing.version),
-                    "source": existing.source,
-                    "new": False,
-                }
-        source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
-        tags = {"epoch": str(best.epoch), "kl": f"{best.kl:.6g}", "top1": f"{best.top1:.6g}"}
-        version = self.client.create_model_version(
-            name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
-        )
-        return {"name": name, "version": str(version.version), "source": source, "new": True}
 
 
 def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:

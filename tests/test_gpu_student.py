@@ -14,9 +14,10 @@ from model import reference
 from model.config import LORA_TARGETS, ModelConfig
 from model.engine_spec import EngineSpec, KdBatch
 from model.kd import LossConfig, log_softmax
-from model.quant import dequantize, quantize
+from model.quant import quantize
 from schemas.optim import AdamWConfig
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
+from tests.gpu_helpers import random_student_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -34,19 +35,7 @@ def _teacher(rng: np.random.Generator, tau: float) -> tuple[np.ndarray, np.ndarr
 
 
 def _problem(seed: int, qtype: int):
-    rng = np.random.default_rng(seed)
-    w = reference.random_weights(CFG, seed, np.float32)
-    if qtype != Q.F32:  # the reference sees exactly the quantized values the GPU decodes
-        w = {
-            n: dequantize(quantize(a, qtype), qtype, a.shape) if a.ndim == 2 and n.startswith("blk.") else a
-            for n, a in w.items()
-        }
-    lora = reference.init_lora(CFG, list(LORA_TARGETS), R, seed)
-    lora = {key: reference.LoraPair(p.A, rng.normal(0, 0.2, p.B.shape).astype(np.float32)) for key, p in lora.items()}
-    ids = rng.integers(0, CFG.vocab, (B, T))
-    targets = np.concatenate([ids[:, 1:], rng.integers(0, CFG.vocab, (B, 1))], axis=1)
-    mask = (rng.random((B, T)) > 0.2).astype(np.uint8)
-    return w, lora, ids, targets, mask, rng
+    return random_student_problem(CFG, seed, qtype, R, B, T)
 
 
 def _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, scale):
