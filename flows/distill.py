@@ -13,6 +13,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import stages.prefix
+from flows.attempts import check_attempt
 from schemas.config import RunConfig
 from stages.evaluate import select_best
 from stages.inputs import check_inputs
@@ -42,6 +43,7 @@ def distill(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
     """Distil cfg.model.teacher into a LoRA adapter on the quantized cfg.model.student, up to `until`."""
     cfg = as_config(cfg)
     strict_results()  # cached stage results: JSON manifests only, never deserialized otherwise
+    check_attempt()  # a crashed run scheduled again resumes; a fourth attempt fails
     if cfg.run.task == "dpo":  # a preference config (e.g. from a served deployment's form): its own flow
         from flows.preference import preference
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.attempts import check_attempt
 from schemas.config import RunConfig
 from stages.layout import workdir
 from stages.pairs import check_inputs
@@ -33,6 +34,7 @@ def preference(cfg: RunConfig, until: Stage = "export") -> dict[str, Any]:
     """Tune the student's LoRA adapter on preference pairs (DPO and variants), up to `until`."""
     cfg = as_config(cfg)
     strict_results()  # cached stage results: JSON manifests only, never deserialized otherwise
+    check_attempt()  # a crashed run scheduled again resumes; a fourth attempt fails
     check_inputs(cfg)
 
     def reaches(stage: Stage) -> bool:

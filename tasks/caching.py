@@ -9,7 +9,8 @@ serializer, a plain dict, garbage) is a cache miss with one warning line, never 
 reused, its manifest's files are checked (stages.keys.outputs_problem: size and sha256 of every output, or a
 stage's own check such as a teacher shard's): when one is missing or differs, one warning line says which and
 the record is dropped, so the task runs again, rebuilds its files (deterministically) and stores a fresh
-record; a stage downstream recomputes when its inputs' content changed (its key changes).
+record; a stage downstream recomputes when its inputs' content changed (its key changes). Records are written
+under a lock (tasks/stage_locks.py): two flow runs at the same stage with the same key compute it once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from schemas.manifests import Manifest
 from stages.keys import StageKey, outputs_problem
 from tasks import faults
 from tasks.records import BadRecord, read_manifest_record
+from tasks.stage_locks import STAGE_LOCKS
 
 # Records are stored as '<stage>-typed-<sha256>': the manifests a task returns now, never the plain dicts that
 # earlier versions stored under '<stage>-<sha256>'. The sha256 (and so every stage folder) is the content key.
@@ -61,6 +63,11 @@ class StageCache(CachePolicy):
 
     spec: StageKey = field(kw_only=True)
     verify: Verify = field(default=verify_outputs, repr=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        # one computation per record: a second flow run with the same key waits for the first's, then reads it
+        self.isolation_level = "SERIALIZABLE"
+        self.lock_manager = STAGE_LOCKS
 
     @property
     def stage(self) -> str:
