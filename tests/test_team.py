@@ -4,7 +4,8 @@ wheel), Prefect and MLflow on it and two process workers on one work pool; tiny 
 
 - four flow runs submitted at once through the API (config A twice, then B twice: the two A runs start
   together, one computes each stage, the other waits for its lock and takes the cached result) all complete with
-  the adapter bytes a serial CLI run of each config gives, with one MLflow run and one model version per config;
+  the adapter bytes a serial run of each config gives, no flow run with two MLflow runs, one model version per
+  adapter;
 - a worker killed with SIGKILL (its process group and its flow run's process) while its run trains: the run's
   heartbeats stop, the server's automations mark it Crashed and schedule it again, the other worker resumes it from
   the stage cache and ends with the serial run's adapter bytes, in the same MLflow run;
@@ -68,7 +69,7 @@ class Team:
     work: Path
     env: dict[str, str]
     configs: dict[str, Path]
-    serial: dict[str, Path]  # config name -> workdir of its serial CLI run
+    serial: Path  # the workdir of the serial runs of configs a, b and c
 
     @property
     def api(self) -> str:
@@ -141,7 +142,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         "c": _config(base / "c.yaml", work, 3e-3, epochs=3),  # the run whose worker is killed
         "d": _config(base / "d.yaml", work, 1e-3),  # the cron deployment
     }
-    t = Team(data, work, env, configs, {})
+    t = Team(data, work, env, configs, base / "serial")
     try:
         up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
@@ -152,28 +153,32 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
             f"deploy({str(configs['a'])!r}, pool='distillery', name='a')\n"
             f"deploy({str(configs['b'])!r}, pool='distillery', name='b')\n"
         )
-        # serial references: each config alone in its own workdir and MLflow experiment, one process (no fault)
-        serial = {name: base / f"serial-{name}" for name in ("a", "b", "c")}
+        # serial references: the configs one after another through the flow (one process, one workdir of their
+        # own, another MLflow experiment; no fault)
+        serial = base / "serial"
         t.python(
             "from flows.distill import run_pipeline\nfrom schemas.config import load_config\n"
             + "".join(
-                f"run_pipeline(load_config({str(configs[n])!r}, ['run.workdir={w}', 'run.experiment=serial']))\n"
-                for n, w in serial.items()
+                f"run_pipeline(load_config({str(configs[n])!r}, ['run.workdir={serial}', 'run.experiment=serial']))\n"
+                for n in ("a", "b", "c")
             ),
             timeout=300,
         )
-        t.serial.update(serial)
+        t.serial = serial
         yield t
     finally:
         down = subprocess.run([ROOT / "infra/down.sh", data], capture_output=True, text=True, timeout=180)
         print(down.stdout, down.stderr)
 
 
-def _assert_serial_bytes(team: Team, name: str) -> None:
-    """The team workdir's export of config `name` holds the serial run's bytes."""
-    serial = team.serial[name] / "export"
-    (key,) = [p.name for p in serial.iterdir()]
-    assert _tree(team.work / "export" / key) == _tree(serial / key), name
+def _assert_serial_bytes(team: Team, n_configs: int) -> None:
+    """The team workdir holds the exports of n_configs of the serially run configs, each with the serial bytes
+    (an export folder is named by its content key: same key, same config and inputs)."""
+    serial = team.serial / "export"
+    keys = [p.name for p in serial.iterdir() if (team.work / "export" / p.name).is_dir()]
+    assert len(keys) == n_configs, (sorted(p.name for p in serial.iterdir()), keys)
+    for key in keys:
+        assert _tree(team.work / "export" / key) == _tree(serial / key), key
 
 
 def test_four_runs_on_two_workers_match_serial_runs(team: Team) -> None:
@@ -181,8 +186,7 @@ def test_four_runs_on_two_workers_match_serial_runs(team: Team) -> None:
     runs = team.wait(ids, timeout=240)
     assert [r["state_type"] for r in runs] == ["COMPLETED"] * 4, [r["state"]["message"] for r in runs]
     assert {team.worker_of(i) for i in ids} == {1, 2}
-    for name in ("a", "b"):
-        _assert_serial_bytes(team, name)
+    _assert_serial_bytes(team, 2)
     lines = team.mlflow_runs()
     flow_runs = [line.split()[1] for line in lines if not line.startswith("versions") and line]
     assert len(flow_runs) == len(set(flow_runs)), lines  # no flow run logged twice
@@ -226,7 +230,7 @@ def test_killed_worker_is_retried_elsewhere_and_cron_fires_meanwhile(team: Team)
     survivor = 3 - victim
     survivor_log = (team.data / "logs" / f"worker-{survivor}.log").read_text()
     assert f"submitting flow run '{run_id}'" in survivor_log, "the retry ran on the surviving worker"
-    _assert_serial_bytes(team, "c")
+    _assert_serial_bytes(team, 3)
     lines = team.mlflow_runs()
     assert sum(line.split()[1:2] == [run_id] for line in lines if line) == 1, lines  # one MLflow run for it
     # the cron run: scheduled by the server, taken by the surviving worker
