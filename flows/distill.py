@@ -13,6 +13,7 @@ from typing import Any
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.attempts import check_attempt
 from schemas.config import RunConfig
 from stages import graph
 from stages.graph import Phase
@@ -54,6 +55,7 @@ def distill(cfg: RunConfig, until: Phase = "export") -> dict[str, Any]:
     """Distil cfg.model.teacher into a LoRA adapter on the quantized cfg.model.student, up to `until`."""
     cfg = as_config(cfg)
     strict_results()  # cached stage results: JSON manifests only, never deserialized otherwise
+    check_attempt()  # a crashed run scheduled again resumes; a fourth attempt fails
     if cfg.run.task == "dpo":  # a preference config (e.g. from a served deployment's form): its own flow
         from flows.preference import preference
 

@@ -13,6 +13,7 @@ from typing import Any
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.attempts import check_attempt
 from schemas.config import RunConfig
 from stages import graph
 from stages.graph import Phase
@@ -41,6 +42,7 @@ def preference(cfg: RunConfig, until: Phase = "export") -> dict[str, Any]:
     """Tune the student's LoRA adapter on preference pairs (DPO and variants), up to `until`."""
     cfg = as_config(cfg)
     strict_results()  # cached stage results: JSON manifests only, never deserialized otherwise
+    check_attempt()  # a crashed run scheduled again resumes; a fourth attempt fails
     check_inputs(cfg)
     return run_graph(graph.preference, cfg, until, TASKS, preference_run(cfg))
 

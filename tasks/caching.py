@@ -9,7 +9,8 @@ serializer, a plain dict, garbage) is a cache miss with one warning line, never 
 reused, its manifest's files are checked (stages.keys.outputs_problem: size and sha256 of every output, or a
 stage's own check such as a teacher shard's): when one is missing or differs, one warning line says which and
 the record is dropped, so the task runs again, rebuilds its files (deterministically) and stores a fresh
-record; a stage downstream recomputes when its inputs' content changed (its key changes).
+record; a stage downstream recomputes when its inputs' content changed (its key changes). Records are written
+under a lock (tasks/stage_locks.py): two flow runs at the same stage with the same key compute it once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from stages.layout import workdir
 from tasks import faults
 from tasks.logs import prefect_logs
 from tasks.records import BadRecord, read_manifest_record, record_key
+from tasks.stage_locks import STAGE_LOCKS
 
 
 def as_config(cfg: RunConfig | Mapping[str, Any]) -> RunConfig:
@@ -47,6 +49,11 @@ class StageCache(CachePolicy):
     when the node's verify (cfg, the task's inputs, the cached result) finds nothing wrong with the files it names."""
 
     node: Node = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        # one computation per record: a second flow run with the same key waits for the first's, then reads it
+        self.isolation_level = "SERIALIZABLE"
+        self.lock_manager = STAGE_LOCKS
 
     @property
     def stage(self) -> str:

@@ -37,6 +37,7 @@ from stages.layout import file_name, inside, workdir
 from stages.train import read_steps
 from tasks.cached import cached_run, remember
 from tasks.caching import as_config, stage_states
+from tasks.stage_locks import STAGE_LOCKS
 
 ADAPTER_ARTIFACT = "adapter"
 STEP_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "skipped")
@@ -177,13 +178,19 @@ class FlowRunRecord:
             if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
                 raise
         adapter_sha = self.checkpoints[self.best].adapter.sha256
-        for existing in self.client.search_model_versions(f"name='{name}'"):
-            if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
-                return {"name": name, "version": str(existing.version), "source": existing.source, "new": False}
-        source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
-        version = self.client.create_model_version(
-            name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
-        )
+        # one version per adapter, also when two flow runs of one config finish together (two workers)
+        lock, holder = f"mlflow-model-{file_name(name)}", f"{os.getpid()}-{threading.get_ident()}"
+        STAGE_LOCKS.acquire_lock(lock, holder)
+        try:
+            for existing in self.client.search_model_versions(f"name='{name}'"):
+                if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
+                    return {"name": name, "version": str(existing.version), "source": existing.source, "new": False}
+            source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
+            version = self.client.create_model_version(
+                name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
+            )
+        finally:
+            STAGE_LOCKS.release_lock(lock, holder)
         return {"name": name, "version": str(version.version), "source": source, "new": True}
 
 
@@ -401,17 +408,35 @@ def failed_on_error(client: Any, run_id: str) -> Iterator[None]:
         raise
 
 
-def create_flow_run(cfg: RunConfig, client: Any, flow_run: Any, **tags: str) -> tuple[str, str]:
-    """(experiment id, run id) of a new MLflow run for the Prefect `flow_run` in cfg.run.experiment (created when
-    missing; with the default sqlite store its artifacts go under the workdir, not ./mlruns), tagged with the
-    Prefect ids, the git commit and `tags`."""
+def _experiment(cfg: RunConfig, client: Any) -> str:
+    """The id of cfg.run.experiment, created when missing: with the default sqlite store its artifacts go under
+    the workdir (not ./mlruns), with a tracking server where the server keeps them. Two runs creating it at once
+    (two workers) both get the one that exists."""
+    from mlflow.exceptions import MlflowException
+
     exp = client.get_experiment_by_name(cfg.run.experiment)
     if exp is not None:
-        experiment_id = exp.experiment_id
-    elif cfg.run.mlflow_uri is None:
-        experiment_id = client.create_experiment(cfg.run.experiment, (workdir(cfg) / "mlartifacts").as_uri())
-    else:
-        experiment_id = client.create_experiment(cfg.run.experiment)
+        return exp.experiment_id
+    local = cfg.run.tracking_uri().startswith("sqlite:")
+    try:
+        return client.create_experiment(cfg.run.experiment, (workdir(cfg) / "mlartifacts").as_uri() if local else None)
+    except MlflowException as exc:
+        exp = client.get_experiment_by_name(cfg.run.experiment)
+        if exp is None or "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
+            raise
+        return exp.experiment_id
+
+
+def create_flow_run(cfg: RunConfig, client: Any, flow_run: Any, **tags: str) -> tuple[str, str]:
+    """(experiment id, run id) of the MLflow run for the Prefect `flow_run` in cfg.run.experiment (created when
+    missing; with the default sqlite store its artifacts go under the workdir, not ./mlruns), tagged with the
+    Prefect ids, the git commit and `tags`: a new run, or the flow run's own from an earlier attempt."""
+    experiment_id = _experiment(cfg, client)
+    for run in client.search_runs(
+        [experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run.id}'", max_results=1
+    ):  # a flow run scheduled again after a crash (infra/automations.py) keeps its MLflow run
+        client.update_run(run.info.run_id, status="RUNNING")
+        return experiment_id, run.info.run_id
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name), **tags}
     if commit := git_commit():
         tags["git.commit"] = commit
