@@ -168,14 +168,30 @@ def _teacher_batch(vocab: int, b: int, t: int, k: int, rng: np.random.Generator)
 
 
 # ---- ours ---------------------------------------------------------------------------------------------------
+def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
+    """The bench's KD student on `weights` (LoRA r = args.rank on all 7 projections, alpha 2r, args.precision) with
+    a random batch of args.batch x args.seq written (top-args.top_k teacher, forward KL with the tail); and its ids."""
+    from gpu.student import GPUStudent
+    from model import reference
+    from model.kd import LossConfig
+
+    cfg, b, t, k = weights.cfg, args.batch, args.seq, args.top_k
+    spec = EngineSpec(
+        cfg, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, precision=args.precision
+    )
+    st = GPUStudent(dev, weights, spec, GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k))
+    st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
+    ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
+    tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
+    st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
+    return st, ids
+
+
 def bench_ours(args: argparse.Namespace) -> None:
     from gpu.device import Device
     from gpu.model import ModelWeights
     from gpu.profile import Profiler
-    from gpu.student import GPUStudent
     from gpu.teacher import GPUTeacher
-    from model import reference
-    from model.kd import LossConfig
 
     dev = Device(args.backend)
     rng = np.random.default_rng(0)
@@ -188,24 +204,7 @@ def bench_ours(args: argparse.Namespace) -> None:
     cfg = weights.cfg
     emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
     b, t, k = args.batch, args.seq, args.top_k
-    st = GPUStudent(
-        dev,
-        weights,
-        EngineSpec(
-            weights.cfg,
-            targets=LORA_TARGETS,
-            r=args.rank,
-            alpha=2 * args.rank,
-            batch=b,
-            seq_len=t,
-            precision=args.precision,
-        ),
-        GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k),
-    )
-    st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
-    ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
-    tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
-    st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
+    st, ids = kd_student(dev, weights, args, rng)
     losses: list[float] = []
 
     def step() -> None:

@@ -52,13 +52,7 @@ class I8Config(SubgroupTile):
             raise ValueError(f"I8Config.fm={self.fm} must divide tm * tn = {self.tm * self.tn}")
         if self.probe not in PROBES:
             raise ValueError(f"I8Config.probe={self.probe!r}: expected one of {PROBES}")
-        if self.threads > max_threads:
-            raise ValueError(f"I8Config {self.label} needs {self.threads} threads; the device allows {max_threads}")
-        if self.workgroup_bytes() > max_workgroup_bytes:
-            raise ValueError(
-                f"I8Config {self.label} needs {self.workgroup_bytes()} B of workgroup memory; "
-                f"the device allows {max_workgroup_bytes}"
-            )
+        self.check_fit(f"I8Config {self.label}", self.workgroup_bytes(), max_threads, max_workgroup_bytes)
 
     @property
     def label(self) -> str:
