@@ -219,9 +219,21 @@ def _read_text(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"paragraph {i}", para
 
 
+def _check_unicode(where: str, text: str, what: str) -> None:
+    """A DataError naming the record when `text` holds a lone surrogate (JSON's "\\ud800"): not Unicode text,
+    which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = f"\\u{ord(text[exc.start]):04x}"
+        why = f"holds an unpaired surrogate {code} (character {exc.start}), not Unicode text"
+        raise DataError(f"{where}: {what} {why}") from None
+
+
 def _to_document(source: Path, locator: str, item: Any, text_field: str, messages_field: str) -> Document:
     where = f"{source} {locator}"
     if isinstance(item, str):
+        _check_unicode(where, item, "the text")
         return Document(str(source), locator, text=item)
     if not isinstance(item, Mapping):
         raise DataError(f"{where}: a record must be an object with '{text_field}' or '{messages_field}'")
@@ -231,6 +243,8 @@ def _to_document(source: Path, locator: str, item: Any, text_field: str, message
             check_messages(messages)
         except ValueError as exc:
             raise DataError(f"{where}: field '{messages_field}': {exc} (data.messages_field)") from None
+        for i, message in enumerate(messages):
+            _check_unicode(where, message["content"], f"field '{messages_field}': messages[{i}].content")
         return Document(str(source), locator, messages=tuple(dict(m) for m in messages))
     if text_field not in item:
         raise DataError(
@@ -240,6 +254,7 @@ def _to_document(source: Path, locator: str, item: Any, text_field: str, message
     text = item[text_field]
     if not isinstance(text, str):
         raise DataError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__} (data.text_field)")
+    _check_unicode(where, text, f"field '{text_field}'")
     return Document(str(source), locator, text=text)
 
 

@@ -23,6 +23,7 @@ from tasks.tracking import (
     log_config,
     log_steps,
     manifest_json,
+    registered_model_name,
     report_paths,
     summary_header,
 )
@@ -117,7 +118,7 @@ class PreferenceRecord(FlowRunRecord):
         from mlflow.exceptions import MlflowException
 
         assert self.best is not None
-        name = f"{self.cfg.run.experiment}-adapter"
+        name = registered_model_name(self.cfg.run.experiment)
         try:
             self.client.create_registered_model(name, description="LoRA adapters trained by distillery")
         except MlflowException as exc:

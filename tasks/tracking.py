@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import subprocess
 import threading
 import time
@@ -271,7 +272,7 @@ class RunRecord(FlowRunRecord):
             self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
         if "gguf_lora" in files:
             self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
-        name = f"{self.cfg.run.experiment}-adapter"
+        name = registered_model_name(self.cfg.run.experiment)
         from mlflow.exceptions import MlflowException
 
         try:
@@ -295,6 +296,12 @@ class RunRecord(FlowRunRecord):
             name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
         )
         return {"name": name, "version": str(version.version), "source": source, "new": True}
+
+
+def registered_model_name(experiment: str) -> str:
+    """The registered model of an experiment's adapters: `<experiment>-adapter`, with the '/' and ':' MLflow refuses
+    in a model name (an experiment may hold them, e.g. a Databricks path) as '_' and no leading dot."""
+    return (re.sub(r"[/:]", "_", experiment).lstrip(".") or "distillery") + "-adapter"
 
 
 def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:

@@ -1,0 +1,69 @@
+"""Fuzz through full runs, kept by CI: cases of bench/fuzz_runs.py (random mutations of the tiny config and data,
+each run by `distillery run` in-process) end in a completed run whose stages verify or in one line naming a
+field or file, and a valid config then still completes on the same workdir. The long pass (thousands of cases)
+is the bench; its numbers are in docs/reliability.md. Below: each defect the fuzz found, as its own case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bench.fuzz_runs import Case, base_config, make_case, record_problems, run_case
+from data.records import DataError, load_records
+from tasks.tracking import registered_model_name
+from tests.pipeline_fixtures import _prefect_harness, tiny_inputs  # noqa: F401 (the fixture prefect_harness)
+
+SEED = 0
+CASES = range(20)
+
+
+def test_fuzz_cases_complete_or_refuse_in_one_line(prefect_harness: None, tmp_path: Path) -> None:
+    """20 cases of seed 0 on one workdir, every fourth followed by a valid run there."""
+    workdir = tmp_path / "run"
+    outcomes = []
+    for n in CASES:
+        case_dir = tmp_path / "cases" / f"{n:05d}"
+        outcomes.append(run_case(make_case(SEED, n, case_dir, workdir), case_dir, workdir, n if n % 4 == 3 else None))
+    failures = [o for o in outcomes if o.outcome == "failure"]
+    assert not failures, failures
+    assert {o.outcome for o in outcomes} == {"completed", "refused"}, outcomes
+    assert [o.recheck for o in outcomes if o.recheck] == ["ok"] * 5
+    assert record_problems(workdir) == []
+
+
+def _case(tmp_path: Path, edit: dict[str, dict[str, Any]], files: dict[str, bytes] | None = None) -> Case:
+    cfg = base_config(tmp_path / "run")
+    for section, values in edit.items():
+        cfg[section].update(values)
+    return Case(0, "regression", json.dumps(edit), yaml.safe_dump(cfg), [], files or {})
+
+
+def test_a_lone_surrogate_in_the_data_is_one_line_naming_the_record(prefect_harness: None, tmp_path: Path) -> None:
+    """Found by the fuzz: JSON's "\\ud800" in a text reached the tokenizer as a TypeError (a traceback)."""
+    lines = (tiny_inputs() / "texts.jsonl").read_bytes().splitlines()
+    data = b"\n".join([*lines[:3], b'{"text": "the river \\ud800"}', *lines[3:]]) + b"\n"
+    case = _case(tmp_path, {"data": {"path": str(tmp_path / "case" / "data.jsonl")}}, {"data.jsonl": data})
+    out = run_case(case, tmp_path / "case", tmp_path / "run")
+    assert (out.outcome, out.where) == ("refused", "stage"), out
+    assert f"{tmp_path / 'case' / 'data.jsonl'} line 4: field 'text' holds an unpaired surrogate \\ud800" in out.error
+
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a \udc80"}]}
+    for name, text in (("a.jsonl", json.dumps(chat)), ("a.json", json.dumps([{"text": "\ud83d!"}]))):
+        (tmp_path / name).write_text(text, encoding="ascii")  # json.dumps escapes the surrogates
+        with pytest.raises(DataError, match=f"{tmp_path / name} .*unpaired surrogate"):
+            load_records(tmp_path / name)
+
+
+def test_an_experiment_name_mlflow_refuses_for_a_model_still_registers(prefect_harness: None, tmp_path: Path) -> None:
+    """Found by the fuzz: run.experiment 'a/b' trained, evaluated and exported, then failed registering the
+    adapter as the MLflow model 'a/b-adapter' ('/' and ':' are not allowed in a model name)."""
+    from mlflow.utils.validation import _validate_model_name
+
+    out = run_case(_case(tmp_path, {"run": {"experiment": "team/x:y"}}), tmp_path / "case", tmp_path / "run")
+    assert out.outcome == "completed", out
+    for experiment in ("team/x:y", "/abs", "..", "../x", ".", "a//b", ":", "ü ñ"):
+        _validate_model_name(registered_model_name(experiment))  # raises MlflowException if refused
