@@ -14,6 +14,7 @@ import yaml
 
 from bench.fuzz_runs import Case, base_config, make_case, record_problems, run_case
 from data.records import DataError, load_records
+from schemas.config import ConfigError, load_config
 from tasks.tracking import registered_model_name
 from tests.pipeline_fixtures import _prefect_harness, tiny_inputs  # noqa: F401 (the fixture prefect_harness)
 
@@ -67,3 +68,31 @@ def test_an_experiment_name_mlflow_refuses_for_a_model_still_registers(prefect_h
     assert out.outcome == "completed", out
     for experiment in ("team/x:y", "/abs", "..", "../x", ".", "a//b", ":", "ü ñ"):
         _validate_model_name(registered_model_name(experiment))  # raises MlflowException if refused
+
+
+@pytest.mark.parametrize("override", ["train.epochs=11111111111111111111", "train.batch_size=9223372036854775808",
+                                      "train.grad_accum=1000000000"])  # fmt: skip
+def test_absurd_sizes_are_refused_at_load(override: str, tmp_path: Path) -> None:
+    """Found by the fuzz: epochs 11111111111111111111 ran without end (a task per epoch), batch_size 2^63 ended
+    in 'Maximum allowed dimension exceeded' naming nothing, grad_accum 10^9 ran a forward per micro-batch."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(base_config(tmp_path / "run")))
+    field = override.split("=")[0]
+    with pytest.raises(ConfigError, match=f"{field}: Input should be less than or equal to"):
+        load_config(path, [override])
+
+
+def test_a_batch_beyond_memory_is_one_line_naming_the_batch_size(
+    prefect_harness: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the fuzz: train.batch_size 10^8 was a MemoryError traceback from the batch arrays. The allocation
+    is injected here (Linux overcommit lets a size that fails elsewhere succeed lazily)."""
+    import training.loop
+
+    def no_memory(*args: Any, **kwargs: Any) -> None:
+        raise MemoryError("Unable to allocate 143. GiB for an array with shape (100000000, 24, 8)")
+
+    monkeypatch.setattr(training.loop, "train_epoch", no_memory)
+    out = run_case(_case(tmp_path, {}), tmp_path / "case", tmp_path / "run")
+    assert (out.outcome, out.where) == ("refused", "stage"), out
+    assert "train.batch_size: 4 sequences of data.seq_len 24 (teacher.top_k 8) do not fit in memory" in out.error
