@@ -44,12 +44,25 @@ _logged_lock = threading.Lock()
 _LOGGED: dict[str, set[int]] = {}  # MLflow run id -> optimizer steps already logged in this process
 
 
+class TrackingUriError(ValueError):
+    """run.mlflow_uri (or $MLFLOW_TRACKING_URI) names no store MLflow opens: one line naming it."""
+
+
 def client_for(cfg: RunConfig) -> Any:
-    """An MlflowClient on cfg.run.tracking_uri() (tracking and model registry)."""
+    """An MlflowClient on cfg.run.tracking_uri() (tracking and model registry); TrackingUriError naming the field
+    when MLflow refuses the URI (a plain path or file:// is its retired file store)."""
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
     uri = cfg.run.tracking_uri()
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    except MlflowException as exc:
+        field = "run.mlflow_uri" if cfg.run.mlflow_uri else "$MLFLOW_TRACKING_URI"
+        why = str(exc.message).split(". ")[0]
+        raise TrackingUriError(
+            f"{field}: {uri!r}: {why}; give a database (sqlite:///<file>) or a server (http://host:port)"
+        ) from None
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, str]:

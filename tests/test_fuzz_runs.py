@@ -96,3 +96,12 @@ def test_a_batch_beyond_memory_is_one_line_naming_the_batch_size(
     out = run_case(_case(tmp_path, {}), tmp_path / "case", tmp_path / "run")
     assert (out.outcome, out.where) == ("refused", "stage"), out
     assert "train.batch_size: 4 sequences of data.seq_len 24 (teacher.top_k 8) do not fit in memory" in out.error
+
+
+def test_a_tracking_uri_mlflow_refuses_is_one_line_naming_the_field(prefect_harness: None, tmp_path: Path) -> None:
+    """Found by the fuzz: --set run.mlflow_uri=<a path> ended in MLflow's file-store MlflowException traceback."""
+    case = _case(tmp_path, {"run": {"mlflow_uri": str(tmp_path / "mlruns")}})
+    out = run_case(case, tmp_path / "case", tmp_path / "run")
+    assert (out.outcome, out.where) == ("refused", "stage"), out
+    assert f"run.mlflow_uri: '{tmp_path / 'mlruns'}': The filesystem tracking backend" in out.error
+    assert "give a database (sqlite:///<file>) or a server (http://host:port)" in out.error
