@@ -947,6 +947,7 @@ FOUND = [
     "traceback",
     "train.grad_accum 10^9 ran a forward and backward per micro-batch without end",
     "run.mlflow_uri naming a path (MLflow's retired file store) ended in an MlflowException traceback",
+    "a JSON line of 100,000 '[' was a RecursionError traceback",
 ]
 
 

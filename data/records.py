@@ -148,14 +148,20 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             yield lineno, _decode(path, raw, lineno)
 
 
+_TOO_DEEP = "JSON nested too deeply to read (arrays or objects inside each other beyond Python's recursion limit)"
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     for lineno, line in _lines(path):
         if not line.strip():
             continue
         try:
-            yield f"line {lineno}", json.loads(line)
+            item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise DataError(f"{path} line {lineno}: {_TOO_DEEP}") from None
+        yield f"line {lineno}", item
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
@@ -163,6 +169,8 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
         data = json.loads(_decode(path, path.read_bytes()))
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise DataError(f"{path}: {_TOO_DEEP}") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json dataset must be a list of objects, got {type(data).__name__}")
     for i, item in enumerate(data):

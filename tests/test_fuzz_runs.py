@@ -105,3 +105,12 @@ def test_a_tracking_uri_mlflow_refuses_is_one_line_naming_the_field(prefect_harn
     assert (out.outcome, out.where) == ("refused", "stage"), out
     assert f"run.mlflow_uri: '{tmp_path / 'mlruns'}': The filesystem tracking backend" in out.error
     assert "give a database (sqlite:///<file>) or a server (http://host:port)" in out.error
+
+
+def test_json_nested_beyond_the_recursion_limit_is_a_data_error(tmp_path: Path) -> None:
+    """Found by the fuzz: a line of 100,000 '[' was a RecursionError traceback from json.loads."""
+    good = (tiny_inputs() / "texts.jsonl").read_text(encoding="utf-8")
+    for name, text in (("a.jsonl", good + "[" * 100_000 + "\n"), ("a.json", "[" * 100_000)):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        with pytest.raises(DataError, match=f"{tmp_path / name}( line 37)?: JSON nested too deeply to read"):
+            load_records(tmp_path / name)
