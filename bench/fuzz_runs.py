@@ -16,7 +16,7 @@ new one every --per-workdir cases) so the stage cache reuses tokenization and th
 not touch them; at each workdir's end every stage record in it must verify.
 
     python bench/fuzz_runs.py --cases 3000 --seed 0 --out docs/bench/2026-12-04-fuzz-runs.json
-    python bench/fuzz_runs.py --only 17 --keep /tmp/case17   # one case again, its files kept
+    python bench/fuzz_runs.py --only 17 872 --keep /tmp/cases   # cases again, their files kept
 
 Case n is generated from default_rng([seed, n]) alone, so any case reruns by itself. Cases run in a worker
 process that is restarted after a timeout; the Prefect test server (tests/pipeline_fixtures.py) runs beside it.
@@ -855,7 +855,7 @@ def fuzz(args: argparse.Namespace) -> dict[str, Any]:
         "COLUMNS": "120",
     }
     worker = Worker(env, root)
-    numbers = [args.only] if args.only is not None else list(range(args.start, args.start + args.cases))
+    numbers = list(args.only) if args.only else list(range(args.start, args.start + args.cases))
     rng = np.random.default_rng([args.seed, 1 << 30])
     outcomes: list[dict[str, Any]] = []
     workdir_problems: list[str] = []
@@ -958,7 +958,7 @@ def _range(run: dict[str, Any]) -> str:
     return f"cases {start}-{start + run['cases'] - 1}"
 
 
-def merge(paths: list[Path], where: str) -> dict[str, Any]:
+def merge(paths: list[Path], where: str, rerun: Path | None = None) -> dict[str, Any]:
     """One JSON of several passes run side by side (disjoint case ranges): counts summed, wall time the longest."""
     import subprocess
 
@@ -981,6 +981,10 @@ def merge(paths: list[Path], where: str) -> dict[str, Any]:
     total["defects"] = FOUND
     total["examples"] = _examples([e for r in runs for e in r["examples"]], 60)
     total["runs"] = [{k: v for k, v in r.items() if k not in ("examples", "by_kind")} for r in runs]
+    if rerun is not None:  # the pass's failing cases run again (--only) on the commit that fixes them
+        again = json.loads(rerun.read_text(encoding="utf-8"))
+        total["failures_rerun"] = {k: again[k] for k in ("command", "cases", "outcomes", "refused_at", "failures")}
+        total["failures_rerun"]["commit"] = commit
     return total
 
 
@@ -988,7 +992,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=3000)
     parser.add_argument("--start", type=int, default=0, help="first case number")
-    parser.add_argument("--only", type=int, default=None, help="run this one case")
+    parser.add_argument("--only", type=int, nargs="+", default=None, help="run these cases (numbers) alone")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--recheck", type=float, default=0.08, help="share of cases followed by a valid run")
     parser.add_argument("--per-workdir", type=int, default=150, help="cases sharing one workdir")
@@ -998,10 +1002,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here too")
     parser.add_argument("--verbose", action="store_true", help="print every outcome")
     parser.add_argument("--merge", type=Path, nargs="+", default=None, help="merge these JSONs (into --out)")
+    parser.add_argument("--rerun", type=Path, default=None, help="with --merge: the JSON of the failures rerun")
     parser.add_argument("--where", type=str, default="", help="with --merge: the machine and how the passes ran")
     args = parser.parse_args()
     if args.merge:
-        result = merge(args.merge, args.where)
+        result = merge(args.merge, args.where, args.rerun)
         assert args.out is not None, "--merge needs --out"
         args.out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         return
