@@ -147,14 +147,20 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             yield lineno, _decode(path, raw, lineno)
 
 
+_TOO_DEEP = "JSON nested too deeply to read (arrays or objects inside each other beyond Python's recursion limit)"
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     for lineno, line in _lines(path):
         if not line.strip():
             continue
         try:
-            yield f"line {lineno}", json.loads(line)
+            item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DataError(f"{path} line {lineno}: invalid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise DataError(f"{path} line {lineno}: {_TOO_DEEP}") from None
+        yield f"line {lineno}", item
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
@@ -162,6 +168,8 @@ def _read_json(path: Path) -> Iterator[tuple[str, Any]]:
         data = json.loads(_decode(path, path.read_bytes()))
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    except RecursionError:
+        raise DataError(f"{path}: {_TOO_DEEP}") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json dataset must be a list of objects, got {type(data).__name__}")
     for i, item in enumerate(data):
@@ -220,9 +228,21 @@ def _read_text(path: Path) -> Iterator[tuple[str, Any]]:
             yield f"paragraph {i}", para
 
 
+def _check_unicode(where: str, text: str, what: str) -> None:
+    """A DataError naming the record when `text` holds a lone surrogate (JSON's "\\ud800"): not Unicode text,
+    which no tokenizer encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = f"\\u{ord(text[exc.start]):04x}"
+        why = f"holds an unpaired surrogate {code} (character {exc.start}), not Unicode text"
+        raise DataError(f"{where}: {what} {why}") from None
+
+
 def _to_document(source: Path, locator: str, item: Any, text_field: str, messages_field: str) -> Document:
     where = f"{source} {locator}"
     if isinstance(item, str):
+        _check_unicode(where, item, "the text")
         return Document(str(source), locator, text=item)
     if not isinstance(item, Mapping):
         raise DataError(f"{where}: a record must be an object with '{text_field}' or '{messages_field}'")
@@ -232,6 +252,8 @@ def _to_document(source: Path, locator: str, item: Any, text_field: str, message
             check_messages(messages)
         except ValueError as exc:
             raise DataError(f"{where}: field '{messages_field}': {exc} (data.messages_field)") from None
+        for i, message in enumerate(messages):
+            _check_unicode(where, message["content"], f"field '{messages_field}': messages[{i}].content")
         return Document(str(source), locator, messages=tuple(dict(m) for m in messages))
     if text_field not in item:
         raise DataError(
@@ -241,6 +263,7 @@ def _to_document(source: Path, locator: str, item: Any, text_field: str, message
     text = item[text_field]
     if not isinstance(text, str):
         raise DataError(f"{where}: field '{text_field}' must be a string, got {type(text).__name__} (data.text_field)")
+    _check_unicode(where, text, f"field '{text_field}'")
     return Document(str(source), locator, text=text)
 
 

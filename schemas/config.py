@@ -317,9 +317,11 @@ class OptimSection(Section):
 class TrainSection(Section):
     """Training loop."""
 
-    epochs: int = Field(3, ge=1, description="Passes over the training split; a checkpoint after each.")
-    batch_size: int = Field(8, ge=1, description="Sequences per micro-batch.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    # Upper bounds: a typo such as 11111111111111111111 is refused here, not a run that never ends (one task per
+    # epoch, one forward and backward per micro-batch) or a batch array no memory holds.
+    epochs: int = Field(3, ge=1, le=10_000, description="Passes over the training split; a checkpoint after each.")
+    batch_size: int = Field(8, ge=1, le=65_536, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, ge=1, le=1024, description="Micro-batches accumulated per optimizer step.")
     checkpoint_every: int = Field(
         0, ge=0, description="Also checkpoint every N optimizer steps (0: only at the end of each epoch)."
     )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from data.checkpoint import ADAPTER_FILE, OPTIMIZER_FILE, STATE_FILE
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, StudentManifest, TeacherManifest, TokenizeManifest
+from stages.inputs import InputError
 from stages.keys import StageKey
 from stages.layout import stage_dir, workdir
 from stages.progress import BarFactory, no_bar
@@ -131,16 +132,22 @@ def run_epoch(
             if on_step is not None:
                 on_step(rec)
 
-        manifest = train_epoch(
-            cfg,
-            student_gguf=student.path_in(root),
-            token_dir=tokens.path_in(root),
-            topk_dir=teacher.path_in(root),
-            ckpt_root=ckpt_root,
-            epoch=epoch,
-            on_step=step,
-            prefix_dir=None if prefix is None else prefix.path_in(root),
-        )
+        try:
+            manifest = train_epoch(
+                cfg,
+                student_gguf=student.path_in(root),
+                token_dir=tokens.path_in(root),
+                topk_dir=teacher.path_in(root),
+                ckpt_root=ckpt_root,
+                epoch=epoch,
+                on_step=step,
+                prefix_dir=None if prefix is None else prefix.path_in(root),
+            )
+        except MemoryError as exc:
+            raise InputError(
+                f"train.batch_size: {cfg.train.batch_size} sequences of data.seq_len {cfg.data.seq_len} "
+                f"(teacher.top_k {cfg.teacher.top_k}) do not fit in memory ({exc}); lower train.batch_size"
+            ) from None
     log.info("epoch %d done: %s; upload %s", epoch, manifest.metrics, upload_stats())
     return relocated(manifest, epoch_dir(ckpt_root, epoch), root)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import subprocess
 import threading
 import time
@@ -45,12 +46,25 @@ _logged_lock = threading.Lock()
 _LOGGED: dict[str, set[int]] = {}  # MLflow run id -> optimizer steps already logged in this process
 
 
+class TrackingUriError(ValueError):
+    """run.mlflow_uri (or $MLFLOW_TRACKING_URI) names no store MLflow opens: one line naming it."""
+
+
 def client_for(cfg: RunConfig) -> Any:
-    """An MlflowClient on cfg.run.tracking_uri() (tracking and model registry)."""
+    """An MlflowClient on cfg.run.tracking_uri() (tracking and model registry); TrackingUriError naming the field
+    when MLflow refuses the URI (a plain path or file:// is its retired file store)."""
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
     uri = cfg.run.tracking_uri()
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    try:
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    except MlflowException as exc:
+        field = "run.mlflow_uri" if cfg.run.mlflow_uri else "$MLFLOW_TRACKING_URI"
+        why = str(exc.message).split(". ")[0]
+        raise TrackingUriError(
+            f"{field}: {uri!r}: {why}; give a database (sqlite:///<file>) or a server (http://host:port)"
+        ) from None
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, str]:
@@ -171,7 +185,7 @@ class FlowRunRecord:
         from mlflow.exceptions import MlflowException
 
         assert self.best is not None
-        name = f"{self.cfg.run.experiment}-adapter"
+        name = registered_model_name(self.cfg.run.experiment)
         try:
             self.client.create_registered_model(name, description=description)
         except MlflowException as exc:
@@ -305,6 +319,12 @@ class RunRecord(FlowRunRecord):
             tags["teacher.sha256"] = self.teacher.teacher_sha256
         for key, value in tags.items():
             self.client.set_tag(self.id, key, value)
+
+
+def registered_model_name(experiment: str) -> str:
+    """The registered model of an experiment's adapters: `<experiment>-adapter`, with the '/' and ':' MLflow refuses
+    in a model name (an experiment may hold them, e.g. a Databricks path) as '_' and no leading dot."""
+    return (re.sub(r"[/:]", "_", experiment).lstrip(".") or "distillery") + "-adapter"
 
 
 def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:
