@@ -49,6 +49,18 @@ _SLOT_KIND = {"aq": "q", "ak": "kv", "av": "kv", "ao": "q", "adq": "q", "adk": "
 
 
 # ---- frozen weights --------------------------------------------------------------------------------------
+def gpu_missing(cfg: ModelConfig) -> str:
+    """The pieces of `cfg` the GPU kernels do not implement yet (gemma3's), comma-separated; '' when none."""
+    pieces = {
+        "post-norms": cfg.post_norms,
+        "GeGLU": cfg.activation != "silu",
+        "embedding scale": cfg.embedding_scale != 1.0,
+        "sliding-window attention": bool(any(cfg.attention_windows)),
+        "attention scale": bool(cfg.query_pre_attn_scalar),
+    }
+    return ", ".join(name for name, needed in pieces.items() if needed)
+
+
 @dataclass
 class ModelWeights:
     """A frozen model (the student, or the teacher) on the GPU: 2-D projections in their GGML types, lm_head as
@@ -71,6 +83,13 @@ class ModelWeights:
     ) -> ModelWeights:
         """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time."""
         from model.quant import dequantize
+
+        missing = gpu_missing(cfg)
+        if missing:
+            raise ValueError(
+                f"the GPU engine does not run {cfg.arch} yet ({missing}): set train.backend and teacher.backend "
+                "to numpy"
+            )
 
         stem_to_target = {v: k for k, v in LORA_TARGETS.items()}
         norms: dict[str, Any] = {}

@@ -63,6 +63,7 @@ class Family:
     cfg: ModelConfig
     general_name: str
     hf_rope: dict | None = None
+    hf_config: dict | None = None  # config attributes the GGUF loader does not read (gemma3's attention scalar)
 
 
 def _llama3_factors() -> tuple[float, ...]:
@@ -103,6 +104,27 @@ FAMILIES = {
         ),
         "tiny qwen3",
     ),
+    # six blocks: 0-4 slide over 4 positions (RoPE base 10000), block 5 is global (base 1e6); head_dim 32 != 64 / 4.
+    # transformers' GGUF loader keeps Gemma3TextConfig's query_pre_attn_scalar = 256 (the real 1B/270M head_dim):
+    # it is set to what llama.cpp uses, head_dim, as our reader does.
+    "gemma3": Family(
+        ModelConfig(
+            **{**_BASE, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32},
+            rope_base=1e6,
+            eps=1e-6,
+            arch="gemma3",
+            rope_type="neox",
+            qk_norm=True,
+            activation="gelu_tanh",
+            embedding_scale=8.0,
+            attention_windows=(4, 4, 4, 4, 4, 0),
+            post_norms=True,
+            rope_local_base=10000.0,
+            query_pre_attn_scalar=32.0,
+        ),
+        "tiny gemma3",
+        hf_config={"query_pre_attn_scalar": 32},
+    ),
 }
 NAMES = list(FAMILIES)
 
@@ -131,9 +153,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, di
 def _hf_model(folder: Path, family: Family, monkeypatch: pytest.MonkeyPatch, gguf: str = "model.gguf"):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     kwargs = {}
-    if family.hf_rope is not None:
+    if family.hf_rope is not None or family.hf_config is not None:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf)
-        config.rope_parameters = dict(family.hf_rope)
+        if family.hf_rope is not None:
+            config.rope_parameters = dict(family.hf_rope)
+        for key, value in (family.hf_config or {}).items():
+            setattr(config, key, value)
         kwargs["config"] = config
     auto = transformers.AutoModelForCausalLM
     return auto.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32, **kwargs).eval()
@@ -168,9 +193,11 @@ def test_config_read_back(models, name: str) -> None:
     with GGUFFile(folder / "model.gguf") as f:
         assert family_name(cfg, f.metadata) == name
     settings = cfg.settings()
-    assert settings["rope"] == ("neox" if name.startswith("qwen") else "norm")
+    assert settings["rope"] == ("neox" if name.startswith(("qwen", "gemma")) else "norm")
     assert settings["rope_scaling"] == ("llama3" if name == "llama3" else "none")
-    assert (settings["qkv_bias"], settings["qk_norm"]) == (name == "qwen2", name == "qwen3")
+    assert (settings["qkv_bias"], settings["qk_norm"]) == (name == "qwen2", name in ("qwen3", "gemma3"))
+    gemma = name == "gemma3"
+    assert (settings["post_norms"], settings["activation"]) == (gemma, "gelu_tanh" if gemma else "silu")
     info = describe(folder / "model.gguf")  # what `distillery inspect` prints
     assert info["family"] == name and info["settings"] == settings and "config_error" not in info
 
@@ -195,15 +222,24 @@ def test_hf_logits_match_reference(models, name: str, monkeypatch: pytest.Monkey
 def test_family_settings_matter(models, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks above can fail: dropping Llama 3 scaling, the NEOX pairs, the q/k/v biases or the q/k norm
     each moves the reference logits far outside the tolerance."""
-    changes = {
-        "llama3": {"rope_freq_factors": None},
-        "qwen2": {"rope_type": "norm"},
-        "qwen3": {"qk_norm": False},
-    }
-    for name, change in changes.items():
+    changes = [
+        ("llama3", {"rope_freq_factors": None}),
+        ("qwen2", {"rope_type": "norm"}),
+        ("qwen3", {"qk_norm": False}),
+        ("gemma3", {"qk_norm": False}),
+        ("gemma3", {"post_norms": False}),
+        ("gemma3", {"activation": "silu"}),
+        ("gemma3", {"embedding_scale": 1.0}),
+        ("gemma3", {"query_pre_attn_scalar": 256.0}),
+        ("gemma3", {"attention_windows": ()}),  # every block global
+        ("gemma3", {"attention_windows": (4,) * 6}),  # block 5 sliding too
+        ("gemma3", {"rope_local_base": 0.0}),  # the sliding blocks on the global base
+    ]
+    for name, change in changes:
         _, weights = models[name]
         cfg = FAMILIES[name].cfg
-        assert _rel(R.forward(weights, replace(cfg, **change), IDS), R.forward(weights, cfg, IDS)) > 100 * REL_TOL
+        err = _rel(R.forward(weights, replace(cfg, **change), IDS), R.forward(weights, cfg, IDS))
+        assert err > 100 * REL_TOL, (name, change, err)
     _, weights = models["qwen2"]
     no_bias = {n: w for n, w in weights.items() if not n.endswith(".bias")}
     cfg = replace(FAMILIES["qwen2"].cfg, qkv_bias=False)
@@ -212,6 +248,9 @@ def test_family_settings_matter(models, monkeypatch: pytest.MonkeyPatch) -> None
     folder, weights = models["llama3"]
     plain = _hf_model(folder, replace(FAMILIES["llama3"], hf_rope=None), monkeypatch)
     assert _rel(_logits(plain), R.forward(weights, FAMILIES["llama3"].cfg, IDS)) > 100 * REL_TOL
+    folder, weights = models["gemma3"]
+    plain = _hf_model(folder, replace(FAMILIES["gemma3"], hf_config=None), monkeypatch)  # scalar 256
+    assert _rel(_logits(plain), R.forward(weights, FAMILIES["gemma3"].cfg, IDS)) > 100 * REL_TOL
 
 
 # ---------------------------------------------------------------- PEFT export: logits and gradients
@@ -320,17 +359,45 @@ def _qwen2_file(path: Path, change_meta: dict | None = None, extra: list | None 
 
 
 def test_refusals_name_the_file_and_key(tmp_path: Path) -> None:
-    gemma = _write(
-        tmp_path / "gemma.gguf",
-        "gemma3",
-        {"gemma3.block_count": 2, **tokenizer_metadata()},
+    gemma2 = _write(
+        tmp_path / "gemma2.gguf",
+        "gemma2",
+        {"gemma2.block_count": 2, **tokenizer_metadata()},
         [("token_embd.weight", np.ones((4, 32), np.float32), Q.F32)],
     )
+    gemma3 = FAMILIES["gemma3"].cfg
+    gemma3_meta = {**tokenizer_metadata(), **model_metadata(gemma3)}
+    gemma3_weights = [(n, w, Q.F32) for n, w in R.random_weights(gemma3, seed=1, dtype=np.float32).items()]
     cases = [
-        (gemma, r"gemma\.gguf: key 'general\.architecture': value: architecture 'gemma3' is not supported: .*sliding"),
+        (
+            gemma2,
+            r"gemma2\.gguf: key 'general\.architecture': value: architecture 'gemma2' is not supported: .*soft-cap",
+        ),
         (
             _write(tmp_path / "phi.gguf", "phi3", {}, []),
-            r"phi\.gguf: key 'general\.architecture'.*'phi3' is not supported \(supported: llama, qwen2, qwen3\)",
+            r"phi\.gguf: key 'general\.architecture'.*'phi3' is not supported "
+            r"\(supported: llama, qwen2, qwen3, gemma3\)",
+        ),
+        (
+            _write(
+                tmp_path / "cap.gguf", "gemma3", {**gemma3_meta, "gemma3.final_logit_softcapping": 30.0}, gemma3_weights
+            ),
+            r"cap\.gguf: key 'gemma3\.final_logit_softcapping': value: logit soft-capping is not implemented",
+        ),
+        (
+            _write(
+                tmp_path / "linear.gguf",
+                "gemma3",
+                {**gemma3_meta, "gemma3.rope.scaling.type": "linear"},
+                gemma3_weights,
+            ),
+            r"linear\.gguf: key 'gemma3\.rope\.scaling\.type': value: rope scaling 'linear' not supported",
+        ),
+        (
+            _write(
+                tmp_path / "nopost.gguf", "gemma3", gemma3_meta, [t for t in gemma3_weights if "post_ffw" not in t[0]]
+            ),
+            r"nopost\.gguf: tensor 'blk\.0\.post_ffw_norm\.weight': name: missing",
         ),
         (
             _qwen2_file(tmp_path / "pre.gguf", {"tokenizer.ggml.pre": "tekken"}),

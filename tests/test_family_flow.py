@@ -139,7 +139,7 @@ def test_qwen3_runs_through_the_cli_flow(prefect_harness: None, tmp_path: Path) 
     assert shown.exit_code == 0 and re.search(r"family\s+│\s+qwen3\s", shown.output), shown.output
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama3", "gemma3"])
 def test_inspect_names_the_family_and_its_settings(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / f"{name}.gguf"
     write_family_gguf(path, FAMILIES[name], seed=3)
@@ -154,6 +154,16 @@ def test_inspect_names_the_family_and_its_settings(name: str, tmp_path: Path, mo
         "qwen2": {"qkv_bias": True, "qk_norm": False, "rope": "neox", "rope_scaling": "none", "qk_rows": "HF order"},
         "qwen3": {"qkv_bias": False, "qk_norm": True, "rope": "neox", "rope_scaling": "none", "qk_rows": "HF order"},
         "llama3": {"qkv_bias": False, "qk_norm": False, "rope": "norm", "rope_scaling": "llama3"},
+        "gemma3": {
+            "qk_norm": True,
+            "rope": "neox",
+            "post_norms": True,
+            "activation": "gelu_tanh",
+            "embedding_scale": 8.0,
+            "attention": [4, 4, 4, 4, 4, 0],
+            "rope_local_base": 10000.0,
+            "qk_rows": "HF order",
+        },
     }[name]
     assert {k: settings[k] for k in expected} == expected
     assert rows["tokenizer_pre"] == "gpt2"
