@@ -139,6 +139,10 @@ KERNELS: dict[str, Kernel] = {
         ("swiglu_forward", "elementwise"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
     ),
     "swiglu_backward": Kernel(("elementwise", "swiglu_backward")),
+    "geglu_forward": Kernel(
+        ("geglu_forward", "elementwise", "gelu_tanh"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
+    ),
+    "geglu_backward": Kernel(("elementwise", "gelu_tanh", "geglu_backward")),
     "adamw_update": Kernel(("elementwise", "adamw_update")),
     # row skeleton (one workgroup per row) + body
     "rmsnorm_forward": Kernel(
