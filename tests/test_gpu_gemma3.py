@@ -62,7 +62,8 @@ def test_windowed_scaled_attention(dev: Device, t: int, hq: int, hkv: int, d: in
         dq, dk, dv = dev.buffer(q.nbytes), dev.buffer(k.nbytes), dev.buffer(v.nbytes)
         attention_forward(dev, qb, kb, vb, out, lse, t, hq, hkv, d, **kw)
         attention_backward(dev, dob, qb, kb, vb, out, lse, dq, dk, dv, t, hq, hkv, d, **kw)
-        return [dev.read(b, np.float32, s) for b, s in zip((out, dq, dk, dv), (q.shape, q.shape, k.shape, v.shape))]
+        shapes = (q.shape, q.shape, k.shape, v.shape)
+        return [dev.read(b, np.float32, s) for b, s in zip((out, dq, dk, dv), shapes, strict=True)]
 
     out, dq, dk, dv = twice(run)
     q64, k64, v64, do64 = (a.astype(np.float64) for a in (q, k, v, dout))
