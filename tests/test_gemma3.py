@@ -1,7 +1,7 @@
 """gemma3 beyond the reference's own checks (tests/test_reference.py: finite differences of every new piece;
 tests/test_families.py: HF transformers and peft as oracles): its config as read from GGUF metadata the way
 llama.cpp reads it, the numpy engine (float32, batched, caches kept or recomputed, started from a frozen prefix)
-against the float64 reference, the numpy teacher's top-k and the GPU engine's clear refusal."""
+against the float64 reference and the numpy teacher's top-k. The GPU side: tests/test_gpu_gemma3.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from cpu import NumpyEngine
 from cpu.objectives import NumpyKd
 from model import reference as R
-from model.config import LORA_TARGETS, ModelConfig
+from model.config import LORA_TARGETS
 from model.engine_spec import EngineSpec, KdBatch
 from model.gguf import GGUFError, model_config, model_metadata, write_gguf
 from model.kd import LossConfig, log_softmax
@@ -169,14 +169,3 @@ def test_gguf_numpy_engine_and_teacher(tmp_path: Path) -> None:
         np.testing.assert_array_equal(got_ids[s], want_ids)
         np.testing.assert_allclose(got_lp[s], want_lp, atol=1e-5)
         np.testing.assert_allclose(got_tail[s], want_tail, rtol=1e-4, atol=1e-7)
-
-
-def test_gpu_engine_refuses_gemma3_clearly() -> None:
-    """Until its kernels exist, the GPU engine refuses gemma3 before uploading anything, naming what is missing
-    and the way out."""
-    from gpu.model import ModelWeights, gpu_missing
-
-    assert gpu_missing(CFG) == "post-norms, GeGLU, embedding scale, sliding-window attention, attention scale"
-    assert gpu_missing(ModelConfig(n_layers=1, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=300)) == ""
-    with pytest.raises(ValueError, match=r"GPU engine does not run gemma3 yet \(post-norms.*\): .*backend.*numpy"):
-        ModelWeights.upload(None, CFG, iter(()))

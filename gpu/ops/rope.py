@@ -44,10 +44,11 @@ class RopeTable:
         return cls(dev.upload(cs, label=f"rope cos/sin D={head_dim}"), head_dim, float(base), n_positions, neox)
 
     @classmethod
-    def for_model(cls, dev: Device, cfg: ModelConfig, n_positions: int) -> RopeTable:
-        """The table of a model's RoPE (its base, Llama 3 factors and pair layout)."""
+    def for_model(cls, dev: Device, cfg: ModelConfig, n_positions: int, base: float | None = None) -> RopeTable:
+        """The table of a model's RoPE (its base, or `base`: gemma3's sliding blocks; Llama 3 factors; pairs)."""
         factors, neox = cfg.rope_freq_factors, cfg.rope_type == "neox"
-        return cls.build(dev, cfg.head_dim, cfg.rope_base, n_positions, factors=factors, neox=neox)
+        base = cfg.rope_base if base is None else base
+        return cls.build(dev, cfg.head_dim, base, n_positions, factors=factors, neox=neox)
 
 
 def _rope(
