@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
 
 from data.adapters import export_gguf_lora, export_peft, gguf_to_hf_rows, merge_adapter, peft_key
 from model import reference as R
@@ -288,6 +289,11 @@ def test_peft_logits_and_grads_match_reference(
     export_peft(adapter, cfg, RANK, ALPHA, ALL, tmp_path / "peft", f"tiny-{name}")
     model = peft.PeftModel.from_pretrained(_hf_model(folder, family, monkeypatch), tmp_path / "peft", is_trainable=True)
     model.eval()
+    # every exported key is one of transformers' own modules of this family (none unexpected, none missing)
+    saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    loaded = peft.set_peft_model_state_dict(model, {k: torch.from_numpy(v) for k, v in saved.items()})
+    assert loaded.unexpected_keys == [] and [k for k in loaded.missing_keys if "lora_" in k] == []
+    assert len(saved) == 2 * len(ALL) * cfg.n_layers
 
     # logits
     expect = R.forward(weights, cfg, IDS, adapter, scale)
