@@ -296,9 +296,9 @@ class GPUModel:
         self.rows = batch * seq_len
         self.params = dev.buffer(4 * max(self.layout.n_params, 1), label="lora params")
         self.rope = RopeTable.for_model(dev, cfg, seq_len)
-        # gemma3: the sliding-window blocks' own RoPE base (rope_local_base)
-        local = cfg.rope_local_base and any(cfg.attention_windows)
-        self._local_rope = RopeTable.for_model(dev, cfg, seq_len, base=cfg.rope_local_base) if local else None
+        # gemma3: the sliding-window blocks' own RoPE (rope_local_base, unscaled)
+        local = next((i for i in range(cfg.n_layers) if cfg.rope_of(i) != cfg.rope_of()), None)
+        self._local_rope = None if local is None else RopeTable.for_model(dev, cfg, seq_len, layer=local)
         self._gate_forward = geglu_forward if cfg.activation == "gelu_tanh" else swiglu_forward
         self._b = _Buffers(dev, cfg, batch, seq_len, r)
         self._alloc()

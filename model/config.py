@@ -114,6 +114,7 @@ class ModelConfig:
     post_norms: bool = False  # blk.N.post_attention_norm / post_ffw_norm on each branch's output (gemma)
     rope_local_base: float = 0.0  # RoPE base of the sliding-window layers (gemma3: 10000); 0 = rope_base
     query_pre_attn_scalar: float = 0.0  # attention scores scaled by this ** -0.5; 0 = head_dim
+    rope_linear_factor: float = 1.0  # linear RoPE scaling of the global blocks, angle / factor (gemma3 4B+: 8)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
@@ -128,6 +129,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.activation={self.activation!r} is not one of {ACTIVATIONS}")
         if not self.embedding_scale > 0 or self.rope_local_base < 0 or self.query_pre_attn_scalar < 0:
             raise ValueError("embedding_scale must be > 0, rope_local_base and query_pre_attn_scalar >= 0")
+        if not self.rope_linear_factor > 0 or (self.rope_linear_factor != 1.0 and self.rope_freq_factors):
+            raise ValueError("rope_linear_factor must be > 0, and not beside rope_freq_factors")
         if self.attention_windows and (len(self.attention_windows) != self.n_layers or min(self.attention_windows) < 0):
             raise ValueError(
                 f"attention_windows: {len(self.attention_windows)} entries (one >= 0 per layer, {self.n_layers})"
@@ -158,9 +161,22 @@ class ModelConfig:
         """Block `layer`'s RoPE base: rope_local_base on a sliding-window layer when set, else rope_base."""
         return self.rope_local_base if self.window(layer) and self.rope_local_base else self.rope_base
 
+    def rope_of(self, layer: int | None = None) -> tuple[float, tuple[float, ...] | None]:
+        """(base, frequency factors f_i: angle_i = pos * base^(-2i/D) / f_i, None = 1) of block `layer` (None: a
+        global block): a sliding-window block with its own base is unscaled (as llama.cpp's rope_freq_*_swa);
+        the others take Llama 3's factors, or linear scaling's (every f_i = rope_linear_factor)."""
+        if layer is not None and self.rope_local_base and self.window(layer):
+            return self.rope_local_base, None
+        if self.rope_linear_factor != 1.0:
+            return self.rope_base, (self.rope_linear_factor,) * (self.head_dim // 2)
+        return self.rope_base, self.rope_freq_factors
+
     @property
     def rope_scaling(self) -> str:
-        """'llama3' when frequency factors (rope_freqs.weight) scale the RoPE angles, else 'none'."""
+        """'llama3' when frequency factors (rope_freqs.weight) scale the RoPE angles, 'linear' (gemma3 4B+: the
+        global blocks' angles divided by rope_linear_factor), else 'none'."""
+        if self.rope_linear_factor != 1.0:
+            return "linear"
         return "none" if self.rope_freq_factors is None else "llama3"
 
     @property

@@ -501,7 +501,7 @@ def _gemma_settings(
     metadata: Mapping[str, Any], arch: str, n_layers: int, hidden: int, n_heads: int, head_dim: int, source: str
 ) -> dict[str, Any]:
     """ModelConfig's attention_windows, rope_local_base and query_pre_attn_scalar of a gemma3 file; soft-capping
-    (Gemma 2's, absent from Gemma 3) is refused, as is RoPE scaling (the 4B+ models' linear factor)."""
+    (Gemma 2's, absent from Gemma 3) is refused."""
     for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
         if metadata.get(f"{arch}.{cap}", 0):
             raise gguf_error(source, f"key '{arch}.{cap}'", "value", "logit soft-capping is not implemented")
@@ -560,13 +560,15 @@ def model_config(
             f"partial rotary ({rope_dim} of head dim {head_dim}) is not supported",
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    linear = family.post_norms and scaling == "linear"  # gemma3 4B+: the global blocks' linear scaling
+    if scaling != "none" and not linear:
         raise gguf_error(
             source,
             f"key '{arch}.rope.scaling.type'",
             "value",
-            f"rope scaling {scaling!r} not supported (none, or Llama 3 scaling through {ROPE_FREQS})",
+            f"rope scaling {scaling!r} not supported (none, Llama 3 scaling through {ROPE_FREQS}, or gemma3's linear)",
         )
+    linear_factor = _decimal(get("rope.scaling.factor", float)) if linear else 1.0
     if metadata.get(f"{arch}.expert_count", 0):
         raise gguf_error(source, f"key '{arch}.expert_count'", "value", "mixture-of-experts is not supported")
     qkv_bias = family.qkv_bias
@@ -595,6 +597,7 @@ def model_config(
             activation=family.activation,
             embedding_scale=math.sqrt(hidden) if family.scaled_embedding else 1.0,
             post_norms=family.post_norms,
+            rope_linear_factor=linear_factor,
             **gemma,
         )
     except GGUFError:

@@ -148,9 +148,10 @@ def rope_backward(
 
 def rope_args(cfg: ModelConfig, layer: int | None = None) -> dict:
     """The keyword arguments rope_forward / rope_backward take for a model's block `layer` (base, factors, pair
-    layout); the base is that block's (cfg.rope_base_of: a sliding-window block's own), rope_base for None."""
-    base = cfg.rope_base if layer is None else cfg.rope_base_of(layer)
-    return {"base": base, "factors": cfg.rope_freq_factors, "neox": cfg.rope_type == "neox"}
+    layout): that block's base and factors (cfg.rope_of: a sliding-window block's own base, linear or Llama 3
+    scaling on the others); a global block's for None."""
+    base, factors = cfg.rope_of(layer)
+    return {"base": base, "factors": factors, "neox": cfg.rope_type == "neox"}
 
 
 # ---------------------------------------------------------------- causal GQA attention

@@ -122,9 +122,17 @@ FAMILIES = {
             post_norms=True,
             rope_local_base=10000.0,
             query_pre_attn_scalar=32.0,
+            rope_linear_factor=8.0,
         ),
         "tiny gemma3",
-        hf_config={"query_pre_attn_scalar": 32},
+        # nor rope.scaling: the 4B+ models' linear scaling of the global blocks, set as their config.json has it
+        hf_config={
+            "query_pre_attn_scalar": 32,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
     ),
 }
 NAMES = list(FAMILIES)
@@ -195,7 +203,7 @@ def test_config_read_back(models, name: str) -> None:
         assert family_name(cfg, f.metadata) == name
     settings = cfg.settings()
     assert settings["rope"] == ("neox" if name.startswith(("qwen", "gemma")) else "norm")
-    assert settings["rope_scaling"] == ("llama3" if name == "llama3" else "none")
+    assert settings["rope_scaling"] == {"llama3": "llama3", "gemma3": "linear"}.get(name, "none")
     assert (settings["qkv_bias"], settings["qk_norm"]) == (name == "qwen2", name in ("qwen3", "gemma3"))
     gemma = name == "gemma3"
     assert (settings["post_norms"], settings["activation"]) == (gemma, "gelu_tanh" if gemma else "silu")
@@ -235,6 +243,7 @@ def test_family_settings_matter(models, monkeypatch: pytest.MonkeyPatch) -> None
         ("gemma3", {"attention_windows": ()}),  # every block global
         ("gemma3", {"attention_windows": (4,) * 6}),  # block 5 sliding too
         ("gemma3", {"rope_local_base": 0.0}),  # the sliding blocks on the global base
+        ("gemma3", {"rope_linear_factor": 1.0}),  # the global block unscaled
     ]
     for name, change in changes:
         _, weights = models[name]
@@ -392,12 +401,12 @@ def test_refusals_name_the_file_and_key(tmp_path: Path) -> None:
         ),
         (
             _write(
-                tmp_path / "linear.gguf",
+                tmp_path / "yarn.gguf",
                 "gemma3",
-                {**gemma3_meta, "gemma3.rope.scaling.type": "linear"},
+                {**gemma3_meta, "gemma3.rope.scaling.type": "yarn"},
                 gemma3_weights,
             ),
-            r"linear\.gguf: key 'gemma3\.rope\.scaling\.type': value: rope scaling 'linear' not supported",
+            r"yarn\.gguf: key 'gemma3\.rope\.scaling\.type': value: rope scaling 'yarn' not supported",
         ),
         (
             _write(

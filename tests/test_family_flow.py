@@ -191,6 +191,7 @@ def test_inspect_names_the_family_and_its_settings(name: str, tmp_path: Path, mo
             "embedding_scale": 8.0,
             "attention": [4, 4, 4, 4, 4, 0],
             "rope_local_base": 10000.0,
+            "rope_scaling": "linear",
             "qk_rows": "HF order",
         },
     }[name]

@@ -29,7 +29,8 @@ REL = 2e-5  # float32 engine vs float64 reference (tests/test_numpy_engine.py's 
 
 
 def _metadata(n_layers: int = 7, window: int | None = 5, **extra: object) -> dict[str, object]:
-    """gemma3.* keys as convert_hf_to_gguf.py writes them, for a tiny model (hidden 32, 4 heads of 16)."""
+    """gemma3.* keys as convert_hf_to_gguf.py writes them, for a tiny model (hidden 32, 4 heads of 16) with the
+    4B+ models' linear RoPE scaling (factor 8 on the global blocks)."""
     md: dict[str, object] = {
         "general.architecture": "gemma3",
         "gemma3.block_count": n_layers,
@@ -43,6 +44,8 @@ def _metadata(n_layers: int = 7, window: int | None = 5, **extra: object) -> dic
         "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
         "gemma3.context_length": 64,
         "gemma3.vocab_size": len(tokenizer_metadata()["tokenizer.ggml.tokens"]),
+        "gemma3.rope.scaling.type": "linear",
+        "gemma3.rope.scaling.factor": 8.0,
     }
     if window is not None:
         md["gemma3.attention.sliding_window"] = window
@@ -63,7 +66,14 @@ def test_config_from_metadata_as_llama_cpp_reads_it() -> None:
     # every sixth block (il % 6 == 5) global on rope.freq_base, the others sliding over 5 positions on base 10000
     assert cfg.attention_windows == (5, 5, 5, 5, 5, 0, 5)
     assert [cfg.rope_base_of(i) for i in (0, 5, 6)] == [1e4, 1e6, 1e4]
+    # linear scaling divides the global blocks' angles only (llama.cpp: rope_freq_scale_train_swa = 1)
+    assert cfg.rope_scaling == "linear" and cfg.rope_of(5) == (1e6, (8.0,) * 8) and cfg.rope_of(0) == (1e4, None)
     assert model_metadata(cfg)["gemma3.attention.sliding_window"] == 5
+    assert model_config(model_metadata(cfg)) == cfg
+    unscaled = model_config(_metadata(**{"gemma3.rope.scaling.type": "none"}))
+    assert unscaled.rope_linear_factor == 1.0 and unscaled.rope_of(5) == (1e6, None)
+    with pytest.raises(GGUFError, match=r"key 'gemma3\.rope\.scaling\.type': value: rope scaling 'yarn'"):
+        model_config(_metadata(**{"gemma3.rope.scaling.type": "yarn"}))
     # no window key (or 0): every block global, as llama.cpp then runs it
     plain = model_config(_metadata(window=None))
     assert plain.attention_windows == () and plain.rope_base_of(0) == 1e6

@@ -462,6 +462,7 @@ GEMMA3_CASE = {
     "query_pre_attn_scalar": 24.0,
     "attention_windows": (3, 0),
     "rope_local_base": 10.0,
+    "rope_linear_factor": 4.0,  # the global block's angles / 4 (the 4B+ models' linear scaling)
 }
 FAMILY_CASES = {
     "qwen2": {"arch": "qwen2", "rope_type": "neox", "qkv_bias": True},
@@ -571,7 +572,8 @@ def test_gemma3_embedding_scale_rope_bases_and_post_norms(rng: np.random.Generat
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got, table[ids] * np.float32(np.sqrt(32)))
     assert cfg.window(0) == 3 and cfg.window(1) == 0 and cfg.attention_scale == pytest.approx(24.0**-0.5, rel=1e-15)
-    assert R.rope_args(cfg, 0)["base"] == 10.0 and R.rope_args(cfg, 1)["base"] == 100.0
+    assert (R.rope_args(cfg, 0)["base"], R.rope_args(cfg, 0)["factors"]) == (10.0, None)
+    assert (R.rope_args(cfg, 1)["base"], R.rope_args(cfg, 1)["factors"]) == (100.0, (4.0,) * 8)
     assert {"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight"} <= set(cfg.block_tensors(1))
     w = R.random_weights(cfg, seed=1)
     x = rng.standard_normal((7, 32))
