@@ -157,10 +157,6 @@ class ModelConfig:
         """Block `layer`'s attention window: a query at i sees keys j with i - j < window; 0 = full causal."""
         return self.attention_windows[layer] if self.attention_windows else 0
 
-    def rope_base_of(self, layer: int) -> float:
-        """Block `layer`'s RoPE base: rope_local_base on a sliding-window layer when set, else rope_base."""
-        return self.rope_local_base if self.window(layer) and self.rope_local_base else self.rope_base
-
     def rope_of(self, layer: int | None = None) -> tuple[float, tuple[float, ...] | None]:
         """(base, frequency factors f_i: angle_i = pos * base^(-2i/D) / f_i, None = 1) of block `layer` (None: a
         global block): a sliding-window block with its own base is unscaled (as llama.cpp's rope_freq_*_swa);

@@ -65,7 +65,7 @@ def test_config_from_metadata_as_llama_cpp_reads_it() -> None:
     assert cfg.embedding_scale == math.sqrt(32) and cfg.attention_scale == 1 / math.sqrt(16)
     # every sixth block (il % 6 == 5) global on rope.freq_base, the others sliding over 5 positions on base 10000
     assert cfg.attention_windows == (5, 5, 5, 5, 5, 0, 5)
-    assert [cfg.rope_base_of(i) for i in (0, 5, 6)] == [1e4, 1e6, 1e4]
+    assert [cfg.rope_of(i)[0] for i in (0, 5, 6)] == [1e4, 1e6, 1e4]
     # linear scaling divides the global blocks' angles only (llama.cpp: rope_freq_scale_train_swa = 1)
     assert cfg.rope_scaling == "linear" and cfg.rope_of(5) == (1e6, (8.0,) * 8) and cfg.rope_of(0) == (1e4, None)
     assert model_metadata(cfg)["gemma3.attention.sliding_window"] == 5
@@ -76,7 +76,7 @@ def test_config_from_metadata_as_llama_cpp_reads_it() -> None:
         model_config(_metadata(**{"gemma3.rope.scaling.type": "yarn"}))
     # no window key (or 0): every block global, as llama.cpp then runs it
     plain = model_config(_metadata(window=None))
-    assert plain.attention_windows == () and plain.rope_base_of(0) == 1e6
+    assert plain.attention_windows == () and plain.rope_of(0)[0] == 1e6
     # the 27B (62 blocks) scales scores by (hidden / heads)^-0.5, as llama.cpp does
     assert model_config(_metadata(n_layers=62)).query_pre_attn_scalar == 32 // 4
     for key in ("gemma3.final_logit_softcapping", "gemma3.attn_logit_softcapping"):
