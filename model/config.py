@@ -48,8 +48,9 @@ ROPE_TYPES = ("norm", "neox")
 class Family:
     """What an architecture fixes: its RoPE variant, whether q/k/v biases and per-head q/k RMSNorm are part of it,
     whether its GGUF files store attn_q / attn_k rows permuted for llama.cpp's NORM RoPE, and the Gemma pieces:
-    post-norms (a norm on each branch's output before its residual add), the gate activation, and embeddings
-    scaled by sqrt(hidden)."""
+    post-norms (a norm on each branch's output before its residual add), the gate activation, embeddings scaled
+    by sqrt(hidden), sliding windows on every block but each `window_period`-th (with <arch>.attention.
+    sliding_window), and linear RoPE scaling of the global blocks (<arch>.rope.scaling.type = linear)."""
 
     rope_type: str
     qkv_bias: bool
@@ -58,6 +59,8 @@ class Family:
     post_norms: bool = False
     activation: str = "silu"
     scaled_embedding: bool = False
+    window_period: int = 0
+    linear_rope_scaling: bool = False
 
 
 # general.architecture -> family. Mistral is `llama` in GGUF. convert_hf_to_gguf.py permutes q/k rows only for
@@ -74,6 +77,8 @@ FAMILIES: dict[str, Family] = {
         post_norms=True,
         activation="gelu_tanh",
         scaled_embedding=True,
+        window_period=6,
+        linear_rope_scaling=True,
     ),
 }
 

@@ -491,17 +491,24 @@ def _rope_factors(rope_freqs: Any, arch: str, head_dim: int, source: str) -> tup
 
 
 # Gemma 3 as llama.cpp runs it (llama-model.cpp, LLM_ARCH_GEMMA3): with <arch>.attention.sliding_window > 0, every
-# block but each sixth (il % 6 == 5) attends over that window, with RoPE base 10000 (the global blocks take
-# rope.freq_base); the attention scale is head_dim^-0.5, except the 27B (62 blocks): (hidden / n_heads)^-0.5.
-GEMMA3_WINDOW_PERIOD = 6
-GEMMA3_LOCAL_ROPE_BASE = 10000.0
+# block but each sixth (il % 6 == 5; Family.window_period) attends over that window, with RoPE base 10000 (the
+# global blocks take rope.freq_base); the attention scale is head_dim^-0.5, except the 27B (62 blocks):
+# (hidden / n_heads)^-0.5.
+LOCAL_ROPE_BASE = 10000.0
 
 
-def _gemma_settings(
-    metadata: Mapping[str, Any], arch: str, n_layers: int, hidden: int, n_heads: int, head_dim: int, source: str
+def _window_settings(
+    metadata: Mapping[str, Any],
+    arch: str,
+    period: int,
+    n_layers: int,
+    hidden: int,
+    n_heads: int,
+    head_dim: int,
+    source: str,
 ) -> dict[str, Any]:
-    """ModelConfig's attention_windows, rope_local_base and query_pre_attn_scalar of a gemma3 file; soft-capping
-    (Gemma 2's, absent from Gemma 3) is refused."""
+    """ModelConfig's attention_windows, rope_local_base and query_pre_attn_scalar of a family with sliding
+    windows (gemma3); soft-capping (Gemma 2's, absent from Gemma 3) is refused."""
     for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
         if metadata.get(f"{arch}.{cap}", 0):
             raise gguf_error(source, f"key '{arch}.{cap}'", "value", "logit soft-capping is not implemented")
@@ -510,12 +517,10 @@ def _gemma_settings(
         window = window.item()
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise gguf_error(source, f"key '{arch}.attention.sliding_window'", "value", f"{window!r} is not a count")
-    windows = tuple(
-        0 if layer % GEMMA3_WINDOW_PERIOD == GEMMA3_WINDOW_PERIOD - 1 else window for layer in range(n_layers)
-    )
+    windows = tuple(0 if layer % period == period - 1 else window for layer in range(n_layers))
     return {
         "attention_windows": windows if window else (),
-        "rope_local_base": GEMMA3_LOCAL_ROPE_BASE if window else 0.0,
+        "rope_local_base": LOCAL_ROPE_BASE if window else 0.0,
         "query_pre_attn_scalar": float(hidden // n_heads if n_layers == 62 else head_dim),
     }
 
@@ -560,7 +565,7 @@ def model_config(
             f"partial rotary ({rope_dim} of head dim {head_dim}) is not supported",
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    linear = family.post_norms and scaling == "linear"  # gemma3 4B+: the global blocks' linear scaling
+    linear = family.linear_rope_scaling and scaling == "linear"  # gemma3 4B+: the global blocks' scaling
     if scaling != "none" and not linear:
         raise gguf_error(
             source,
@@ -575,7 +580,9 @@ def model_config(
     if tensor_names is not None and not qkv_bias:
         qkv_bias = all(f"blk.0.attn_{t}.bias" in tensor_names for t in "qkv")
     n_layers = get("block_count", int)
-    gemma = _gemma_settings(metadata, arch, n_layers, hidden, n_heads, head_dim, source) if family.post_norms else {}
+    windows = {}
+    if family.window_period:
+        windows = _window_settings(metadata, arch, family.window_period, n_layers, hidden, n_heads, head_dim, source)
     try:
         return ModelConfig(
             n_layers=n_layers,
@@ -598,7 +605,7 @@ def model_config(
             embedding_scale=math.sqrt(hidden) if family.scaled_embedding else 1.0,
             post_norms=family.post_norms,
             rope_linear_factor=linear_factor,
-            **gemma,
+            **windows,
         )
     except GGUFError:
         raise
