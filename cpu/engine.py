@@ -142,7 +142,7 @@ class NumpyEngine:
     def _forward(self, keep: bool) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray], dict[int, dict]]:
         """(final hidden x [B, T, H], normed [rows, H], adapted blocks' inputs, their caches when kept)."""
         cfg, w, b = self.cfg, self.w, self._inputs()
-        x = b["prefix"] if self.start_layer else R.embedding_forward(w["token_embd.weight"], b["ids"])
+        x = b["prefix"] if self.start_layer else R.embed(w, cfg, b["ids"])
         inputs, caches = {}, {}
         for layer in range(self.start_layer, cfg.n_layers):
             adapted = keep and layer >= self.layout.lowest_layer
@@ -234,6 +234,8 @@ class NumpyEngine:
 
 
 def _cache_floats(cfg: ModelConfig) -> int:
-    """Floats per row of one block_forward cache (x, n1, q, k, v, att, h, n2, g, u, act; q0, k0 with q/k norm)."""
+    """Floats per row of one block_forward cache (x, n1, q, k, v, att, h, n2, g, u, act; q0, k0 with q/k norm;
+    o, down with post-norms)."""
     qk_norm_inputs = cfg.q_dim + cfg.kv_dim if cfg.qk_norm else 0
-    return 4 * cfg.hidden + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn + qk_norm_inputs
+    post_norm_inputs = 2 * cfg.hidden if cfg.post_norms else 0
+    return 4 * cfg.hidden + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn + qk_norm_inputs + post_norm_inputs

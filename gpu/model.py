@@ -25,10 +25,11 @@ from gguf import GGMLQuantizationType as Q
 from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS
 from gpu.codegen_i8 import MMA_K
 from gpu.device import BufferView, Device, DeviceError, Tape
-from gpu.ops.add import add, add_bias
+from gpu.ops.add import add, add_bias, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
+from gpu.ops.geglu import geglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
@@ -114,6 +115,12 @@ class ModelWeights:
                 missing += [f"blk.{i}.{LORA_TARGETS[target]}.bias" for target in absent]
             if cfg.qk_norm:
                 missing += [n for n in (f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight") if n not in norms]
+            if cfg.post_norms:
+                missing += [
+                    n
+                    for n in (f"blk.{i}.post_attention_norm.weight", f"blk.{i}.post_ffw_norm.weight")
+                    if n not in norms
+                ]
         if missing:
             raise DeviceError(f"student weights incomplete: missing {', '.join(missing[:5])}")
         return cls(cfg, embed, lm_head, norms, proj, total, biases if cfg.qkv_bias else {})
@@ -177,6 +184,15 @@ class ModelWeights:
                     with contextlib.suppress(queue.Empty):
                         items.get_nowait()
                     reader.join(timeout=0.01)
+
+
+def attention_settings(cfg: ModelConfig, layer: int | None = None) -> dict[str, Any]:
+    """The f32 attention ops' window and scale for block `layer` (any block: None) of a model whose attention
+    is not plain causal 1/sqrt(D) (gemma3); {} for the others."""
+    if not any(cfg.attention_windows) and not cfg.query_pre_attn_scalar:
+        return {}
+    window = max(cfg.attention_windows, default=0) if layer is None else cfg.window(layer)
+    return {"window": window, "scale": cfg.attention_scale}
 
 
 def _upload_f32(dev: Device, a: np.ndarray, label: str) -> Any:
@@ -244,14 +260,19 @@ class GPUModel:
     ) -> None:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
+        if cfg.post_norms and precision != "f32":  # gemma3: only the f32 path is checked (lavapipe) so far
+            if precision != "auto":
+                raise ValueError(f"precision {precision!r}: {cfg.arch} runs on the GPU's f32 path only for now")
+            precision = "f32"
         self.precision = _resolve_precision(dev, precision)
         # f16 tensor cores: tensorcore, and int8 beside its integer GEMMs (f32 where those run emulated, in tests)
         self.tensor_cores = self.precision == "tensorcore" or (self.precision == "int8" and not int8_emulated(dev))
         self._linear, self._linear_grad = (
             (linear_tc, linear_input_grad_tc) if self.tensor_cores else (linear, linear_input_grad)
         )
-        # attention on tensor cores for the head dims it is generated for (gpu/codegen_attention_tc.py), else f32
-        tc_attention = self.tensor_cores and cfg.head_dim in ATTENTION_TC_HEAD_DIMS
+        # attention on tensor cores for the head dims it is generated for (gpu/codegen_attention_tc.py) and plain
+        # causal 1/sqrt(D) attention, else f32 (which also takes gemma3's sliding windows and score scale)
+        tc_attention = self.tensor_cores and cfg.head_dim in ATTENTION_TC_HEAD_DIMS and not attention_settings(cfg)
         self._attention_fwd, self._attention_bwd = (
             (attention_forward_tc, attention_backward_tc) if tc_attention else (attention_forward, attention_backward)
         )
@@ -281,6 +302,10 @@ class GPUModel:
         self.rows = batch * seq_len
         self.params = dev.buffer(4 * max(self.layout.n_params, 1), label="lora params")
         self.rope = RopeTable.for_model(dev, cfg, seq_len)
+        # gemma3: the sliding-window blocks' own RoPE (rope_local_base, unscaled)
+        local = next((i for i in range(cfg.n_layers) if cfg.rope_of(i) != cfg.rope_of()), None)
+        self._local_rope = None if local is None else RopeTable.for_model(dev, cfg, seq_len, layer=local)
+        self._gate_forward = geglu_forward if cfg.activation == "gelu_tanh" else swiglu_forward
         self._b = _Buffers(dev, cfg, batch, seq_len, r)
         self._alloc()
         self._tapes: dict[Hashable, Tape] = {}  # recorded steps by what shapes their commands (see _taped)
@@ -358,6 +383,8 @@ class GPUModel:
         }
         if cfg.qk_norm:  # q and k after their per-head RMSNorm
             sizes.update({"qn": qd, "kn": kvd})
+        if cfg.post_norms:  # the o and down projections' outputs before their post-norm (its backward reads them)
+            sizes.update({"o": h, "down": h})
         self.a = {name: b(name, rows * n) for name, n in sizes.items()}
         self.seq_q = aligned_floats(self.seq_len * qd)
         self.seq_kv = aligned_floats(self.seq_len * kvd)
@@ -536,7 +563,11 @@ class GPUModel:
                 else:
                     self.dev.copy(self.a[slot], src, n, at, packed)
 
-    def _attention(self, q: Any, k: Any, v: Any, out: Any) -> None:
+    def _rope_table(self, layer: int) -> RopeTable:
+        """Block `layer`'s RoPE table: the sliding-window blocks' own (gemma3) or the model's."""
+        return self._local_rope if self._local_rope is not None and self.cfg.window(layer) else self.rope
+
+    def _attention(self, q: Any, k: Any, v: Any, out: Any, layer: int) -> None:
         cfg, seq_len = self.cfg, self.seq_len
         if self.batched_attention:
             self._attention_fwd(
@@ -553,6 +584,7 @@ class GPUModel:
                 self._view(self.lse, s * self.seq_lse, cfg.n_heads * seq_len),
                 seq_len,
                 *self._heads(),
+                **attention_settings(cfg, layer),
             )
         self._scatter(((out, "ao"),), to_slots=False)
 
@@ -577,18 +609,31 @@ class GPUModel:
                 dev, k, norm[f"blk.{layer}.attn_k_norm.weight"], a["kn"], rows * cfg.n_kv_heads, cfg.head_dim, cfg.eps
             )
             q, k = a["qn"], a["kn"]
-        rope_forward(dev, self.rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
-        rope_forward(dev, self.rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
-        self._attention(a["qr"], a["kr"], a["v"], a["att"])
-        self._proj(a["att"], layer, "o", a["tmp"])
+        rope = self._rope_table(layer)
+        rope_forward(dev, rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
+        rope_forward(dev, rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
+        self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
+        self._post_normed(layer, "o", "post_attention_norm")
         add(dev, x, a["tmp"], a["hres"], rows * h)
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
         self._proj(a["n2"], layer, "gate", a["g"], n2)
         self._proj(a["n2"], layer, "up", a["u"], n2)
         s16 = None if self._w8_slots else self._half_copy(rows * f)
-        swiglu_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
-        self._proj(a["s"], layer, "down", a["tmp"], None if self._w8_slots else self._operand(a["s"], s16))
+        self._gate_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
+        self._post_normed(layer, "down", "post_ffw_norm", None if self._w8_slots else self._operand(a["s"], s16))
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
+
+    def _post_normed(self, layer: int, target: str, norm: str, gemm_input: tuple[Any, dict] | None = None) -> None:
+        """a["tmp"] = the o / down projection's output (its input: att / s), through blk.N.<norm> when the model
+        has post-norms (gemma3; the output before the norm stays in a[target] for the backward)."""
+        a = self.a
+        x = a["att"] if target == "o" else a["s"]
+        if not self.cfg.post_norms:
+            self._proj(x, layer, target, a["tmp"], gemm_input)
+            return
+        self._proj(x, layer, target, a[target], gemm_input)
+        weight = self.w.norms[f"blk.{layer}.{norm}.weight"]
+        rmsnorm_forward(self.dev, a[target], weight, a["tmp"], self.rows, self.cfg.hidden, self.cfg.eps)
 
     # ---- whole model -----------------------------------------------------------------------------------
     def write_prefix(self, x: np.ndarray) -> None:
@@ -610,19 +655,26 @@ class GPUModel:
         self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
         self.dev.write(bufs["positions"], np.tile(np.arange(self.seq_len, dtype=np.uint32), self.batch))
         with self.dev.step():
-            embedding_forward(self.dev, self.w.embed, bufs["ids"], self._x(0), rows)
+            self._embed(bufs["ids"])
             for block in range(layer):
                 self._block_forward(block)
         out = self.dev.read(self.xs, np.float32, (rows * cfg.hidden,), offset=4 * self._x_offset(layer))
         return out.reshape(self.batch, self.seq_len, cfg.hidden)
 
+    def _embed(self, ids: Any) -> None:
+        """Block 0's input: the embedding rows of ids, times the model's embedding scale (gemma3: sqrt(hidden))."""
+        x0, n = self._x(0), self.rows * self.cfg.hidden
+        embedding_forward(self.dev, self.w.embed, ids, x0, self.rows)
+        if self.cfg.embedding_scale != 1.0:
+            scale_inplace(self.dev, x0, float(np.float32(self.cfg.embedding_scale)), n)
+
     def _forward_to_head(self, checkpoint: bool = False) -> Any:
         """The blocks and the final norm into a["nf"]; returns its f16 copy for tensor-core LM-head logits
         (gpu/ops/head.py; written by the norm itself, valid until the next f16 operand), else None. checkpoint:
         keep the block inputs a backward needs (bf16 checkpoints; f32 ones stay in xs anyway)."""
-        cfg, dev = self.cfg, self.dev
+        cfg = self.cfg
         if self.start_layer == 0:
-            embedding_forward(dev, self.w.embed, self._b.bufs["ids"], self._x(0), self.rows)
+            self._embed(self._b.bufs["ids"])
         for layer in range(self.start_layer, cfg.n_layers):
             if checkpoint:
                 self._checkpoint(layer)

@@ -141,6 +141,10 @@ KERNELS: dict[str, Kernel] = {
         ("swiglu_forward", *_ELEMENTWISE), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
     ),
     "swiglu_backward": Kernel((*_ELEMENTWISE, "swiglu_backward")),
+    "geglu_forward": Kernel(
+        ("geglu_forward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
+    ),
+    "geglu_backward": Kernel((*_ELEMENTWISE, "gelu_tanh", "geglu_backward")),
     "adamw_update": Kernel((*_ELEMENTWISE, "adamw_update")),
     # row skeleton (one workgroup per row) + body
     "rmsnorm_forward": Kernel(

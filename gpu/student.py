@@ -24,10 +24,11 @@ import numpy as np
 
 from gpu.codegen_i8 import MMA_K
 from gpu.device import Device
-from gpu.model import GPUModel, ModelWeights
+from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
+from gpu.ops.geglu import geglu_backward
 from gpu.ops.lora import lora_backward
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8
 from gpu.ops.quantize_i8 import quantize_i8_gpu
@@ -106,6 +107,8 @@ class GPUStudent(GPUModel):
         widths = {"dx": h, "dh": h, "ds": f, "dn": h, "datt": qd, "dqr": qd, "dkr": kvd, "dv": kvd}
         if cfg.qk_norm:  # q and k are read by the norms' backward; gradients at the normed q / k too
             widths.update({"dq": qd, "dk": kvd, "dqn": qd, "dkn": kvd})
+        if cfg.post_norms:  # dL/d(o or down output), before the post-norm
+            widths["dpost"] = h
         return widths
 
     def get_grads(self) -> dict[tuple[int, str], LoraPair]:
@@ -170,7 +173,9 @@ class GPUStudent(GPUModel):
                 accumulate_grads=self._acc_grads,
             )
 
-    def _attention_back(self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any) -> None:
+    def _attention_back(
+        self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any, layer: int
+    ) -> None:
         cfg, t = self.cfg, self.seq_len
         if self.batched_attention:
             self._attention_bwd(
@@ -203,6 +208,7 @@ class GPUStudent(GPUModel):
                 t,
                 *self._heads(),
                 delta=self.delta,
+                **attention_settings(cfg, layer),
             )
         self._scatter(grads, to_slots=False)
 
@@ -212,11 +218,14 @@ class GPUStudent(GPUModel):
         h, f = cfg.hidden, cfg.ffn
         x = self._x(layer)
         pos = self._b.bufs["positions"]
-        # out = hres + down(swiglu(gate(n2), up(n2)))
-        self._proj_back(a["dx"], a["s"], layer, "down", a["ds"], False)
+        # out = hres + pf(down(gate_act(gate(n2), up(n2)))), pf: the post-norm (gemma3) or none
+        self._proj_back(
+            self._post_norm_back(layer, "down", "post_ffw_norm", a["dx"]), a["s"], layer, "down", a["ds"], False
+        )
         # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
         dg, du = a["s"], a["u"]
-        swiglu_backward(dev, a["ds"], a["g"], a["u"], dg, rows * f)
+        gate_backward = geglu_backward if cfg.activation == "gelu_tanh" else swiglu_backward
+        gate_backward(dev, a["ds"], a["g"], a["u"], dg, rows * f)
         self._proj_back(dg, a["n2"], layer, "gate", a["dn"], False)
         self._proj_back(du, a["n2"], layer, "up", a["dn"], True)
         dev.copy(a["dx"], a["dh"], 4 * rows * h)
@@ -231,14 +240,18 @@ class GPUStudent(GPUModel):
             cfg.eps,
             accumulate=True,
         )
-        # hres = x + o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1))), qn / kn: per-head RMSNorm (qwen3) or none
-        self._proj_back(a["dh"], a["att"], layer, "o", a["datt"], False)
-        self._attention_back(a["datt"], a["qr"], a["kr"], a["v"], a["att"], a["dqr"], a["dkr"], a["dv"])
+        # hres = x + pa(o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1)))), qn / kn: per-head RMSNorm (qwen3, gemma3)
+        # or none, pa: the post-norm (gemma3) or none
+        self._proj_back(
+            self._post_norm_back(layer, "o", "post_attention_norm", a["dh"]), a["att"], layer, "o", a["datt"], False
+        )
+        self._attention_back(a["datt"], a["qr"], a["kr"], a["v"], a["att"], a["dqr"], a["dkr"], a["dv"], layer)
+        rope = self._rope_table(layer)
         if cfg.qk_norm:  # rope back to the normed q/k, then through the per-head RMSNorm to the projections
             dq, dk = a["dq"], a["dk"]
             norm, d, eps = self.w.norms, cfg.head_dim, cfg.eps
-            rope_backward(dev, self.rope, a["dqr"], a["dqn"], rows, cfg.n_heads, positions=pos)
-            rope_backward(dev, self.rope, a["dkr"], a["dkn"], rows, cfg.n_kv_heads, positions=pos)
+            rope_backward(dev, rope, a["dqr"], a["dqn"], rows, cfg.n_heads, positions=pos)
+            rope_backward(dev, rope, a["dkr"], a["dkn"], rows, cfg.n_kv_heads, positions=pos)
             rmsnorm_backward(
                 dev, a["dqn"], a["q"], norm[f"blk.{layer}.attn_q_norm.weight"], a["dq"], rows * cfg.n_heads, d, eps
             )
@@ -247,8 +260,8 @@ class GPUStudent(GPUModel):
             )
         else:  # q and k (before RoPE) are not read by the backward: their gradients go over them
             dq, dk = a["q"], a["k"]
-            rope_backward(dev, self.rope, a["dqr"], dq, rows, cfg.n_heads, positions=pos)
-            rope_backward(dev, self.rope, a["dkr"], dk, rows, cfg.n_kv_heads, positions=pos)
+            rope_backward(dev, rope, a["dqr"], dq, rows, cfg.n_heads, positions=pos)
+            rope_backward(dev, rope, a["dkr"], dk, rows, cfg.n_kv_heads, positions=pos)
         self._proj_back(dq, a["n1"], layer, "q", a["dn"], False)
         self._proj_back(dk, a["n1"], layer, "k", a["dn"], True)
         self._proj_back(a["dv"], a["n1"], layer, "v", a["dn"], True)
@@ -256,6 +269,17 @@ class GPUStudent(GPUModel):
         rmsnorm_backward(
             dev, a["dn"], x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["dx"], rows, h, cfg.eps, accumulate=True
         )
+
+    def _post_norm_back(self, layer: int, target: str, norm: str, dy: Any) -> Any:
+        """dL/d(the o / down projection's output) given dy at the post-norm's output: dy itself without
+        post-norms, else its RMSNorm backward into a["dpost"] (the norm's input is a[target], kept by the forward)."""
+        if not self.cfg.post_norms:
+            return dy
+        weight = self.w.norms[f"blk.{layer}.{norm}.weight"]
+        rmsnorm_backward(
+            self.dev, dy, self.a[target], weight, self.a["dpost"], self.rows, self.cfg.hidden, self.cfg.eps
+        )
+        return self.a["dpost"]
 
     # ---- inputs ----------------------------------------------------------------------------------------
     def write_batch(self, batch: KdBatch | PairBatch) -> None:

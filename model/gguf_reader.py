@@ -490,6 +490,41 @@ def _rope_factors(rope_freqs: Any, arch: str, head_dim: int, source: str) -> tup
     return tuple(float(f) for f in factors)
 
 
+# Gemma 3 as llama.cpp runs it (llama-model.cpp, LLM_ARCH_GEMMA3): with <arch>.attention.sliding_window > 0, every
+# block but each sixth (il % 6 == 5; Family.window_period) attends over that window, with RoPE base 10000 (the
+# global blocks take rope.freq_base); the attention scale is head_dim^-0.5, except the 27B (62 blocks):
+# (hidden / n_heads)^-0.5.
+LOCAL_ROPE_BASE = 10000.0
+
+
+def _window_settings(
+    metadata: Mapping[str, Any],
+    arch: str,
+    period: int,
+    n_layers: int,
+    hidden: int,
+    n_heads: int,
+    head_dim: int,
+    source: str,
+) -> dict[str, Any]:
+    """ModelConfig's attention_windows, rope_local_base and query_pre_attn_scalar of a family with sliding
+    windows (gemma3); soft-capping (Gemma 2's, absent from Gemma 3) is refused."""
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if metadata.get(f"{arch}.{cap}", 0):
+            raise gguf_error(source, f"key '{arch}.{cap}'", "value", "logit soft-capping is not implemented")
+    window = metadata.get(f"{arch}.attention.sliding_window", 0)
+    if isinstance(window, np.generic):
+        window = window.item()
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise gguf_error(source, f"key '{arch}.attention.sliding_window'", "value", f"{window!r} is not a count")
+    windows = tuple(0 if layer % period == period - 1 else window for layer in range(n_layers))
+    return {
+        "attention_windows": windows if window else (),
+        "rope_local_base": LOCAL_ROPE_BASE if window else 0.0,
+        "query_pre_attn_scalar": float(hidden // n_heads if n_layers == 62 else head_dim),
+    }
+
+
 def model_config(
     metadata: Mapping[str, Any],
     source: str = "",
@@ -497,7 +532,7 @@ def model_config(
     tensor_names: Collection[str] | None = None,
     rope_freqs: Any = None,
 ) -> ModelConfig:
-    """ModelConfig from GGUF metadata (llama, qwen2, qwen3); `has_output` = the file has output.weight.
+    """ModelConfig from GGUF metadata (llama, qwen2, qwen3, gemma3); `has_output` = the file has output.weight.
 
     `tensor_names` (the file's tensors) tell optional pieces apart: q/k/v biases in a llama file. `rope_freqs`
     (the rope_freqs.weight tensor) gives Llama 3 RoPE scaling's frequency factors."""
@@ -530,21 +565,27 @@ def model_config(
             f"partial rotary ({rope_dim} of head dim {head_dim}) is not supported",
         )
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
+    linear = family.linear_rope_scaling and scaling == "linear"  # gemma3 4B+: the global blocks' scaling
+    if scaling != "none" and not linear:
         raise gguf_error(
             source,
             f"key '{arch}.rope.scaling.type'",
             "value",
-            f"rope scaling {scaling!r} not supported (none, or Llama 3 scaling through {ROPE_FREQS})",
+            f"rope scaling {scaling!r} not supported (none, Llama 3 scaling through {ROPE_FREQS}, or gemma3's linear)",
         )
+    linear_factor = _decimal(get("rope.scaling.factor", float)) if linear else 1.0
     if metadata.get(f"{arch}.expert_count", 0):
         raise gguf_error(source, f"key '{arch}.expert_count'", "value", "mixture-of-experts is not supported")
     qkv_bias = family.qkv_bias
     if tensor_names is not None and not qkv_bias:
         qkv_bias = all(f"blk.0.attn_{t}.bias" in tensor_names for t in "qkv")
+    n_layers = get("block_count", int)
+    windows = {}
+    if family.window_period:
+        windows = _window_settings(metadata, arch, family.window_period, n_layers, hidden, n_heads, head_dim, source)
     try:
         return ModelConfig(
-            n_layers=get("block_count", int),
+            n_layers=n_layers,
             hidden=hidden,
             ffn=get("feed_forward_length", int),
             n_heads=n_heads,
@@ -560,6 +601,11 @@ def model_config(
             rope_freq_factors=_rope_factors(rope_freqs, arch, head_dim, source),
             qkv_bias=qkv_bias,
             qk_norm=family.qk_norm,
+            activation=family.activation,
+            embedding_scale=math.sqrt(hidden) if family.scaled_embedding else 1.0,
+            post_norms=family.post_norms,
+            rope_linear_factor=linear_factor,
+            **windows,
         )
     except GGUFError:
         raise

@@ -293,8 +293,25 @@ def model_metadata(cfg: ModelConfig, name: str = "") -> dict[str, Any]:
         f"{a}.context_length": cfg.context_length,
         f"{a}.vocab_size": cfg.vocab,
     }
+    if cfg.post_norms:  # gemma3: the window is a key, the pattern of windowed blocks and their RoPE base are fixed
+        meta[f"{a}.attention.sliding_window"] = max(cfg.attention_windows, default=0)
+    if cfg.rope_linear_factor != 1.0:
+        meta[f"{a}.rope.scaling.type"] = "linear"
+        meta[f"{a}.rope.scaling.factor"] = float(cfg.rope_linear_factor)
     if name:
         meta["general.name"] = name
+    if cfg.arch == "gemma3":
+        read = model_config(meta, "model_metadata", has_output=not cfg.tied_embeddings)
+        fields = (
+            "attention_windows",
+            "rope_local_base",
+            "query_pre_attn_scalar",
+            "embedding_scale",
+            "rope_linear_factor",
+        )
+        differ = [f for f in fields if getattr(read, f) != getattr(cfg, f)]
+        if differ:
+            raise ValueError(f"model_metadata: a gemma3 GGUF cannot say this config's {', '.join(differ)}")
     return meta
 
 

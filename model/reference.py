@@ -11,6 +11,11 @@ converter permuted) or NEOX (qwen2/qwen3: halves (x[i], x[i + D/2]), HF order). 
 the projections; qwen3 RMS-normalises each head of q and k (weight [D]) before RoPE. GQA: query head h reads kv
 head h // (Hq // Hkv). LoRA (PEFT): y = x W^T + b + s (x A^T) B^T. The KD losses live in model/kd.py and are
 re-exported here.
+
+gemma3 (ModelConfig fields, read from its GGUF): embeddings times sqrt(hidden) in the embedding's dtype; q/k norms;
+a post-norm on each branch's output before its residual add (post_attention_norm, post_ffw_norm); GeGLU with
+GELU's tanh form; scores scaled by query_pre_attn_scalar^-0.5; sliding-window blocks (a query at i sees keys
+j in (i - window, i]) with their own RoPE base. Its GGUF norm weights already hold HF's 1 + w.
 """
 
 from __future__ import annotations
@@ -30,8 +35,13 @@ __all__ = [
     "LoraPair",
     "attention_backward",
     "attention_forward",
+    "embed",
     "embedding_forward",
     "forward",
+    "gate_backward",
+    "gate_forward",
+    "geglu_backward",
+    "geglu_forward",
     "greedy_generate",
     "init_lora",
     "kd_loss_backward",
@@ -61,6 +71,14 @@ __all__ = [
 def embedding_forward(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Rows of table [V, H] at ids [T] (or [B, T]) -> [T, H] (or [B, T, H])."""
     return table[np.asarray(ids, dtype=np.intp)]
+
+
+def embed(weights: Mapping[str, np.ndarray], cfg: ModelConfig, ids: np.ndarray) -> np.ndarray:
+    """The block-0 input: token_embd rows at ids, times cfg.embedding_scale cast to the table's dtype (as HF's
+    Gemma3TextScaledWordEmbedding multiplies by embed_scale.to(weight.dtype))."""
+    table = weights["token_embd.weight"]
+    x = embedding_forward(table, ids)
+    return x if cfg.embedding_scale == 1.0 else x * np.asarray(cfg.embedding_scale, dtype=table.dtype)
 
 
 # ---------------------------------------------------------------- RMSNorm (weight frozen: no dw)
@@ -128,9 +146,12 @@ def rope_backward(
     return _rotate(dy, cos, -sin, neox)
 
 
-def rope_args(cfg: ModelConfig) -> dict:
-    """The keyword arguments rope_forward / rope_backward take for a model (base, factors, pair layout)."""
-    return {"base": cfg.rope_base, "factors": cfg.rope_freq_factors, "neox": cfg.rope_type == "neox"}
+def rope_args(cfg: ModelConfig, layer: int | None = None) -> dict:
+    """The keyword arguments rope_forward / rope_backward take for a model's block `layer` (base, factors, pair
+    layout): that block's base and factors (cfg.rope_of: a sliding-window block's own base, linear or Llama 3
+    scaling on the others); a global block's for None."""
+    base, factors = cfg.rope_of(layer)
+    return {"base": base, "factors": factors, "neox": cfg.rope_type == "neox"}
 
 
 # ---------------------------------------------------------------- causal GQA attention
@@ -156,30 +177,40 @@ def _t(x: np.ndarray) -> np.ndarray:
     return np.swapaxes(x, -1, -2)
 
 
-def attention_probs(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Causal softmax(q k^T / sqrt(D)) [..., Hq, T, T] (row = query position, column = key position)."""
+def attention_mask(t: int, window: int = 0) -> np.ndarray:
+    """[T, T] True where query i must not see key j: j > i (causal), or i - j >= window when window > 0."""
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    return (j > i) | ((i - j >= window) if window else False)
+
+
+def attention_probs(q: np.ndarray, k: np.ndarray, window: int = 0, scale: float | None = None) -> np.ndarray:
+    """Masked softmax(scale q k^T) [..., Hq, T, T] (row = query position, column = key position); scale defaults
+    to 1/sqrt(D), the mask is attention_mask(T, window)."""
     t, hq, d = q.shape[-3:]
-    s = (_heads_first(q) @ _t(_heads_first(_expand_kv(k, hq)))) * (1.0 / math.sqrt(d))
-    s = np.where(np.triu(np.ones((t, t), dtype=bool), k=1), -np.inf, s)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = (_heads_first(q) @ _t(_heads_first(_expand_kv(k, hq)))) * scale
+    s = np.where(attention_mask(t, window), -np.inf, s)
     s = s - np.max(s, axis=-1, keepdims=True)
     p = np.exp(s)
     return p / np.sum(p, axis=-1, keepdims=True)
 
 
-def attention_forward(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """out [..., T, Hq, D] = P V with P = attention_probs(q, k); q [..., T, Hq, D], k and v [..., T, Hkv, D]
-    (leading axes: independent sequences)."""
-    p = attention_probs(q, k)
+def attention_forward(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0, scale: float | None = None
+) -> np.ndarray:
+    """out [..., T, Hq, D] = P V with P = attention_probs(q, k, window, scale); q [..., T, Hq, D], k and v
+    [..., T, Hkv, D] (leading axes: independent sequences)."""
+    p = attention_probs(q, k, window, scale)
     return _heads_first(p @ _heads_first(_expand_kv(v, q.shape[-2])))
 
 
 def attention_backward(
-    dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray
+    dout: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int = 0, scale: float | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(dq, dk, dv); the probabilities are recomputed, as the GPU does."""
     hq, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    scale = 1.0 / math.sqrt(d)
-    p = attention_probs(q, k)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    p = attention_probs(q, k, window, scale)
     kk, vv = _heads_first(_expand_kv(k, hq)), _heads_first(_expand_kv(v, hq))
     do, qh = _heads_first(dout), _heads_first(q)
     dp = do @ _t(vv)
@@ -207,6 +238,43 @@ def swiglu_backward(dy: np.ndarray, g: np.ndarray, u: np.ndarray) -> tuple[np.nd
     """(dg, du); silu'(g) = sig(g) * (1 + g * (1 - sig(g)))."""
     sig = _sigmoid(g)
     return dy * u * sig * (1.0 + g * (1.0 - sig)), dy * g * sig
+
+
+# ---------------------------------------------------------------- GeGLU (GELU, tanh form)
+
+GELU_C = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+
+
+def _gelu_tanh(g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(gelu(g), gelu'(g)) with gelu(g) = g/2 (1 + tanh(c (g + a g^3))), c = sqrt(2/pi), a = 0.044715."""
+    th = np.tanh(GELU_C * (g + GELU_A * g * g * g))
+    d = 0.5 * (1.0 + th) + 0.5 * g * (1.0 - th * th) * GELU_C * (1.0 + 3.0 * GELU_A * g * g)
+    return 0.5 * g * (1.0 + th), d
+
+
+def geglu_forward(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gelu_tanh(g) * u (HF's gelu_pytorch_tanh gate, Gemma's MLP)."""
+    return _gelu_tanh(g)[0] * u
+
+
+def geglu_backward(dy: np.ndarray, g: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(dg, du) = (dy u gelu'(g), dy gelu(g))."""
+    f, d = _gelu_tanh(g)
+    return dy * u * d, dy * f
+
+
+_GATES = {"silu": (swiglu_forward, swiglu_backward), "gelu_tanh": (geglu_forward, geglu_backward)}
+
+
+def gate_forward(activation: str, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """The MLP gate of ModelConfig.activation: swiglu_forward or geglu_forward."""
+    return _GATES[activation][0](g, u)
+
+
+def gate_backward(activation: str, dy: np.ndarray, g: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(dg, du) of gate_forward."""
+    return _GATES[activation][1](dy, g, u)
 
 
 # ---------------------------------------------------------------- linear (frozen) and LoRA
@@ -318,13 +386,15 @@ def block_forward(
     lora: LoraMap,
     scale: float,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """h = x + o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1))); out = h + down(swiglu(gate(n2), up(n2))).
+    """h = x + pa(o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1)))); out = h + pf(down(gate(g(n2), up(n2)))).
 
-    qn / kn: per-head RMSNorm when cfg.qk_norm (else identity); q, k, v add their bias when cfg.qkv_bias.
-    x is one sequence [T, H] or a batch [B, T, H] (positions 0..T-1 in each); returns (out, cache)."""
+    qn / kn: per-head RMSNorm when cfg.qk_norm (else identity); q, k, v add their bias when cfg.qkv_bias; pa / pf:
+    the post-norms when cfg.post_norms (else identity); gate: cfg.activation's; attention with the block's window,
+    RoPE base and cfg.attention_scale. x is one sequence [T, H] or a batch [B, T, H] (positions 0..T-1 in each);
+    returns (out, cache)."""
     lead, d = x.shape[:-1], cfg.head_dim
     pos = np.arange(x.shape[-2])
-    rope = rope_args(cfg)
+    rope = rope_args(cfg, layer)
 
     def proj(name: str, inp: np.ndarray) -> np.ndarray:
         w, pair = _w(weights, layer, name), lora.get((layer, name))
@@ -341,12 +411,21 @@ def block_forward(
     c["q"] = rope_forward(q, pos, **rope)
     c["k"] = rope_forward(k, pos, **rope)
     c["v"] = proj("v", c["n1"]).reshape(*lead, cfg.n_kv_heads, d)
-    c["att"] = attention_forward(c["q"], c["k"], c["v"]).reshape(*lead, cfg.q_dim)
-    c["h"] = x + proj("o", c["att"])
+    window, att_scale = cfg.window(layer), cfg.attention_scale
+    c["att"] = attention_forward(c["q"], c["k"], c["v"], window, att_scale).reshape(*lead, cfg.q_dim)
+    o = proj("o", c["att"])
+    if cfg.post_norms:
+        c["o"] = o
+        o = rmsnorm_forward(o, weights[f"blk.{layer}.post_attention_norm.weight"], cfg.eps)
+    c["h"] = x + o
     c["n2"] = rmsnorm_forward(c["h"], weights[f"blk.{layer}.ffn_norm.weight"], cfg.eps)
     c["g"], c["u"] = proj("gate", c["n2"]), proj("up", c["n2"])
-    c["act"] = swiglu_forward(c["g"], c["u"])
-    return c["h"] + proj("down", c["act"]), c
+    c["act"] = gate_forward(cfg.activation, c["g"], c["u"])
+    down = proj("down", c["act"])
+    if cfg.post_norms:
+        c["down"] = down
+        down = rmsnorm_forward(down, weights[f"blk.{layer}.post_ffw_norm.weight"], cfg.eps)
+    return c["h"] + down, c
 
 
 def block_backward(
@@ -362,7 +441,7 @@ def block_backward(
     """d block input (dout [T, H] or [B, T, H]); LoRA gradients of this layer are written into grads."""
     lead = dout.shape[:-1]
     pos = np.arange(dout.shape[-2])
-    rope = rope_args(cfg)
+    rope = rope_args(cfg, layer)
 
     def proj_back(name: str, dy: np.ndarray, inp: np.ndarray) -> np.ndarray:
         dx, g = project_backward(dy, inp, _w(weights, layer, name), lora.get((layer, name)), scale)
@@ -370,14 +449,20 @@ def block_backward(
             grads[(layer, name)] = g
         return dx
 
-    # MLP half: out = h + down(swiglu(gate(n2), up(n2)))
-    dact = proj_back("down", dout, c["act"])
-    dg, du = swiglu_backward(dact, c["g"], c["u"])
+    # MLP half: out = h + pf(down(gate(g(n2), up(n2))))
+    ddown = dout
+    if cfg.post_norms:
+        ddown = rmsnorm_backward(dout, c["down"], weights[f"blk.{layer}.post_ffw_norm.weight"], cfg.eps)
+    dact = proj_back("down", ddown, c["act"])
+    dg, du = gate_backward(cfg.activation, dact, c["g"], c["u"])
     dn2 = proj_back("gate", dg, c["n2"]) + proj_back("up", du, c["n2"])
     dh = dout + rmsnorm_backward(dn2, c["h"], weights[f"blk.{layer}.ffn_norm.weight"], cfg.eps)
-    # attention half: h = x + o(attn(...))
-    datt = proj_back("o", dh, c["att"]).reshape(*lead, cfg.n_heads, cfg.head_dim)
-    dq, dk, dv = attention_backward(datt, c["q"], c["k"], c["v"])
+    # attention half: h = x + pa(o(attn(...)))
+    do = dh
+    if cfg.post_norms:
+        do = rmsnorm_backward(dh, c["o"], weights[f"blk.{layer}.post_attention_norm.weight"], cfg.eps)
+    datt = proj_back("o", do, c["att"]).reshape(*lead, cfg.n_heads, cfg.head_dim)
+    dq, dk, dv = attention_backward(datt, c["q"], c["k"], c["v"], cfg.window(layer), cfg.attention_scale)
     dq, dk = rope_backward(dq, pos, **rope), rope_backward(dk, pos, **rope)
     if cfg.qk_norm:
         dq = rmsnorm_backward(dq, c["q0"], weights[f"blk.{layer}.attn_q_norm.weight"], cfg.eps)
@@ -399,7 +484,7 @@ def _forward_cached(
     weights: Mapping[str, np.ndarray], cfg: ModelConfig, ids: np.ndarray, lora: LoraMap | None, scale: float
 ) -> tuple[np.ndarray, list[dict[str, np.ndarray]], np.ndarray]:
     """(logits, per-layer caches, final hidden state before output_norm)."""
-    x = embedding_forward(weights["token_embd.weight"], ids)
+    x = embed(weights, cfg, ids)
     caches = []
     for layer in range(cfg.n_layers):
         x, c = block_forward(x, weights, cfg, layer, lora or {}, scale)
@@ -474,7 +559,8 @@ def greedy_generate(
 
 def random_weights(cfg: ModelConfig, seed: int, dtype: np.dtype = np.float64) -> dict[str, np.ndarray]:
     """Random GGUF-named weights for a tiny config, scaled so activations and logits stay O(1): every tensor of
-    cfg.tensor_shapes() (biases, q/k norms and rope_freqs.weight when the family has them)."""
+    cfg.tensor_shapes() (biases, q/k norms, post-norms and rope_freqs.weight when the family has them). Norm
+    weights are 1 + noise, as GGUF stores Gemma's (1 + w) too."""
     rng = np.random.default_rng(seed)
     h = cfg.hidden
 
@@ -499,6 +585,9 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: np.dtype = np.float64) ->
         if cfg.qk_norm:
             w[f"blk.{layer}.attn_q_norm.weight"] = norm_weight(cfg.head_dim)
             w[f"blk.{layer}.attn_k_norm.weight"] = norm_weight(cfg.head_dim)
+        if cfg.post_norms:
+            w[f"blk.{layer}.post_attention_norm.weight"] = norm_weight()
+            w[f"blk.{layer}.post_ffw_norm.weight"] = norm_weight()
     w["output_norm.weight"] = norm_weight()
     if not cfg.tied_embeddings:
         w["output.weight"] = normal((cfg.vocab, h), 1.0 / np.sqrt(h))

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from model.config import ModelConfig
-from model.reference import block_forward, embedding_forward, forward, lm_head_weight, rmsnorm_forward
+from model.reference import block_forward, embed, forward, lm_head_weight, rmsnorm_forward
 
 
 def topk_from_logits(logits: np.ndarray, k: int, temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -114,7 +114,7 @@ def reference_topk_batch(
     group = max(1, max_rows // max(t, 1))
     for s0 in range(0, n_seq, group):
         sl = slice(s0, min(n_seq, s0 + group))
-        x = embedding_forward(w["token_embd.weight"], ids[sl].astype(np.intp))
+        x = embed(w, cfg, ids[sl].astype(np.intp))
         for layer in range(cfg.n_layers):
             x = block_forward(x, w, cfg, layer, {}, 1.0)[0]
         h = rmsnorm_forward(x, w["output_norm.weight"], cfg.eps)[keep[sl]]

@@ -1,4 +1,6 @@
-"""A `tokenizers.Tokenizer` built from GGUF tokenizer metadata (no hub, no tokenizer.json)."""
+"""A `tokenizers.Tokenizer` built from GGUF tokenizer metadata (no hub, no tokenizer.json): byte-level BPE
+(tokenizer.ggml.model = gpt2) with llama.cpp's pre-tokenizers, and Gemma's sentencepiece BPE (tokenizer.ggml.model =
+llama in a gemma3 file) as HF's GemmaTokenizer runs it."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers.pre_tokenizers import PreTokenizer
 
 from model.gguf_reader import GGUFFile
@@ -69,6 +71,50 @@ PRE_TOKENIZERS: dict[str, Callable[[], PreTokenizer]] = {
     **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), _split_then_bytes(_QWEN2_REGEX)),
     "default": _split_then_bytes(*_DEFAULT_REGEXES),
 }
+
+
+# Architectures whose sentencepiece vocabulary (tokenizer.ggml.model = "llama") we build: Gemma's is BPE with byte
+# fallback, no prefix space, and merges in the order of the vocabulary. (Llama 2 / Mistral's differ: a prefix
+# space and score-ordered merges; they stay refused.)
+SENTENCEPIECE_ARCHITECTURES = ("gemma3",)
+SPACE_PIECE = "\u2581"  # sentencepiece's visible space
+
+
+def _position_merges(vocab: Mapping[str, int], tokens: Sequence[str]) -> list[tuple[str, str]]:
+    """BPE merges implied by a sentencepiece vocabulary whose order is its merge order (Gemma's: its scores are
+    not): every split of a token into two vocabulary pieces, earlier tokens first; for one token, the split with
+    the longer left piece first, then by the pieces' ids (how transformers rebuilds them for a Gemma GGUF)."""
+    rank = {token: -index for index, token in enumerate(tokens)}  # a repeated string ranks by its last place
+    merges = []
+    for token, score in rank.items():
+        local = [
+            (token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab
+        ]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece(tokens: list[str], unk: str | None) -> tuple[Tokenizer, dict[str, int]]:
+    """Gemma's tokenizer: spaces written as U+2581, BPE over the whole text with byte fallback (<0xXX> tokens)
+    and unknowns fused, decoded back through the byte tokens. A token of two or more spaces, stored as real
+    spaces in the GGUF, is looked up as that many U+2581 (as HF's tokenizer spells it). Returns the tokenizer and
+    its vocabulary (a repeated string keeps its last id, as transformers' GGUF loader does)."""
+    spelled = [SPACE_PIECE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    hf = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_position_merges(vocab, spelled),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    hf.normalizer = normalizers.Replace(" ", SPACE_PIECE)
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # HF's; spaces are gone by now
+    hf.decoder = decoders.Sequence([decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return hf, vocab
 
 
 class GGUFTokenizer:
@@ -163,15 +209,19 @@ def _split_merge(merge: str) -> tuple[str, str]:
 def check_tokenizer_metadata(metadata: Mapping[str, Any]) -> None:
     """ValueError naming the key when the GGUF's tokenizer is one we cannot build (cheap: nothing is built).
 
-    The model kind (tokenizer.ggml.model: byte-level BPE 'gpt2' only), the pre-tokenizer (tokenizer.ggml.pre),
-    a non-empty vocabulary and a token_type array of the same length."""
+    The model kind (tokenizer.ggml.model: byte-level BPE 'gpt2', or sentencepiece 'llama' in a gemma3 file), the
+    pre-tokenizer of a byte-level BPE (tokenizer.ggml.pre), a non-empty vocabulary and a token_type array of the
+    same length."""
     model = metadata.get("tokenizer.ggml.model")
-    if model != "gpt2":
+    arch = metadata.get("general.architecture")
+    sentencepiece = model == "llama" and arch in SENTENCEPIECE_ARCHITECTURES
+    if model != "gpt2" and not sentencepiece:
         raise ValueError(
-            f"tokenizer.ggml.model={model!r} is not supported (only 'gpt2', byte-level BPE, is implemented)"
+            f"tokenizer.ggml.model={model!r} is not supported (byte-level BPE 'gpt2', and sentencepiece 'llama' in "
+            f"{', '.join(SENTENCEPIECE_ARCHITECTURES)} files, are implemented)"
         )
     pre = metadata.get("tokenizer.ggml.pre")
-    if pre not in PRE_TOKENIZERS:
+    if not sentencepiece and pre not in PRE_TOKENIZERS:
         raise ValueError(
             f"tokenizer.ggml.pre={pre!r} is not supported; known values: {', '.join(sorted(PRE_TOKENIZERS))}"
         )
@@ -184,9 +234,11 @@ def check_tokenizer_metadata(metadata: Mapping[str, Any]) -> None:
 
 
 def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
-    """Byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (tokenizer.ggml.model == "gpt2")."""
+    """The tokenizer of GGUF `tokenizer.ggml.*` metadata: byte-level BPE (tokenizer.ggml.model == "gpt2"), or
+    Gemma's sentencepiece BPE ("llama" in a gemma3 file)."""
     check_tokenizer_metadata(metadata)
-    pre = metadata["tokenizer.ggml.pre"]
+    sentencepiece = metadata["tokenizer.ggml.model"] == "llama"
+    pre = metadata.get("tokenizer.ggml.pre", "")
     tokens = list(metadata["tokenizer.ggml.tokens"])
     n = len(tokens)
     types = metadata.get("tokenizer.ggml.token_type")
@@ -199,25 +251,23 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
     pad_id = _opt_id(metadata, "tokenizer.ggml.padding_token_id", n)
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
 
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # a duplicated string keeps its first id, as in HF vocab files
-    hf = Tokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            unk_token=None if unk_id is None else tokens[unk_id],
-            fuse_unk=False,
-            byte_fallback=False,
-        )
-    )
-    hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
-    hf.decoder = decoders.ByteLevel()
+    unk = None if unk_id is None else tokens[unk_id]
+    if sentencepiece:
+        hf, vocab = _sentencepiece(tokens, unk)
+    else:
+        vocab = {}
+        for i, tok in enumerate(tokens):
+            vocab.setdefault(tok, i)  # a duplicated string keeps its first id, as in HF vocab files
+        hf = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False, byte_fallback=False))
+        hf.pre_tokenizer = PRE_TOKENIZERS[pre]()
+        hf.decoder = decoders.ByteLevel()
 
     special = {i for i, t in enumerate(types) if t == TOKEN_CONTROL}
     special |= {i for i in (bos_id, eos_id) if i is not None}
     hf.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special)])
-    user = [i for i, t in enumerate(types) if t == TOKEN_USER_DEFINED and i not in special]
+    # user-defined tokens are matched whole; a sentencepiece one the vocabulary spells otherwise (a run of spaces)
+    # is left to the BPE, which reaches it through its U+2581 spelling
+    user = [i for i, t in enumerate(types) if t == TOKEN_USER_DEFINED and i not in special and tokens[i] in vocab]
     if user:
         hf.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in user])
     if add_bos and bos_id is not None:
@@ -225,7 +275,7 @@ def build_tokenizer(metadata: Mapping[str, Any]) -> GGUFTokenizer:
         hf.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
         )
-    else:
+    elif not sentencepiece:
         hf.post_processor = processors.ByteLevel(trim_offsets=False)
 
     return GGUFTokenizer(

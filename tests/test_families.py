@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from safetensors.numpy import load_file
 
 from data.adapters import export_gguf_lora, export_peft, gguf_to_hf_rows, merge_adapter, peft_key
 from model import reference as R
@@ -63,6 +64,7 @@ class Family:
     cfg: ModelConfig
     general_name: str
     hf_rope: dict | None = None
+    hf_config: dict | None = None  # config attributes the GGUF loader does not read (gemma3's attention scalar)
 
 
 def _llama3_factors() -> tuple[float, ...]:
@@ -103,6 +105,35 @@ FAMILIES = {
         ),
         "tiny qwen3",
     ),
+    # six blocks: 0-4 slide over 4 positions (RoPE base 10000), block 5 is global (base 1e6); head_dim 32 != 64 / 4.
+    # transformers' GGUF loader keeps Gemma3TextConfig's query_pre_attn_scalar = 256 (the real 1B/270M head_dim):
+    # it is set to what llama.cpp uses, head_dim, as our reader does.
+    "gemma3": Family(
+        ModelConfig(
+            **{**_BASE, "n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32},
+            rope_base=1e6,
+            eps=1e-6,
+            arch="gemma3",
+            rope_type="neox",
+            qk_norm=True,
+            activation="gelu_tanh",
+            embedding_scale=8.0,
+            attention_windows=(4, 4, 4, 4, 4, 0),
+            post_norms=True,
+            rope_local_base=10000.0,
+            query_pre_attn_scalar=32.0,
+            rope_linear_factor=8.0,
+        ),
+        "tiny gemma3",
+        # nor rope.scaling: the 4B+ models' linear scaling of the global blocks, set as their config.json has it
+        hf_config={
+            "query_pre_attn_scalar": 32,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        },
+    ),
 }
 NAMES = list(FAMILIES)
 
@@ -131,9 +162,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, di
 def _hf_model(folder: Path, family: Family, monkeypatch: pytest.MonkeyPatch, gguf: str = "model.gguf"):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     kwargs = {}
-    if family.hf_rope is not None:
+    if family.hf_rope is not None or family.hf_config is not None:
         config = transformers.AutoConfig.from_pretrained(folder, gguf_file=gguf)
-        config.rope_parameters = dict(family.hf_rope)
+        if family.hf_rope is not None:
+            config.rope_parameters = dict(family.hf_rope)
+        for key, value in (family.hf_config or {}).items():
+            setattr(config, key, value)
         kwargs["config"] = config
     auto = transformers.AutoModelForCausalLM
     return auto.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32, **kwargs).eval()
@@ -168,9 +202,11 @@ def test_config_read_back(models, name: str) -> None:
     with GGUFFile(folder / "model.gguf") as f:
         assert family_name(cfg, f.metadata) == name
     settings = cfg.settings()
-    assert settings["rope"] == ("neox" if name.startswith("qwen") else "norm")
-    assert settings["rope_scaling"] == ("llama3" if name == "llama3" else "none")
-    assert (settings["qkv_bias"], settings["qk_norm"]) == (name == "qwen2", name == "qwen3")
+    assert settings["rope"] == ("neox" if name.startswith(("qwen", "gemma")) else "norm")
+    assert settings["rope_scaling"] == {"llama3": "llama3", "gemma3": "linear"}.get(name, "none")
+    assert (settings["qkv_bias"], settings["qk_norm"]) == (name == "qwen2", name in ("qwen3", "gemma3"))
+    gemma = name == "gemma3"
+    assert (settings["post_norms"], settings["activation"]) == (gemma, "gelu_tanh" if gemma else "silu")
     info = describe(folder / "model.gguf")  # what `distillery inspect` prints
     assert info["family"] == name and info["settings"] == settings and "config_error" not in info
 
@@ -195,15 +231,25 @@ def test_hf_logits_match_reference(models, name: str, monkeypatch: pytest.Monkey
 def test_family_settings_matter(models, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checks above can fail: dropping Llama 3 scaling, the NEOX pairs, the q/k/v biases or the q/k norm
     each moves the reference logits far outside the tolerance."""
-    changes = {
-        "llama3": {"rope_freq_factors": None},
-        "qwen2": {"rope_type": "norm"},
-        "qwen3": {"qk_norm": False},
-    }
-    for name, change in changes.items():
+    changes = [
+        ("llama3", {"rope_freq_factors": None}),
+        ("qwen2", {"rope_type": "norm"}),
+        ("qwen3", {"qk_norm": False}),
+        ("gemma3", {"qk_norm": False}),
+        ("gemma3", {"post_norms": False}),
+        ("gemma3", {"activation": "silu"}),
+        ("gemma3", {"embedding_scale": 1.0}),
+        ("gemma3", {"query_pre_attn_scalar": 256.0}),
+        ("gemma3", {"attention_windows": ()}),  # every block global
+        ("gemma3", {"attention_windows": (4,) * 6}),  # block 5 sliding too
+        ("gemma3", {"rope_local_base": 0.0}),  # the sliding blocks on the global base
+        ("gemma3", {"rope_linear_factor": 1.0}),  # the global block unscaled
+    ]
+    for name, change in changes:
         _, weights = models[name]
         cfg = FAMILIES[name].cfg
-        assert _rel(R.forward(weights, replace(cfg, **change), IDS), R.forward(weights, cfg, IDS)) > 100 * REL_TOL
+        err = _rel(R.forward(weights, replace(cfg, **change), IDS), R.forward(weights, cfg, IDS))
+        assert err > 100 * REL_TOL, (name, change, err)
     _, weights = models["qwen2"]
     no_bias = {n: w for n, w in weights.items() if not n.endswith(".bias")}
     cfg = replace(FAMILIES["qwen2"].cfg, qkv_bias=False)
@@ -212,6 +258,9 @@ def test_family_settings_matter(models, monkeypatch: pytest.MonkeyPatch) -> None
     folder, weights = models["llama3"]
     plain = _hf_model(folder, replace(FAMILIES["llama3"], hf_rope=None), monkeypatch)
     assert _rel(_logits(plain), R.forward(weights, FAMILIES["llama3"].cfg, IDS)) > 100 * REL_TOL
+    folder, weights = models["gemma3"]
+    plain = _hf_model(folder, replace(FAMILIES["gemma3"], hf_config=None), monkeypatch)  # scalar 256
+    assert _rel(_logits(plain), R.forward(weights, FAMILIES["gemma3"].cfg, IDS)) > 100 * REL_TOL
 
 
 # ---------------------------------------------------------------- PEFT export: logits and gradients
@@ -249,6 +298,11 @@ def test_peft_logits_and_grads_match_reference(
     export_peft(adapter, cfg, RANK, ALPHA, ALL, tmp_path / "peft", f"tiny-{name}")
     model = peft.PeftModel.from_pretrained(_hf_model(folder, family, monkeypatch), tmp_path / "peft", is_trainable=True)
     model.eval()
+    # every exported key is one of transformers' own modules of this family (none unexpected, none missing)
+    saved = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    loaded = peft.set_peft_model_state_dict(model, {k: torch.from_numpy(v) for k, v in saved.items()})
+    assert loaded.unexpected_keys == [] and [k for k in loaded.missing_keys if "lora_" in k] == []
+    assert len(saved) == 2 * len(ALL) * cfg.n_layers
 
     # logits
     expect = R.forward(weights, cfg, IDS, adapter, scale)
@@ -320,17 +374,45 @@ def _qwen2_file(path: Path, change_meta: dict | None = None, extra: list | None 
 
 
 def test_refusals_name_the_file_and_key(tmp_path: Path) -> None:
-    gemma = _write(
-        tmp_path / "gemma.gguf",
-        "gemma3",
-        {"gemma3.block_count": 2, **tokenizer_metadata()},
+    gemma2 = _write(
+        tmp_path / "gemma2.gguf",
+        "gemma2",
+        {"gemma2.block_count": 2, **tokenizer_metadata()},
         [("token_embd.weight", np.ones((4, 32), np.float32), Q.F32)],
     )
+    gemma3 = FAMILIES["gemma3"].cfg
+    gemma3_meta = {**tokenizer_metadata(), **model_metadata(gemma3)}
+    gemma3_weights = [(n, w, Q.F32) for n, w in R.random_weights(gemma3, seed=1, dtype=np.float32).items()]
     cases = [
-        (gemma, r"gemma\.gguf: key 'general\.architecture': value: architecture 'gemma3' is not supported: .*sliding"),
+        (
+            gemma2,
+            r"gemma2\.gguf: key 'general\.architecture': value: architecture 'gemma2' is not supported: .*soft-cap",
+        ),
         (
             _write(tmp_path / "phi.gguf", "phi3", {}, []),
-            r"phi\.gguf: key 'general\.architecture'.*'phi3' is not supported \(supported: llama, qwen2, qwen3\)",
+            r"phi\.gguf: key 'general\.architecture'.*'phi3' is not supported "
+            r"\(supported: llama, qwen2, qwen3, gemma3\)",
+        ),
+        (
+            _write(
+                tmp_path / "cap.gguf", "gemma3", {**gemma3_meta, "gemma3.final_logit_softcapping": 30.0}, gemma3_weights
+            ),
+            r"cap\.gguf: key 'gemma3\.final_logit_softcapping': value: logit soft-capping is not implemented",
+        ),
+        (
+            _write(
+                tmp_path / "yarn.gguf",
+                "gemma3",
+                {**gemma3_meta, "gemma3.rope.scaling.type": "yarn"},
+                gemma3_weights,
+            ),
+            r"yarn\.gguf: key 'gemma3\.rope\.scaling\.type': value: rope scaling 'yarn' not supported",
+        ),
+        (
+            _write(
+                tmp_path / "nopost.gguf", "gemma3", gemma3_meta, [t for t in gemma3_weights if "post_ffw" not in t[0]]
+            ),
+            r"nopost\.gguf: tensor 'blk\.0\.post_ffw_norm\.weight': name: missing",
         ),
         (
             _qwen2_file(tmp_path / "pre.gguf", {"tokenizer.ggml.pre": "tekken"}),

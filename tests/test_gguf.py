@@ -322,9 +322,9 @@ def test_describe(smollm2_path: Path, reader: gguf.GGUFReader) -> None:
 
 def test_describe_other_architecture(tmp_path: Path) -> None:
     path = tmp_path / "g.gguf"
-    write_gguf(path, "gemma3", {"gemma3.block_count": 2}, [("w", np.ones((4, 32), np.float32), Q.F16)])
+    write_gguf(path, "gemma2", {"gemma2.block_count": 2}, [("w", np.ones((4, 32), np.float32), Q.F16)])
     d = describe(path)
-    assert d["architecture"] == "gemma3" and d["config"] is None and "supported: llama" in d["config_error"]
+    assert d["architecture"] == "gemma2" and d["config"] is None and "supported: llama" in d["config_error"]
     assert (d["parameters"], d["tensor_bytes"], d["tensors_by_type"]) == (128, 256, {"F16": 1})
     assert d["vocab_size"] is None and d["chat_template"] is False
 
@@ -362,8 +362,8 @@ def test_model_config_variants() -> None:
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"general.architecture": "gemma3"}, "'gemma3' is not supported: .*sandwich norms.*\\(supported: llama, qwen2"),
-        ({"general.architecture": "phi3"}, "'phi3' is not supported \\(supported: llama, qwen2, qwen3\\)"),
+        ({"general.architecture": "gemma2"}, "'gemma2' is not supported: .*soft-capping.*\\(supported: llama, qwen2"),
+        ({"general.architecture": "phi3"}, "'phi3' is not supported \\(supported: llama, qwen2, qwen3, gemma3\\)"),
         ({"llama.rope.scaling.type": "yarn"}, "src.gguf: key 'llama.rope.scaling.type': value: rope scaling 'yarn'"),
         ({"llama.attention.value_length": 8}, "src.gguf: key 'llama.attention.value_length': value: 8 != key_length"),
         ({"general.architecture": None}, "general.architecture'.*missing"),

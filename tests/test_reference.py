@@ -449,10 +449,26 @@ def test_projection_bias(rng: np.random.Generator) -> None:
         assert fd_rel_error(lambda: float(np.sum(R.project_forward(x, w, pair, 0.5, b) * r)), t, g, rng) < TOL
 
 
+# gemma3's pieces: post-norms, GeGLU, sqrt(hidden) embedding scale, q/k norms, head_dim 16 != 32 / 4, its own
+# attention scale, block 0 sliding (window 3 of 7 positions, RoPE base 10) and block 1 global (base 100)
+GEMMA3_CASE = {
+    "arch": "gemma3",
+    "rope_type": "neox",
+    "qk_norm": True,
+    "head_dim": 16,
+    "post_norms": True,
+    "activation": "gelu_tanh",
+    "embedding_scale": float(np.sqrt(32)),
+    "query_pre_attn_scalar": 24.0,
+    "attention_windows": (3, 0),
+    "rope_local_base": 10.0,
+    "rope_linear_factor": 4.0,  # the global block's angles / 4 (the 4B+ models' linear scaling)
+}
 FAMILY_CASES = {
     "qwen2": {"arch": "qwen2", "rope_type": "neox", "qkv_bias": True},
     "qwen3": {"arch": "qwen3", "rope_type": "neox", "qk_norm": True, "head_dim": 16},
     "llama3": {"rope_freq_factors": tuple(_llama3_factors(8, 100.0))},
+    "gemma3": GEMMA3_CASE,
 }
 
 
@@ -465,6 +481,7 @@ def test_family_model_lora_grads(rng: np.random.Generator, family: str) -> None:
     )
     w = R.random_weights(cfg, seed=3)
     assert ("blk.0.attn_q.bias" in w) == cfg.qkv_bias and ("blk.1.attn_k_norm.weight" in w) == cfg.qk_norm
+    assert ("blk.1.post_ffw_norm.weight" in w) == ("blk.0.post_attention_norm.weight" in w) == cfg.post_norms
     s, k = 2.0, 8
     ids = rng.integers(0, cfg.vocab, (2, 7))
     lora = _lora_random_b(cfg, rng)
@@ -490,3 +507,78 @@ def test_family_model_lora_grads(rng: np.random.Generator, family: str) -> None:
     # the batch is two independent sequences
     np.testing.assert_allclose(R.forward(w, cfg, ids, lora, s)[1], R.forward(w, cfg, ids[1], lora, s), atol=1e-12)
     print(f"{family}: max FD rel error {worst:.2e}")
+
+
+# ---------------------------------------------------------------- gemma3's pieces, one by one
+
+
+def test_geglu(rng: np.random.Generator) -> None:
+    """GELU's tanh form times u: forward within the approximation's 1e-3 of the exact GELU g * Phi(g) (erf) and
+    exactly HF's gelu_pytorch_tanh formula at points where tanh saturates; backward by finite differences."""
+    from math import erf
+
+    g, u = 3 * rng.standard_normal((4, 10)), rng.standard_normal((4, 10))
+    g[0, :2] = [-30.0, 30.0]
+    y = R.geglu_forward(g, u)
+    exact = g * 0.5 * (1 + np.vectorize(erf)(g / np.sqrt(2)))
+    assert np.abs(y - exact * u).max() < 1e-3 * np.abs(u).max()
+    np.testing.assert_allclose(y[0, :2], [0.0, 30.0 * u[0, 1]], atol=1e-12)
+    r = rng.standard_normal(y.shape)
+    dg, du = R.geglu_backward(r, g, u)
+    for x, d in ((g, dg), (u, du)):
+        assert fd_rel_error(lambda: float(np.sum(R.geglu_forward(g, u) * r)), x, d, rng) < TOL
+    assert R.gate_forward("gelu_tanh", g, u) is not None and np.array_equal(
+        R.gate_forward("silu", g, u), R.swiglu_forward(g, u)
+    )
+
+
+def _window_attention_loop(q: np.ndarray, k: np.ndarray, v: np.ndarray, window: int, scale: float) -> np.ndarray:
+    """Query i attends keys max(0, i - window + 1)..i (window 0: all of 0..i), scores times `scale`."""
+    t, hq, _ = q.shape
+    group = hq // k.shape[1]
+    out = np.zeros_like(q)
+    for h in range(hq):
+        for i in range(t):
+            keys = range(max(0, i - window + 1) if window else 0, i + 1)
+            s = np.array([q[i, h] @ k[j, h // group] for j in keys]) * scale
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            out[i, h] = sum(pj * v[j, h // group] for pj, j in zip(p, keys, strict=True))
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 3, 0])
+def test_attention_window_and_scale(rng: np.random.Generator, window: int) -> None:
+    t, hq, hkv, d, scale = 7, 4, 2, 4, 0.3
+    q, k, v = rng.standard_normal((t, hq, d)), rng.standard_normal((t, hkv, d)), rng.standard_normal((t, hkv, d))
+    out = R.attention_forward(q, k, v, window, scale)
+    np.testing.assert_allclose(out, _window_attention_loop(q, k, v, window, scale), atol=1e-12)
+    if window == 1:  # each query sees only itself
+        np.testing.assert_allclose(out, np.repeat(v, hq // hkv, axis=1), atol=1e-12)
+    r = rng.standard_normal(out.shape)
+    grads = R.attention_backward(r, q, k, v, window, scale)
+    pairs = list(zip((q, k, v), grads, strict=True))[2 if window == 1 else 0 :]
+    for x, g in pairs:
+        assert fd_rel_error(lambda: float(np.sum(R.attention_forward(q, k, v, window, scale) * r)), x, g, rng) < TOL
+
+
+def test_gemma3_embedding_scale_rope_bases_and_post_norms(rng: np.random.Generator) -> None:
+    """embed multiplies by sqrt(hidden) in the table's dtype (float32: the float32-rounded constant, as HF); a
+    sliding-window block takes rope_local_base, a global one rope_base; each post-norm is in the block."""
+    cfg = ModelConfig(n_layers=2, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=300, rope_base=100.0, **GEMMA3_CASE)
+    table = rng.standard_normal((300, 32)).astype(np.float32)
+    ids = np.array([3, 299, 0])
+    got = R.embed({"token_embd.weight": table}, cfg, ids)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, table[ids] * np.float32(np.sqrt(32)))
+    assert cfg.window(0) == 3 and cfg.window(1) == 0 and cfg.attention_scale == pytest.approx(24.0**-0.5, rel=1e-15)
+    assert (R.rope_args(cfg, 0)["base"], R.rope_args(cfg, 0)["factors"]) == (10.0, None)
+    assert (R.rope_args(cfg, 1)["base"], R.rope_args(cfg, 1)["factors"]) == (100.0, (4.0,) * 8)
+    assert {"blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight"} <= set(cfg.block_tensors(1))
+    w = R.random_weights(cfg, seed=1)
+    x = rng.standard_normal((7, 32))
+    base = R.block_forward(x, w, cfg, 0, {}, 1.0)[0]
+    for name in ("post_attention_norm", "post_ffw_norm"):
+        changed = dict(w)
+        changed[f"blk.0.{name}.weight"] = 2 * w[f"blk.0.{name}.weight"]
+        assert np.abs(R.block_forward(x, changed, cfg, 0, {}, 1.0)[0] - base).max() > 0.1, name

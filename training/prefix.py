@@ -46,7 +46,7 @@ class PrefixFn:
 
 def numpy_prefix(weights: dict[str, np.ndarray], cfg: object, ids: np.ndarray, layer: int) -> np.ndarray:
     """Embedding and blocks 0..layer-1 (no LoRA) of the float32 student on ids [N, T]: float32 [N, T, H]."""
-    x = R.embedding_forward(weights["token_embd.weight"], np.asarray(ids).astype(np.intp))
+    x = R.embed(weights, cfg, np.asarray(ids).astype(np.intp))
     for block in range(layer):
         x = R.block_forward(x, weights, cfg, block, {}, 1.0)[0]
     return np.asarray(x, np.float32)

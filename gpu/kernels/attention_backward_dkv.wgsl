@@ -1,4 +1,4 @@
-// Causal GQA attention backward, pass 2: dK and dV per kv head, no atomics.
+// Causal (optionally sliding-window) GQA attention backward, pass 2: dK and dV per kv head, no atomics.
 // Workgroup = (block of BQ key rows, kv head g); thread = one key row j. The thread sums, in a fixed order
 // (query heads h of the group ascending, then queries i >= j ascending), with p = exp(s - L[h, i]):
 //   dV_j += p dO_i,   ds = p (dO_i . v_j - delta[h, i]),   dK_j += ds (q_i * scale).
@@ -43,7 +43,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             v[d] = V[row + d];
         }
     }
-    let n_tiles = (prm.T - j0 + BK - 1u) / BK;   // queries j0 .. T-1
+    // queries j0 .. T-1; with a window W, only those before j0 + BQ - 1 + W see a key of the block
+    var i_end = prm.T;
+    if (prm.window > 0u) {
+        i_end = min(prm.T, j0 + BQ - 1u + prm.window);
+    }
+    let n_tiles = (i_end - j0 + BK - 1u) / BK;
     for (var hh = 0u; hh < ratio; hh++) {
         let h = g * ratio + hh;
         for (var tile = 0u; tile < n_tiles; tile++) {
@@ -82,7 +87,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                         s += dot(Qs[ii * DV + d], k[d]);
                         dp += dot(dOs[ii * DV + d], v[d]);
                     }
-                    let p = select(exp(s - Ls[ii]), 0.0, i < j || i >= prm.T);
+                    let p = select(exp(s - Ls[ii]), 0.0, masked(i, j) || i >= prm.T);
                     let pv = vec4<f32>(p);
                     let ds = vec4<f32>(p * (dp - Ds[ii]));
                     for (var d = 0u; d < DV; d++) {

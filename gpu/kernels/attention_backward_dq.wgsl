@@ -1,4 +1,4 @@
-// Causal GQA attention backward, pass 1: dQ and the row term delta[h, i] = dO[i, h] . O[i, h].
+// Causal (optionally sliding-window) GQA attention backward, pass 1: dQ and the row term delta[h, i] = dO[i, h] . O[i, h].
 // Scores are recomputed tile by tile from the saved logsumexp L (p = exp(s - L)), never materialised:
 //   dp = dO_i . v_j,  ds = p (dp - delta_i),  dQ_i = scale * sum_j ds k_j   (keys in ascending order).
 // Same workgroup/thread layout, vec4 rows and key tiles as attention_forward.wgsl.
@@ -45,7 +45,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let n_keys = min(i0 + BQ, prm.T);
     let n_tiles = (n_keys + BK - 1u) / BK;
-    for (var tile = 0u; tile < n_tiles; tile++) {
+    for (var tile = first_key_tile(i0); tile < n_tiles; tile++) {
         let j0 = tile * BK;
         workgroupBarrier();
         stage_kv_tile(j0, g, lid);
@@ -58,7 +58,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     s += dot(q[d], Ks[jj * DV + d]);
                     dp += dot(go[d], Vs[jj * DV + d]);
                 }
-                let p = select(exp(s - lse), 0.0, j0 + jj > i);
+                let p = select(exp(s - lse), 0.0, masked(i, j0 + jj));
                 let ds = vec4<f32>(p * (dp - delta));
                 for (var d = 0u; d < DV; d++) {
                     dq[d] = fma(ds, Ks[jj * DV + d], dq[d]);

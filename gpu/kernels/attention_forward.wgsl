@@ -1,4 +1,4 @@
-// Causal GQA attention forward, flash style: O = softmax(Q K^T * scale) V with an online softmax over key
+// Causal (optionally sliding-window) GQA attention forward, flash style: O = softmax(Q K^T * scale) V with an online softmax over key
 // tiles, and the row logsumexp L[h, i] saved for the backward. Never forms the [heads, T, T] scores.
 // Workgroup = (block of BQ query rows, query head h); thread = one query row; the key/value tile of BK keys
 // (kv head h / (HQ / HKV)) is staged in workgroup memory and shared by the block. Scores use the pre-scaled
@@ -38,7 +38,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var l = 0.0;
     let n_keys = min(i0 + BQ, prm.T);   // keys 0 .. n_keys-1 are visible to some row of the block
     let n_tiles = (n_keys + BK - 1u) / BK;
-    for (var tile = 0u; tile < n_tiles; tile++) {
+    for (var tile = first_key_tile(i0); tile < n_tiles; tile++) {
         let j0 = tile * BK;
         workgroupBarrier();
         stage_kv_tile(j0, g, lid);
@@ -51,8 +51,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 for (var d = 0u; d < DV; d++) {
                     acc += dot(q[d], Ks[jj * DV + d]);
                 }
-                if (j0 + jj > i) {
-                    acc = NEG_BIG;   // causal mask
+                if (masked(i, j0 + jj)) {
+                    acc = NEG_BIG;   // causal / window mask
                 }
                 s[jj] = acc;
                 mt = max(mt, acc);
@@ -63,7 +63,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 o[d] *= corr;
             }
             for (var jj = 0u; jj < BK; jj++) {
-                let p = select(exp(s[jj] - mt), 0.0, j0 + jj > i);
+                let p = select(exp(s[jj] - mt), 0.0, masked(i, j0 + jj));
                 l += p;
                 for (var d = 0u; d < DV; d++) {
                     o[d] = fma(vec4<f32>(p), Vs[jj * DV + d], o[d]);

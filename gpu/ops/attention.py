@@ -1,5 +1,7 @@
 """Causal GQA attention, flash style: forward with a saved row logsumexp, backward recomputing the scores
-tile by tile (dQ pass, then a dK/dV pass per kv head that sums its query heads in a fixed order)."""
+tile by tile (dQ pass, then a dK/dV pass per kv head that sums its query heads in a fixed order). Optionally a
+sliding window (query i sees keys i - window < j <= i, model.reference.attention_mask) and a score scale other
+than 1/sqrt(D) (gemma3's query_pre_attn_scalar)."""
 
 from __future__ import annotations
 
@@ -32,16 +34,35 @@ def _check(t: int, hq: int, hkv: int, d: int) -> None:
         raise ValueError(f"attention: seq_len={t}, n_heads={hq} exceed the dispatch grid")
 
 
+def _params(t: int, hq: int, hkv: int, d: int, window: int, scale: float | None) -> bytes:
+    if window < 0:
+        raise ValueError(f"attention: window={window} must be >= 0")
+    return pack(t, hq, hkv, float(1.0 / math.sqrt(d) if scale is None else scale), window, 0, 0, 0)
+
+
 def attention_forward(
-    dev: Device, q: Any, k: Any, v: Any, out: Any, lse: Any, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int
+    dev: Device,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    seq_len: int,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    *,
+    window: int = 0,
+    scale: float | None = None,
 ) -> None:
-    """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v; lse [Hq, T] (f32) saved for the backward.
-    q [T, Hq, D]; k, v [T, Hkv, D]; query head h reads kv head h // (Hq // Hkv)."""
+    """out [T, Hq, D] = masked softmax(scale q k^T) v (scale: 1/sqrt(D) by default; the mask: causal, and the
+    sliding `window` when > 0); lse [Hq, T] (f32) saved for the backward. q [T, Hq, D]; k, v [T, Hkv, D]; query
+    head h reads kv head h // (Hq // Hkv)."""
     t, hq, hkv, d = seq_len, n_heads, n_kv_heads, head_dim
     _check(t, hq, hkv, d)
     check_tensors(t, hq, hkv, d, q=q, k=k, v=v, out=out, lse=lse)
     pipe = pipeline(dev, "attention_forward", head_dim=d)
-    params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
+    params = _params(t, hq, hkv, d, window, scale)
     dev.dispatch(pipe, [params, q, k, v, out, lse], (math.ceil(t / ATTENTION_ROWS), hq))
 
 
@@ -61,15 +82,18 @@ def attention_backward(
     n_kv_heads: int,
     head_dim: int,
     delta: Any = None,
+    *,
+    window: int = 0,
+    scale: float | None = None,
 ) -> None:
-    """(dq, dk, dv) of attention_forward given dout, the forward's out and lse. `delta` is an [Hq, T] f32
-    scratch (allocated when None; pass one to keep bind groups cached across steps)."""
+    """(dq, dk, dv) of attention_forward (same window and scale) given dout, the forward's out and lse. `delta`
+    is an [Hq, T] f32 scratch (allocated when None; pass one to keep bind groups cached across steps)."""
     t, hq, hkv, d = seq_len, n_heads, n_kv_heads, head_dim
     if delta is None:
         delta = dev.buffer(hq * t * 4, label="attention delta")
     _check(t, hq, hkv, d)
     check_tensors(t, hq, hkv, d, dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv, delta=delta)
-    params = pack(t, hq, hkv, 1.0 / math.sqrt(d))
+    params = _params(t, hq, hkv, d, window, scale)
     pipe = pipeline(dev, "attention_backward_dq", head_dim=d)
     dev.dispatch(pipe, [params, q, k, v, out, dout, lse, dq, delta], (math.ceil(t / ATTENTION_ROWS), hq))
     pipe = pipeline(dev, "attention_backward_dkv", head_dim=d)

@@ -44,10 +44,11 @@ class RopeTable:
         return cls(dev.upload(cs, label=f"rope cos/sin D={head_dim}"), head_dim, float(base), n_positions, neox)
 
     @classmethod
-    def for_model(cls, dev: Device, cfg: ModelConfig, n_positions: int) -> RopeTable:
-        """The table of a model's RoPE (its base, Llama 3 factors and pair layout)."""
-        factors, neox = cfg.rope_freq_factors, cfg.rope_type == "neox"
-        return cls.build(dev, cfg.head_dim, cfg.rope_base, n_positions, factors=factors, neox=neox)
+    def for_model(cls, dev: Device, cfg: ModelConfig, n_positions: int, layer: int | None = None) -> RopeTable:
+        """The table of a model's RoPE for block `layer` (None: a global block), base and factors as
+        ModelConfig.rope_of gives them (Llama 3 or linear scaling, gemma3's sliding blocks' own base)."""
+        base, factors = cfg.rope_of(layer)
+        return cls.build(dev, cfg.head_dim, base, n_positions, factors=factors, neox=cfg.rope_type == "neox")
 
 
 def _rope(
