@@ -133,7 +133,7 @@ def test_numpy_engine_kd_and_top1_on_shard_batches(shards: tuple[Path, pa.Table]
     out, tokens = shards
     ids = np.stack(tokens.column("input_ids").to_numpy(zero_copy_only=False)).astype(np.int64)
     mask = np.stack(tokens.column("loss_mask").to_numpy(zero_copy_only=False)).astype(np.uint8)
-    split = Split(np.arange(N_SEQ), ids, mask)
+    split = Split(np.arange(N_SEQ), ids, mask, ids.shape[1])
     batch = kd_batch(split, np.array([1, 2]), 2, S.TopkReader(out), K)
     assert batch.teacher_ids[batch.mask != 0].max() >= HIGH
     loss_cfg = LossConfig("forward_kl", tau=TAU, use_tail=True, ce_weight=0.25)
