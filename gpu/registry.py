@@ -135,6 +135,7 @@ KERNELS: dict[str, Kernel] = {
     "to_bf16": Kernel(("elementwise", "to_bf16")),
     "from_bf16": Kernel(("elementwise", "from_bf16")),
     "scale": Kernel(("elementwise", "scale")),
+    "lora_group_sum": Kernel(("elementwise", "lora_group_sum"), {"acc": BOOLS}),
     "swiglu_forward": Kernel(
         ("swiglu_forward", "elementwise"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
     ),

@@ -38,6 +38,7 @@ from typing import ClassVar
 import numpy as np
 from gguf import GGMLQuantizationType
 
+QK = 32  # elements per block of Q4_0 .. Q8_0, and per sub-block (one scale and min) of Q4_K / Q5_K
 QK_K = 256
 _GROUP_MAX_EPS = np.float32(1e-15)
 
