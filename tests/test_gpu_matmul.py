@@ -41,7 +41,9 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("orient", ["nt", "nn"])
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name
+)
 def test_matmul_matches_dequantized_reference(dev: Device, qtype: T, orient: str) -> None:
     rng = np.random.default_rng([qtype.value, orient == "nt"])
     k = 512 if qtype in (T.Q4_K, T.Q6_K) else 160  # 5 blocks a row: odd rows of Q4_0 are not 4-aligned
