@@ -301,6 +301,13 @@ def print_report(summary: dict[str, Any], workdir: Path) -> None:
                 f"KL {base['kl']:.4f} → {best['kl']:.4f} ({abs(pct):.1f}% {direction}), "
                 f"top-1 {100 * base['top1']:.1f}% → {100 * best['top1']:.1f}%"
             )
+        from stages.evaluate import gain_kept, gain_note
+
+        merged = summary.get("merged")
+        kept = None if merged is None or best is None else gain_kept(base["kl"], best["kl"], merged["kl"])
+        note = gain_note(kept, summary.get("lora_kind", "plain"))
+        if note:
+            console.print(f"[bold yellow]{note}[/]" if "Warning" in note else note)
     stages = summary["stages"]
     console.print(f"ran: {', '.join(stages['ran']) or 'nothing (all cached)'}")
     console.print(f"cached: {', '.join(stages['cached']) or 'nothing'}")

@@ -161,3 +161,45 @@ def test_merge_refuses_a_plain_adapter_for_folding(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not constant over groups of 32"):
         merge_adapter(base, adapter, 1.0, tmp_path / "m.gguf", fold=True)
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_gain_kept_and_its_warning() -> None:
+    """The demo's measured plain merge (issue 23): KL 0.2211 -> 0.1326 with the adapter, 0.2147 merged: 7 %."""
+    from stages.evaluate import gain_kept, gain_note
+
+    kept = gain_kept(0.2211, 0.1326, 0.2147)
+    assert kept == pytest.approx(0.0723, abs=1e-4)
+    note = gain_note(kept, "plain")
+    assert note is not None and note.startswith("The merged GGUF keeps 7% of") and "Warning" in note
+    assert "lora.kind mergeable" in note
+    fine = gain_note(gain_kept(0.2211, 0.1326, 0.1330), "mergeable")
+    assert fine == "The merged GGUF keeps 100% of the adapter's held-out KL gain."
+    assert gain_kept(0.2, 0.25, 0.2) is None and gain_note(None, "plain") is None
+
+
+def test_report_prints_the_gain_a_merge_keeps(capsys: pytest.CaptureFixture[str]) -> None:
+    from flows.cli import print_report
+
+    def ev(kl: float, epoch: int | None = None) -> dict:
+        return {"kl": kl, "top1": 0.7, "ce": 3.5, "ppl": 33.0, "epoch": epoch}
+
+    summary = {
+        "baseline": ev(0.2211),
+        "evals": [ev(0.1326, 0)],
+        "best_epoch": 0,
+        "best": ev(0.1326, 0),
+        "merged": ev(0.2147),
+        "lora_kind": "plain",
+        "stages": {"ran": [], "cached": []},
+        "mlflow": {"run_id": "r", "tracking_uri": "sqlite:///x.db", "url": "http://127.0.0.1:5000/#/r"},
+        "seconds": 1.0,
+        "flow_run_name": "n",
+        "flow_run_id": "abc",
+        "prefect_url": None,
+    }
+    print_report(summary, Path("/w"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "merged GGUF" in out and "keeps 7% of the adapter's held-out KL gain. Warning: less than 50%" in out
+    print_report({**summary, "merged": ev(0.1330), "lora_kind": "mergeable"}, Path("/w"))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "keeps 100% of the adapter's held-out KL gain." in out and "Warning" not in out
