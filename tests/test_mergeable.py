@@ -310,3 +310,24 @@ def test_config_and_spec(tmp_path) -> None:
         EngineSpec.from_run(cfg, odd, T)
     with pytest.raises(Exception, match="lora.kind"):
         load_config(None, [*base, "lora.kind=qalora"])
+
+
+@pytest.mark.tensorcore
+def test_tensorcore_student_projects_da() -> None:
+    """precision tensorcore (f16 operands in the frozen GEMMs; LoRA's products and the projection stay f32): dA is
+    group-constant and within the tensor-core tolerance of the numpy engine's. Runs on the H200 only."""
+    from tests.gpu_fixtures import tensor_core_device_or_skip
+
+    dev = tensor_core_device_or_skip()
+    rng = np.random.default_rng(24)
+    w = _weights(24)
+    adapter, batch = _mergeable_adapter(CFG, GROUP, 25, LAYERS), _batch(rng, 1.0)
+    cpu, gpu = _engine(w, lora_group=GROUP), _gpu(dev, w, lora_group=GROUP, precision="tensorcore")
+    for st in (cpu, gpu):
+        st.set_adapter(adapter)
+        _write(st, batch, LOSS)
+        st.loss_and_grads()
+    want, got = cpu.get_grads(), gpu.get_grads()
+    for key, pair in got.items():
+        R.check_group_constant(pair.A, GROUP, f"tensor-core dA {key}")
+        assert _rel(pair.A, want[key].A) < 2e-2 and _rel(pair.B, want[key].B) < 2e-2
