@@ -77,6 +77,9 @@ def _q4_k_as_q4_1(blocks: np.ndarray, dg: np.ndarray) -> np.ndarray:
     offset = (-(dmin * m.astype(np.float32))).reshape(-1).astype(np.float64) + dg
     q = blocks[:, 16:].reshape((n, 4, 1, 32)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
     q = (q & np.uint8(0x0F)).reshape((n * 8, 32))
+    # d1 rounded to f16 moves every value by (d1' - d1) q: the offset takes back its mean over the block's codes
+    d1 = _f16(scale).view(np.float16).astype(np.float64).reshape(-1)
+    offset -= (d1 - scale) * q.mean(axis=1)
     return np.concatenate([_f16(scale), _f16(offset), _pack_nibbles(q)], axis=-1)
 
 
