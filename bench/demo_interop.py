@@ -59,8 +59,9 @@ METRIC = LossConfig("forward_kl", tau=1.0, use_tail=True)
 LLAMA_CPP_KL_TOL = 0.01
 
 
-def run_files(config: Path) -> dict[str, Path]:
-    """The run's student GGUF, token folder, top-k folder and newest export folder, found by the stage keys."""
+def run_files(config: Path, export: Path | None = None) -> dict[str, Path]:
+    """The run's student GGUF, token folder, top-k folder and export folder (`export`, else the newest), found by
+    the stage keys."""
     cfg = load_config(config)
     root = workdir(cfg)
     token_dir = stage_dir(cfg, stages.tokenize.FOLDER, stages.tokenize.KEY.key(cfg, {}))
@@ -76,7 +77,7 @@ def run_files(config: Path) -> dict[str, Path]:
         "student": stages.student.student_file(cfg, stages.student.KEY.key(cfg, {})),
         "tokens": token_dir,
         "topk": topk_dir,
-        "export": exports[-1],
+        "export": exports[-1] if export is None else export,
     }
 
 
@@ -236,8 +237,9 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers/peft (only the GGUF LoRA)")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="PYTHON", help="python with llama-cpp-python")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--export", type=Path, default=None, help="the export folder (default: the newest)")
     args = p.parse_args()
-    files = run_files(args.config)
+    files = run_files(args.config, args.export)
     data = heldout(files)
     out: dict[str, object] = {"what": "demo_interop", "files": {k: str(v) for k, v in files.items()}}
     if not args.no_hf:
