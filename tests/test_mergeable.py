@@ -331,3 +331,59 @@ def test_tensorcore_student_projects_da() -> None:
     for key, pair in got.items():
         R.check_group_constant(pair.A, GROUP, f"tensor-core dA {key}")
         assert _rel(pair.A, want[key].A) < 2e-2 and _rel(pair.B, want[key].B) < 2e-2
+
+
+# ---------------------------------------------------------------- the stages
+
+
+def test_stages_train_resume_fold_and_evaluate(tmp_path) -> None:
+    """lora.kind mergeable through the stages on the tiny model (Q4_0 student): the initial and trained A are
+    group-constant, a run interrupted after a checkpoint resumes to the same adapter bytes, the export folds
+    (Q4_0 -> Q4_1) and the merged GGUF evaluates like the adapter."""
+    import stages.evaluate
+    import stages.export
+    import stages.student
+    import stages.teacher
+    import stages.tokenize
+    import stages.train
+    from data.checkpoint import load_checkpoint
+    from model.gguf import GGUFFile
+    from schemas.config import RunConfig
+    from tests.pipeline_fixtures import tiny_config
+
+    device_or_skip()
+
+    def chain(root):
+        cfg = RunConfig.model_validate(tiny_config(root, lora={"kind": "mergeable"}, train={"epochs": 1}))
+        tokens = stages.tokenize.run(cfg)
+        return cfg, tokens, stages.student.run(cfg), stages.teacher.run(cfg, tokens)
+
+    cfg, tokens, student, teacher = chain(tmp_path / "a")
+    whole = stages.train.run(cfg, student, tokens, teacher)
+    cfg_b, tokens_b, student_b, teacher_b = chain(tmp_path / "b")
+
+    class Crash(RuntimeError):
+        pass
+
+    def crash(rec: object) -> None:
+        if rec.step == 3:  # type: ignore[attr-defined]
+            raise Crash
+
+    with pytest.raises(Crash):
+        stages.train.run(cfg_b, student_b, tokens_b, teacher_b, on_step=crash)
+    resumed = stages.train.run(cfg_b, student_b, tokens_b, teacher_b)
+    a_bytes = whole[-1].adapter.verify(tmp_path / "a").read_bytes()
+    assert resumed[-1].adapter.verify(tmp_path / "b").read_bytes() == a_bytes
+    adapter, _, _ = load_checkpoint(whole[-1].path_in(tmp_path / "a"))
+    _assert_group_constant(adapter, MERGE_GROUP)
+    assert any(np.any(p.B != 0) for p in adapter.values())
+
+    best = stages.evaluate.run(cfg, student, tokens, teacher, whole[-1])
+    base = stages.evaluate.run(cfg, student, tokens, teacher)
+    exported = stages.export.run(cfg, student, whole[-1])
+    assert exported.merged is not None and exported.merge_report["fold"] == 1.0
+    assert exported.merge_report["file_bytes"] < 1.15 * exported.merge_report["base_file_bytes"]
+    with GGUFFile(exported.merged.resolve(tmp_path / "a")) as f:
+        assert f.info("blk.0.attn_q.weight").type_name == "Q4_1" and f.info("blk.0.attn_k.weight").type_name == "Q4_0"
+    merged = stages.evaluate.run_merged(cfg, exported.merged, tokens, teacher)
+    assert abs(merged.kl - best.kl) < 0.01 * abs(base.kl - best.kl) + 1e-6, (base.kl, best.kl, merged.kl)
