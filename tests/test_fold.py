@@ -203,3 +203,36 @@ def test_report_prints_the_gain_a_merge_keeps(capsys: pytest.CaptureFixture[str]
     print_report({**summary, "merged": ev(0.1330), "lora_kind": "mergeable"}, Path("/w"))
     out = " ".join(capsys.readouterr().out.split())
     assert "keeps 100% of the adapter's held-out KL gain." in out and "Warning" not in out
+
+
+def test_report_md_has_the_merged_row_and_the_gain_kept(tmp_path: Path) -> None:
+    from schemas.config import load_config
+    from tasks.tracking import render_report
+
+    cfg = load_config(
+        None, ["model.student=s.gguf", "model.teacher=t.gguf", f"data.path={tmp_path}", "lora.kind=mergeable"]
+    )
+
+    def ev(kl: float, epoch: int | None = None) -> dict:
+        return {"kl": kl, "top1": 0.7, "ce": 3.5, "ppl": 33.0, "epoch": epoch}
+
+    merge = {"merged": 210.0, "error_rms": 1e-4, "error_max": 2e-3, "delta_rms": 1e-3, "fold": 1.0,
+             "file_bytes": 98362432.0, "base_file_bytes": 91726912.0}  # fmt: skip
+    summary = {
+        "flow_run_name": "n",
+        "baseline": ev(0.2211),
+        "evals": [ev(0.1282, 0)],
+        "best_epoch": 0,
+        "best": ev(0.1282, 0),
+        "merged": ev(0.1283),
+        "merged_gain_kept": 0.9995,
+        "stages": {"ran": [], "cached": []},
+        "files": {"merged": "export/k/merged.gguf"},
+        "export": {"merge_report": merge},
+        "mlflow": {"run_id": "r", "tracking_uri": "sqlite:///x.db", "url": "u"},
+        "flow_run_id": "abc",
+    }
+    text = render_report(cfg, summary)
+    assert "| merged GGUF | 0.1283 |" in text
+    assert "The merged GGUF keeps 100% of the adapter's held-out KL gain." in text and "Warning" not in text
+    assert "(folded, merge error rms 0.0001, 1.072x the student's size)" in text
