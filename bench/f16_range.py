@@ -18,9 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from gpu.objectives import GpuKd
-from model.engine_spec import EngineSpec, KdBatch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 F16_MAX = 65504.0
@@ -28,13 +25,9 @@ F16_MIN_NORMAL = 6.103515625e-05
 
 
 def main() -> None:
-    from bench.train_step import _teacher_batch
+    from bench.train_step import kd_student
     from gpu.device import BufferView, Device
     from gpu.model import ModelWeights
-    from gpu.student import GPUStudent
-    from model import reference
-    from model.config import LORA_TARGETS
-    from model.kd import LossConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
@@ -46,26 +39,7 @@ def main() -> None:
     args = p.parse_args()
     dev = Device()
     weights = ModelWeights.from_gguf(dev, args.gguf)
-    cfg = weights.cfg
-    b, t, k = args.batch, args.seq, args.top_k
-    st = GPUStudent(
-        dev,
-        weights,
-        EngineSpec(
-            weights.cfg,
-            targets=LORA_TARGETS,
-            r=args.rank,
-            alpha=2 * args.rank,
-            batch=b,
-            seq_len=t,
-            precision=args.precision,
-        ),
-        GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k),
-    )
-    st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
-    ids, tids = _teacher_batch(cfg.vocab, b, t, k, np.random.default_rng(0))
-    tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
-    st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
+    st, _ = kd_student(dev, weights, args, np.random.default_rng(0))
     stats: dict[tuple[str, str], dict[str, float]] = defaultdict(
         lambda: {"max": 0.0, "over": 0, "subnormal": 0, "nonfinite": 0}
     )

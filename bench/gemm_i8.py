@@ -4,12 +4,15 @@ GEMM and int8 torch._int_mm from the same process.
     python bench/gemm_i8.py                                   # the Llama-3-8B projection shapes, preset tile
     python bench/gemm_i8.py --shapes 4096x4096x4096 --chunks 0,256 --sweep "4,2,4,2,64,2;2,2,4,4,64,2"
     python bench/gemm_i8.py --probes                          # the preset without MMAs / staging / scaling
+    python bench/gemm_i8.py --orient nn --shapes 4096x4096x4096,4096x4096x1024,4096x4096x14336,4096x14336x4096
 
 Each row: C[M, N] = A[M, K] . W[N, K]^T over int8 codes with one f32 scale per row and chunk of K (--chunks;
 0 = one chunk, i.e. per-row scales), TOPS = 2 M N K / time (wall: median of 3 windows of calls recorded in
 one step; gpu_tops: timestamp queries, median of 5), max_rel_err against model/int8.py's float64 reference on
 the same codes over 8 sampled rows. quantize rows: the activation quantizer (gpu/kernels/quantize_i8.wgsl)
-on M x K f32, in GB/s of f32 read. --sweep tiles: 'sg_m,sg_n,tm,tn,bk,fm[,pad,group_m]'.
+on M x K f32, in GB/s of f32 read. --orient nn times the input-gradient GEMM instead: C[M, N] = A[M, K] . W[K, N]
+with W's codes stored [K, N] (a weight read by columns) and one f32 scale per column of C.
+--sweep tiles: 'sg_m,sg_n,tm,tn,bk,fm[,pad,group_m]'.
 """
 
 from __future__ import annotations
@@ -62,15 +65,29 @@ def random_i8(dev: Device, rows: int, k: int, chunk: int, rng: np.random.Generat
 
 
 def time_gemm_i8(
-    dev: Device, m: int, n: int, k: int, chunk: int, cfg: I8Config, rng: np.random.Generator, check: bool = True
+    dev: Device,
+    m: int,
+    n: int,
+    k: int,
+    chunk: int,
+    cfg: I8Config,
+    rng: np.random.Generator,
+    check: bool = True,
+    orient: str = "nt",
 ) -> dict[str, Any]:
     chunk = chunk or k
     a, (ac, asc) = random_i8(dev, m, k, chunk, rng)
-    w, (wc, wsc) = random_i8(dev, n, k, chunk, rng)
+    if orient == "nt":
+        w, (wc, wsc) = random_i8(dev, n, k, chunk, rng)
+        col = None
+    else:  # W [K, N]: one "chunk" per row of W; the column scales take the place of W's
+        w, (wc, _) = random_i8(dev, k, n, n, rng)
+        wsc = (rng.uniform(0.5, 1.5, size=n) / 127).astype(np.float32)
+        col = dev.upload(wsc)
     c = dev.buffer(4 * m * n)
 
     def call() -> None:
-        gemm_i8(dev, a, w, c, cfg=cfg)
+        gemm_i8(dev, a, w, c, orient=orient, col_scales=col, cfg=cfg)
 
     timing = time_calls(dev, call, 0.25)
     ops = 2.0 * m * n * k
@@ -79,6 +96,7 @@ def time_gemm_i8(
         "n": n,
         "k": k,
         "chunk": chunk,
+        "orient": orient,
         "cfg": cfg.label,
         "ms": round(timing["seconds"] * 1e3, 4),
         "tops": round(ops / timing["seconds"] / 1e12, 1),
@@ -90,7 +108,10 @@ def time_gemm_i8(
     if check and not cfg.probe:
         rows = np.sort(rng.choice(m, size=min(8, m), replace=False))
         got = np.stack([dev.read(c, np.float32, (n,), offset=int(i) * n * 4) for i in rows]).astype(np.float64)
-        ref = gemm_i8_reference(ac[rows], asc[rows], wc, wsc)
+        if orient == "nt":
+            ref = gemm_i8_reference(ac[rows], asc[rows], wc, wsc)
+        else:
+            ref = (ac[rows].astype(np.float64) * asc[rows]) @ wc.astype(np.float64) * wsc.astype(np.float64)
         row["max_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
     return row
 
@@ -116,6 +137,7 @@ def main() -> None:
     ap.add_argument("--chunks", default="0,256", help="codes per scale along K (0: one per row), comma-separated")
     ap.add_argument("--sweep", default="", help="tiles 'sg_m,sg_n,tm,tn,bk,fm;...' (default: the preset)")
     ap.add_argument("--probes", action="store_true", help="also the preset without MMAs / staging / scaling")
+    ap.add_argument("--orient", default="nt", choices=("nt", "nn"), help="forward (nt) or input-gradient (nn) GEMM")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     dev = Device("dawn")
@@ -123,7 +145,7 @@ def main() -> None:
     if problem:
         raise SystemExit(f"bench/gemm_i8.py: {problem}")
     shapes = parse_shapes(args.shapes)
-    chunks = [int(x) for x in args.chunks.split(",") if x]
+    chunks = [int(x) for x in args.chunks.split(",") if x] if args.orient == "nt" else [0]
     cfgs = [parse_cfg(t) for t in args.sweep.split(";") if t] or [I8_TILE]
     rng = np.random.default_rng(0)
     emit(device=dev.adapter.summary, preset=I8_TILE.label)
@@ -131,13 +153,13 @@ def main() -> None:
         for chunk in chunks:
             for cfg in cfgs:
                 try:
-                    emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng))
+                    emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng, orient=args.orient))
                 except Exception as e:  # noqa: BLE001 - one tile's failure leaves the others' figures
                     emit(m=m, n=n, k=k, chunk=chunk, cfg=cfg.label, error=str(e)[-400:])
             if args.probes:
                 for probe in PROBES[1:]:
                     cfg = I8Config(**{**I8_TILE.__dict__, "probe": probe})
-                    emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng, check=False))
+                    emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng, check=False, orient=args.orient))
         for chunk in chunks:
             emit(**time_quantize(dev, m, k, chunk, rng))
     if not args.no_torch:

@@ -51,6 +51,14 @@ from gpu.weights import random_blocks, upload_quant  # noqa: E402
 PROJECTIONS = [(4096, 5632, 2048), (4096, 2048, 5632), (4096, 256, 2048)]  # (M, N, K): 2048->5632, ...
 
 
+def dawn_device(toggles_arg: str) -> tuple[Device, list[str], str | None]:
+    """(Dawn device with the comma-separated toggles enabled, the toggles, why it has no tensor cores or None)."""
+    toggles = [t for t in toggles_arg.split(",") if t]
+    use_dawn_toggles(toggles)
+    dev = Device(backend="dawn")
+    return dev, toggles, tensor_core_problem(dev)
+
+
 def use_dawn_toggles(toggles: list[str]) -> None:
     """Make the next Dawn devices of this process enable `toggles` (e.g. disable_robustness): an experiment
     only, since a toggle applies to every kernel of the device."""
@@ -260,10 +268,7 @@ def main() -> None:
     ap.add_argument("--toggles", default="", help="Dawn device toggles to enable, e.g. disable_robustness")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
-    toggles = [t for t in args.toggles.split(",") if t]
-    use_dawn_toggles(toggles)
-    dev = Device(backend="dawn")
-    problem = tensor_core_problem(dev)
+    dev, toggles, problem = dawn_device(args.toggles)
     if problem is not None:
         print(json.dumps({"bench": "gemm_tc", "error": problem}))
         sys.exit(1)

@@ -7,7 +7,8 @@ through it reaches a held-out KL within 2 % of the f16 tensor-core path's, same 
 Tokenize, student and teacher run once through the stage library (cached in the workdir by their content keys)
 and their manifests are written to <workdir>/prepared.json; `--until teacher` stops there. On another machine
 (the GPU one) `--prepared <workdir>/prepared.json` reads them instead, so only the workdir's student GGUF, token
-and teacher shards travel (not the model files the keys hash). Train and evaluate run per precision
+and teacher shards travel (not the model files the keys hash), and that machine needs neither `datasets` nor
+the tokenizer. Train and evaluate run per precision
 (train.precision is in both stages' keys: each precision has its own checkpoints and evaluations).
 Rows: per precision the baseline's and each epoch's held-out KL, top-1 agreement and CE, and the best epoch;
 last, each precision's best KL relative to the first precision's (`kl_vs_first`: the gate is |x| <= 0.02).
@@ -26,9 +27,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stages.evaluate  # noqa: E402
-import stages.student  # noqa: E402
-import stages.teacher  # noqa: E402
-import stages.tokenize  # noqa: E402
 import stages.train  # noqa: E402
 from schemas.config import RunConfig, load_config  # noqa: E402
 from schemas.manifests import EvalManifest, StudentManifest, TeacherManifest, TokenizeManifest  # noqa: E402
@@ -51,6 +49,10 @@ def prepare(cfg: RunConfig, prepared: str | None) -> dict[str, Any]:
     if prepared:
         data = json.loads(Path(prepared).read_text())
         return {name: cls.model_validate(data[name]) for name, cls in PREPARED.items()}
+    import stages.student  # the first stages (and their `datasets`) only where they run
+    import stages.teacher
+    import stages.tokenize
+
     tokens = stages.tokenize.run(cfg)
     out = {"tokens": tokens, "student": stages.student.prepare(cfg), "teacher": stages.teacher.run(cfg, tokens)}
     path = workdir(cfg) / "prepared.json"

@@ -35,11 +35,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.gemm_tc import gpu_time, time_calls, time_gemm, torch_tflops, use_dawn_toggles  # noqa: E402
+from bench.gemm_tc import dawn_device, gpu_time, time_calls, time_gemm, torch_tflops  # noqa: E402
 from gpu.codegen_attention_tc import LEFT, RESULT, RIGHT  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops.common import pack  # noqa: E402
-from gpu.ops.matmul_tc import pick_config, tensor_core_problem  # noqa: E402
+from gpu.ops.matmul_tc import pick_config  # noqa: E402
 
 MMA_FLOP = 2 * 16 * 16 * 16  # one 16 x 16 x 16 multiply-accumulate
 A_SOURCES = ("registers", "workgroup", "storage")
@@ -222,10 +222,7 @@ def main() -> None:
     ap.add_argument("--toggles", default="", help="Dawn device toggles to enable, e.g. disable_robustness")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
-    toggles = [t for t in args.toggles.split(",") if t]
-    use_dawn_toggles(toggles)
-    dev = Device("dawn")
-    problem = tensor_core_problem(dev)
+    dev, toggles, problem = dawn_device(args.toggles)
     print(
         json.dumps({"adapter": dev.adapter.summary, "tensor_cores": problem or "yes", "toggles": toggles}), flush=True
     )

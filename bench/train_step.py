@@ -73,7 +73,7 @@ SHAPES = {
     ),
     "tiny": ModelConfig(n_layers=2, hidden=256, ffn=512, n_heads=4, n_kv_heads=2, vocab=1000, context_length=256),
 }
-SIDES = ("ours", "hf-bf16", "hf-fp32")
+SIDES = ("ours", "hf-bf16", "hf-fp32", "hf-qlora")
 INIT_STD = 0.02  # projections and embeddings of real checkpoints (HF's initializer_range)
 _F16_SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
 
@@ -168,47 +168,43 @@ def _teacher_batch(vocab: int, b: int, t: int, k: int, rng: np.random.Generator)
 
 
 # ---- ours ---------------------------------------------------------------------------------------------------
-def bench_ours(args: argparse.Namespace) -> None:
-    from gpu.device import Device
-    from gpu.model import ModelWeights
-    from gpu.profile import Profiler
+def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
+    """The bench's KD student on `weights` (LoRA r = args.rank on all 7 projections, alpha 2r, args.precision) with
+    a random batch of args.batch x args.seq written (top-args.top_k teacher, forward KL with the tail); and its ids."""
     from gpu.student import GPUStudent
-    from gpu.teacher import GPUTeacher
     from model import reference
     from model.kd import LossConfig
 
-    dev = Device(args.backend)
-    rng = np.random.default_rng(0)
-    t0 = time.perf_counter()
-    int8_only = args.precision == "int8" and not args.keep_ggml  # the projections as int8 codes only
-    if args.gguf:
-        weights = ModelWeights.from_gguf(dev, args.gguf)
-        if int8_only:
-            weights.to_int8(dev)
-    else:
-        cfg = SHAPES[args.shape]
-        weights = ModelWeights.upload(dev, cfg, random_tensors(cfg, Q[args.quant], rng), int8=int8_only)
-    cfg = weights.cfg
-    emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
-    b, t, k = args.batch, args.seq, args.top_k
-    st = GPUStudent(
-        dev,
-        weights,
-        EngineSpec(
-            weights.cfg,
-            targets=LORA_TARGETS,
-            r=args.rank,
-            alpha=2 * args.rank,
-            batch=b,
-            seq_len=t,
-            precision=args.precision,
-        ),
-        GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k),
+    cfg, b, t, k = weights.cfg, args.batch, args.seq, args.top_k
+    spec = EngineSpec(
+        cfg, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, precision=args.precision
     )
+    st = GPUStudent(dev, weights, spec, GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k))
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
     ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
     st.write_batch(KdBatch(ids, np.roll(ids, -1, 1), np.ones((b, t)), tids, tlp, np.full((b, t), 0.1, np.float32)))
+    return st, ids
+
+
+def bench_ours(args: argparse.Namespace) -> None:
+    from gpu.device import Device
+    from gpu.model import ModelWeights
+    from gpu.profile import Profiler
+    from gpu.teacher import GPUTeacher
+
+    dev = Device(args.backend)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    if args.gguf:
+        weights = ModelWeights.from_gguf(dev, args.gguf)
+    else:
+        cfg = SHAPES[args.shape]
+        weights = ModelWeights.upload(dev, cfg, random_tensors(cfg, Q[args.quant], rng))
+    cfg = weights.cfg
+    emit(what="upload", side="ours", seconds=round(time.perf_counter() - t0, 2), weight_bytes=weights.nbytes)
+    b, t, k = args.batch, args.seq, args.top_k
+    st, ids = kd_student(dev, weights, args, rng)
     losses: list[float] = []
 
     def step() -> None:
@@ -264,9 +260,9 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "qlora": torch.bfloat16}[dtype_name]
     t0 = time.perf_counter()
-    model = _hf_model(args, dtype)
+    model = _hf_qlora_model(args) if dtype_name == "qlora" else _hf_model(args, dtype)
     cfg = model.config
     emit(what="upload", side=f"hf-{dtype_name}", seconds=round(time.perf_counter() - t0, 2))
     b, t, k = args.batch, args.seq, args.top_k
@@ -337,7 +333,7 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
     emit(what="own_memory", side=f"hf-{dtype_name}", own_peak_bytes=torch.cuda.max_memory_allocated())
 
 
-def _hf_model(args: argparse.Namespace, dtype: Any) -> Any:
+def _hf_model(args: argparse.Namespace, dtype: Any, device: str = "cuda") -> Any:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -354,7 +350,7 @@ def _hf_model(args: argparse.Namespace, dtype: Any) -> Any:
             save_model(model, str(cache / "model.safetensors"))
         else:
             model = AutoModelForCausalLM.from_pretrained(str(cache), dtype=torch.float32)
-        return model.to("cuda", dtype)
+        return model.to(device, dtype)
     cfg = SHAPES[args.shape]
     hf = LlamaConfig(
         vocab_size=cfg.vocab,
@@ -368,8 +364,43 @@ def _hf_model(args: argparse.Namespace, dtype: Any) -> Any:
         rope_theta=cfg.rope_base,
         initializer_range=INIT_STD,
     )
-    with torch.device("cuda"):
-        return LlamaForCausalLM(hf).to(dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # initialised in the target dtype (an 8B model in f32 is 32 GB)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(hf)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _hf_qlora_model(args: argparse.Namespace) -> Any:
+    """QLoRA's base model: every decoder-layer Linear as bitsandbytes NF4 with double quantization (blocks of 64,
+    the absmax constants quantized again), bf16 compute; embeddings, norms and the head bf16. Built in bf16 on
+    the host and quantized one projection at a time as it moves to the GPU, so the GPU never holds the bf16
+    projections (peft's prepare_model_for_kbit_training is not applied: it would upcast the embeddings and the
+    head to fp32)."""
+    import bitsandbytes as bnb
+    import torch
+
+    model = _hf_model(args, torch.bfloat16, device="cpu")
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, lin in list(parent.named_children()):
+                if not isinstance(lin, torch.nn.Linear):
+                    continue
+                q = bnb.nn.Linear4bit(
+                    lin.in_features,
+                    lin.out_features,
+                    bias=lin.bias is not None,
+                    compute_dtype=torch.bfloat16,
+                    compress_statistics=True,
+                    quant_type="nf4",
+                )
+                q.weight = bnb.nn.Params4bit(
+                    lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
+                )
+                setattr(parent, name, q.to("cuda"))
+    return model.to("cuda")
 
 
 # ---- one process per side, memory sampled from here ------------------------------------------------------------
@@ -391,8 +422,9 @@ def run_sides(args: argparse.Namespace, argv: list[str]) -> None:
             except json.JSONDecodeError:
                 print(line, flush=True)
                 return
-            if row.get("what") in ("train_step", "teacher_topk", "own_memory"):
-                row["gpu_mem_peak_bytes"] = poller.peak_bytes()  # process peak so far (train first, then teacher)
+            if row.get("what") in ("upload", "train_step", "teacher_topk", "own_memory"):
+                # process peak so far (upload, then training, then the teacher)
+                row["gpu_mem_peak_bytes"] = poller.peak_bytes()
                 row["gpu_mem_how"] = poller.how
             rows[(side, row.get("what", ""))] = row
             print(json.dumps(row), flush=True)
@@ -437,7 +469,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
     p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer GEMMs) or auto")
-    p.add_argument("--keep-ggml", action="store_true", help="int8: keep the GGML projections beside the int8 codes")
+    p.add_argument(
+        "--int8-head", choices=("on", "off"), default="on", help="int8: the LM head on the integer GEMM too (off: f16)"
+    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -458,6 +492,9 @@ def main() -> None:
     if args.gguf and not Path(args.gguf).is_file():
         p.error(f"--gguf {args.gguf}: no such file")
     if args.side == "ours":
+        from gpu.ops import head
+
+        head.INT8_HEAD = args.int8_head == "on"
         if args.lora_path != "default":
             from gpu.ops import lora
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -193,6 +192,8 @@ def _read_parquet(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]
 
 
 def _read_hf_dir(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    import datasets  # only this format needs it (the stages that read finished shards import no `datasets`)
+
     try:
         loaded = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError, OSError) as exc:

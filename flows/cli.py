@@ -505,6 +505,34 @@ def serve(
 
 
 @app.command()
+def deploy(
+    config: ConfigArg = None,
+    set_: SetOpt = None,
+    pool: Annotated[str, typer.Option(help="Process work pool whose workers run it (infra/up.sh team mode).")] = (
+        "distillery"
+    ),
+    name: Annotated[str, typer.Option(help="Deployment name: runs show as distill/NAME.")] = "team",
+    cron: Annotated[
+        str | None, typer.Option(help="Cron schedule, e.g. '0 3 * * *' (03:00 daily); omitted: on demand only.")
+    ] = None,
+    until: Annotated[str, typer.Option(help="Last stage: tokenize, teacher, train, evaluate or export.")] = "export",
+) -> None:
+    """Register the flow with CONFIG as deployment distill/NAME on a work pool (needs PREFECT_API_URL).
+
+    Any worker of the pool runs it (`infra/up.sh` in team mode starts a PostgreSQL-backed server and workers;
+    `infra/worker.sh` adds one on another machine). Workers must see this checkout and the config's workdir at
+    the same paths. Start runs from the schedule, `prefect deployment run distill/NAME` or the Prefect UI.
+    """
+    from flows.serve import deploy as deploy_to_pool
+
+    try:
+        deployment_id = deploy_to_pool(config, set_ or [], pool=pool, name=name, cron=cron, until=until)
+    except Exception as exc:  # noqa: BLE001
+        _fail(exc)
+    console.print(f"deployment distill/{name} ({deployment_id}) on work pool {pool!r}")
+
+
+@app.command()
 def compare(
     runs: Annotated[
         list[str] | None, typer.Argument(help="MLflow run ids (or prefixes) or run names; default: all.")

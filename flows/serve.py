@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-STAGES = ("tokenize", "teacher", "train", "evaluate", "export")
-
 
 class ServeError(ValueError):
     """`distillery serve` cannot start (no Prefect server, a bad schedule or stage); one line for the user."""
@@ -42,6 +40,67 @@ def check_server(api_url: str | None) -> str:
     return api_url
 
 
+def _prepared(config: Path | None, overrides: Sequence[str], cron: str | None, until: str) -> tuple[Any, Path, list]:
+    """(config, its workdir's stage cache folder, the schedules) of a deployment, checked before any server call."""
+    from schemas.config import load_config
+    from stages.graph import PHASES
+    from stages.inputs import check_inputs
+
+    if until not in PHASES:
+        raise ServeError(f"--until {until!r}: must be one of {', '.join(PHASES)}")
+    cfg = load_config(config, list(overrides))
+    check_inputs(cfg)
+    results = Path(cfg.run.workdir).resolve() / ".prefect" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+    import prefect.settings as ps
+    from prefect.schedules import Cron
+
+    check_server(ps.PREFECT_API_URL.value())
+    if cron is None:
+        return cfg, results, []
+    try:
+        return cfg, results, [Cron(cron)]
+    except ValueError as exc:
+        raise ServeError(f"--cron {cron!r}: not a cron expression ({exc})") from None
+
+
+def deploy(
+    config: Path | None,
+    overrides: Sequence[str] = (),
+    *,
+    pool: str,
+    name: str,
+    cron: str | None = None,
+    until: str = "export",
+) -> str:
+    """Register `distill` with CONFIG (+ overrides) as deployment distill/<name> on the process work pool `pool`,
+    whose workers (infra/up.sh team mode, infra/worker.sh) run it from this checkout: every worker must see the
+    checkout and the config's workdir at the same paths. Runs cache their stages under the workdir, like the CLI.
+    Returns the deployment's id."""
+    cfg, results, schedules = _prepared(config, overrides, cron, until)
+    from flows.distill import distill
+
+    root = Path(__file__).resolve().parents[1]
+    source = "defaults" if config is None else str(config)
+    remote = distill.from_source(source=str(root), entrypoint="flows/distill.py:distill")
+    deployment_id = remote.deploy(
+        name=name,
+        work_pool_name=pool,
+        parameters=deployment_parameters(cfg, until),
+        schedules=schedules,
+        description=f"distillery: {source} (workdir {cfg.run.workdir})",
+        tags=["distillery"],
+        job_variables={"env": {"PREFECT_LOCAL_STORAGE_PATH": str(results)}},
+        build=False,
+        push=False,
+        print_next_steps=False,
+        ignore_warnings=True,
+    )
+    return str(deployment_id)
+
+
 def serve(
     config: Path | None,
     overrides: Sequence[str] = (),
@@ -51,31 +110,12 @@ def serve(
     until: str = "export",
 ) -> None:
     """Serve `distill` with CONFIG (+ overrides) as deployment distill/<name> until interrupted."""
-    from schemas.config import load_config
-    from stages.inputs import check_inputs
-
-    if until not in STAGES:
-        raise ServeError(f"--until {until!r}: must be one of {', '.join(STAGES)}")
-    cfg = load_config(config, list(overrides))
-    check_inputs(cfg)
-    results = Path(cfg.run.workdir).resolve() / ".prefect" / "results"
-    results.mkdir(parents=True, exist_ok=True)
+    cfg, results, schedules = _prepared(config, overrides, cron, until)
     # Flow runs execute in subprocesses that import `distill` from flows/distill.py; the stage cache reaches
     # the workdir through the environment and settings they inherit (the runner exports the current settings).
     os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(results)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
     import prefect.settings as ps
-    from prefect.schedules import Cron
 
-    check_server(ps.PREFECT_API_URL.value())
-    if cron is not None:
-        try:
-            schedules = [Cron(cron)]
-        except ValueError as exc:
-            raise ServeError(f"--cron {cron!r}: not a cron expression ({exc})") from None
-    else:
-        schedules = []
     from flows.distill import distill
 
     source = "defaults" if config is None else str(config)

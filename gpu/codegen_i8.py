@@ -52,13 +52,7 @@ class I8Config(SubgroupTile):
             raise ValueError(f"I8Config.fm={self.fm} must divide tm * tn = {self.tm * self.tn}")
         if self.probe not in PROBES:
             raise ValueError(f"I8Config.probe={self.probe!r}: expected one of {PROBES}")
-        if self.threads > max_threads:
-            raise ValueError(f"I8Config {self.label} needs {self.threads} threads; the device allows {max_threads}")
-        if self.workgroup_bytes() > max_workgroup_bytes:
-            raise ValueError(
-                f"I8Config {self.label} needs {self.workgroup_bytes()} B of workgroup memory; "
-                f"the device allows {max_workgroup_bytes}"
-            )
+        self.check_fit(f"I8Config {self.label}", self.workgroup_bytes(), max_threads, max_workgroup_bytes)
 
     @property
     def label(self) -> str:
@@ -128,10 +122,15 @@ def _units(total: int, threads: int) -> list[tuple[str, bool]]:
     return [(f"lid + {e}u * THREADS", (e + 1) * threads > total) for e in range(-(-total // threads))]
 
 
-def _staging(c: I8Config, ind: str, step: str | None, buf: str = "0u") -> list[str]:
+def _b_unit_bytes(orient: str) -> int:
+    """Bytes of W per staging unit: a vec4 of one row ("nt"), or 4 rows x 16 columns ("nn", transposed)."""
+    return 16 if orient == "nt" else 64
+
+
+def _staging(c: I8Config, orient: str, ind: str, step: str | None, buf: str = "0u") -> list[str]:
     """Loads of `step` into the registers (step given), or the stores of the registers into buffer `buf`."""
     out = []
-    for tile, total, origin in (("a", c.bm * c.bk // 16, "m0"), ("b", c.bn * c.bk // 16, "n0")):
+    for tile, total, origin in (("a", c.bm * c.bk // 16, "m0"), ("b", c.bn * c.bk // _b_unit_bytes(orient), "n0")):
         for e, (u, guard) in enumerate(_units(total, c.threads)):
             stmt = f"r{tile}{e} = ld_{tile}({u}, {origin}, {step});" if step else f"put_{tile}({u}, r{tile}{e}, {buf});"
             out.append(f"{ind}if ({u} < {total}u) {{ {stmt} }}" if guard else ind + stmt)
@@ -148,33 +147,24 @@ def _decls(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
     if v.chunked:
         lines += [f"{ind}var f_{i}_{j}: array<f32, 8>;" for i, j in _pairs(c)]
     n_a = len(_units(c.bm * c.bk // 16, c.threads))
-    n_b = len(_units(c.bn * c.bk // 16, c.threads))
+    n_b = len(_units(c.bn * c.bk // _b_unit_bytes(v.orient), c.threads))
+    b_type = "vec4<u32>" if v.orient == "nt" else "array<vec4<u32>, 4>"
     return (
-        lines
-        + [f"{ind}var ra{e}: vec4<u32>;" for e in range(n_a)]
-        + [f"{ind}var rb{e}: vec4<u32>;" for e in range(n_b)]
+        lines + [f"{ind}var ra{e}: vec4<u32>;" for e in range(n_a)] + [f"{ind}var rb{e}: {b_type};" for e in range(n_b)]
     )
 
 
-def _ldb(c: I8Config) -> int:
-    """Words per staged row of a "nn" B block: its columns, padded."""
-    return c.bn // c.sg_n // 4 + c.pad
-
-
-def _compute(c: I8Config, orient: str, ind: str, d: _Dialect, buf: str) -> list[str]:
+def _compute(c: I8Config, ind: str, d: _Dialect, buf: str) -> list[str]:
     """One staged step's matrix loads and multiply-accumulates for this subgroup from buffer `buf` (offsets in
-    codes): B's rows of W (column-major matrices, "nt") or its columns of W (row-major, "nn")."""
-    lds, ldb = 4 * c.ldw, 4 * _ldb(c)
+    codes): B's columns as column-major matrices, K codes of each column contiguous (both orientations)."""
+    lds = 4 * c.ldw
     lines = [f"{ind}let ablk = {buf} * SG_M + sg_m;", f"{ind}let bblk = {buf} * SG_N + sg_n;"]
     ksteps = 1 if c.probe == "no_mma" else c.bk // MMA_K
     tm, tn = (1, 1) if c.probe == "no_mma" else (c.tm, c.tn)
     for kk in range(ksteps):
         body = [f"let a{i} = {d.load_a.format(off=f'{i * MATRIX * lds + kk * MMA_K}u')};" for i in range(tm)]
         for j in range(tn):
-            if orient == "nt":
-                b = d.load_b.format(off=f"{j * MATRIX * lds + kk * MMA_K}u", cm="true", stride="LDW * 4u")
-            else:
-                b = d.load_b.format(off=f"{kk * MMA_K * ldb + j * MATRIX}u", cm="false", stride="LDB * 4u")
+            b = d.load_b.format(off=f"{j * MATRIX * lds + kk * MMA_K}u", cm="true", stride="LDW * 4u")
             body.append(f"let b{j} = {b};")
             body += [f"acc_{i}_{j} = {d.mma.format(a=f'a{i}', b=f'b{j}', acc=f'acc_{i}_{j}')};" for i in range(tm)]
         lines += [f"{ind}{{"] + [f"{ind}    {s}" for s in body] + [f"{ind}}}"]
@@ -210,19 +200,20 @@ def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
     i1, i2, i3 = " " * 4, " " * 8, " " * 12
     staged = "t == 0u" if c.probe == "no_stage" else "true"
     nxt = "false" if c.probe == "no_stage" else "t + 1u < steps"
-    lines = _staging(c, i1, "0u")
+    o = v.orient
+    lines = _staging(c, o, i1, "0u")
     if c.stages == 1:
         lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}if ({staged}) {{"]
-        lines += _staging(c, i3, None)
+        lines += _staging(c, o, i3, None)
         lines += [f"{i2}}}", f"{i2}workgroupBarrier();", f"{i2}if ({nxt}) {{"]
-        lines += _staging(c, i3, "t + 1u")
-        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, v.orient, i3, d, "0u") + [f"{i2}}}", f"{i2}workgroupBarrier();"]
+        lines += _staging(c, o, i3, "t + 1u")
+        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "0u") + [f"{i2}}}", f"{i2}workgroupBarrier();"]
     else:
-        lines += _staging(c, i1, None, "0u") + [f"{i1}workgroupBarrier();"]
+        lines += _staging(c, o, i1, None, "0u") + [f"{i1}workgroupBarrier();"]
         lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}let cur = t & 1u;", f"{i2}if ({nxt}) {{"]
-        lines += _staging(c, i3, "t + 1u")
-        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, v.orient, i3, d, "cur") + [f"{i2}}}", f"{i2}if ({nxt}) {{"]
-        lines += _staging(c, i3, None, "1u - cur")
+        lines += _staging(c, o, i3, "t + 1u")
+        lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "cur") + [f"{i2}}}", f"{i2}if ({nxt}) {{"]
+        lines += _staging(c, o, i3, None, "1u - cur")
         lines += [f"{i2}}}", f"{i2}workgroupBarrier();"]
     if v.chunked and c.probe != "no_scale":
         lines.append(f"{i2}if ((t + 1u) % prm.spc == 0u && t + 1u < steps) {{")
@@ -238,7 +229,6 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     c.validate(max_threads=1 << 16, max_workgroup_bytes=1 << 30)
     if v.orient not in ("nt", "nn") or (v.orient == "nn" and v.chunked):
         raise ValueError(f"I8Variant orient={v.orient!r} chunked={v.chunked}: expected 'nt', or 'nn' with one chunk")
-    b_block = c.bn // c.sg_n * c.ldw if v.orient == "nt" else c.bk * _ldb(c)
     out = "C[base + n + e]"
     store = f"{out} = {out} + prm.alpha * v[e];" if v.accumulate else f"{out} = prm.alpha * v[e];"
     return fill(
@@ -260,8 +250,8 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         RASTER=kernel_text("matmul_raster.wgsl"),
         LDW=c.ldw,
         A_BLK=c.bm // c.sg_m * c.ldw,
-        B_BLK=b_block,
-        B_STAGING=fill(kernel_text(f"matmul_i8_b_{v.orient}.wgsl"), PAD=c.pad),
+        B_BLK=c.bn // c.sg_n * c.ldw,
+        B_STAGING=kernel_text(f"matmul_i8_b_{v.orient}.wgsl"),
         A_BLOCKS=c.stages * c.sg_m,
         B_BLOCKS=c.stages * c.sg_n,
         CS_LEN=c.fm * MATRIX * MATRIX,

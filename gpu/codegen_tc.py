@@ -46,6 +46,16 @@ class SubgroupTile:
     def threads(self) -> int:
         return self.subgroups * SUBGROUP_SIZE
 
+    def check_fit(self, what: str, workgroup_bytes: int, max_threads: int, max_workgroup_bytes: int) -> None:
+        """Raise ValueError when the workgroup (named `what` in the message) needs more threads or workgroup
+        memory than the device allows."""
+        if self.threads > max_threads:
+            raise ValueError(f"{what} needs {self.threads} threads; the device allows {max_threads}")
+        if workgroup_bytes > max_workgroup_bytes:
+            raise ValueError(
+                f"{what} needs {workgroup_bytes} B of workgroup memory; the device allows {max_workgroup_bytes}"
+            )
+
 
 @dataclass(frozen=True)
 class TCConfig(SubgroupTile):
@@ -106,13 +116,7 @@ class TCConfig(SubgroupTile):
             raise ValueError(f"TCConfig.group_m={self.group_m} must be >= 0")
         if self.probe not in PROBES:
             raise ValueError(f"TCConfig.probe={self.probe!r}: expected one of {PROBES}")
-        if self.threads > max_threads:
-            raise ValueError(f"TCConfig {self} needs {self.threads} threads; the device allows {max_threads}")
-        if self.workgroup_bytes(orient) > max_workgroup_bytes:
-            raise ValueError(
-                f"TCConfig {self} ({orient}) needs {self.workgroup_bytes(orient)} B of workgroup memory; "
-                f"the device allows {max_workgroup_bytes}"
-            )
+        self.check_fit(f"TCConfig {self} ({orient})", self.workgroup_bytes(orient), max_threads, max_workgroup_bytes)
 
     @property
     def label(self) -> str:

@@ -6,6 +6,8 @@ sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameter
 Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it;
 rows are `batch * seq_len` tokens; only attention works per sequence (the tensor-core kernels take the whole
 batch in one dispatch, the sequence in grid z; the f32 kernels one sequence at a time).
+Names: `seq_len` is one sequence's tokens, `rows` all of the batch's; `target` a projection (q, k, ..., down);
+`t` only LoRA's intermediate x Aᵀ [rows, r]; `k` only the key projection.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from gpu.ops.embedding import embedding_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
-from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, int8_problem
+from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
 from gpu.ops.rmsnorm import rmsnorm_forward
@@ -61,19 +63,6 @@ class ModelWeights:
     proj: dict[tuple[int, str], QuantTensor]
     nbytes: int = 0
     biases: dict[tuple[int, str], Any] = field(default_factory=dict)
-    proj8: dict[tuple[int, str], Int8Matrix] = field(default_factory=dict)  # int8-only projections (to_int8)
-
-    def to_int8(self, dev: Device) -> None:
-        """Keep every projection whose two sides are multiples of 32 (one integer step) as int8 codes with per-row
-        scales only (gpu/kernels/weight_i8.wgsl), releasing its GGML data (upload(int8=True) does it tensor by
-        tensor, so the GGML data never all coexist with the codes). Only precision int8 with the integer input
-        gradients (the default) can run such weights: 1 byte a weight, more than a 4-bit type but 2-3x its GEMM
-        speed."""
-        for key, w in list(self.proj.items()):
-            if _int8_only(w):
-                self.proj8[key] = weight_to_i8(dev, w)
-                self.nbytes += w.n * w.k + 4 * w.n - w.nbytes
-                del self.proj[key]
 
     @classmethod
     def upload(
@@ -81,17 +70,13 @@ class ModelWeights:
         dev: Device,
         cfg: ModelConfig,
         tensors: Iterable[tuple[str, np.ndarray, int, tuple[int, ...]]],
-        *,
-        int8: bool = False,
     ) -> ModelWeights:
-        """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time; int8: each
-        projection as to_int8 keeps it, converted as soon as it is uploaded."""
+        """Upload (name, raw GGML bytes or f32 array, ggml type, numpy shape) one tensor at a time."""
         from model.quant import dequantize
 
         stem_to_target = {v: k for k, v in LORA_TARGETS.items()}
         norms: dict[str, Any] = {}
         proj: dict[tuple[int, str], QuantTensor] = {}
-        proj8: dict[tuple[int, str], Int8Matrix] = {}
         biases: dict[tuple[int, str], Any] = {}
         embed = lm_head = None
         total = 0
@@ -112,33 +97,30 @@ class ModelWeights:
                     dev, dequantize(data, qtype, shape).reshape(-1), name
                 )
             elif parts[0] == "blk" and parts[2] in stem_to_target:
-                t = upload_quant(dev, data, qtype, shape, name)
+                weight = upload_quant(dev, data, qtype, shape, name)
                 key = (int(parts[1]), stem_to_target[parts[2]])
-                if int8 and _int8_only(t):
-                    proj8[key] = weight_to_i8(dev, t)
-                    total += t.n * t.k + 4 * t.n
-                else:
-                    proj[key] = t
-                    total += t.nbytes
+                proj[key] = weight
+                total += weight.nbytes
         missing = [
-            f"blk.{i}.{LORA_TARGETS[t]}.weight"
+            f"blk.{i}.{LORA_TARGETS[target]}.weight"
             for i in range(cfg.n_layers)
-            for t in LORA_TARGETS
-            if (i, t) not in proj and (i, t) not in proj8
+            for target in LORA_TARGETS
+            if (i, target) not in proj
         ]
         missing += [n for n, v in (("token_embd.weight", embed), ("lm_head", lm_head)) if v is None]
         for i in range(cfg.n_layers):
             if cfg.qkv_bias:
-                missing += [f"blk.{i}.{LORA_TARGETS[t]}.bias" for t in BIAS_TARGETS if (i, t) not in biases]
+                absent = [target for target in BIAS_TARGETS if (i, target) not in biases]
+                missing += [f"blk.{i}.{LORA_TARGETS[target]}.bias" for target in absent]
             if cfg.qk_norm:
                 missing += [n for n in (f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight") if n not in norms]
         if missing:
             raise DeviceError(f"student weights incomplete: missing {', '.join(missing[:5])}")
-        return cls(cfg, embed, lm_head, norms, proj, total, biases if cfg.qkv_bias else {}, proj8)
+        return cls(cfg, embed, lm_head, norms, proj, total, biases if cfg.qkv_bias else {})
 
     @classmethod
     def from_arrays(
-        cls, dev: Device, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: int = Q.F32, *, int8: bool = False
+        cls, dev: Device, cfg: ModelConfig, weights: Mapping[str, np.ndarray], qtype: int = Q.F32
     ) -> ModelWeights:
         """Upload float weights (GGUF names), quantizing 2-D projections to `qtype` (tests, random models)."""
         from model.quant import quantize
@@ -147,10 +129,10 @@ class ModelWeights:
             for name, w in weights.items():
                 w = np.asarray(w, np.float32)
                 is_proj = w.ndim == 2 and name.startswith("blk.")
-                t = qtype if is_proj else Q.F32
-                yield name, quantize(w, t) if t != Q.F32 else w, t, w.shape
+                wtype = qtype if is_proj else Q.F32
+                yield name, quantize(w, wtype) if wtype != Q.F32 else w, wtype, w.shape
 
-        return cls.upload(dev, cfg, items(), int8=int8)
+        return cls.upload(dev, cfg, items())
 
     @classmethod
     def from_gguf(cls, dev: Device, path: Any, progress: Callable[[Any], None] | None = None) -> ModelWeights:
@@ -197,11 +179,6 @@ class ModelWeights:
                     reader.join(timeout=0.01)
 
 
-def _int8_only(w: QuantTensor) -> bool:
-    """Whether to_int8 keeps projection w as int8 codes only: both sides multiples of one integer step."""
-    return w.n % MMA_K == 0 and w.k % MMA_K == 0
-
-
 def _upload_f32(dev: Device, a: np.ndarray, label: str) -> Any:
     return dev.upload(np.ascontiguousarray(a, dtype=np.float32), label=label)
 
@@ -236,6 +213,8 @@ def _resolve_precision(dev: Device, precision: str) -> str:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if precision == "auto":
         return "tensorcore" if has_tensor_cores(dev) else "f32"
+    if precision == "int8" and int8_emulated(dev):  # tests: the rest of the int8 path as f32
+        return precision
     if precision in ("tensorcore", "int8") and not has_tensor_cores(dev):
         raise DeviceError(f"precision {precision!r} needs Dawn subgroup matrices: {tensor_core_problem(dev)}")
     if precision == "int8" and (problem := int8_problem(dev)) is not None:
@@ -266,7 +245,8 @@ class GPUModel:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
         self.precision = _resolve_precision(dev, precision)
-        self.tensor_cores = self.precision in ("tensorcore", "int8")
+        # f16 tensor cores: tensorcore, and int8 beside its integer GEMMs (f32 where those run emulated, in tests)
+        self.tensor_cores = self.precision == "tensorcore" or (self.precision == "int8" and not int8_emulated(dev))
         self._linear, self._linear_grad = (
             (linear_tc, linear_input_grad_tc) if self.tensor_cores else (linear, linear_input_grad)
         )
@@ -287,17 +267,15 @@ class GPUModel:
                 f"{self.layout.lowest_layer} (blocks below it carry no LoRA)"
             )
         self.start_layer = start_layer  # > 0: the forward starts here from a given residual stream (write_prefix)
-        # int8: each frozen projection the forward runs whose rows are a multiple of one integer step, as per-row int8
-        # codes: the student's int8-only ones (ModelWeights.to_int8), the rest decoded once on the GPU beside their
-        # GGML data
-        if weights.proj8 and self.precision != "int8":
-            raise DeviceError(f"precision {self.precision!r}: the student's projections were kept as int8 only")
-        self.w8: dict[tuple[int, str], Int8Matrix] = {}
+        # int8: one block's projections at a time as per-row int8 codes (those whose rows are a multiple of one
+        # integer step; the rest keep the f16 path), decoded from their GGML types when the block needs them
+        self._w8_slots: dict[str, Int8Matrix] = {}
         if self.precision == "int8":
-            self.w8 = {key: w for key, w in weights.proj8.items() if key[0] >= start_layer}
-            for key, w in weights.proj.items():
-                if key[0] >= start_layer and w.k % MMA_K == 0:
-                    self.w8[key] = weight_to_i8(dev, w)
+            for target in LORA_TARGETS:
+                d_out, d_in = cfg.target_shape(target)
+                if d_in % MMA_K == 0:
+                    self._w8_slots[target] = i8_buffers(dev, d_out, d_in, d_in, f"int8 {target}")
+        self._w8_block: int | None = None  # the block whose codes the slots hold when the commands so far have run
         self.scale = lora_scale(alpha, r)
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
@@ -312,17 +290,21 @@ class GPUModel:
         replays the tape instead (a training step records 4,000-6,000 dispatches: replaying costs a fraction
         of recording them). The key must name everything the commands depend on besides buffer contents.
         With a profiler attached the step is recorded (its scopes classify the kernels) and not kept."""
-        if self.dev.profiler is not None:
-            record()
-            return
-        tape = self._tapes.get(key)
-        if tape is not None:
-            self.dev.replay(tape)
-            return
-        with self.dev.taping() as tape:
-            record()
-        if tape.replayable:
-            self._tapes[key] = tape
+        self._w8_block = None  # a tape's commands decode the int8 codes they need (see _int8_weight)
+        try:
+            if self.dev.profiler is not None:
+                record()
+                return
+            tape = self._tapes.get(key)
+            if tape is not None:
+                self.dev.replay(tape)
+                return
+            with self.dev.taping() as tape:
+                record()
+            if tape.replayable:
+                self._tapes[key] = tape
+        finally:
+            self._w8_block = None
 
     # ---- parameters ------------------------------------------------------------------------------------
     def set_adapter(self, adapter: Mapping[tuple[int, str], LoraPair]) -> None:
@@ -395,12 +377,12 @@ class GPUModel:
             self._t_index = {key: i for i, key in enumerate(self.layout.slots)}
             self.t_saved = b("lora t per projection", max(len(self._t_index), 1) * self._t_slot)
         else:  # one t per target, reused by every block
-            self.t_lora = {t: b(f"lora t {t}", rows * r) for t in LORA_TARGETS}
+            self.t_lora = {target: b(f"lora t {target}", rows * r) for target in LORA_TARGETS}
         self._replay_lora_t = False  # set while a backward recomputes a block whose t the forward left
         self.dt = b("lora dt", rows * r)
         if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
             self.a16 = b("gemm input f16", -(-rows * max(h, f, qd, kvd) // 2))
-        if self.w8:  # int8 GEMM inputs, one at a time: codes (4 per word) and a scale per row; the input
+        if self._w8_slots:  # int8 GEMM inputs, one at a time: codes (4 per word) and a scale per row; the input
             # gradients' column scales (ones: W's row scales are folded into dY)
             self.a8 = b("gemm input int8", -(-rows * max(h, f, qd) // 4)), b("gemm input int8 scales", rows)
             self.ones = self.dev.upload(np.ones(max(h, f, qd), np.float32), label="int8 column scales")
@@ -427,15 +409,16 @@ class GPUModel:
         """y = RMSNorm(x) with norm weight `weight` over the rows, and y's operand for the projections (head:
         for the LM head): its f16 copy from the same kernel with tensor cores, int8 codes with int8."""
         rows, h = self.rows, self.cfg.hidden
-        y16 = None if self.w8 and not head else self._half_copy(rows * h)
+        int8 = bool(self._w8_slots) and not head
+        y16 = None if int8 else self._half_copy(rows * h)
         rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
-        return self._forward_input(y, h) if self.w8 and not head else self._operand(y, y16)
+        return self._forward_input(y, h) if int8 else self._operand(y, y16)
 
     def _forward_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand of the frozen forward GEMMs over x [rows, width]: with int8, x's codes and per-row
         scales (into self.a8, valid until the next int8 operand; widths that are no multiple of one integer
         step keep the f16 path), else as _gemm_input."""
-        if not self.w8 or width % MMA_K:
+        if not self._w8_slots or width % MMA_K:
             return self._gemm_input(x, width)
         a = Int8Matrix(*self.a8, self.rows, width, width, "gemm input")
         quantize_i8_gpu(self.dev, x, a)
@@ -477,13 +460,25 @@ class GPUModel:
         return self._view(self.xs, self._x_offset(layer), self.rows * self.cfg.hidden)
 
     # ---- one projection (frozen W + LoRA) ---------------------------------------------------------------
+    def _int8_weight(self, layer: int, target: str) -> Int8Matrix | None:
+        """Projection `target` of block `layer` as int8 codes with per-row scales for the integer GEMMs (None:
+        it keeps the f16 path). The slots hold one block at a time: the block's first integer GEMM decodes all
+        its projections from their GGML types (gpu/kernels/weight_i8.wgsl), ~1 % of a Llama-3-8B step where a
+        second, resident copy would cost a byte a weight."""
+        slot = self._w8_slots.get(target)
+        if slot is not None and self._w8_block != layer:
+            for other, out in self._w8_slots.items():
+                weight_to_i8(self.dev, self.w.proj[(layer, other)], out)
+            self._w8_block = layer
+        return slot
+
     def _proj(self, x: Any, layer: int, target: str, y: Any, gemm_input: tuple[Any, dict] | None = None) -> None:
         """y = x W^T (+ bias) (+ LoRA); gemm_input: x's GEMM operand when the caller has it (shared between
         projections, or written by x's producer), else packed here by _gemm_input."""
         d_out, d_in = self.cfg.target_shape(target)
         a, kw = gemm_input or self._forward_input(x, d_in)
-        if kw.get("int8"):  # every projection whose input _forward_input quantizes is in self.w8
-            gemm_i8(self.dev, a, self.w8[(layer, target)], y)
+        if kw.get("int8"):  # every projection whose input _forward_input quantizes has an int8 slot
+            gemm_i8(self.dev, a, self._int8_weight(layer, target), y)
         else:
             self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
         bias = self.w.biases.get((layer, target))
@@ -517,7 +512,7 @@ class GPUModel:
         return (self.cfg.q_dim, self.seq_q) if _SLOT_KIND[slot] == "q" else (self.cfg.kv_dim, self.seq_kv)
 
     def _heads(self) -> tuple[int, int, int]:
-        """(n_heads, n_kv_heads, head_dim): the attention ops' shape arguments after n_tokens."""
+        """(n_heads, n_kv_heads, head_dim): the attention ops' shape arguments after seq_len."""
         return self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
 
     def _seq_view(self, packed: Any, slot: str, s: int) -> BufferView:
@@ -542,10 +537,10 @@ class GPUModel:
                     self.dev.copy(self.a[slot], src, n, at, packed)
 
     def _attention(self, q: Any, k: Any, v: Any, out: Any) -> None:
-        cfg, t = self.cfg, self.seq_len
+        cfg, seq_len = self.cfg, self.seq_len
         if self.batched_attention:
             self._attention_fwd(
-                self.dev, q, k, v, out, self.lse, t, *self._heads(), n_seqs=self.batch, lse_stride=self.seq_lse
+                self.dev, q, k, v, out, self.lse, seq_len, *self._heads(), n_seqs=self.batch, lse_stride=self.seq_lse
             )
             return
         ins = ((q, "aq"), (k, "ak"), (v, "av"))
@@ -555,8 +550,8 @@ class GPUModel:
                 self.dev,
                 *(self._seq_view(buf, slot, s) for buf, slot in ins),
                 self._seq_view(out, "ao", s),
-                self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
-                t,
+                self._view(self.lse, s * self.seq_lse, cfg.n_heads * seq_len),
+                seq_len,
                 *self._heads(),
             )
         self._scatter(((out, "ao"),), to_slots=False)
@@ -590,9 +585,9 @@ class GPUModel:
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
         self._proj(a["n2"], layer, "gate", a["g"], n2)
         self._proj(a["n2"], layer, "up", a["u"], n2)
-        s16 = None if self.w8 else self._half_copy(rows * f)
+        s16 = None if self._w8_slots else self._half_copy(rows * f)
         swiglu_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
-        self._proj(a["s"], layer, "down", a["tmp"], None if self.w8 else self._operand(a["s"], s16))
+        self._proj(a["s"], layer, "down", a["tmp"], None if self._w8_slots else self._operand(a["s"], s16))
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
 
     # ---- whole model -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import numpy as np
 
 from gpu.device import Device
 from gpu.model import ModelWeights
+from gpu.ops import head
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
@@ -48,6 +49,7 @@ class Trunk(Protocol):
     batch: int  # sequences per batch
     seq_len: int
     rows: int  # batch * seq_len
+    precision: str  # resolved: f32, tensorcore or int8
     grad_accum: int
     start_layer: int
     a: dict[str, Any]  # activation buffers: the head reads "nf" and leaves dL/dh in "tmp"
@@ -113,20 +115,22 @@ class GpuKd:
         self._has_tail = False
 
     def bind(self, student: Trunk) -> None:
-        st, rows, k = student, student.rows, self.top_k
+        st, rows, top_k = student, student.rows, self.top_k
         self.st = st
         b = st._b.get
         for name, n in (
             ("targets", rows),
             ("mask", rows),
-            ("teacher_ids", rows * k),
-            ("teacher_logprobs", rows * k),
+            ("teacher_ids", rows * top_k),
+            ("teacher_logprobs", rows * top_k),
             ("teacher_tail", rows),
         ):
             b(name, n)
         dev = st.dev
         chunk, tc_head = min(st.spec.vocab_chunk, st.cfg.vocab), st.cfg.hidden if st._pack_inputs else None
-        self.scratch = KdScratch.build(dev, rows, k, chunk, hidden=tc_head)  # tc_head: its backward on TCs
+        int8_head = st.cfg.hidden if st.precision == "int8" and head.INT8_HEAD else None
+        # tc_head: its backward on TCs; int8_head: the head on the integer GEMM
+        self.scratch = KdScratch.build(dev, rows, top_k, chunk, hidden=tc_head, int8_hidden=int8_head)
         self.top1 = TopKState.build(dev, rows, 1)
         self.top1_lp = dev.buffer(4 * rows, label="student top-1 logprob")
         self.top1_tail = dev.buffer(4 * rows, label="student top-1 tail")
@@ -216,6 +220,7 @@ class GpuKd:
             logits_scratch=self.scratch.logits,
             chunk=self.scratch.chunk,
             h16=h16,
+            i8=self.scratch.int8,
         )
 
 

@@ -1,6 +1,6 @@
 """Every (kernel, variant) the model can dispatch, and the one way the ops build an op kernel's pipeline.
 
-An op kernel is gpu/kernels/<part>.wgsl files joined in order: shared skeletons and includes (elementwise,
+An op kernel is gpu/kernels/<part>.wgsl files joined in order: shared skeletons and includes (threads, elementwise,
 rows, workgroup_reduce, workgroup_sum, logsumexp, attention_common, ...) and the op's own body, with ${NAME}
 placeholders filled from its variant. KERNELS lists each op kernel with its parts and the values its variant
 parameters may take (as llama.cpp's vulkan-shaders-gen lists each shader with its defines); `pipeline(dev, name,
@@ -123,24 +123,26 @@ class Kernel:
 _SUM = ("workgroup_reduce", "workgroup_sum")  # fixed-tree workgroup sums
 _LSE = ("workgroup_reduce", "logsumexp")  # fixed-tree workgroup logsumexp states
 _ROWS = ("rows",)  # one workgroup per row
+_ITEMS = ("threads",)  # one thread per item
+_ELEMENTWISE = (*_ITEMS, "elementwise")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
 
 KERNELS: dict[str, Kernel] = {
     # elementwise skeleton + body
-    "add": Kernel(("elementwise", "add")),
-    "add_inplace": Kernel(("elementwise", "add_inplace")),
-    "add_unscaled": Kernel(("elementwise", "add_unscaled", "grad_scale"), {"acc": BOOLS}),
-    "add_bias": Kernel(("elementwise", "add_bias")),
-    "to_bf16": Kernel(("elementwise", "to_bf16")),
-    "from_bf16": Kernel(("elementwise", "from_bf16")),
-    "scale": Kernel(("elementwise", "scale")),
-    "lora_group_sum": Kernel(("elementwise", "lora_group_sum"), {"acc": BOOLS}),
+    "add": Kernel((*_ELEMENTWISE, "add")),
+    "add_inplace": Kernel((*_ELEMENTWISE, "add_inplace")),
+    "add_unscaled": Kernel((*_ELEMENTWISE, "add_unscaled", "grad_scale"), {"acc": BOOLS}),
+    "add_bias": Kernel((*_ELEMENTWISE, "add_bias")),
+    "to_bf16": Kernel((*_ELEMENTWISE, "to_bf16")),
+    "from_bf16": Kernel((*_ELEMENTWISE, "from_bf16")),
+    "scale": Kernel((*_ELEMENTWISE, "scale")),
+    "lora_group_sum": Kernel((*_ELEMENTWISE, "lora_group_sum"), {"acc": BOOLS}),
     "swiglu_forward": Kernel(
-        ("swiglu_forward", "elementwise"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
+        ("swiglu_forward", *_ELEMENTWISE), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
     ),
-    "swiglu_backward": Kernel(("elementwise", "swiglu_backward")),
-    "adamw_update": Kernel(("elementwise", "adamw_update")),
+    "swiglu_backward": Kernel((*_ELEMENTWISE, "swiglu_backward")),
+    "adamw_update": Kernel((*_ELEMENTWISE, "adamw_update")),
     # row skeleton (one workgroup per row) + body
     "rmsnorm_forward": Kernel(
         ("rmsnorm_forward", *_ROWS, *_SUM), {"half": BOOLS}, lambda half: _half_output(half, 4, "base + i")
@@ -160,8 +162,8 @@ KERNELS: dict[str, Kernel] = {
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
     "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),
     # one thread per row / item
-    "kd_row": Kernel(("kd_row",), {"kind": KINDS, "tail": KD_TAILS, "ce": BOOLS}, _kd_row_values),
-    "topk_finish": Kernel(("topk_finish",)),
+    "kd_row": Kernel((*_ITEMS, "kd_row"), {"kind": KINDS, "tail": KD_TAILS, "ce": BOOLS}, _kd_row_values),
+    "topk_finish": Kernel((*_ITEMS, "topk_finish")),
     "embedding": Kernel(("embedding",), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "rope": Kernel(("rope", "rope_position_offset"), {"neox": BOOLS}),
     "rope_positions": Kernel(("rope", "rope_position_buffer"), {"neox": BOOLS}),
@@ -172,7 +174,7 @@ KERNELS: dict[str, Kernel] = {
     "strided_matmul": Kernel(("strided_matmul",)),
     # LoRA products (gpu/ops/lora_matmul.py): output tiles 16 wide (x A^T, dy B, dB, dA^T) or 64 (t B^T, dt A)
     "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, lora_gemm_values),
-    "lora_reduce": Kernel(("lora_reduce",)),
+    "lora_reduce": Kernel((*_ITEMS, "lora_reduce")),
     # a LoRA reduction + expansion pair in one dispatch (gpu/ops/lora_fused.py), per rank bucket r <= rb
     "lora_fused": Kernel(("lora_fused",), {"rb": RANK_BUCKETS}, lora_fused_values),
 }

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from gpu.codegen_i8 import MMA_K
-from gpu.device import Device, DeviceError
+from gpu.device import Device
 from gpu.model import GPUModel, ModelWeights
 from gpu.objectives import GpuObjective
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
@@ -152,9 +152,7 @@ class GPUStudent(GPUModel):
     # ---- backward -------------------------------------------------------------------------------------
     def _proj_back(self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool) -> None:
         d_out, d_in = self.cfg.target_shape(target)
-        w8 = self.w8.get((layer, target)) if self.int8_input_grads else None
-        if w8 is None and (layer, target) not in self.w.proj:
-            raise DeviceError(f"{target} of block {layer} is kept as int8 only: its input gradient needs int8 GEMMs")
+        w8 = self._int8_weight(layer, target) if self.int8_input_grads else None
         if w8 is not None and d_out % MMA_K == 0 and d_in % 16 == 0:
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding
             a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")

@@ -6,6 +6,8 @@ import numpy as np
 
 from gpu.device import Device
 from gpu.model import GPUModel, ModelWeights
+from gpu.ops import head
+from gpu.ops.head import Int8Head
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
 
@@ -35,21 +37,26 @@ class GPUTeacher(GPUModel):
         self.logprobs = dev.buffer(4 * self.rows * top_k, label="teacher logprobs")
         self.tail = dev.buffer(4 * self.rows, label="teacher tail")
         self.logits = dev.buffer(4 * self.rows * self.chunk, label="teacher logits chunk")
+        self.int8_head = (
+            Int8Head.build(dev, self.rows, self.cfg.hidden, self.chunk, backward=False)
+            if self.precision == "int8" and head.INT8_HEAD
+            else None
+        )
 
     def topk(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids [B, T] -> (top-k ids [B, T, k] u32, logprobs [B, T, k] f32 sorted descending, tail [B, T] f32)."""
-        b, t, k = self.batch, self.seq_len, self.top_k
-        ids = np.asarray(ids).reshape(b, t)
+        batch, seq_len, top_k = self.batch, self.seq_len, self.top_k
+        ids = np.asarray(ids).reshape(batch, seq_len)
         if np.any(ids < 0) or np.any(ids >= self.cfg.vocab):
             raise ValueError(f"token ids outside the teacher's vocabulary [0, {self.cfg.vocab})")
         bufs = self._b.bufs
         self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
-        self.dev.write(bufs["positions"], np.tile(np.arange(t, dtype=np.uint32), b))
+        self.dev.write(bufs["positions"], np.tile(np.arange(seq_len, dtype=np.uint32), batch))
         with self.dev.step():
             self._taped("topk", self._record_topk)
-        out_ids = self.dev.read(self.state.ids, np.uint32, (b, t, k))
-        logprobs = self.dev.read(self.logprobs, np.float32, (b, t, k))
-        tail = self.dev.read(self.tail, np.float32, (b, t))
+        out_ids = self.dev.read(self.state.ids, np.uint32, (batch, seq_len, top_k))
+        logprobs = self.dev.read(self.logprobs, np.float32, (batch, seq_len, top_k))
+        tail = self.dev.read(self.tail, np.float32, (batch, seq_len))
         return out_ids, logprobs, tail
 
     def _record_topk(self) -> None:
@@ -70,4 +77,5 @@ class GPUTeacher(GPUModel):
                 logits_scratch=self.logits,
                 chunk=self.chunk,
                 h16=h16,
+                i8=self.int8_head,
             )

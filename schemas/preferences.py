@@ -10,7 +10,7 @@ from typing import Literal
 import pyarrow as pa
 from pydantic import Field
 
-from schemas.manifests import SHA256, FileRef, Located, Manifest
+from schemas.manifests import SHA256, CheckpointEval, FileRef, Located
 
 # Per pair of one split: the reference's summed response log-probs and the response token counts.
 REFERENCE_SCHEMA = pa.schema(
@@ -53,11 +53,9 @@ class ReferenceManifest(Located):
         return (self.file,)
 
 
-class PreferenceEvalManifest(Manifest):
+class PreferenceEvalManifest(CheckpointEval):
     """Held-out preference metrics of one checkpoint (epoch/step None: the student without adapter)."""
 
-    epoch: int | None = Field(None, ge=0)
-    step: int | None = Field(None, ge=0)
     loss: float = Field(description="mean preference loss over the held-out pairs")
     reward_accuracy: float = Field(ge=0, le=1, description="fraction of pairs whose chosen reward is higher")
     margin: float = Field(description="mean reward margin (chosen - rejected)")

@@ -11,5 +11,5 @@
 A stage writes into <workdir>/<folder>/<content key> (layout.py, keys.py) and returns a manifest whose paths
 are relative to the workdir (`manifest.path_in(workdir)`). inputs.check_inputs refuses unusable inputs before
 any stage. Progress goes through a bar factory (progress.py), messages through `logging`; tasks/ wraps each
-stage in a cached Prefect task.
+stage in a cached Prefect task. graph.py declares the order once: each stage's node, the two pipelines.
 """

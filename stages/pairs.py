@@ -24,7 +24,7 @@ from stages.inputs import InputError, _open
 from stages.inputs import check_inputs as check_distill_inputs
 from stages.keys import StageKey, file_sha256
 from stages.layout import stage_dir, workdir
-from stages.tokenize import SPLIT_SEED
+from stages.tokenize import SPLIT_SEED, read_data_field
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,7 @@ def fields(cfg: RunConfig) -> Fields:
 
 def _pairs(cfg: RunConfig, field: str) -> list:
     d = cfg.data
-    try:
-        return load_pairs(getattr(d, field.split(".")[1]), d.format, fields(cfg), d.max_documents)
-    except DataError as exc:
-        raise DataError(f"{field}: {exc}") from None
+    return read_data_field(cfg, field, lambda path: load_pairs(path, d.format, fields(cfg), d.max_documents))
 
 
 def run(cfg: RunConfig) -> PairsManifest:

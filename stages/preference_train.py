@@ -42,18 +42,7 @@ OBJECTIVE = (
 KEY = StageKey(
     stage="preference-train",
     version="1",
-    config_fields=(
-        "lora",
-        "optim",
-        *OBJECTIVE,
-        "train.epochs",
-        "train.batch_size",
-        "train.grad_accum",
-        "train.seed",
-        "train.precision",
-        "train.backend",
-        "train.max_steps_per_epoch",
-    ),
+    config_fields=(*stages.train.EPOCH_FIELDS, *OBJECTIVE),
     inputs=("student", "pairs", "reference", "epoch"),
 )
 

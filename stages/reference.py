@@ -45,8 +45,9 @@ def reference_gguf(cfg: RunConfig, student: StudentManifest) -> tuple[Path, str,
     return Path(cfg.preference.reference), file_sha256(cfg.preference.reference, root), "file"
 
 
-def key(cfg: RunConfig, student: StudentManifest, pairs: PairsManifest) -> str:
-    return KEY.key(cfg, {"pairs": pairs, "reference": reference_gguf(cfg, student)[1]})
+def key_inputs(cfg: RunConfig, student: StudentManifest, pairs: PairsManifest) -> dict:
+    """What KEY folds in: the tokenized pairs and the reference GGUF's sha256."""
+    return {"pairs": pairs, "reference": reference_gguf(cfg, student)[1]}
 
 
 def run(cfg: RunConfig, student: StudentManifest, pairs: PairsManifest, bar: BarFactory = no_bar) -> ReferenceManifest:
@@ -55,7 +56,7 @@ def run(cfg: RunConfig, student: StudentManifest, pairs: PairsManifest, bar: Bar
 
     root = workdir(cfg)
     gguf, sha, kind = reference_gguf(cfg, student)
-    out = stage_dir(cfg, FOLDER, KEY.key(cfg, {"pairs": pairs, "reference": sha}))
+    out = stage_dir(cfg, FOLDER, KEY.key(cfg, key_inputs(cfg, student, pairs)))
     columns: dict[str, list] = {name: [] for name in REFERENCE_SCHEMA.names}
     for split, ref in (("train", pairs.train), ("eval", pairs.eval)):
         rows = read_pair_rows(ref.verify(root))

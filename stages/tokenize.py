@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from pathlib import Path
 
 from data.records import DataError, dataset_fingerprint, load_records
 from data.tokens import tokenize_dataset, write_token_shards
@@ -37,13 +39,20 @@ KEY = StageKey(
 )
 
 
+def read_data_field(cfg: RunConfig, field: str, load: Callable[[Path], list]) -> list:
+    """load(the file a data field names, e.g. "data.eval_path"); a DataError it raises names the field."""
+    try:
+        return load(getattr(cfg.data, field.split(".")[1]))
+    except DataError as exc:
+        raise DataError(f"{field}: {exc}") from None
+
+
 def _records(cfg: RunConfig, field: str) -> list:
     """load_records of the file a data field names; its errors name the field."""
     d = cfg.data
-    try:
-        return load_records(getattr(d, field.split(".")[1]), d.format, d.text_field, d.messages_field, d.max_documents)
-    except DataError as exc:
-        raise DataError(f"{field}: {exc}") from None
+    return read_data_field(
+        cfg, field, lambda path: load_records(path, d.format, d.text_field, d.messages_field, d.max_documents)
+    )
 
 
 def run(cfg: RunConfig) -> TokenizeManifest:

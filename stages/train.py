@@ -32,23 +32,22 @@ log = logging.getLogger(__name__)
 
 FOLDER = "train"
 STEPS_FILE = "steps.jsonl"
+# What every epoch stage's key reads (distillation and preference): the adapter, the optimizer, the loop.
+EPOCH_FIELDS = (
+    "lora",
+    "optim",
+    "train.epochs",
+    "train.batch_size",
+    "train.grad_accum",
+    "train.seed",
+    "train.precision",
+    "train.backend",
+    "train.max_steps_per_epoch",
+)
 KEY = StageKey(
     stage="train",
     version="1",
-    config_fields=(
-        "lora",
-        "optim",
-        "loss",
-        "teacher.tail",
-        "train.epochs",
-        "train.batch_size",
-        "train.grad_accum",
-        "train.seed",
-        "train.precision",
-        "train.backend",
-        "train.prefix_cache",
-        "train.max_steps_per_epoch",
-    ),
+    config_fields=(*EPOCH_FIELDS, "loss", "teacher.tail", "train.prefix_cache"),
     inputs=("student", "tokens", "teacher", "epoch"),
 )
 

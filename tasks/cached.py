@@ -6,8 +6,8 @@ run, reused rather than duplicated — when every stage is a verified hit and th
 None otherwise. The CLI asks before it starts Prefect at all (a cached rerun in ~2 s), the flow before it opens
 an MLflow run (a cached deployment run logs nothing new). `remember` stores a finished run's summary under its
 result key: the config, `until` and every stage's record key; the flow calls it at the end of each run.
-Nothing here imports Prefect or MLflow. The walk mirrors flows.distill.distill; tests/test_pipeline.py checks
-that both name the same stages and records.
+Nothing here imports Prefect or MLflow. The walk is stages/graph.py's `distill`, the flow's own graph, with
+each node looked up instead of run; tests/test_pipeline.py checks that both name the same stages and records.
 """
 
 from __future__ import annotations
@@ -16,36 +16,22 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import stages.evaluate
-import stages.export
-import stages.prefix
-import stages.student
-import stages.teacher
-import stages.tokenize
-import stages.train
 from schemas.config import RunConfig, dump_config
-from stages.keys import StageKey, outputs_problem
+from stages import graph
 from stages.layout import workdir
-from tasks.records import BadRecord, read_manifest_record
+from tasks.records import BadRecord, read_manifest_record, record_key
 
-STAGES = ("tokenize", "teacher", "train", "evaluate", "export")
 RESULTS = Path(".prefect") / "results"
 INDEX = Path(".cache") / "runs"
-RECORD_FORMAT = "typed"  # tasks.caching.RECORD_FORMAT (not imported: that module imports Prefect)
 
 
 class Miss(Exception):
     """A stage has no cached result, or its files do not verify."""
-
-
-def record_key(stage: str, key: str) -> str:
-    """tasks.caching.record_key: the result record of a stage's content key."""
-    return f"{stage}-{RECORD_FORMAT}-{key.rsplit('-', 1)[-1]}"
 
 
 def read_record(path: Path) -> Any:
@@ -58,25 +44,39 @@ def read_record(path: Path) -> Any:
 
 
 @dataclass
+class Results:
+    """What stages.graph.distill sets as it walks: the stages' results."""
+
+    tokens: Any = None
+    student: Any = None
+    teacher: Any = None
+    prefix: Any = None
+    checkpoints: list[Any] = field(default_factory=list)
+    baseline: Any = None
+    evals: list[Any] = field(default_factory=list)
+    best: int | None = None
+    exported: Any = None
+    merged: Any = None
+
+
+@dataclass
 class Walk:
     """The stages of one run looked up in order: (task run name, record key) of each, and their results."""
 
     cfg: RunConfig
     root: Path
     records: list[tuple[str, str]] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)
+    values: Results = field(default_factory=Results)
 
-    def hit(
-        self,
-        name: str,
-        spec: StageKey,
-        inputs: Mapping[str, Any],
-        verify: Callable[[Any], str | None] | None = None,
-    ) -> Any:
-        """The verified cached result of stage `name`, or Miss."""
-        key = record_key(spec.stage, spec.key(self.cfg, inputs))
+    def hit(self, node: graph.Node, /, **inputs: Any) -> Any:
+        """The verified cached result of `node` on `inputs` (a stages.graph Runner), or Miss; None for a node
+        that is not cached (nothing recorded)."""
+        if node.key is None:
+            return None
+        name = node.name(inputs)
+        key = record_key(node.stage, node.content_key(self.cfg, inputs))
         value = read_record(self.root / RESULTS / key)
-        problem = verify(value) if verify is not None else outputs_problem(self.cfg, value)
+        problem = node.verify(self.cfg, inputs, value)
         if problem is not None:
             raise Miss(f"{name}: {problem}")
         self.records.append((name, key))
@@ -89,52 +89,10 @@ class Walk:
 
 
 def walk(cfg: RunConfig, until: str = "export") -> Walk:
-    """Every stage up to `until` as flows.distill runs it, each a verified cache hit; Miss at the first that
-    is not. The results are the walk's `values`."""
+    """Every stage of stages.graph.distill up to `until`, each a verified cache hit; Miss at the first that is
+    not. The results are the walk's `values`."""
     w = Walk(cfg, workdir(cfg))
-    v = w.values
-
-    def reaches(stage: str) -> bool:
-        return STAGES.index(stage) <= STAGES.index(until)
-
-    v["tokens"] = w.hit("tokenize", stages.tokenize.KEY, {})
-    v["student"] = w.hit("student", stages.student.KEY, {})
-    if reaches("teacher"):
-        plan = w.hit("teacher-plan", stages.teacher.KEY, {"tokens": v["tokens"]})
-        shards = [
-            w.hit(
-                f"teacher-shard-{s.shard}",
-                stages.teacher.SHARD_KEY,
-                {"plan": plan, "shard": s},
-                verify=lambda _, s=s: stages.teacher.shard_problem(cfg, plan, s),
-            )
-            for s in plan.shards
-        ]
-        v["teacher"] = plan.model_copy(update={"shards": tuple(shards)})
-    upstream = {k: v[k] for k in ("student", "tokens", "teacher") if k in v}
-    if reaches("train") and (layer := stages.prefix.layer(cfg)):
-        inputs = {"student": v["student"], "tokens": v["tokens"], "layer": layer}
-        v["prefix"] = w.hit(f"prefix-cache-block-{layer}", stages.prefix.KEY, inputs)
-    if reaches("train"):
-        v["checkpoints"] = [
-            w.hit(f"train-epoch-{e}", stages.train.KEY, {**upstream, "epoch": e}) for e in range(cfg.train.epochs)
-        ]
-    if reaches("evaluate"):
-        v["baseline"] = w.hit("evaluate-baseline", stages.evaluate.BASELINE_KEY, upstream)
-        v["evals"] = [
-            w.hit(f"evaluate-epoch-{c.epoch}", stages.evaluate.CHECKPOINT_KEY, {**upstream, "checkpoint": c})
-            for c in v["checkpoints"]
-        ]
-        v["best"] = stages.evaluate.select_best(cfg, v["evals"])
-    if reaches("export"):
-        best = v["checkpoints"][v["best"]]
-        exported = w.hit("export", stages.export.KEY, {"student": v["student"], "checkpoint": best})
-        if exported.merged is not None:
-            w.hit(
-                "evaluate-merged",
-                stages.evaluate.MERGED_KEY,
-                {"merged": exported.merged, "tokens": v["tokens"], "teacher": v["teacher"]},
-            )
+    graph.distill(cfg, until, w.hit, w.values)
     return w
 
 

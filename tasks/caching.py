@@ -9,11 +9,13 @@ serializer, a plain dict, garbage) is a cache miss with one warning line, never 
 reused, its manifest's files are checked (stages.keys.outputs_problem: size and sha256 of every output, or a
 stage's own check such as a teacher shard's): when one is missing or differs, one warning line says which and
 the record is dropped, so the task runs again, rebuilds its files (deterministically) and stores a fresh
-record; a stage downstream recomputes when its inputs' content changed (its key changes).
+record; a stage downstream recomputes when its inputs' content changed (its key changes). Records are written
+under a lock (tasks/stage_locks.py): two flow runs at the same stage with the same key compute it once.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -28,15 +30,12 @@ from prefect.serializers import JSONSerializer
 
 from schemas.config import RunConfig
 from schemas.manifests import Manifest
-from stages.keys import StageKey, outputs_problem
+from stages.graph import Node, Runner
+from stages.layout import workdir
 from tasks import faults
-from tasks.records import BadRecord, read_manifest_record
-
-# Records are stored as '<stage>-typed-<sha256>': the manifests a task returns now, never the plain dicts that
-# earlier versions stored under '<stage>-<sha256>'. The sha256 (and so every stage folder) is the content key.
-RECORD_FORMAT = "typed"
-
-Verify = Callable[[RunConfig, Mapping[str, Any], Any], str | None]
+from tasks.logs import prefect_logs
+from tasks.records import BadRecord, read_manifest_record, record_key
+from tasks.stage_locks import STAGE_LOCKS
 
 
 def as_config(cfg: RunConfig | Mapping[str, Any]) -> RunConfig:
@@ -44,31 +43,25 @@ def as_config(cfg: RunConfig | Mapping[str, Any]) -> RunConfig:
     return cfg if isinstance(cfg, RunConfig) else RunConfig.model_validate(cfg)
 
 
-def record_key(stage: str, key: str) -> str:
-    """The Prefect result record of stage `stage`'s content key `key` ('<stage>-<sha256>')."""
-    return f"{stage}-{RECORD_FORMAT}-{key.rsplit('-', 1)[-1]}"
-
-
-def verify_outputs(cfg: RunConfig, inputs: Mapping[str, Any], result: Any) -> str | None:
-    """The default check of a cached result: the files its manifest lists (stages.keys.outputs_problem)."""
-    return outputs_problem(cfg, result) if isinstance(result, Manifest) else None
-
-
 @dataclass
 class StageCache(CachePolicy):
-    """Cache key of one pipeline stage: its content key (`spec`); a cached result is used only when `verify`
-    (cfg, the task's inputs, the cached result) finds nothing wrong with the files it names."""
+    """Cache key of one pipeline stage: its graph node's content key (stages/graph.py); a cached result is used only
+    when the node's verify (cfg, the task's inputs, the cached result) finds nothing wrong with the files it names."""
 
-    spec: StageKey = field(kw_only=True)
-    verify: Verify = field(default=verify_outputs, repr=False, kw_only=True)
+    node: Node = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        # one computation per record: a second flow run with the same key waits for the first's, then reads it
+        self.isolation_level = "SERIALIZABLE"
+        self.lock_manager = STAGE_LOCKS
 
     @property
     def stage(self) -> str:
-        return self.spec.stage
+        return self.node.stage
 
     def key(self, cfg: RunConfig, inputs: Mapping[str, Any]) -> str:
-        """The stage's content key '<stage>-<sha256>' (stages.keys.StageKey.key)."""
-        return self.spec.key(as_config(cfg), inputs)
+        """The stage's content key '<stage>-<sha256>' (stages.graph.Node.content_key)."""
+        return self.node.content_key(as_config(cfg), inputs)
 
     def record_key(self, key: str) -> str:
         """The Prefect result record of content key `key`."""
@@ -90,7 +83,7 @@ class StageCache(CachePolicy):
         else:
             if cached is None:
                 return record
-            problem = self.verify(cfg, inputs, cached)
+            problem = self.node.verify(cfg, inputs, cached)
             if problem is None:
                 return record
         from prefect import get_run_logger
@@ -196,11 +189,13 @@ class _QuietStateHook(logging.Filter):
 logging.getLogger("prefect.task_runs").addFilter(_QuietStateHook())
 
 
-def stage_options(policy: StageCache, **options: Any) -> dict[str, Any]:
-    """Keyword arguments of @task for a cached stage: the policy, JSON results, state bookkeeping."""
+def stage_options(node: Node, **options: Any) -> dict[str, Any]:
+    """Keyword arguments of @task for the cached stage `node`: its name, run name and cache policy, JSON results,
+    state bookkeeping."""
     return {
-        "name": policy.stage,
-        "cache_policy": policy,
+        "name": node.stage,
+        "task_run_name": node.run_name,
+        "cache_policy": StageCache(node=node),
         "persist_result": True,
         "result_serializer": "json",
         "cache_result_in_memory": False,
@@ -208,3 +203,34 @@ def stage_options(policy: StageCache, **options: Any) -> dict[str, Any]:
         "on_failure": [_record_state],
         **options,
     }
+
+
+def stage_runner(cfg: RunConfig, tasks: Mapping[Node, Any], **extra: Any) -> Runner:
+    """A stages.graph Runner that runs each node as its task, `tasks[node](cfg, **inputs)`, adding the `extra`
+    keywords the task takes (an epoch task's MLflow run id)."""
+
+    def run(node: Node, /, **inputs: Any) -> Any:
+        task = tasks[node]
+        takes = inspect.signature(task.fn).parameters
+        return task(cfg, **inputs, **{name: value for name, value in extra.items() if name in takes})
+
+    return run
+
+
+def run_graph(walk: Callable[..., None], cfg: RunConfig, until: str, tasks: Mapping[Node, Any], record: Any) -> Any:
+    """In a flow: walk a stage graph (stages.graph.distill / preference) with each node run as its task, results
+    set on the flow's MLflow record (`record`, a context manager entered here), the library's log lines in the
+    flow run's log; returns the record's summary."""
+    with record as r, prefect_logs():
+        walk(cfg, until, stage_runner(cfg, tasks, mlflow_run_id=r.id), r)
+        return r.finish()
+
+
+def in_workdir(flow: Any, cfg: RunConfig, until: str) -> Any:
+    """Run flow(cfg, until) with Prefect results (the stage cache) stored under <workdir>/.prefect/results."""
+    storage = workdir(cfg) / ".prefect" / "results"
+    storage.mkdir(parents=True, exist_ok=True)
+    options: dict[str, Any] = {"result_storage": storage}
+    if cfg.run.run_name:
+        options["flow_run_name"] = cfg.run.run_name
+    return flow.with_options(**options)(cfg, until)

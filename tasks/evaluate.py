@@ -14,16 +14,13 @@ from schemas.manifests import (
     TeacherManifest,
     TokenizeManifest,
 )
-from tasks.caching import StageCache, stage_options
+from stages import graph
+from tasks.caching import stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 
-BASELINE = StageCache(spec=stages.evaluate.BASELINE_KEY)
-EPOCH = StageCache(spec=stages.evaluate.CHECKPOINT_KEY)
-MERGED = StageCache(spec=stages.evaluate.MERGED_KEY)
 
-
-@task(**stage_options(BASELINE, task_run_name="evaluate-baseline"))
+@task(**stage_options(graph.BASELINE))
 def evaluate_baseline(
     cfg: RunConfig, student: StudentManifest, tokens: TokenizeManifest, teacher: TeacherManifest
 ) -> EvalManifest:
@@ -32,7 +29,7 @@ def evaluate_baseline(
         return stages.evaluate.run(cfg, student, tokens, teacher, bar=bar)
 
 
-@task(**stage_options(EPOCH, task_run_name="evaluate-epoch-{checkpoint.epoch}"))
+@task(**stage_options(graph.EVALUATE))
 def evaluate_checkpoint(
     cfg: RunConfig,
     student: StudentManifest,
@@ -45,7 +42,7 @@ def evaluate_checkpoint(
         return stages.evaluate.run(cfg, student, tokens, teacher, checkpoint, bar)
 
 
-@task(**stage_options(MERGED, task_run_name="evaluate-merged"))
+@task(**stage_options(graph.MERGED))
 def evaluate_merged(
     cfg: RunConfig, merged: FileRef, tokens: TokenizeManifest, teacher: TeacherManifest
 ) -> EvalManifest:

@@ -7,13 +7,12 @@ from prefect import task
 import stages.export
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, ExportManifest, StudentManifest
-from tasks.caching import StageCache, stage_options
+from stages import graph
+from tasks.caching import stage_options
 from tasks.logs import prefect_logs
 
-POLICY = StageCache(spec=stages.export.KEY)
 
-
-@task(**stage_options(POLICY, task_run_name="export"))
+@task(**stage_options(graph.EXPORT))
 def export_adapter(cfg: RunConfig, student: StudentManifest, checkpoint: CheckpointManifest) -> ExportManifest:
     """The checkpoint's adapter as cfg.export asks: PEFT dir, GGUF LoRA, merged GGUF."""
     with prefect_logs():

@@ -2,7 +2,8 @@
 
 Items are `point=value[:mode]`. `check(point, value)` acts when the variable arms that point at that value;
 mode `raise` (the default) raises InjectedFault, mode `kill` ends the process at once with SIGKILL (no cleanup,
-no flush: what `kill -9` does), mode `enospc` raises the OSError a full disk gives (errno 28). Points:
+no flush: what `kill -9` does), mode `enospc` raises the OSError a full disk gives (errno 28), mode `hang` blocks
+the first attempt of a flow run until something kills it (a worker dying mid-stage; later attempts pass). Points:
   teacher.shard=i        after top-k shard i is written and recorded (the task then fails)
   train.step=n           after optimizer step n (global, 1-based) and any checkpoint of that step
   after=<task run name>  after that stage ran and its result was stored (a stage boundary), e.g. after=student
@@ -17,11 +18,12 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 ENV = "DISTILLERY_FAULT"
-MODES = ("raise", "kill", "enospc")
+MODES = ("raise", "kill", "enospc", "hang")
 
 
 class InjectedFault(RuntimeError):
@@ -43,6 +45,13 @@ def _armed() -> dict[str, dict[str, str]]:
 
 
 def _act(mode: str, where: str) -> None:
+    if mode == "hang":
+        from prefect.runtime import flow_run
+
+        if int(flow_run.run_count or 1) > 1:
+            return
+        while True:
+            time.sleep(1)
     if mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if mode == "enospc":

@@ -15,7 +15,6 @@ from schemas.preferences import PairsManifest, PreferenceEvalManifest, Reference
 from stages.layout import workdir
 from tasks.caching import as_config, stage_states
 from tasks.tracking import (
-    ADAPTER_ARTIFACT,
     FlowRunRecord,
     client_for,
     create_flow_run,
@@ -102,42 +101,18 @@ class PreferenceRecord(FlowRunRecord):
         summary["report"] = str(report)
         self.client.log_artifact(self.id, str(report), "report")
         files = summary["files"]
-        if "peft_dir" in files:
-            self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
-        if "gguf_lora" in files:
-            self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
+        self._log_adapter(files)
         if files and self.best is not None:
-            summary["registered_model"] = self._register()
+            best = self.evals[self.best]
+            tags = {
+                "task": "dpo",
+                "epoch": str(best.epoch),
+                "loss": f"{best.loss:.6g}",
+                "reward_accuracy": f"{best.reward_accuracy:.6g}",
+            }
+            summary["registered_model"] = self._register_adapter("LoRA adapters trained by distillery", tags)
         self.client.set_terminated(self.id, "FINISHED")
         return summary
-
-    def _register(self) -> dict[str, Any]:
-        """A model version of the selected adapter under '<experiment>-adapter' (as distillation registers
-        its adapters); an adapter registered before (a cached rerun) is not registered again."""
-        from mlflow.exceptions import MlflowException
-
-        assert self.best is not None
-        name = f"{self.cfg.run.experiment}-adapter"
-        try:
-            self.client.create_registered_model(name, description="LoRA adapters trained by distillery")
-        except MlflowException as exc:
-            if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
-                raise
-        adapter_sha = self.checkpoints[self.best].adapter.sha256
-        for existing in self.client.search_model_versions(f"name='{name}'"):
-            if existing.tags.get("adapter.sha256") == adapter_sha:
-                return {"name": name, "version": str(existing.version), "source": existing.source, "new": False}
-        best = self.evals[self.best]
-        source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
-        tags = {
-            "task": "dpo",
-            "epoch": str(best.epoch),
-            "loss": f"{best.loss:.6g}",
-            "reward_accuracy": f"{best.reward_accuracy:.6g}",
-            "adapter.sha256": adapter_sha,
-        }
-        version = self.client.create_model_version(name, source=source, run_id=self.id, tags=tags)
-        return {"name": name, "version": str(version.version), "source": source, "new": True}
 
 
 def _row(label: str, ev: Mapping[str, Any] | None) -> str:

@@ -11,14 +11,13 @@ from prefect import task
 import stages.prefix
 from schemas.config import RunConfig
 from schemas.manifests import PrefixManifest, StudentManifest, TokenizeManifest
-from tasks.caching import StageCache, stage_options
+from stages import graph
+from tasks.caching import stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 
-POLICY = StageCache(spec=stages.prefix.KEY)
 
-
-@task(**stage_options(POLICY, task_run_name="prefix-cache-block-{layer}"))
+@task(**stage_options(graph.PREFIX))
 def prefix_cache(cfg: RunConfig, student: StudentManifest, tokens: TokenizeManifest, layer: int) -> PrefixManifest:
     """The input of block `layer` (stages.prefix.layer(cfg)) for every sequence of both splits, float16."""
     with prefect_logs():

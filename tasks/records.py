@@ -18,11 +18,19 @@ import schemas.manifests
 import schemas.preferences
 from schemas.manifests import Manifest
 
+# Records are stored as '<stage>-typed-<sha256>': the manifests a task returns now, never the plain dicts that
+# earlier versions stored under '<stage>-<sha256>'. The sha256 (and so every stage folder) is the content key.
+RECORD_FORMAT = "typed"
 MAX_RECORD_BYTES = 1 << 24  # a manifest is a few kB; a record larger than 16 MiB is not ours
 
 
 class BadRecord(ValueError):
     """A result record that is not a JSON manifest of a known schema (a cache miss, never deserialized)."""
+
+
+def record_key(stage: str, key: str) -> str:
+    """The result record of stage `stage`'s content key `key` ('<stage>-<sha256>')."""
+    return f"{stage}-{RECORD_FORMAT}-{key.rsplit('-', 1)[-1]}"
 
 
 def _manifest_classes() -> dict[str, type[Manifest]]:

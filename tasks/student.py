@@ -7,14 +7,13 @@ from prefect import task
 import stages.student
 from schemas.config import RunConfig
 from schemas.manifests import StudentManifest
-from tasks.caching import StageCache, stage_options
+from stages import graph
+from tasks.caching import stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 
-POLICY = StageCache(spec=stages.student.KEY)
 
-
-@task(**stage_options(POLICY, task_run_name="student"))
+@task(**stage_options(graph.STUDENT))
 def student(cfg: RunConfig) -> StudentManifest:
     """The student GGUF (requantized to model.student_quant when set), uploaded into this process's GPU."""
     with prefect_logs():

@@ -1,4 +1,5 @@
-"""teacher: the teacher's top-k shards, one cached Prefect task per shard (stages.teacher does the work).
+"""teacher: the teacher's top-k shards, one cached Prefect task per shard (stages.teacher does the work; the
+order is stages.graph.teacher_topk's).
 
 teacher-plan (cached) checks the vocabularies and plans the shards; teacher-shard-i (cached per shard, and
 re-run when its file is gone or fails verification) writes shard i and records it. A crash loses at most the
@@ -7,37 +8,27 @@ shard being written; a rerun skips every shard that verifies.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 import stages.teacher
 from schemas.config import RunConfig
 from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
+from stages import graph
 from tasks import faults
-from tasks.caching import StageCache, stage_options
+from tasks.caching import stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 
 
-def _shard_problem(cfg: RunConfig, inputs: Mapping[str, Any], cached: Any) -> str | None:
-    return stages.teacher.shard_problem(cfg, inputs["plan"], inputs["shard"])
-
-
-PLAN = StageCache(spec=stages.teacher.KEY)
-SHARD = StageCache(spec=stages.teacher.SHARD_KEY, verify=_shard_problem)
-
-
-@task(**stage_options(PLAN, task_run_name="teacher-plan"))
+@task(**stage_options(graph.TEACHER_PLAN))
 def plan_teacher(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
     """Refuse a vocabulary mismatch, plan the shards, open the top-k manifest (every shard pending)."""
     with prefect_logs():
         return stages.teacher.plan(cfg, tokens)
 
 
-@task(**stage_options(SHARD, task_run_name="teacher-shard-{shard.shard}", retries=0))
+@task(**stage_options(graph.TEACHER_SHARD, retries=0))
 def teacher_shard(cfg: RunConfig, tokens: TokenizeManifest, plan: TeacherManifest, shard: ShardRecord) -> ShardRecord:
     """Compute, write and record one shard (kept as is when already complete and verified)."""
     with prefect_logs():
@@ -46,7 +37,13 @@ def teacher_shard(cfg: RunConfig, tokens: TokenizeManifest, plan: TeacherManifes
     return done
 
 
-@task(name="teacher-ray", task_run_name="teacher-ray", persist_result=False, cache_policy=NO_CACHE, retries=0)
+@task(
+    name=graph.TEACHER_RAY.stage,
+    task_run_name=graph.TEACHER_RAY.run_name,
+    persist_result=False,
+    cache_policy=NO_CACHE,
+    retries=0,
+)
 def teacher_on_ray(cfg: RunConfig, tokens: TokenizeManifest, plan: TeacherManifest) -> None:
     """teacher.runner=ray: the shards not complete as Ray tasks (stages/teacher_ray.py; Ray retries a killed
     worker's shard), recorded in the top-k manifest by this process."""
@@ -54,17 +51,3 @@ def teacher_on_ray(cfg: RunConfig, tokens: TokenizeManifest, plan: TeacherManife
 
     with prefect_logs():
         run_missing(cfg, tokens, plan, bar)
-
-
-def teacher(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
-    """The teacher stage in the flow: the plan, (teacher.runner=ray: the missing shards on Ray,) then one task
-    per shard, in order (with the ray runner each finds its shard complete and records it)."""
-    plan = plan_teacher(cfg, tokens)
-    if cfg.teacher.runner == "ray":
-        teacher_on_ray(cfg, tokens, plan)
-    try:
-        records = [teacher_shard(cfg, tokens, plan, s) for s in plan.shards]
-    finally:
-        stages.teacher.release_teacher()
-    with prefect_logs():
-        return stages.teacher.finish(cfg, plan, records)

@@ -7,13 +7,12 @@ from prefect import task
 import stages.tokenize
 from schemas.config import RunConfig
 from schemas.manifests import TokenizeManifest
-from tasks.caching import StageCache, stage_options
+from stages import graph
+from tasks.caching import stage_options
 from tasks.logs import prefect_logs
 
-POLICY = StageCache(spec=stages.tokenize.KEY)
 
-
-@task(**stage_options(POLICY, task_run_name="tokenize"))
+@task(**stage_options(graph.TOKENIZE))
 def tokenize(cfg: RunConfig) -> TokenizeManifest:
     """Tokenize cfg.data with the student's tokenizer into train/eval token shards."""
     with prefect_logs():

@@ -28,6 +28,7 @@ from schemas.manifests import (
     CheckpointManifest,
     EvalManifest,
     ExportManifest,
+    PrefixManifest,
     StudentManifest,
     TeacherManifest,
     TokenizeManifest,
@@ -37,6 +38,7 @@ from stages.layout import file_name, inside, workdir
 from stages.train import read_steps
 from tasks.cached import cached_run, remember
 from tasks.caching import as_config, stage_states
+from tasks.stage_locks import STAGE_LOCKS
 
 ADAPTER_ARTIFACT = "adapter"
 STEP_METRICS = ("loss", "grad_norm", "lr", "tokens_per_s", "skipped")
@@ -156,6 +158,42 @@ class FlowRunRecord:
     def _metrics(self, values: Mapping[str, float], step: int = 0) -> None:
         log_metrics(self.client, self.id, values, step)
 
+    def _log_adapter(self, files: Mapping[str, str]) -> None:
+        """The exported PEFT dir and GGUF LoRA (of those in `files`) as the run's adapter artifacts."""
+        root = workdir(self.cfg)
+        if "peft_dir" in files:
+            self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
+        if "gguf_lora" in files:
+            self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
+
+    def _register_adapter(self, description: str, tags: Mapping[str, str]) -> dict[str, Any]:
+        """A model version of the selected adapter under '<experiment>-adapter', tagged with `tags` and its
+        sha256; an adapter registered before (a cached rerun) is not registered again."""
+        from mlflow.exceptions import MlflowException
+
+        assert self.best is not None
+        name = f"{self.cfg.run.experiment}-adapter"
+        try:
+            self.client.create_registered_model(name, description=description)
+        except MlflowException as exc:
+            if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
+                raise
+        adapter_sha = self.checkpoints[self.best].adapter.sha256
+        # one version per adapter, also when two flow runs of one config finish together (two workers)
+        lock, holder = f"mlflow-model-{file_name(name)}", f"{os.getpid()}-{threading.get_ident()}"
+        STAGE_LOCKS.acquire_lock(lock, holder)
+        try:
+            for existing in self.client.search_model_versions(f"name='{name}'"):
+                if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
+                    return {"name": name, "version": str(existing.version), "source": existing.source, "new": False}
+            source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
+            version = self.client.create_model_version(
+                name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
+            )
+        finally:
+            STAGE_LOCKS.release_lock(lock, holder)
+        return {"name": name, "version": str(version.version), "source": source, "new": True}
+
 
 class RunRecord(FlowRunRecord):
     """What a distillation flow run produced and its MLflow run."""
@@ -175,6 +213,7 @@ class RunRecord(FlowRunRecord):
         self.reused = reused  # the summary of the run whose results this one reuses entirely: log nothing
         self.tokens: TokenizeManifest | None = None
         self.teacher: TeacherManifest | None = None
+        self.prefix: PrefixManifest | None = None
         self.baseline: EvalManifest | None = None
         self.evals: list[EvalManifest] = []
         self.merged: EvalManifest | None = None
@@ -260,7 +299,10 @@ class RunRecord(FlowRunRecord):
         for plot in write_plots(self.cfg, self, plots):
             self.client.log_artifact(self.id, str(plot), "plots")
         if self.exported is not None and self.best is not None:
-            summary["registered_model"] = self._log_adapter()
+            self._log_adapter(self.exported.files())
+            best = self.evals[self.best]
+            tags = {"epoch": str(best.epoch), "kl": f"{best.kl:.6g}", "top1": f"{best.top1:.6g}"}
+            summary["registered_model"] = self._register_adapter("LoRA adapters distilled by distillery", tags)
         _prefect_markdown(report)
         self.client.set_terminated(self.id, "FINISHED")
         remember(self.cfg, self.until, summary)
@@ -276,38 +318,6 @@ class RunRecord(FlowRunRecord):
             tags["teacher.sha256"] = self.teacher.teacher_sha256
         for key, value in tags.items():
             self.client.set_tag(self.id, key, value)
-
-    def _log_adapter(self) -> dict[str, Any]:
-        assert self.exported is not None and self.best is not None
-        root, files = workdir(self.cfg), self.exported.files()
-        if "peft_dir" in files:
-            self.client.log_artifacts(self.id, str(root / files["peft_dir"]), f"{ADAPTER_ARTIFACT}/peft")
-        if "gguf_lora" in files:
-            self.client.log_artifact(self.id, str(root / files["gguf_lora"]), ADAPTER_ARTIFACT)
-        name = f"{self.cfg.run.experiment}-adapter"
-        from mlflow.exceptions import MlflowException
-
-        try:
-            self.client.create_registered_model(name, description="LoRA adapters distilled by distillery")
-        except MlflowException as exc:
-            if "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
-                raise
-        best = self.evals[self.best]
-        adapter_sha = self.checkpoints[self.best].adapter.sha256
-        for existing in self.client.search_model_versions(f"name='{name}'"):
-            if existing.tags.get("adapter.sha256") == adapter_sha:  # a cached rerun: already registered
-                return {
-                    "name": name,
-                    "version": str(existing.version),
-                    "source": existing.source,
-                    "new": False,
-                }
-        source = f"{self.client.get_run(self.id).info.artifact_uri}/{ADAPTER_ARTIFACT}"
-        tags = {"epoch": str(best.epoch), "kl": f"{best.kl:.6g}", "top1": f"{best.top1:.6g}"}
-        version = self.client.create_model_version(
-            name, source=source, run_id=self.id, tags={**tags, "adapter.sha256": adapter_sha}
-        )
-        return {"name": name, "version": str(version.version), "source": source, "new": True}
 
 
 def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:
@@ -411,17 +421,35 @@ def failed_on_error(client: Any, run_id: str) -> Iterator[None]:
         raise
 
 
-def create_flow_run(cfg: RunConfig, client: Any, flow_run: Any, **tags: str) -> tuple[str, str]:
-    """(experiment id, run id) of a new MLflow run for the Prefect `flow_run` in cfg.run.experiment (created when
-    missing; with the default sqlite store its artifacts go under the workdir, not ./mlruns), tagged with the
-    Prefect ids, the git commit and `tags`."""
+def _experiment(cfg: RunConfig, client: Any) -> str:
+    """The id of cfg.run.experiment, created when missing: with the default sqlite store its artifacts go under
+    the workdir (not ./mlruns), with a tracking server where the server keeps them. Two runs creating it at once
+    (two workers) both get the one that exists."""
+    from mlflow.exceptions import MlflowException
+
     exp = client.get_experiment_by_name(cfg.run.experiment)
     if exp is not None:
-        experiment_id = exp.experiment_id
-    elif cfg.run.mlflow_uri is None:
-        experiment_id = client.create_experiment(cfg.run.experiment, (workdir(cfg) / "mlartifacts").as_uri())
-    else:
-        experiment_id = client.create_experiment(cfg.run.experiment)
+        return exp.experiment_id
+    local = cfg.run.tracking_uri().startswith("sqlite:")
+    try:
+        return client.create_experiment(cfg.run.experiment, (workdir(cfg) / "mlartifacts").as_uri() if local else None)
+    except MlflowException as exc:
+        exp = client.get_experiment_by_name(cfg.run.experiment)
+        if exp is None or "RESOURCE_ALREADY_EXISTS" not in str(getattr(exc, "error_code", "")) + str(exc):
+            raise
+        return exp.experiment_id
+
+
+def create_flow_run(cfg: RunConfig, client: Any, flow_run: Any, **tags: str) -> tuple[str, str]:
+    """(experiment id, run id) of the MLflow run for the Prefect `flow_run` in cfg.run.experiment (created when
+    missing; with the default sqlite store its artifacts go under the workdir, not ./mlruns), tagged with the
+    Prefect ids, the git commit and `tags`: a new run, or the flow run's own from an earlier attempt."""
+    experiment_id = _experiment(cfg, client)
+    for run in client.search_runs(
+        [experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run.id}'", max_results=1
+    ):  # a flow run scheduled again after a crash (infra/automations.py) keeps its MLflow run
+        client.update_run(run.info.run_id, status="RUNNING")
+        return experiment_id, run.info.run_id
     tags = {"prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name), **tags}
     if commit := git_commit():
         tags["git.commit"] = commit

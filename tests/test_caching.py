@@ -24,20 +24,22 @@ from schemas.manifests import (
     TokenSplit,
 )
 from stages import keys
+from stages.graph import Node
 from tasks import caching, evaluate, export, student, teacher, tokenize, train
+from tasks.records import record_key
 from tests.pipeline_fixtures import tiny_config, tiny_inputs, write_texts, write_tiny_llama
 
 POLICIES = {
-    p.stage: p
-    for p in (
-        tokenize.POLICY,
-        student.POLICY,
-        teacher.PLAN,
-        train.POLICY,
-        evaluate.BASELINE,
-        evaluate.EPOCH,
-        evaluate.MERGED,
-        export.POLICY,
+    t.cache_policy.stage: t.cache_policy
+    for t in (
+        tokenize.tokenize,
+        student.student,
+        teacher.plan_teacher,
+        train.train_epoch,
+        evaluate.evaluate_baseline,
+        evaluate.evaluate_checkpoint,
+        evaluate.evaluate_merged,
+        export.export_adapter,
     )
 }
 
@@ -206,7 +208,8 @@ def test_stale_cached_result_is_recomputed_and_its_record_dropped(
 ) -> None:
     cfg = load_config(config_file)
     problem: list[str | None] = [None]
-    policy = caching.StageCache(spec=keys.StageKey(stage="s", inputs=("x",)), verify=lambda c, i, r: problem[0])
+    node = Node("s", keys.StageKey(stage="s", inputs=("x",)), verify=lambda c, i, r: problem[0])
+    policy = caching.StageCache(node=node)
     inputs = {"cfg": cfg, "x": _ref("a", "7")}
     records: dict[str, Any] = {}
     monkeypatch.setattr(caching, "get_result_store", lambda: None)
@@ -216,7 +219,7 @@ def test_stale_cached_result_is_recomputed_and_its_record_dropped(
     key = policy.compute_key(None, inputs, {})
     content_key = policy.key(cfg, inputs)
     # the record key names the result format; its digest is the content key that addresses the stage's folder
-    assert key == f"s-typed-{content_key.removeprefix('s-')}" == caching.record_key("s", content_key)
+    assert key == f"s-typed-{content_key.removeprefix('s-')}" == record_key("s", content_key)
     problem[0] = "file gone"
     assert policy.compute_key(None, inputs, {}) == key  # nothing cached yet: compute and cache normally
     records[key] = "cached manifest"

@@ -24,6 +24,7 @@ from data.tokens import (
 from model.tokenizer import GGUFTokenizer, load_tokenizer
 from schemas.config import DataSection
 from schemas.files import SchemaError
+from schemas.manifests import TokenizeManifest
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -136,16 +137,17 @@ def test_missing_file_and_non_local_names(tmp_path: Path) -> None:
         dataset_fingerprint("https://example.com/d.jsonl")
 
 
+def _refused(path: Path, text: str, match: str) -> None:
+    """load_records of a file holding `text` raises a DataError matching `match`."""
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(DataError, match=match):
+        load_records(path)
+
+
 def test_empty_dataset_and_unknown_extension(tmp_path: Path) -> None:
-    (tmp_path / "e.jsonl").write_text("\n\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"e\.jsonl: empty dataset"):
-        load_records(tmp_path / "e.jsonl")
-    (tmp_path / "e.txt").write_text("  \n\n \n", encoding="utf-8")
-    with pytest.raises(DataError, match="empty dataset"):
-        load_records(tmp_path / "e.txt")
-    (tmp_path / "d.csv").write_text("text\nhello\n", encoding="utf-8")
-    with pytest.raises(DataError, match=r"d\.csv: unknown extension '\.csv'"):
-        load_records(tmp_path / "d.csv")
+    _refused(tmp_path / "e.jsonl", "\n\n", r"e\.jsonl: empty dataset")
+    _refused(tmp_path / "e.txt", "  \n\n \n", "empty dataset")
+    _refused(tmp_path / "d.csv", "text\nhello\n", r"d\.csv: unknown extension '\.csv'")
 
 
 def test_missing_field_lists_available_fields(tmp_path: Path) -> None:
@@ -167,12 +169,8 @@ def test_wrong_types_and_bad_json(tmp_path: Path) -> None:
         load_records(_write_jsonl(tmp_path / "a.jsonl", [{"text": "ok"}, {"text": 3}]))
     with pytest.raises(DataError, match=r"line 1: field 'messages': messages\[0\] has no 'content'"):
         load_records(_write_jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "user"}]}]))
-    (tmp_path / "c.jsonl").write_text('{"text": "a"}\n{"text": \n', encoding="utf-8")
-    with pytest.raises(DataError, match=r"c\.jsonl line 2: invalid JSON"):
-        load_records(tmp_path / "c.jsonl")
-    (tmp_path / "d.json").write_text('{"text": "a"}', encoding="utf-8")
-    with pytest.raises(DataError, match="must be a list of objects, got dict"):
-        load_records(tmp_path / "d.json")
+    _refused(tmp_path / "c.jsonl", '{"text": "a"}\n{"text": \n', r"c\.jsonl line 2: invalid JSON")
+    _refused(tmp_path / "d.json", '{"text": "a"}', "must be a list of objects, got dict")
 
 
 def test_no_tokens_after_tokenization(tmp_path: Path, tok: GGUFTokenizer) -> None:
@@ -257,15 +255,13 @@ def test_unpacked_rows_are_truncated_and_padded(tok: GGUFTokenizer) -> None:
 def test_token_shards_schema_manifest_and_tamper(tmp_path: Path, tok: GGUFTokenizer) -> None:
     train, held = tokenize_dataset(_docs(12), tok, 12, 0.25, 0)
     out = tmp_path / "tok"
-    manifest = write_token_shards(
-        train,
-        held,
-        out,
-        dataset_fingerprint="fp",
-        tokenizer_sha256="1" * 64,
-        vocab_size=tok.vocab_size,
-        seq_len=12,
-    )
+
+    def write() -> TokenizeManifest:
+        return write_token_shards(
+            train, held, out, dataset_fingerprint="fp", tokenizer_sha256="1" * 64, vocab_size=tok.vocab_size, seq_len=12
+        )
+
+    manifest = write()
     assert read_tokenize_manifest(out) == manifest
     assert manifest.train.n_sequences == len(train) and manifest.eval.n_sequences == len(held)
     assert manifest.train.n_positions == int(np.sum(train["loss_mask"]))
@@ -277,15 +273,7 @@ def test_token_shards_schema_manifest_and_tamper(tmp_path: Path, tok: GGUFTokeni
     assert not list(out.glob(".*tmp*"))
 
     # Rewriting replaces the split in place.
-    write_token_shards(
-        train,
-        held,
-        out,
-        dataset_fingerprint="fp",
-        tokenizer_sha256="1" * 64,
-        vocab_size=tok.vocab_size,
-        seq_len=12,
-    )
+    write()
     assert sorted(p.name for p in out.iterdir()) == ["eval", "tokenize_manifest.json", "train"]
 
     arrow = out / "eval" / "data-00000-of-00001.arrow"

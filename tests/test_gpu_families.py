@@ -14,16 +14,14 @@ from gpu.model import ModelWeights
 from gpu.objectives import GpuKd
 from gpu.ops.add import add_bias
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
-from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.student import GPUStudent
 from model import reference as ref
 from model.config import LORA_TARGETS, ModelConfig
 from model.engine_spec import EngineSpec, KdBatch
 from model.gguf import llama3_rope_factors
 from model.kd import LossConfig, log_softmax
-from model.quant import dequantize, quantize
 from tests.gpu_fixtures import tensor_core_device_or_skip
-from tests.gpu_helpers import make_device, rel_err, twice, up
+from tests.gpu_helpers import make_device, random_student_problem, rel_err, rope_matches_reference, twice, up
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4
@@ -44,27 +42,10 @@ def _factors(d: int, base: float) -> np.ndarray:
 )
 def test_rope_variants(dev: Device, neox: bool, scaled: bool, use_buf: bool) -> None:
     rng = np.random.default_rng(int(neox) + 2 * int(scaled) + 4 * int(use_buf))
-    t, nh, d, base, start = 7, 3, 16, 100.0, 2
-    factors = _factors(d, base) if scaled else None
-    table = RopeTable.build(dev, d, base, 64, factors=factors, neox=neox)
-    x = rng.standard_normal((t, nh, d)).astype(np.float32)
-    dy = rng.standard_normal((t, nh, d)).astype(np.float32)
-    pos_rel = rng.permutation(20)[:t].astype(np.uint32) if use_buf else np.arange(t, dtype=np.uint32)
-    pos_buf = up(dev, pos_rel, np.uint32) if use_buf else None
-    xb, dyb = up(dev, x), up(dev, dy)
-
-    def run() -> list[np.ndarray]:
-        y, dx = dev.buffer(x.nbytes), dev.buffer(x.nbytes)
-        rope_forward(dev, table, xb, y, t, nh, positions=pos_buf, start=start)
-        rope_backward(dev, table, dyb, dx, t, nh, positions=pos_buf, start=start)
-        return [dev.read(b, np.float32, x.shape) for b in (y, dx)]
-
-    y, dx = twice(run)
-    pos = pos_rel.astype(np.int64) + start
-    assert rel_err(y, ref.rope_forward(x.astype(np.float64), pos, base, factors, neox)) <= TOL
-    assert rel_err(dx, ref.rope_backward(dy.astype(np.float64), pos, base, factors, neox)) <= TOL
+    factors = _factors(16, 100.0) if scaled else None
+    y, x, pos = rope_matches_reference(dev, rng, 7, 3, 16, 100.0, 2, use_buf, factors=factors, neox=neox)
     # the variant matters: the other pair layout is far off
-    assert rel_err(y, ref.rope_forward(x.astype(np.float64), pos, base, factors, not neox)) > 100 * TOL
+    assert rel_err(y, ref.rope_forward(x, pos, 100.0, factors, not neox)) > 100 * TOL
 
 
 def test_add_bias(dev: Device) -> None:
@@ -119,18 +100,7 @@ T, B, K, RANK, SCALE = 12, 2, 8, 4, 2.0
 
 
 def _problem(cfg: ModelConfig, seed: int, qtype: int):
-    rng = np.random.default_rng(seed)
-    w = ref.random_weights(cfg, seed, np.float32)
-    if qtype != Q.F32:  # the reference sees exactly the quantized values the GPU decodes
-        w = {
-            n: dequantize(quantize(a, qtype), qtype, a.shape) if a.ndim == 2 and n[:4] == "blk." else a
-            for n, a in w.items()
-        }
-    lora = ref.init_lora(cfg, list(LORA_TARGETS), RANK, seed)
-    lora = {key: ref.LoraPair(p.A, rng.normal(0, 0.2, p.B.shape).astype(np.float32)) for key, p in lora.items()}
-    ids = rng.integers(0, cfg.vocab, (B, T))
-    targets = np.concatenate([ids[:, 1:], rng.integers(0, cfg.vocab, (B, 1))], axis=1)
-    mask = (rng.random((B, T)) > 0.2).astype(np.uint8)
+    w, lora, ids, targets, mask, rng = random_student_problem(cfg, seed, qtype, RANK, B, T)
     lp = log_softmax(rng.normal(0, 2.0, (B, T, cfg.vocab)))
     tids = np.argsort(-lp, axis=-1)[..., :K]
     tlp = np.take_along_axis(lp, tids, -1).astype(np.float32)

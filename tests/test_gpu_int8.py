@@ -117,23 +117,25 @@ def _check_gemm(dev: Device, m: int, n: int, k: int, chunk: int, cfg: I8Config |
     quantize_i8_gpu(dev, dev.upload(x), a)
     ac = dev.read(a.codes, np.int8, (m, k))
     asc = dev.read(a.scales, np.float32, (m, k // chunk))
-    ldc, c_off, alpha, accumulate = (
-        kw.get("ldc", n),
-        kw.get("c_offset", 0),
-        kw.get("alpha", 1.0),
-        kw.get("accumulate", False),
-    )
+    ref = gemm_i8_reference(ac, asc, *quantize_i8(w, chunk))
+    return _run_into_c(dev, rng, ref, lambda c: gemm_i8(dev, a, wq, c, cfg=cfg, emulate=emulate, **kw), **kw)
+
+
+def _run_into_c(dev: Device, rng: np.random.Generator, ref: np.ndarray, call, **kw) -> float:
+    """Run call(c) on a random C [c_offset + m * ldc] (gemm_i8's keywords in kw) and check it against
+    alpha * ref [m, n] (+ C's old values with accumulate): nothing written outside the m x n block; returns the
+    worst error relative to the result's max."""
+    m, n = ref.shape
+    ldc, c_off, alpha = kw.get("ldc", n), kw.get("c_offset", 0), kw.get("alpha", 1.0)
     c0 = rng.standard_normal(c_off + m * ldc).astype(np.float32)
     c = dev.upload(c0)
-    gemm_i8(dev, a, wq, c, cfg=cfg, emulate=emulate, **kw)
+    call(c)
     got = dev.read(c, np.float32, (c_off + m * ldc,))
-    ref = alpha * gemm_i8_reference(ac, asc, *quantize_i8(w, chunk))
-    if accumulate:
-        ref = ref + c0[c_off:].reshape(m, ldc)[:, :n]
-    out = got[c_off:].reshape(m, ldc)
-    assert np.array_equal(out[:, n:], c0[c_off:].reshape(m, ldc)[:, n:]), "wrote past column n"
+    before, out = c0[c_off:].reshape(m, ldc), got[c_off:].reshape(m, ldc)
+    want = alpha * ref + (before[:, :n] if kw.get("accumulate", False) else 0.0)
+    assert np.array_equal(out[:, n:], before[:, n:]), "wrote past the last column"
     assert np.array_equal(got[:c_off], c0[:c_off]), "wrote before c_offset"
-    return float(np.abs(out[:, :n] - ref).max() / np.abs(ref).max())
+    return float(np.abs(out[:, :n] - want).max() / np.abs(want).max())
 
 
 EMU_CASES = [  # (m, n, k, chunk, tile): edges in M and N, one and several chunks, both pipelines
@@ -186,21 +188,10 @@ def _check_gemm_nn(dev: Device, m: int, r: int, p: int, cfg: I8Config | None, *,
     twin, twin_scales = quantize_i8(dy * wsc[:, 0][None, :], r)
     np.testing.assert_allclose(asc, twin_scales, rtol=1e-6)
     assert np.abs(ac.astype(int) - twin).max() <= 1
-    ldc, c_off, alpha, accumulate = (
-        kw.get("ldc", p),
-        kw.get("c_offset", 0),
-        kw.get("alpha", 1.0),
-        kw.get("accumulate", False),
-    )
-    c0 = rng.standard_normal(c_off + m * ldc).astype(np.float32)
-    c = dev.upload(c0)
-    gemm_i8(dev, a, w, c, orient="nn", col_scales=dev.upload(np.ones(p, np.float32)), cfg=cfg, emulate=emulate, **kw)
-    got = dev.read(c, np.float32, (c_off + m * ldc,))[c_off:].reshape(m, ldc)
-    ref = alpha * (ac.astype(np.float64) @ wc.astype(np.float64)) * asc.astype(np.float64)
-    if accumulate:
-        ref = ref + c0[c_off:].reshape(m, ldc)[:, :p]
-    assert np.array_equal(got[:, p:], c0[c_off:].reshape(m, ldc)[:, p:]), "wrote past column p"
-    return float(np.abs(got[:, :p] - ref).max() / np.abs(ref).max())
+    ones = dev.upload(np.ones(p, np.float32))
+    ref = (ac.astype(np.float64) @ wc.astype(np.float64)) * asc.astype(np.float64)
+    nn = lambda c: gemm_i8(dev, a, w, c, orient="nn", col_scales=ones, cfg=cfg, emulate=emulate, **kw)  # noqa: E731
+    return _run_into_c(dev, rng, ref, nn, **kw)
 
 
 @pytest.mark.gpu

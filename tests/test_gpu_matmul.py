@@ -12,6 +12,7 @@ from gpu.device import Device, DeviceError
 from gpu.ops.matmul import gemm, linear, linear_input_grad
 from gpu.weights import random_blocks, upload_quant, wrap_f32
 from tests.gpu_fixtures import device_or_skip
+from tests.gpu_helpers import gemm_twice
 
 pytestmark = pytest.mark.gpu
 
@@ -129,16 +130,8 @@ def test_transposed_a_gives_lora_weight_gradient(dev: Device) -> None:
 
 def test_bitwise_reproducible(dev: Device) -> None:
     rng = np.random.default_rng(9)
-    m, n, k = 17, 48, 256
-    raw, _ = _weight(T.Q6_K, n, k, rng)
-    w = upload_quant(dev, raw, T.Q6_K, (n, k))
-    x = dev.upload(rng.standard_normal((m, k)).astype(np.float32))
-    outs = []
-    for _ in range(2):
-        y = dev.buffer(m * n * 4)
-        linear(dev, x, w, y, m)
-        outs.append(dev.read(y, np.uint32, (m, n)))
-    np.testing.assert_array_equal(outs[0], outs[1])
+    raw, _ = _weight(T.Q6_K, 48, 256, rng)
+    gemm_twice(dev, linear, raw, T.Q6_K, (17, 48, 256), rng)
 
 
 def test_shape_and_size_errors(dev: Device) -> None:

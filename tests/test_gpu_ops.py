@@ -13,12 +13,11 @@ from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.half import add_unscaled, to_f16, to_f16_scaled
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
-from gpu.ops.rope import RopeTable, rope_backward, rope_forward
 from gpu.ops.swiglu import swiglu_backward, swiglu_forward
 from gpu.weights import quantize_upload
 from model import reference as ref
 from model.quant import dequantize, quantize
-from tests.gpu_helpers import make_device, rel_err, twice, up
+from tests.gpu_helpers import make_device, rel_err, rope_matches_reference, twice, up
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4
@@ -77,25 +76,7 @@ def test_rmsnorm(dev: Device, t: int, h: int) -> None:
 
 @pytest.mark.parametrize("t,nh,start,use_buf", [(1, 3, 0, False), (6, 3, 5, False), (6, 2, 2, True)])
 def test_rope(dev: Device, t: int, nh: int, start: int, use_buf: bool) -> None:
-    rng = np.random.default_rng(t + nh)
-    d, base = 16, 10000.0
-    table = RopeTable.build(dev, d, base, 64)
-    x = rng.standard_normal((t, nh, d)).astype(np.float32)
-    dy = rng.standard_normal((t, nh, d)).astype(np.float32)
-    pos_rel = rng.permutation(20)[:t].astype(np.uint32) if use_buf else np.arange(t, dtype=np.uint32)
-    pos_buf = up(dev, pos_rel, np.uint32) if use_buf else None
-    xb, dyb = up(dev, x), up(dev, dy)
-
-    def run() -> list[np.ndarray]:
-        y, dx = dev.buffer(x.nbytes), dev.buffer(x.nbytes)
-        rope_forward(dev, table, xb, y, t, nh, positions=pos_buf, start=start)
-        rope_backward(dev, table, dyb, dx, t, nh, positions=pos_buf, start=start)
-        return [dev.read(b, np.float32, x.shape) for b in (y, dx)]
-
-    y, dx = twice(run)
-    pos = pos_rel.astype(np.int64) + start
-    assert rel_err(y, ref.rope_forward(x.astype(np.float64), pos, base)) <= TOL
-    assert rel_err(dx, ref.rope_backward(dy.astype(np.float64), pos, base)) <= TOL
+    rope_matches_reference(dev, np.random.default_rng(t + nh), t, nh, 16, 10000.0, start, use_buf)
 
 
 @pytest.mark.parametrize("t,hq,hkv,d", [(1, 3, 1, 16), (70, 3, 1, 16), (37, 2, 2, 8), (5, 2, 1, 64)])

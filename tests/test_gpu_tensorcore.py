@@ -37,6 +37,7 @@ from gpu.ops.matmul_tc import (
 )
 from gpu.weights import random_blocks, upload_quant
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
+from tests.gpu_helpers import gemm_twice
 
 ALL_TYPES = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
 GGUF_ENCODABLE = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
@@ -155,15 +156,21 @@ EMU_TILES = [
 def test_emulated_other_tiles(emu_dev: Device, cfg: TCConfig) -> None:
     """M, N off the tile grid, reduction tails (R % BK != 0), an "nn" weight with K % 8 != 0 (the checked
     B loaders), f16 A with the 8-, 4- and 1-wide loads."""
-    for qtype, orient, a_dtype, m, n, k in [
+    cases = [
         (T.Q4_K, "nt", "f32", 40, 72, 256),
         (T.Q4_0, "nn", "f32", 40, 100, 256),
         (T.F16, "nt", "f16", 33, 72, 96),
         (T.F16, "nn", "f16", 33, 72, 100),
         (T.Q8_0, "nt", "f16", 65, 66, 224),
-    ]:
-        err = _check_product(emu_dev, qtype, orient, m, n, k, seed=3, a_dtype=a_dtype, cfg=cfg, emulate=True)
-        assert err <= TOL, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
+    ]
+    _products_within(emu_dev, cfg, cases, TOL, seed=3, emulate=True)
+
+
+def _products_within(dev: Device, cfg: TCConfig, cases: list[tuple], tol: float, **kw: object) -> None:
+    """_check_product of every (qtype, orient, a_dtype, m, n, k) case on tile cfg, each within tol."""
+    for qtype, orient, a_dtype, m, n, k in cases:
+        err = _check_product(dev, qtype, orient, m, n, k, a_dtype=a_dtype, cfg=cfg, **kw)  # type: ignore[arg-type]
+        assert err <= tol, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
 
 
 # The dedicated 8-wide weight loaders (gpu/codegen_tc.py's W_STAGING): several blocks per weight row (the
@@ -274,16 +281,15 @@ TC_TILES = [
 @pytest.mark.parametrize("cfg", TC_TILES, ids=lambda c: c.label)
 def test_tensor_core_tiles_on_larger_shapes(tc_dev: Device, cfg: TCConfig) -> None:
     """Shapes off every tile grid (and one on it: interior tiles store directly); f16 A at all widths."""
-    for qtype, orient, a_dtype, m, n, k in [
+    cases = [
         (T.F16, "nt", "f16", 300, 520, 1024),
         (T.F16, "nn", "f16", 256, 256, 1000),
         (T.Q4_K, "nn", "f32", 300, 520, 1024),
         (T.Q6_K, "nt", "f32", 300, 520, 1024),
         (T.Q4_0, "nt", "f32", 512, 512, 512),
         (T.Q8_0, "nn", "f16", 129, 100, 160),
-    ]:
-        err = _check_product(tc_dev, qtype, orient, m, n, k, seed=11, a_dtype=a_dtype, cfg=cfg)
-        assert err <= TC_TOL, f"{cfg.label} {qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
+    ]
+    _products_within(tc_dev, cfg, cases, TC_TOL, seed=11)
 
 
 @pytest.mark.tensorcore
@@ -295,16 +301,8 @@ def test_tensor_core_accumulate_strides_f16_input(tc_dev: Device, case: tuple) -
 @pytest.mark.tensorcore
 def test_tensor_cores_bitwise_reproducible(tc_dev: Device) -> None:
     rng = np.random.default_rng(9)
-    m, n, k = 257, 300, 512
-    raw, _ = _weight(T.Q4_K, n, k, rng)
-    w = upload_quant(tc_dev, raw, T.Q4_K, (n, k))
-    x = tc_dev.upload(rng.standard_normal((m, k)).astype(np.float32))
-    outs = []
-    for _ in range(2):
-        y = tc_dev.buffer(m * n * 4)
-        linear_tc(tc_dev, x, w, y, m)
-        outs.append(tc_dev.read(y, np.uint32, (m, n)))
-    np.testing.assert_array_equal(outs[0], outs[1])
+    raw, _ = _weight(T.Q4_K, 300, 512, rng)
+    gemm_twice(tc_dev, linear_tc, raw, T.Q4_K, (257, 300, 512), rng)
 
 
 @pytest.mark.tensorcore

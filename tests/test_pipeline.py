@@ -204,14 +204,14 @@ def test_damaged_outputs_of_every_stage_are_rebuilt_to_the_same_bytes(reference_
     cfg, s = reference_run
     wd = Path(s["workdir"])
     found = walk(RunConfig.model_validate(cfg)).values
-    topk = found["teacher"].path_in(wd)
+    topk = found.teacher.path_in(wd)
     exported = ExportManifest.model_validate(s["export"])
     assert exported.gguf_lora is not None
     victims = {
-        "tokenize": (found["tokens"].train.shards[0].resolve(wd), "flip"),
-        "student": (found["student"].path_in(wd), "truncate"),
-        "teacher-shard-2": (topk / found["teacher"].shards[2].file, "flip"),
-        "train-epoch-0": (found["checkpoints"][0].adapter.resolve(wd), "flip"),
+        "tokenize": (found.tokens.train.shards[0].resolve(wd), "flip"),
+        "student": (found.student.path_in(wd), "truncate"),
+        "teacher-shard-2": (topk / found.teacher.shards[2].file, "flip"),
+        "train-epoch-0": (found.checkpoints[0].adapter.resolve(wd), "flip"),
         "export": (exported.gguf_lora.resolve(wd), "truncate"),
     }
     before = {stage: sha256_file(path) for stage, (path, _) in victims.items()}
@@ -243,7 +243,7 @@ def test_cached_walk_is_the_flows_stages_and_answers_a_remembered_run(reference_
     w = walk(rc)
     assert [name for name, _ in w.records] == s["stages"]["ran"] + s["stages"]["cached"]
     assert set(_results(Path(s["workdir"]))) >= {key for _, key in w.records}
-    assert [c.adapter.sha256 for c in w.values["checkpoints"]] == [c["adapter"]["sha256"] for c in s["checkpoints"]]
+    assert [c.adapter.sha256 for c in w.values.checkpoints] == [c["adapter"]["sha256"] for c in s["checkpoints"]]
     assert remember(rc, "export", s) is not None
     again = cached_run(rc)
     assert again is not None and again["reused"]

@@ -41,6 +41,14 @@ LOSS = LossConfig("forward_kl", tau=1.0, use_tail=True)
 F16_REL = 5e-3  # float16 storage: max |err| / max |ref| per gradient tensor (measured 1.4e-3)
 
 
+def _spec(cfg: ModelConfig, start: int, **extra: object) -> EngineSpec:
+    """The engines' spec: LoRA on LAYERS, the forward starting at block `start`."""
+    return EngineSpec(
+        cfg, targets=LORA_TARGETS, r=RANK, alpha=SCALE * RANK, batch=B, seq_len=T, layers=LAYERS, start_layer=start,
+        **extra,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30))
 
@@ -90,21 +98,7 @@ def test_numpy_engine_from_the_cache_gives_the_whole_forwards_gradients() -> Non
     w, batch = _weights(), _batch()
 
     def engine(start: int) -> NumpyEngine:
-        return NumpyEngine(
-            w,
-            EngineSpec(
-                CFG,
-                targets=LORA_TARGETS,
-                r=RANK,
-                alpha=SCALE * RANK,
-                batch=B,
-                seq_len=T,
-                layers=LAYERS,
-                start_layer=start,
-                vocab_chunk=64,
-            ),
-            NumpyKd(LOSS, K),
-        )
+        return NumpyEngine(w, _spec(CFG, start, vocab_chunk=64), NumpyKd(LOSS, K))
 
     full = _step(engine(0), batch, None)
     prefix = numpy_prefix(w, CFG, batch[0], 2)
@@ -130,22 +124,7 @@ def test_gpu_student_from_the_cache_gives_the_whole_forwards_gradients() -> None
     weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q8_0)
 
     def engine(start: int) -> GPUStudent:
-        return GPUStudent(
-            dev,
-            weights,
-            EngineSpec(
-                weights.cfg,
-                targets=LORA_TARGETS,
-                r=RANK,
-                alpha=SCALE * RANK,
-                batch=B,
-                seq_len=T,
-                layers=LAYERS,
-                precision="f32",
-                start_layer=start,
-            ),
-            GpuKd(LOSS, K),
-        )
+        return GPUStudent(dev, weights, _spec(weights.cfg, start, precision="f32"), GpuKd(LOSS, K))
 
     full = _step(engine(0), batch, None)
     prefix = engine(0).residual_stream(batch[0], 2)

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from data.prefix import PrefixReader
-from data.tokens import read_token_split
+from data.records import DataError
+from data.tokens import read_token_split, read_tokenize_manifest
 from data.topk import TopkReader
 from model.engine_spec import KdBatch
 
@@ -17,31 +18,39 @@ from model.engine_spec import KdBatch
 # ---- data -------------------------------------------------------------------------------------------------
 @dataclass
 class Split:
+    """One token split as dense arrays. seq_len is the tokenize manifest's (the one source of a run's sequence
+    length after tokenize: not cfg.data.seq_len, not the arrays' width, which read_split checks against it)."""
+
     seq_ids: np.ndarray  # [N]
-    ids: np.ndarray  # [N, T]
-    mask: np.ndarray  # [N, T]
+    ids: np.ndarray  # [N, seq_len]
+    mask: np.ndarray  # [N, seq_len]
+    seq_len: int
 
 
 def read_split(token_dir: Path, split: str) -> Split:
+    """Split `split` of the token shards in token_dir, its seq_len from the tokenize manifest next to them."""
+    seq_len = read_tokenize_manifest(token_dir).seq_len
     ds = read_token_split(token_dir, split).with_format("numpy")
-    ids = np.stack(ds["input_ids"]) if len(ds) else np.zeros((0, 0), np.int64)
-    mask = np.stack(ds["loss_mask"]) if len(ds) else np.zeros((0, 0), np.uint8)
-    return Split(np.asarray(ds["seq_id"]), ids.astype(np.int64), mask.astype(np.uint8))
+    ids = np.stack(ds["input_ids"]) if len(ds) else np.zeros((0, seq_len), np.int64)
+    mask = np.stack(ds["loss_mask"]) if len(ds) else np.zeros((0, seq_len), np.uint8)
+    if ids.shape[1] != seq_len:
+        raise DataError(f"{token_dir}/{split}: rows of {ids.shape[1]} tokens, the tokenize manifest says {seq_len}")
+    return Split(np.asarray(ds["seq_id"]), ids.astype(np.int64), mask.astype(np.uint8), seq_len)
 
 
 def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> KdBatch:
     """The dense [B, T] KdBatch of split rows `rows` (teacher tail included, no prefix) for Engine.write_batch;
     missing rows (the last partial batch) are masked out."""
-    t = split.ids.shape[1]
-    ids = np.zeros((batch, t), np.int64)
-    mask = np.zeros((batch, t), np.uint8)
+    seq_len = split.seq_len
+    ids = np.zeros((batch, seq_len), np.int64)
+    mask = np.zeros((batch, seq_len), np.uint8)
     ids[: len(rows)] = split.ids[rows]
     mask[: len(rows)] = split.mask[rows]
-    targets = np.zeros((batch, t), np.int64)
+    targets = np.zeros((batch, seq_len), np.int64)
     targets[:, :-1] = ids[:, 1:]
-    tids = np.zeros((batch, t, k), np.int64)
-    tlp = np.zeros((batch, t, k), np.float32)
-    tail = np.zeros((batch, t), np.float32)
+    tids = np.zeros((batch, seq_len, k), np.int64)
+    tlp = np.zeros((batch, seq_len, k), np.float32)
+    tail = np.zeros((batch, seq_len), np.float32)
     if len(rows):
         top = reader.read(split.seq_ids[rows].tolist(), masks=list(split.mask[rows]))
         b_idx, t_idx = np.nonzero(mask)
@@ -55,7 +64,7 @@ def batch_prefix(split: Split, rows: np.ndarray, batch: int, reader: PrefixReade
     """[batch, T, hidden] float32 for KdBatch.prefix: the cached input of the engine's start block
     for each row (missing rows of the last partial batch are zero; their mask is 0)."""
     m = reader.manifest
-    out = np.zeros((batch, split.ids.shape[1], m.hidden), np.float32)
+    out = np.zeros((batch, split.seq_len, m.hidden), np.float32)
     if len(rows):
         out[: len(rows)] = reader.read(split.seq_ids[rows].tolist())
     return out

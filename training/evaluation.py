@@ -53,7 +53,7 @@ def evaluate(
     if len(split.seq_ids) == 0:
         raise ValueError(f"{token_dir}: the eval split is empty (raise data.eval_fraction)")
     source = KdSource.open(split, topk_dir, prefix_dir)
-    engine = engines.build_engine(cfg, student_gguf, split.ids.shape[1], eval_mode=True, start_layer=source.start_layer)
+    engine = engines.build_engine(cfg, student_gguf, split.seq_len, eval_mode=True, start_layer=source.start_layer)
     engine.set_adapter(zero_adapter(engine.layout) if checkpoint is None else load_checkpoint(checkpoint)[0])
     tau2 = cfg.teacher.temperature**2
     kl_sum = ce_sum = top1 = n = 0.0

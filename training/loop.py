@@ -72,9 +72,9 @@ def train_epoch(
     if cfg.train.workers > 1:  # N Ray actors, each with its own engine; the same steps (training/data_parallel.py)
         from training import data_parallel
 
-        engine: Engine = data_parallel.build(cfg, student_gguf, train.ids.shape[1], start_layer=start)
+        engine: Engine = data_parallel.build(cfg, student_gguf, train.seq_len, start_layer=start)
     else:
-        engine = engines.build_engine(cfg, student_gguf, train.ids.shape[1], start_layer=start)
+        engine = engines.build_engine(cfg, student_gguf, train.seq_len, start_layer=start)
 
     def write_micro(part: np.ndarray) -> int:
         batch = source.batch(part, cfg.train.batch_size, cfg.teacher.top_k, tail=cfg.teacher.tail)

@@ -1,5 +1,5 @@
-// Elementwise skeleton (as llama.cpp's glu_head/glu_main): a pure elementwise kernel is this file followed by
-// its body file, which declares the op's storage bindings (@binding(1) on) and `fn op(i: u32)`, the work on
+// Elementwise skeleton (as llama.cpp's glu_head/glu_main): a pure elementwise kernel is threads.wgsl, this file
+// and its body file, which declares the op's storage bindings (@binding(1) on) and `fn op(i: u32)`, the work on
 // element i. One thread per element over a 2-D grid of 256-thread workgroups (gpu/ops/common.py grid); the
 // uniform block is (n, alpha, width). Bodies: add, add_inplace, add_bias, scale, swiglu_forward, swiglu_backward,
 // adamw_update, to_bf16, from_bf16, lora_group_sum.
@@ -19,12 +19,12 @@ fn sigmoid(x: f32) -> f32 {
     return select(e / (1.0 + e), 1.0 / (1.0 + e), x >= 0.0);
 }
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (i >= prm.n) {
-        return;
-    }
+const WG: u32 = 256u;
+
+fn n_items() -> u32 {
+    return prm.n;
+}
+
+fn item(i: u32) {
     op(i);
 }

@@ -64,13 +64,13 @@ fn div_term(lp: f32, ls: f32) -> vec2<f32> {
     return vec2<f32>(b * p * (lp - lm) + (1.0 - b) * s * (ls - lm), (1.0 - b) * s * (ls - lm));
 }
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = (wid.x + wid.y * nwg.x) * 64u + lid;
-    if (row >= prm.T) {
-        return;
-    }
+const WG: u32 = 64u;  // one thread per row (threads.wgsl)
+
+fn n_items() -> u32 {
+    return prm.T;
+}
+
+fn item(row: u32) {
     let k = prm.k;
     let lt0 = row * k;
     let zg0 = row * (k + 1u);

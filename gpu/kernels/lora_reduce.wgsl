@@ -18,13 +18,13 @@ struct Params {
 @group(0) @binding(1) var<storage, read> P: array<f32>;
 @group(0) @binding(2) var<storage, read_write> C: array<f32>;
 
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let e = (wid.x + wid.y * nwg.x) * 256u + lid;
-    if (e >= prm.count) {
-        return;
-    }
+const WG: u32 = 256u;  // one thread per output (threads.wgsl)
+
+fn n_items() -> u32 {
+    return prm.count;
+}
+
+fn item(e: u32) {
     let n = prm.count;
     var s = 0.0;
     var z = 0u;

@@ -14,13 +14,13 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> LP: array<f32>;
 @group(0) @binding(4) var<storage, read_write> Tail: array<f32>;
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = (wid.x + wid.y * nwg.x) * 64u + lid;
-    if (row >= prm.T) {
-        return;
-    }
+const WG: u32 = 64u;  // one thread per row (threads.wgsl)
+
+fn n_items() -> u32 {
+    return prm.T;
+}
+
+fn item(row: u32) {
     let st = S[row];
     let lse = st.x + log(st.y);
     var mass = 0.0;

@@ -27,17 +27,17 @@ def _check(t: int, hq: int, hkv: int, d: int) -> None:
     if hq % hkv:
         raise ValueError(f"attention: n_heads={hq} is not a multiple of n_kv_heads={hkv}")
     if t <= 0:
-        raise ValueError(f"attention: n_tokens={t} must be positive")
+        raise ValueError(f"attention: seq_len={t} must be positive")
     if math.ceil(t / ATTENTION_ROWS) > 65535 or hq > 65535:
-        raise ValueError(f"attention: n_tokens={t}, n_heads={hq} exceed the dispatch grid")
+        raise ValueError(f"attention: seq_len={t}, n_heads={hq} exceed the dispatch grid")
 
 
 def attention_forward(
-    dev: Device, q: Any, k: Any, v: Any, out: Any, lse: Any, n_tokens: int, n_heads: int, n_kv_heads: int, head_dim: int
+    dev: Device, q: Any, k: Any, v: Any, out: Any, lse: Any, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int
 ) -> None:
     """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v; lse [Hq, T] (f32) saved for the backward.
     q [T, Hq, D]; k, v [T, Hkv, D]; query head h reads kv head h // (Hq // Hkv)."""
-    t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
+    t, hq, hkv, d = seq_len, n_heads, n_kv_heads, head_dim
     _check(t, hq, hkv, d)
     check_tensors(t, hq, hkv, d, q=q, k=k, v=v, out=out, lse=lse)
     pipe = pipeline(dev, "attention_forward", head_dim=d)
@@ -56,7 +56,7 @@ def attention_backward(
     dq: Any,
     dk: Any,
     dv: Any,
-    n_tokens: int,
+    seq_len: int,
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
@@ -64,7 +64,7 @@ def attention_backward(
 ) -> None:
     """(dq, dk, dv) of attention_forward given dout, the forward's out and lse. `delta` is an [Hq, T] f32
     scratch (allocated when None; pass one to keep bind groups cached across steps)."""
-    t, hq, hkv, d = n_tokens, n_heads, n_kv_heads, head_dim
+    t, hq, hkv, d = seq_len, n_heads, n_kv_heads, head_dim
     if delta is None:
         delta = dev.buffer(hq * t * 4, label="attention delta")
     _check(t, hq, hkv, d)

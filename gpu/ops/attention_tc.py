@@ -33,9 +33,9 @@ from gpu.registry import pipeline
 PAD_ROWS = 64  # packed operands carry this many zero rows past T rounded up to 16 (the widest tile)
 
 
-def padded_rows(n_tokens: int) -> int:
+def padded_rows(seq_len: int) -> int:
     """Rows of a packed f16 operand: every tile a kernel reads lies inside them."""
-    return -(-n_tokens // MATRIX) * MATRIX + PAD_ROWS
+    return -(-seq_len // MATRIX) * MATRIX + PAD_ROWS
 
 
 @dataclass
@@ -91,9 +91,9 @@ def _check(dev: Device, t: int, hq: int, hkv: int, d: int, b: int) -> None:
     if hq % hkv:
         raise ValueError(f"attention: n_heads={hq} is not a multiple of n_kv_heads={hkv}")
     if t <= 0:
-        raise ValueError(f"attention: n_tokens={t} must be positive")
+        raise ValueError(f"attention: seq_len={t} must be positive")
     if math.ceil(t / MATRIX) > 65535 or hq > 65535 or not 0 < b <= 65535:
-        raise ValueError(f"attention: n_tokens={t}, n_heads={hq}, n_seqs={b} exceed the dispatch grid")
+        raise ValueError(f"attention: seq_len={t}, n_heads={hq}, n_seqs={b} exceed the dispatch grid")
 
 
 def _pack(dev: Device, src: Any, dst: Any, t: int, heads: int, d: int, b: int, stats: Any = None) -> None:
@@ -119,7 +119,7 @@ def _check_batch(t: int, hq: int, hkv: int, d: int, b: int, lse_stride: int | No
     """Size checks for a batch of b sequences; the lse stride (floats per sequence, default Hq T)."""
     stride = hq * t if lse_stride is None else lse_stride
     if stride < hq * t:
-        raise ValueError(f"attention: lse_stride={stride} is below n_heads * n_tokens = {hq * t}")
+        raise ValueError(f"attention: lse_stride={stride} is below n_heads * seq_len = {hq * t}")
     check_tensors(b * t, hq, hkv, d, **tensors)
     need(lse, (b - 1) * stride + hq * t, "attention lse")
     return stride
@@ -132,7 +132,7 @@ def attention_forward_tc(
     v: Any,
     out: Any,
     lse: Any,
-    n_tokens: int,
+    seq_len: int,
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
@@ -140,9 +140,9 @@ def attention_forward_tc(
     lse_stride: int | None = None,
 ) -> None:
     """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v on tensor cores; lse [Hq, T] (f32) for the backward.
-    Same arguments as gpu.ops.attention.attention_forward, plus a batch: n_seqs sequences of n_tokens laid end
+    Same arguments as gpu.ops.attention.attention_forward, plus a batch: n_seqs sequences of seq_len laid end
     to end in q, k, v, out, and lse's [Hq, T] per sequence lse_stride floats apart (default Hq T)."""
-    t, hq, hkv, d, b = n_tokens, n_heads, n_kv_heads, head_dim, n_seqs
+    t, hq, hkv, d, b = seq_len, n_heads, n_kv_heads, head_dim, n_seqs
     _check(dev, t, hq, hkv, d, b)
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, q=q, k=k, v=v, out=out)
     s = scratch_for(dev, t, hq, hkv, d, b)
@@ -163,7 +163,7 @@ def attention_backward_tc(
     dq: Any,
     dk: Any,
     dv: Any,
-    n_tokens: int,
+    seq_len: int,
     n_heads: int,
     n_kv_heads: int,
     head_dim: int,
@@ -174,7 +174,7 @@ def attention_backward_tc(
     """(dq, dk, dv) of attention_forward_tc given dout, the forward's out and lse, on tensor cores. Same
     arguments as attention_forward_tc plus gpu.ops.attention.attention_backward's (`delta` is accepted and
     unused: the scratch holds it). The dO scale sigma is one for the whole batch."""
-    t, hq, hkv, d, b = n_tokens, n_heads, n_kv_heads, head_dim, n_seqs
+    t, hq, hkv, d, b = seq_len, n_heads, n_kv_heads, head_dim, n_seqs
     _check(dev, t, hq, hkv, d, b)
     tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "dq": dq, "dk": dk, "dv": dv}
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, **tensors)

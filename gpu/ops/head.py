@@ -1,23 +1,96 @@
 """One vocab chunk of the LM head's logits, logits[:, :nv] = h . W[c0:c0+nv]^T (row stride ldc), shared by the
 KD loss (gpu/ops/kd.py) and the top-k (gpu/ops/topk.py): a quantized lm_head through the fused-dequant GEMM
-(on tensor cores when an f16 copy of h is given), an f32 one through strided_matmul."""
+(on tensor cores when an f16 copy of h is given, on the integer GEMM when an Int8Head is), an f32 one through
+strided_matmul."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from gpu.codegen_i8 import MMA_K
 from gpu.device import Device
 from gpu.ops.matmul import linear
+from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers
 from gpu.ops.matmul_tc import linear_tc
+from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
 from gpu.weights import QuantTensor, row_slice
 
+# precision int8: the LM head's logits (and the KD backward's dlogits . W) on the integer GEMM too; off: they
+# stay on the f16 tensor cores (bench/train_step.py --int8-head off measures the difference)
+INT8_HEAD = True
+
+
+@dataclass(frozen=True)
+class Int8Head:
+    """The LM head on the integer GEMM: h [T, hidden] as int8 codes with per-row scales (quantize() once per
+    forward), one vocab chunk's rows of W decoded at a time into `rows` (from their GGML type, per-row scales),
+    and for the KD backward dlogits [T, chunk] as codes with W's row scales folded in (`dz`). Chunks whose
+    width is no multiple of one integer step (the last of an odd vocabulary) keep the other path."""
+
+    h: Int8Matrix
+    rows: Int8Matrix
+    dz: Int8Matrix | None
+    ones: Any  # hidden f32 ones: the backward's column scales (W's row scales are in dz)
+
+    @classmethod
+    def build(cls, dev: Device, n_tokens: int, hidden: int, chunk: int, backward: bool) -> Int8Head | None:
+        """The buffers for n_tokens rows and vocab chunks of `chunk`; None when hidden is no multiple of 32."""
+        if hidden % MMA_K or chunk % MMA_K:
+            return None
+        dz = i8_buffers(dev, n_tokens, chunk, chunk, "dlogits") if backward else None
+        ones = dev.upload(np.ones(hidden, np.float32), label="int8 head column scales")
+        return cls(i8_buffers(dev, n_tokens, hidden, hidden, "head input"), i8_buffers(dev, chunk, hidden, hidden,
+                   "lm_head chunk"), dz, ones)  # fmt: skip
+
+    def quantize(self, dev: Device, h: Any) -> None:
+        quantize_i8_gpu(dev, h, self.h)
+
+    def covers(self, w: Any, nv: int) -> bool:
+        return isinstance(w, QuantTensor) and nv % MMA_K == 0
+
+    def chunk_rows(self, nv: int) -> Int8Matrix:
+        """The decoded chunk's first nv rows (valid after logits() of that chunk)."""
+        r = self.rows
+        return Int8Matrix(r.codes, r.scales, nv, r.k, r.chunk, r.name)
+
+    def logits(self, dev: Device, w: QuantTensor, out: Any, c0: int, nv: int, ldc: int) -> None:
+        """out [T, ldc] columns 0..nv-1 = h . W[c0:c0+nv]^T over the codes (the chunk's rows decoded first)."""
+        rows = self.chunk_rows(nv)
+        weight_to_i8(dev, row_slice(w, c0, nv), rows)
+        gemm_i8(dev, self.h, rows, out, ldc=ldc)
+
+    def input_grad(self, dev: Device, dz: Any, ldz: int, nv: int, dh: Any, accumulate: bool) -> None:
+        """dh [T, hidden] (+)= dz [T, nv] (row stride ldz) . W_c for the chunk logits() decoded last: dz times
+        W's row scales rounded to 8 bits per row, then the "nn" integer GEMM."""
+        rows = self.chunk_rows(nv)
+        codes = Int8Matrix(self.dz.codes, self.dz.scales, self.h.rows, nv, nv, "dlogits")
+        quantize_i8_gpu(dev, dz, codes, ldx=ldz, col_scales=rows.scales)
+        gemm_i8(dev, codes, rows, dh, orient="nn", col_scales=self.ones, accumulate=accumulate)
+
 
 def logits_chunk(
-    dev: Device, h: Any, w: Any, out: Any, n_tokens: int, hidden: int, c0: int, nv: int, ldc: int, h16: Any = None
+    dev: Device,
+    h: Any,
+    w: Any,
+    out: Any,
+    n_tokens: int,
+    hidden: int,
+    c0: int,
+    nv: int,
+    ldc: int,
+    h16: Any = None,
+    i8: Int8Head | None = None,
 ) -> None:
     """out [n_tokens, ldc] columns 0..nv-1 = h [n_tokens, hidden] . W[c0:c0+nv]^T. h16: h as f16 (tensor
-    cores; the logits then carry h's f16 rounding, README's Numerics)."""
+    cores; the logits then carry h's f16 rounding, README's Numerics); i8: h's codes (integer GEMM, where
+    i8.covers the chunk)."""
+    if i8 is not None and i8.covers(w, nv):
+        i8.logits(dev, w, out, c0, nv, ldc)
+        return
     if isinstance(w, QuantTensor):
         if h16 is not None:
             linear_tc(dev, h16, row_slice(w, c0, nv), out, n_tokens, ldc=ldc, a_dtype="f16")

@@ -9,7 +9,8 @@ On tensor cores (h16 given, a quantized head, a scratch built with `hidden`) dZ_
 whose values lie far below f16's normal range (~1/T), is packed to f16 times a power of two sigma_c putting its max
 in [2^14, 2^15) (gpu/ops/half.py to_f16_scaled), the product goes to a scratch and dh += it / sigma_c.
 Held by the H200 test tests/test_gpu_kd.py (dh within 1e-2 of float64, relative to its max) and the whole-step
-tensor-core tests."""
+tensor-core tests. With the scratch's Int8Head (precision int8) both products run on the integer GEMM instead: h
+and each chunk's rows of W rounded to 8 bits of their row's max, dZ_c times W's row scales likewise per row."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
 from gpu.ops.half import add_unscaled, to_f16_scaled
-from gpu.ops.head import logits_chunk
+from gpu.ops.head import Int8Head, logits_chunk
 from gpu.ops.matmul import linear_input_grad
 from gpu.ops.matmul_tc import linear_input_grad_tc
 from gpu.ops.reduce import count_nonzero, reduce_sum
@@ -49,10 +50,14 @@ class KdScratch:
     dz16: Any = None  # [T, chunk] f16: dL/dZ_c * sigma_c
     dz_stats: Any = None  # sigma_c's bits (gpu/ops/half.py to_f16_scaled)
     dh_part: Any = None  # [T, hidden] f32: dZ_c16 W_c before the unscaling
+    int8: Int8Head | None = None  # the head on the integer GEMM (precision int8), else None
 
     @classmethod
-    def build(cls, dev: Device, n_tokens: int, k: int, chunk: int, hidden: int | None = None) -> KdScratch:
-        """hidden: also the buffers of the tensor-core backward (for a caller passing h16)."""
+    def build(
+        cls, dev: Device, n_tokens: int, k: int, chunk: int, hidden: int | None = None, int8_hidden: int | None = None
+    ) -> KdScratch:
+        """hidden: also the buffers of the tensor-core backward (for a caller passing h16); int8_hidden: those of
+        the integer head (gpu/ops/head.py Int8Head) for rows of int8_hidden."""
         t = n_tokens
 
         def buf(n: int, label: str) -> Any:
@@ -72,6 +77,7 @@ class KdScratch:
             buf(t * chunk // 2, "dlogits f16") if tc else None,
             buf(4, "dlogits scale") if tc else None,
             buf(t * hidden, "dh part") if tc else None,
+            None if int8_hidden is None else Int8Head.build(dev, t, int8_hidden, chunk, backward=True),
         )
 
 
@@ -133,11 +139,14 @@ def kd_head_forward_backward(
     chunks = [(c0, min(chunk, vocab - c0)) for c0 in range(0, vocab, chunk)]
 
     quant = isinstance(w, QuantTensor)
+    i8 = sc.int8 if quant else None
+    if i8 is not None:
+        i8.quantize(dev, h)
 
     count_nonzero(dev, mask, sc.row_info, t, out_index=4 * t)
     stats_pipe = pipeline(dev, "kd_stats")
     for i, (c0, nv) in enumerate(chunks):
-        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16)
+        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
         dev.dispatch(stats_pipe, [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered], grid(t, 1))
 
@@ -153,11 +162,14 @@ def kd_head_forward_backward(
         return sc
     grad_pipe = pipeline(dev, "kd_grad", ce=ce)
     for i, (c0, nv) in enumerate(chunks):
-        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16)
+        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
         dev.dispatch(grad_pipe, bind, grid(t, 1))
         acc = accumulate_dh or i > 0
+        if i8 is not None and i8.covers(w, nv):  # the integer GEMM, on the chunk's rows logits_chunk decoded
+            i8.input_grad(dev, sc.logits, chunk, nv, dh, acc)
+            continue
         if quant and h16 is not None and sc.dz16 is not None:  # tensor cores, dZ_c scaled into f16's range
             to_f16_scaled(dev, sc.logits, sc.dz16, sc.dz_stats, t * chunk)
             linear_input_grad_tc(dev, sc.dz16, row_slice(w, c0, nv), sc.dh_part, t, lda=chunk, a_dtype="f16")

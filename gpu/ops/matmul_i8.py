@@ -8,6 +8,8 @@ matches model/int8.py's float64 reference on the same codes to f32 rounding (~1e
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,10 +63,31 @@ def i8_buffers(dev: Device, rows: int, k: int, chunk: int, name: str = "") -> In
 
 I8_MATRIX = ("i8", "i32", 16, 16, MMA_K)  # the config gemm_i8 is generated for
 _problems: weakref.WeakKeyDictionary[Device, str | None] = weakref.WeakKeyDictionary()
+_emulated: weakref.WeakSet[Device] = weakref.WeakSet()
+
+
+@contextmanager
+def int8_emulation(dev: Device) -> Iterator[None]:
+    """Within the block, every integer GEMM on dev runs with the matrix builtins emulated in plain WGSL
+    (matmul_i8_emulation.wgsl) and precision int8 is accepted, its other GEMMs on the f32 path: the int8 path's
+    logic (quantizers, weight decoding, scale folding) on any adapter, slowly; for tests on machines without
+    integer subgroup matrices."""
+    _emulated.add(dev)
+    try:
+        yield
+    finally:
+        _emulated.discard(dev)
+
+
+def int8_emulated(dev: Device) -> bool:
+    return dev in _emulated
 
 
 def int8_problem(dev: Device) -> str | None:
-    """Why the integer GEMM cannot run on dev's tensor cores (None when it can); cached per device."""
+    """Why the integer GEMM cannot run on dev's tensor cores (None when it can, or runs emulated); cached per
+    device."""
+    if dev in _emulated:
+        return None
     if dev not in _problems:
         _problems[dev] = matrix_problem(dev, I8_MATRIX, "integer tensor cores")
     return _problems[dev]
@@ -109,6 +132,7 @@ def gemm_i8(
     the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
     matrix builtins emulated (slow; lavapipe)."""
     name = w.name or "int8 weight"
+    emulate = emulate or dev in _emulated
     if not emulate and (problem := int8_problem(dev)) is not None:
         raise DeviceError(f"gemm_i8 with {name!r}: {problem}")
     if orient == "nt" and (a.k, a.chunk) != (w.k, w.chunk):

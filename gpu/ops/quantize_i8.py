@@ -34,11 +34,15 @@ def quantize_i8_gpu(
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
-def weight_to_i8(dev: Device, w: QuantTensor) -> Int8Matrix:
+def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None) -> Int8Matrix:
     """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
-    (gpu/kernels/weight_i8.wgsl); k must be a multiple of 32 (one integer multiply-accumulate step)."""
+    (gpu/kernels/weight_i8.wgsl) into `out` (n rows of k, one chunk) or new buffers; k must be a multiple of 32
+    (one integer multiply-accumulate step)."""
     n, k = w.shape
-    out = i8_buffers(dev, n, k, k, w.name)
+    if out is None:
+        out = i8_buffers(dev, n, k, k, w.name)
+    elif (out.rows, out.k, out.chunks) != (n, k, 1):
+        raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
     dev.dispatch(
         pipeline(dev, "weight_i8", wtype=w.qtype.name), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1)
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
-from gpu.ops.head import logits_chunk
+from gpu.ops.head import Int8Head, logits_chunk
 from gpu.registry import TOPK_SORT_SIZES, pipeline
 
 MAX_SORT = max(TOPK_SORT_SIZES)  # (key, id) pairs sorted per workgroup
@@ -96,15 +96,18 @@ def hidden_topk(
     logits_scratch: Any = None,
     chunk: int = 4096,
     h16: Any = None,
+    i8: Int8Head | None = None,
 ) -> None:
     """Top-k of logits = h [T, H] . W^T (W f32 [V, H]) computed chunk by chunk (never [T, V] at once); h16: h
-    as f16 for tensor-core logits (gpu/ops/head.py)."""
+    as f16 for tensor-core logits, i8: buffers for integer-GEMM logits (gpu/ops/head.py)."""
     t = st.n_tokens
     chunk = min(chunk, vocab)
     if logits_scratch is None:
         logits_scratch = dev.buffer(4 * t * chunk, label="topk logits chunk")
+    if i8 is not None:
+        i8.quantize(dev, h)
     for c0 in range(0, vocab, chunk):
         nv = min(chunk, vocab - c0)
-        logits_chunk(dev, h, w, logits_scratch, t, hidden, c0, nv, chunk, h16)
+        logits_chunk(dev, h, w, logits_scratch, t, hidden, c0, nv, chunk, h16, i8)
         topk_chunk(dev, st, logits_scratch, nv, c0, tau, first=c0 == 0, ld=chunk)
     topk_finish(dev, st, logprobs, tail, tau)
