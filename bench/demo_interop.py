@@ -8,7 +8,9 @@
 HF: transformers loads the run's student GGUF (dequantizing it), peft applies the exported PEFT adapter
 (export/<key>/peft), and the logits on the held-out split are scored against the run's teacher top-k shards
 with the pipeline's metric (model.kd forward KL over the top-k + tail bucket, tau = 1), without and with the
-adapter. GGUF LoRA: the exported adapter-lora.gguf is read back tensor by tensor (lora_a [r, in], lora_b
+adapter, and the merged GGUF alone when the run wrote one (export.merge; the demo's mergeable adapter folded:
+`*_merged_gain_kept` is the share of the adapter's KL gain it keeps, `merged_size_ratio` its size over the
+student's). GGUF LoRA: the exported adapter-lora.gguf is read back tensor by tensor (lora_a [r, in], lora_b
 [out, r], GGUF row order) and evaluated by distillery's own engine on the same positions. llama.cpp
 (--llama-cpp PYTHON, an interpreter with llama-cpp-python, built from its sdist in a venv of its own): that
 interpreter runs bench/llama_cpp_support.py, which loads the student GGUF with llama.cpp's own quantized CPU
@@ -45,7 +47,8 @@ from model.gguf import GGUFFile  # noqa: E402
 from model.kd import LossConfig, kd_support_forward, log_softmax  # noqa: E402
 from model.reference import LoraPair  # noqa: E402
 from schemas.config import load_config  # noqa: E402
-from stages.export import GGUF_LORA, PEFT_DIR  # noqa: E402
+from stages.evaluate import gain_kept  # noqa: E402
+from stages.export import GGUF_LORA, MERGED, PEFT_DIR  # noqa: E402
 from stages.layout import stage_dir, workdir  # noqa: E402
 from training.batches import read_split  # noqa: E402
 
@@ -56,8 +59,9 @@ METRIC = LossConfig("forward_kl", tau=1.0, use_tail=True)
 LLAMA_CPP_KL_TOL = 0.01
 
 
-def run_files(config: Path) -> dict[str, Path]:
-    """The run's student GGUF, token folder, top-k folder and newest export folder, found by the stage keys."""
+def run_files(config: Path, export: Path | None = None) -> dict[str, Path]:
+    """The run's student GGUF, token folder, top-k folder and export folder (`export`, else the newest), found by
+    the stage keys."""
     cfg = load_config(config)
     root = workdir(cfg)
     token_dir = stage_dir(cfg, stages.tokenize.FOLDER, stages.tokenize.KEY.key(cfg, {}))
@@ -73,7 +77,7 @@ def run_files(config: Path) -> dict[str, Path]:
         "student": stages.student.student_file(cfg, stages.student.KEY.key(cfg, {})),
         "tokens": token_dir,
         "topk": topk_dir,
-        "export": exports[-1],
+        "export": exports[-1] if export is None else export,
     }
 
 
@@ -151,7 +155,14 @@ def hf_eval(files: dict[str, Path], data: dict[str, np.ndarray], batch: int) -> 
 
     base = run(model)
     with_adapter = peft.PeftModel.from_pretrained(model, files["export"] / PEFT_DIR).eval()
-    return {"baseline": base, "peft": run(with_adapter), "load_seconds": load_s}
+    out = {"baseline": base, "peft": run(with_adapter), "load_seconds": load_s}
+    merged = files["export"] / MERGED
+    if merged.is_file():  # the merged GGUF alone (a mergeable adapter's fold: Q4_1 where the student had Q4_0 / Q4_K)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            merged.parent, gguf_file=merged.name, dtype=torch.float32
+        ).eval()
+        out["merged"] = run(model)
+    return out
 
 
 def gguf_lora_adapter(path: Path) -> dict[tuple[int, str], LoraPair]:
@@ -177,10 +188,12 @@ def gguf_lora_eval(config: Path, files: dict[str, Path]) -> dict[str, dict[str, 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(Path(tmp) / "ck", adapter, {"m": np.zeros(1, np.float32)}, {"step": 0, "epoch": 0})
-        for name, checkpoint in (("baseline", None), ("gguf_lora", Path(tmp) / "ck")):
+        runs = [("baseline", files["student"], None), ("gguf_lora", files["student"], Path(tmp) / "ck")]
+        if (files["export"] / MERGED).is_file():
+            runs.append(("merged", files["export"] / MERGED, None))
+        for name, gguf, checkpoint in runs:
             m = evaluate(
-                cfg, student_gguf=files["student"], token_dir=files["tokens"], topk_dir=files["topk"],
-                checkpoint=checkpoint,
+                cfg, student_gguf=gguf, token_dir=files["tokens"], topk_dir=files["topk"], checkpoint=checkpoint,
             )  # fmt: skip
             out[name] = {"kl": m["kl"], "top1": m["top1"], "ce": m["ce"], "ppl": m["ppl"], "positions": m["tokens"]}
     return out
@@ -195,9 +208,12 @@ def llama_cpp_eval(python: Path, files: dict[str, Path], data: dict[str, np.ndar
         ids, tids = Path(tmp) / "ids.npy", Path(tmp) / "tids.npy"
         np.save(ids, data["ids"].astype(np.int64), allow_pickle=False)
         np.save(tids, data["tids"], allow_pickle=False)
-        for name, lora in (("baseline", None), ("gguf_lora", files["export"] / GGUF_LORA)):
+        runs = [("baseline", files["student"], None), ("gguf_lora", files["student"], files["export"] / GGUF_LORA)]
+        if (files["export"] / MERGED).is_file():
+            runs.append(("merged", files["export"] / MERGED, None))
+        for name, gguf, lora in runs:
             res = Path(tmp) / name
-            cmd = [str(python), str(helper), str(files["student"]), str(ids), str(tids), str(res)]
+            cmd = [str(python), str(helper), str(gguf), str(ids), str(tids), str(res)]
             cmd += ["--threads", str(threads)] + ([] if lora is None else ["--lora", str(lora)])
             t0 = time.perf_counter()
             try:
@@ -221,8 +237,9 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers/peft (only the GGUF LoRA)")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="PYTHON", help="python with llama-cpp-python")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--export", type=Path, default=None, help="the export folder (default: the newest)")
     args = p.parse_args()
-    files = run_files(args.config)
+    files = run_files(args.config, args.export)
     data = heldout(files)
     out: dict[str, object] = {"what": "demo_interop", "files": {k: str(v) for k, v in files.items()}}
     if not args.no_hf:
@@ -241,6 +258,14 @@ def main() -> None:
         out["llama_cpp_within_tolerance"] = all(abs(g) <= LLAMA_CPP_KL_TOL for g in gaps.values())
     else:
         out["llama_cpp"] = "not run: pass --llama-cpp PYTHON (an interpreter with llama-cpp-python; README)"
+    for name, adapter_key in (("hf", "peft"), ("distillery_engine", "gguf_lora"), ("llama_cpp", "gguf_lora")):
+        res = out.get(name)
+        if isinstance(res, dict) and "merged" in res:  # the share of the adapter's KL gain the merged file keeps
+            base, adapter, merged = (res[k]["kl"] for k in ("baseline", adapter_key, "merged"))
+            out[f"{name}_merged_gain_kept"] = gain_kept(base, adapter, merged)
+            out[f"{name}_merged_kl_reduction"] = 1 - merged / base
+    if (files["export"] / MERGED).is_file():
+        out["merged_size_ratio"] = (files["export"] / MERGED).stat().st_size / files["student"].stat().st_size
     print(json.dumps(out, indent=1))
 
 

@@ -99,6 +99,10 @@ class NumpyEngine:
         }
 
     def set_adapter(self, adapter: Mapping[tuple[int, str], R.LoraPair]) -> None:
+        """Load an adapter (a mergeable engine refuses an A that is not group-constant)."""
+        if self.spec.lora_group:
+            for key, pair in adapter.items():
+                R.check_group_constant(np.asarray(pair.A), self.spec.lora_group, f"adapter {key}")
         self.params[:] = self.layout.pack(adapter)
 
     def get_adapter(self) -> dict[tuple[int, str], R.LoraPair]:
@@ -176,8 +180,10 @@ class NumpyEngine:
                 del cache
         if not accumulate:
             self.grads[:] = 0.0
-        r = self.layout.r
+        r, group = self.layout.r, self.spec.lora_group
         for key, (da, db) in grads.items():
+            if group:  # a mergeable adapter: the gradient of A's group values (model/reference.py)
+                da = R.lora_group_project(da, group)
             s = self.layout.slots[key]
             self.grads[s.a_off : s.a_off + r * s.d_in] += da.reshape(-1)
             self.grads[s.b_off : s.b_off + s.d_out * r] += db.reshape(-1)

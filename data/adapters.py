@@ -25,8 +25,10 @@ from safetensors.numpy import save as st_save
 from data.atomic import atomic_write_bytes
 from model import quant as qc
 from model.config import LORA_TARGETS, PEFT_MODULES, ModelConfig
+from model.fold import FoldError
+from model.fold import fold as fold_update
 from model.gguf import GGUFFile, write_gguf, write_lora_gguf
-from model.reference import LoraPair
+from model.reference import LoraPair, check_group_constant
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -261,19 +263,28 @@ def merge_adapter(
     scale: float,
     out_path: str | Path,
     quant: Sequence[int | str] | None = None,
+    *,
+    fold: bool = False,
 ) -> dict[str, Any]:
     """Write the base GGUF with W + scale * B A merged into each adapted tensor; streamed, atomic.
 
     Adapted tensors are stored in their own type, or with `quant` (names or ids, in order of preference:
-    the first whose block size divides the row length, as model.quant.choose_student_type). Every other tensor
-    and all metadata are copied byte for byte. Returns the merge report: per adapted tensor the rms of the
-    weight and of the update, and the rms / max of (stored - exact merged) error; totals over all of them.
+    the first whose block size divides the row length, as model.quant.choose_student_type). fold=True (a
+    mergeable adapter, quant None): B A is constant over each quantization group and is folded into the stored
+    blocks without re-rounding W (model/fold.py: the type may change, e.g. Q4_0 -> Q4_1). Every other tensor
+    and all metadata are copied byte for byte. Returns the merge report: per adapted tensor its types, bytes, the
+    rms of the weight and of the update, and the rms / max of (stored - (stored base + update)); totals over all
+    of them, and the file sizes.
     """
     out_path = Path(out_path)
     types = None if quant is None else _quant_types(quant)
-    report: dict[str, Any] = {"path": str(out_path), "scale": float(scale), "tensors": {}}
+    folding = fold and types is None
+    report: dict[str, Any] = {"path": str(out_path), "scale": float(scale), "fold": folding, "tensors": {}}
     with GGUFFile(base_gguf_path) as f:
         _check_adapter(adapter, f.config(), str(out_path))
+        if folding:
+            for key, pair in adapter.items():
+                check_group_constant(np.asarray(pair.A), qc.QK, f"{out_path}: adapter {key}")
         by_name = {f"blk.{layer}.{LORA_TARGETS[t]}.weight": adapter[(layer, t)] for layer, t in _ordered(adapter)}
         missing = [name for name in by_name if name not in f.tensors]
         if missing:
@@ -287,11 +298,22 @@ def merge_adapter(
                     continue
                 delta = float(scale) * (pair.B.astype(np.float64) @ pair.A.astype(np.float64))
                 exact = f.tensor_f32(info.name).astype(np.float64) + delta
-                qtype = _merge_type(info.name, info.shape[-1], info.ggml_type, types, out_path)
-                data, stored = _encode(exact.astype(np.float32), qtype, info.name, out_path)
+                if folding:
+                    rows = raw.reshape(*info.shape[:-1], -1)
+                    try:
+                        qtype, data = fold_update(rows, info.ggml_type, exact.shape, delta)
+                    except FoldError as exc:
+                        raise ExportError(f"{out_path}: tensor {info.name!r}: fold: {exc}") from None
+                    stored = _decoded(data, qtype, exact.shape)
+                else:
+                    qtype = _merge_type(info.name, info.shape[-1], info.ggml_type, types, out_path)
+                    data, stored = _encode(exact.astype(np.float32), qtype, info.name, out_path)
                 err = stored.astype(np.float64) - exact
                 report["tensors"][info.name] = {
                     "type": qtype.name,
+                    "from": Q(info.ggml_type).name,
+                    "bytes": int(exact.shape[0] * qc.row_bytes(qtype, exact.shape[-1])),
+                    "base_bytes": int(exact.shape[0] * qc.row_bytes(info.ggml_type, exact.shape[-1])),
                     "n": int(exact.size),
                     "weight_rms": float(np.sqrt(np.mean(exact**2))),
                     "delta_rms": float(np.sqrt(np.mean(delta**2))),
@@ -313,4 +335,13 @@ def merge_adapter(
     report["error_rms"] = float(np.sqrt(sum(s["error_rms"] ** 2 * s["n"] for s in stats) / n))
     report["error_max"] = max(s["error_max"] for s in stats)
     report["delta_rms"] = float(np.sqrt(sum(s["delta_rms"] ** 2 * s["n"] for s in stats) / n))
+    report["base_file_bytes"] = Path(base_gguf_path).stat().st_size
+    report["file_bytes"] = out_path.stat().st_size
     return report
+
+
+def _decoded(data: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+    """What a reader decodes from `data` written as `qtype` (floats as they are, else the codec)."""
+    if qtype in (Q.F32, Q.F16):
+        return np.asarray(data, np.float32)
+    return qc.dequantize(data, qtype, shape)

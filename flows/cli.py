@@ -301,6 +301,13 @@ def print_report(summary: dict[str, Any], workdir: Path) -> None:
                 f"KL {base['kl']:.4f} → {best['kl']:.4f} ({abs(pct):.1f}% {direction}), "
                 f"top-1 {100 * base['top1']:.1f}% → {100 * best['top1']:.1f}%"
             )
+        from stages.evaluate import gain_kept, gain_note
+
+        merged = summary.get("merged")
+        kept = None if merged is None or best is None else gain_kept(base["kl"], best["kl"], merged["kl"])
+        note = gain_note(kept, summary.get("lora_kind", "plain"))
+        if note:
+            console.print(f"[bold yellow]{note}[/]" if "Warning" in note else note)
     stages = summary["stages"]
     console.print(f"ran: {', '.join(stages['ran']) or 'nothing (all cached)'}")
     console.print(f"cached: {', '.join(stages['cached']) or 'nothing'}")
@@ -405,9 +412,11 @@ def merge(
         typer.Option(help="Types for the merged weights, e.g. Q4_K,Q4_0 (default: keep each tensor's type)."),
     ] = None,
 ) -> None:
-    """Merge the best adapter into the student (W + alpha/r * B A, requantized) as a new GGUF; evaluate it.
+    """Merge the best adapter into the student (W + alpha/r * B A) as a new GGUF; evaluate it.
 
-    Same as `run --set export.merge=true`; the merged file is evaluated like the adapter it came from.
+    Same as `run --set export.merge=true`; the merged file is evaluated like the adapter it came from and the
+    share of the adapter's held-out KL gain it keeps is printed (a warning below 50 %). A mergeable adapter
+    (lora.kind mergeable) folds exactly into the 4-bit blocks; a plain one is requantized (docs/merge.md).
     """
     extra = ("export.merge=true",) + ((f"export.merge_quant={quant}",) if quant else ())
     _run(config, set_, "export", extra)
@@ -430,7 +439,7 @@ def demo(
     Prepares runs/demo/teacher-f32.gguf (the shipped Q4_1 model dequantized), the training text (chapter 1 of
     Genesis, Exodus, Joshua, Judges, 1 and 2 Samuel, 1 Kings and Matthew: runs/demo/kjv-train.jsonl) and the
     held-out text (the book of Ruth, never trained on: runs/demo/kjv-ruth.jsonl), then runs the pipeline with
-    configs/demo.yaml and prints the held-out KL, top-1 and CE before and after.
+    configs/demo.yaml and prints the held-out KL, top-1 and CE before and after, and of the merged GGUF.
     """
     from flows.demo import prepare_demo
     from schemas.config import load_config

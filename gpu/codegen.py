@@ -39,6 +39,7 @@ WEIGHT_TYPES: dict[str, WeightType] = {
         WeightType("Q4_0", "decode_q4_0.wgsl", "u32", 32, True),
         WeightType("Q4_1", "decode_q4_1.wgsl", "u32", 32, True),
         WeightType("Q5_0", "decode_q5_0.wgsl", "u32", 32, True),
+        WeightType("Q5_1", "decode_q5_1.wgsl", "u32", 32, True),
         WeightType("Q8_0", "decode_q8_0.wgsl", "u32", 32, True),
         WeightType("Q4_K", "decode_q4_k.wgsl", "u32", 256, True),
         WeightType("Q6_K", "decode_q6_k.wgsl", "u32", 256, True),

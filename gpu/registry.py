@@ -137,6 +137,7 @@ KERNELS: dict[str, Kernel] = {
     "to_bf16": Kernel((*_ELEMENTWISE, "to_bf16")),
     "from_bf16": Kernel((*_ELEMENTWISE, "from_bf16")),
     "scale": Kernel((*_ELEMENTWISE, "scale")),
+    "lora_group_sum": Kernel((*_ELEMENTWISE, "lora_group_sum"), {"acc": BOOLS}),
     "swiglu_forward": Kernel(
         ("swiglu_forward", *_ELEMENTWISE), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
     ),

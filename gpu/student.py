@@ -36,7 +36,7 @@ from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from gpu.ops.swiglu import swiglu_backward
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
-from model.reference import LoraPair
+from model.reference import LoraPair, check_group_constant
 
 MAX_SKIPS_IN_A_ROW = 8  # consecutive non-finite steps before training stops (a diverged or overflowing run)
 
@@ -88,6 +88,11 @@ class GPUStudent(GPUModel):
         if self.layout.n_params == 0:
             raise ValueError("GPUStudent needs at least one LoRA target")
         self.grads = dev.buffer(4 * self.layout.n_params, label="lora grads")
+        self.lora_group = spec.lora_group  # > 0: a mergeable adapter, dA projected (gpu/ops/lora.py lora_group_sum)
+        d_in_max = max((s.d_in for s in self.layout.slots.values()), default=1)
+        self.da_scratch = (
+            dev.buffer(4 * self.layout.r * d_in_max, label="dA before its group sums") if spec.lora_group else None
+        )
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
         self.applied_steps = 0
         self.skipped_steps = 0
@@ -110,6 +115,13 @@ class GPUStudent(GPUModel):
         if cfg.post_norms:  # dL/d(o or down output), before the post-norm
             widths["dpost"] = h
         return widths
+
+    def set_adapter(self, adapter: Mapping[tuple[int, str], LoraPair]) -> None:
+        """Upload an adapter (a mergeable engine refuses an A that is not group-constant)."""
+        if self.lora_group:
+            for key, pair in adapter.items():
+                check_group_constant(np.asarray(pair.A), self.lora_group, f"adapter {key}")
+        super().set_adapter(adapter)
 
     def get_grads(self) -> dict[tuple[int, str], LoraPair]:
         """The last step's gradients (dA, dB) per (layer, target), as LoraPair(A=dA, B=dB)."""
@@ -171,6 +183,8 @@ class GPUStudent(GPUModel):
                 self.layout.r,
                 self.scale,
                 accumulate_grads=self._acc_grads,
+                group=self.lora_group,
+                da_scratch=self.da_scratch,
             )
 
     def _attention_back(

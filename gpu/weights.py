@@ -122,7 +122,7 @@ def random_blocks(qtype: GGMLQuantizationType | int, shape: tuple[int, int], rng
     nb = n * k // block
     raw = rng.integers(0, 256, (nb, type_size), dtype=np.uint8)
     # byte offsets of the f16 scales in each block
-    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
+    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}
     if qtype.name in ("F32", "F16"):
         w = rng.standard_normal((n, k)).astype(np.float32 if qtype.name == "F32" else np.float16)
         return w.view(np.uint8)

@@ -27,7 +27,9 @@ class EngineSpec:
     """The shapes and LoRA settings of an engine: `batch` sequences of `seq_len` tokens (rows = batch * seq_len)
     of the student `cfg`, LoRA of rank r on `targets` of `layers` (None: all blocks) scaled by alpha / r,
     grad_accum micro-batches per optimizer step. start_layer > 0: the forward starts at that block from a given
-    residual stream (the frozen-prefix cache); vocab_chunk: the LM head's vocabulary slice per pass."""
+    residual stream (the frozen-prefix cache); vocab_chunk: the LM head's vocabulary slice per pass.
+    lora_group > 0: a mergeable adapter (lora.kind mergeable): every A is constant over each group of lora_group
+    inputs, and the engines project dA onto such matrices (model/reference.py lora_group_project)."""
 
     cfg: ModelConfig
     targets: tuple[str, ...]
@@ -40,6 +42,7 @@ class EngineSpec:
     precision: str = "f32"
     start_layer: int = 0
     vocab_chunk: int = 4096
+    lora_group: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "targets", tuple(self.targets))
@@ -51,6 +54,8 @@ class EngineSpec:
             raise ValueError(f"grad_accum={self.grad_accum} must be >= 1")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: expected one of {', '.join(PRECISIONS)}")
+        if self.lora_group:
+            check_group_dims(self.cfg, self.targets, self.lora_group)
 
     @property
     def rows(self) -> int:
@@ -90,7 +95,19 @@ class EngineSpec:
             grad_accum=run.train.grad_accum if grad_accum is None else grad_accum,
             precision=run.train.precision,
             start_layer=start_layer,
+            lora_group=run.lora.group,
         )
+
+
+def check_group_dims(cfg: ModelConfig, targets: tuple[str, ...], group: int) -> None:
+    """Refuse a mergeable adapter on a target whose input size is not a multiple of `group` (one line)."""
+    for t in targets:
+        d_in = cfg.target_shape(t)[1]
+        if d_in % group:
+            raise ValueError(
+                f"lora.kind mergeable: target {t!r} has {d_in} inputs, not a multiple of the quantization group "
+                f"{group}; leave {t!r} out of lora.targets or use lora.kind plain"
+            )
 
 
 @dataclass(frozen=True)

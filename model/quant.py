@@ -1,7 +1,7 @@
 """GGML quant codecs in vectorised numpy: one class per type, registered by its GGMLQuantizationType id.
 
 Decoders match `gguf.quants.dequantize` bit for bit (same float operations in the same order); the Q4_0, Q4_1,
-Q5_0 and Q8_0 encoders match `gguf.quants.quantize` byte for byte. gguf-py has no K-quant encoders: Q4_K and
+Q5_0, Q5_1 and Q8_0 encoders match `gguf.quants.quantize` byte for byte. gguf-py has no K-quant encoders: Q4_K and
 Q6_K here follow llama.cpp's `quantize_row_q4_K_ref` (make_qkx2_quants) and `quantize_row_q6_K_ref`
 (make_qx_quants) step by step, f32 sums accumulated in the same sequential order, vectorised over blocks;
 ggml's nearest_int (round half to even) is np.rint. They reproduce llama.cpp's bytes exactly (checked against
@@ -18,6 +18,7 @@ Block layouts (little-endian; offsets in bytes within one block; f16 = IEEE half
 | Q4_1 | 32    | 20    | d f16 @0; m f16 @2; qs u8[16] @4 (nibbles as Q4_0). x = d*q + m                    |
 | Q5_0 | 32    | 22    | d f16 @0; qh u32 @2 (bit j = bit 4 of elem j); qs u8[16] @6 (low 4 bits as Q4_0).  |
 |      |       |       | x = d*(q-16)                                                                       |
+| Q5_1 | 32    | 24    | d f16 @0; m f16 @2; qh u32 @4; qs u8[16] @8 (as Q5_0). x = d*q + m                 |
 | Q8_0 | 32    | 34    | d f16 @0; qs i8[32] @2. x = d*q                                                    |
 | Q4_K | 256   | 144   | d f16 @0; dmin f16 @2; scales u8[12] @4; qs u8[128] @16. 8 sub-blocks of 32.       |
 |      |       |       | 6-bit scales s: for j<4: sc_j = s[j]&63, m_j = s[j+4]&63,                          |
@@ -38,6 +39,7 @@ from typing import ClassVar
 import numpy as np
 from gguf import GGMLQuantizationType
 
+QK = 32  # elements per block of Q4_0 .. Q8_0, and per sub-block (one scale and min) of Q4_K / Q5_K
 QK_K = 256
 _GROUP_MAX_EPS = np.float32(1e-15)
 
@@ -188,6 +190,27 @@ class Q5_0(Codec, qtype=GGMLQuantizationType.Q5_0, block_size=32, type_size=22, 
         qh = np.unpackbits(blocks[:, 2:6], axis=-1, bitorder="little")
         q = (_unpack_nibbles(blocks[:, 6:]) | (qh << np.uint8(4))).astype(np.int8) - np.int8(16)
         return d * q.astype(np.float32)
+
+
+class Q5_1(Codec, qtype=GGMLQuantizationType.Q5_1, block_size=32, type_size=24, f16_offsets=(0, 2)):
+    @classmethod
+    def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+        n = blocks.shape[0]
+        hi = blocks.max(axis=-1, keepdims=True)
+        lo = blocks.min(axis=-1, keepdims=True)
+        d = (hi - lo) / 31
+        with np.errstate(divide="ignore"):
+            inv = np.where(d == 0, 0, 1 / d)
+        q = np.trunc((blocks - lo) * inv + np.float32(0.5), dtype=np.float32).astype(np.uint8).clip(0, 31)
+        qh = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little").reshape((n, 4))
+        return np.concatenate([_f16_bytes(d), _f16_bytes(lo), qh, _pack_nibbles(q & np.uint8(0x0F))], axis=-1)
+
+    @classmethod
+    def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+        d, m = _f16_field(blocks, 0), _f16_field(blocks, 2)
+        qh = np.unpackbits(blocks[:, 4:8], axis=-1, bitorder="little")
+        q = (_unpack_nibbles(blocks[:, 8:]) | (qh << np.uint8(4))).astype(np.float32)
+        return (d * q) + m
 
 
 class Q8_0(Codec, qtype=GGMLQuantizationType.Q8_0, block_size=32, type_size=34, f16_offsets=(0,)):

@@ -35,6 +35,7 @@ __all__ = [
     "LoraPair",
     "attention_backward",
     "attention_forward",
+    "check_group_constant",
     "embed",
     "embedding_forward",
     "forward",
@@ -52,6 +53,9 @@ __all__ = [
     "logsumexp",
     "lora_backward",
     "lora_forward",
+    "lora_group_expand",
+    "lora_group_pool",
+    "lora_group_project",
     "loss_and_grads",
     "random_weights",
     "rmsnorm_backward",
@@ -313,9 +317,16 @@ def lora_backward(
 
 
 def init_lora(
-    cfg: ModelConfig, targets: list[str] | tuple[str, ...], r: int, seed: int, dtype: np.dtype = np.float32
+    cfg: ModelConfig,
+    targets: list[str] | tuple[str, ...],
+    r: int,
+    seed: int,
+    dtype: np.dtype = np.float32,
+    group: int = 0,
 ) -> dict[tuple[int, str], LoraPair]:
-    """PEFT init, every layer x target: A ~ U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform a=sqrt(5)), B = 0."""
+    """PEFT init, every layer x target: A ~ U(-1/sqrt(in), 1/sqrt(in)) (Kaiming-uniform a=sqrt(5)), B = 0.
+    group > 0 (a mergeable adapter): one draw per group of `group` inputs, repeated over the group, so A is
+    group-constant (lora_group_expand) with the same bound."""
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown:
         raise ValueError(f"init_lora: unknown LoRA targets {unknown}; known: {list(LORA_TARGETS)}")
@@ -325,9 +336,52 @@ def init_lora(
         for t in targets:
             n_out, n_in = cfg.target_shape(t)
             bound = 1.0 / math.sqrt(n_in)
-            a = rng.uniform(-bound, bound, size=(r, n_in)).astype(dtype)
+            if group:
+                pooled = rng.uniform(-bound, bound, size=(r, n_in // group))
+                a = lora_group_expand(pooled, group).astype(dtype)
+            else:
+                a = rng.uniform(-bound, bound, size=(r, n_in)).astype(dtype)
             lora[(layer, t)] = LoraPair(A=a, B=np.zeros((n_out, r), dtype=dtype))
     return lora
+
+
+# A mergeable adapter (QA-LoRA with sum pooling): A [r, in] constant over each group of g consecutive inputs, so
+# x A^T = (x summed over each group) A_pooled^T and B A is constant over each group of a row of W (it folds into
+# a quantization block's offset). The engines train it as an ordinary A whose gradient is projected: dA replaced
+# by its group sum broadcast over the group, the gradient of the pooled parameter. AdamW is elementwise, so m, v
+# and the update stay equal across a group and A stays group-constant step after step.
+
+
+def lora_group_expand(pooled: np.ndarray, group: int) -> np.ndarray:
+    """A_pooled [r, in / g] -> A [r, in], each value repeated over its group of g inputs."""
+    return np.repeat(pooled, group, axis=-1)
+
+
+def lora_group_pool(a: np.ndarray, group: int) -> np.ndarray:
+    """A [r, in] -> its group sums [r, in / g] (in a multiple of g)."""
+    r, n_in = a.shape
+    if n_in % group:
+        raise ValueError(f"{n_in} inputs are not a multiple of the group {group}")
+    return a.reshape(r, n_in // group, group).sum(axis=-1)
+
+
+def lora_group_project(da: np.ndarray, group: int) -> np.ndarray:
+    """dA [r, in] -> each group's sum broadcast over the group: the gradient of a group-constant A's pooled
+    value, laid out like A (the mergeable adapter's backward; the GPU's lora_group_sum)."""
+    return lora_group_expand(lora_group_pool(da, group), group)
+
+
+def check_group_constant(a: np.ndarray, group: int, what: str) -> None:
+    """ValueError unless A is exactly constant over each group of `group` inputs (a mergeable adapter's A)."""
+    r, n_in = a.shape
+    if n_in % group:
+        raise ValueError(f"{what}: {n_in} inputs are not a multiple of the group {group}")
+    g = a.reshape(r, n_in // group, group)
+    if not np.array_equal(g, np.broadcast_to(g[..., :1], g.shape)):
+        raise ValueError(
+            f"{what}: lora_A is not constant over groups of {group} inputs: not a mergeable adapter "
+            "(lora.kind plain trained it?)"
+        )
 
 
 def _rows(x: np.ndarray) -> np.ndarray:
@@ -516,11 +570,13 @@ def loss_and_grads(
     targets: np.ndarray,
     mask: np.ndarray,
     loss_cfg: LossConfig,
+    lora_group: int = 0,
 ) -> tuple[float, dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]]:
     """(loss, {(layer, target): (dA, dB)}) by the hand-written backward.
 
     One sequence (ids [T], teacher arrays [T, k] / [T]) or a batch (ids [B, T], [B, T, k] / [B, T]): the loss
-    is the mean over every masked position of the batch."""
+    is the mean over every masked position of the batch. lora_group > 0 (a mergeable adapter): each dA is
+    projected by lora_group_project, the gradient with respect to A's group values."""
     logits, caches, x = _forward_cached(weights, cfg, ids, lora, lora_scale)
     k = np.shape(teacher_ids)[-1]
     flat = logits.reshape(-1, logits.shape[-1])
@@ -539,6 +595,8 @@ def loss_and_grads(
     grads: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}
     for layer in reversed(range(cfg.n_layers)):
         dx = block_backward(dx, caches[layer], weights, cfg, layer, lora or {}, lora_scale, grads)
+    if lora_group:
+        grads = {key: (lora_group_project(da, lora_group), db) for key, (da, db) in grads.items()}
     return loss, grads
 
 

@@ -234,6 +234,11 @@ class LossSection(Section):
         return value
 
 
+# The input-dimension group of a mergeable adapter: the block of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and the sub-block of
+# Q4_K/Q5_K, each of which carries one scale (and offset) per 32 inputs (model.quant.QK; a test keeps them equal).
+MERGE_GROUP = 32
+
+
 def lora_scale(alpha: float, r: int) -> float:
     """The factor on a LoRA adapter's output, alpha / r (PEFT's convention): the one place it is computed."""
     return alpha / r
@@ -255,6 +260,13 @@ class LoraSection(Section):
         None,
         description="Blocks that get adapters (PEFT layers_to_transform), e.g. [20, 21, ...]; null: all. "
         "The backward stops at the lowest adapted block, so adapting only the top blocks trains faster.",
+    )
+    kind: Literal["plain", "mergeable"] = Field(
+        "plain",
+        description="plain: ordinary LoRA. mergeable (QA-LoRA with sum pooling): A is constant over each group of "
+        "32 inputs (the student's quantization blocks), so B A adds one value per block and folds exactly into "
+        "the blocks' offsets at merge time (export.merge keeps the adapter's gain in a 4-bit file). Needs every "
+        "adapted projection's input size to be a multiple of 32. Exports stay ordinary LoRA files.",
     )
 
     @field_validator("layers")
@@ -288,6 +300,11 @@ class LoraSection(Section):
     def scale(self) -> float:
         """alpha / r, the factor on the adapter's output."""
         return lora_scale(self.alpha, self.r)
+
+    @property
+    def group(self) -> int:
+        """Inputs per constant group of A: MERGE_GROUP for a mergeable adapter, 0 for plain LoRA."""
+        return MERGE_GROUP if self.kind == "mergeable" else 0
 
 
 class OptimSection(Section):

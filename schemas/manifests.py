@@ -261,7 +261,9 @@ class ExportManifest(Located):
     gguf_lora: FileRef | None = None
     merged: FileRef | None = None
     merge_report: dict[str, float] | None = Field(
-        None, description="totals of the merge: merged tensors, error_rms, error_max, delta_rms"
+        None,
+        description="totals of the merge: merged tensors, error_rms, error_max, delta_rms, fold (1: a mergeable "
+        "adapter folded exactly, 0: re-quantized), file_bytes and base_file_bytes (the merged and student GGUFs)",
     )
 
     def outputs(self) -> tuple[FileRef, ...]:

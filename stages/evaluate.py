@@ -114,6 +114,34 @@ def run_merged(
     return _evaluate(cfg, merged.resolve(workdir(cfg)), tokens, teacher, None, "merged GGUF", None, bar)
 
 
+KEEPS_TOO_LITTLE = 0.5  # a merged GGUF keeping less of its adapter's held-out KL gain than this is warned about
+
+
+def gain_kept(baseline_kl: float, adapter_kl: float, merged_kl: float) -> float | None:
+    """The fraction of the adapter's held-out KL gain the merged GGUF keeps: (baseline - merged) / (baseline -
+    adapter); None when the adapter gained nothing (nothing to keep)."""
+    gain = baseline_kl - adapter_kl
+    if not gain > 0:
+        return None
+    return (baseline_kl - merged_kl) / gain
+
+
+def gain_note(kept: float | None, lora_kind: str) -> str | None:
+    """One line for the report and the console: the gain a merged GGUF keeps, with a warning below half."""
+    if kept is None:
+        return None
+    line = f"The merged GGUF keeps {100 * kept:.0f}% of the adapter's held-out KL gain."
+    if kept < KEEPS_TOO_LITTLE:
+        hint = (
+            "re-quantizing W + BA rounds most of a LoRA update away: train with lora.kind mergeable, whose update "
+            "folds exactly into the quantized blocks, or merge into 8 bits (distillery merge --quant Q8_0)"
+            if lora_kind == "plain"
+            else "look for a bug: a mergeable adapter's fold is exact up to f16 rounding"
+        )
+        line += f" Warning: less than {100 * KEEPS_TOO_LITTLE:.0f}%; {hint}."
+    return line
+
+
 def select_best(cfg: RunConfig, evals: Sequence[EvalManifest]) -> int:
     """Index of the best evaluation by cfg.eval.best_metric (ties: the earlier epoch; never a diverged one)."""
     if not evals:

@@ -77,9 +77,19 @@ def run(cfg: RunConfig, student: StudentManifest, checkpoint: CheckpointManifest
     if cfg.export.gguf_lora:
         gguf_lora = FileRef.of(export_gguf_lora(adapter, base, cfg.lora.alpha, out / GGUF_LORA).resolve(), root)
     if cfg.export.merge:
-        merge = merge_adapter(base, adapter, cfg.lora.scale, out / MERGED, quant=cfg.export.merge_quant)
+        fold = cfg.lora.kind == "mergeable"  # B A folds exactly into the blocks (model/fold.py) unless merge_quant
+        merge = merge_adapter(base, adapter, cfg.lora.scale, out / MERGED, quant=cfg.export.merge_quant, fold=fold)
         merged = FileRef.of((out / MERGED).resolve(), root)
-        report = {k: float(merge[k]) for k in ("merged", "error_rms", "error_max", "delta_rms")}
+        keys = ("merged", "error_rms", "error_max", "delta_rms", "fold", "file_bytes", "base_file_bytes")
+        report = {k: float(merge[k]) for k in keys}
+        log.info(
+            "merged GGUF (%s): %.3fx the student's %d bytes, error rms %.3g (update rms %.3g)",
+            "folded" if merge["fold"] else "re-quantized",
+            merge["file_bytes"] / merge["base_file_bytes"],
+            merge["base_file_bytes"],
+            merge["error_rms"],
+            merge["delta_rms"],
+        )
     log.info("exported epoch %d (step %d) to %s", checkpoint.epoch, checkpoint.step, out)
     manifest = ExportManifest(
         epoch=checkpoint.epoch, step=checkpoint.step, peft=peft, gguf_lora=gguf_lora, merged=merged, merge_report=report

@@ -17,6 +17,7 @@ from data.records import resolve_format
 from data.topk import check_vocab
 from model.config import ModelConfig
 from model.convert import EMBEDDING_TENSORS
+from model.engine_spec import check_group_dims
 from model.gguf import GGUFError, GGUFFile, check_model_file
 from model.quant import QuantError, choose_student_type
 from schemas.config import RunConfig
@@ -82,6 +83,11 @@ def _check_lora(cfg: RunConfig, student: ModelConfig) -> None:
             f"lora.r: {cfg.lora.r} exceeds the hidden size {student.hidden} of model.student {cfg.model.student}; "
             "an adapter's rank is at most min(in, out) of its projection"
         )
+    if cfg.lora.group:
+        try:
+            check_group_dims(student, cfg.lora.targets, cfg.lora.group)
+        except ValueError as exc:
+            raise InputError(f"{exc} (model.student {cfg.model.student})") from None
 
 
 def _check_student_quant(cfg: RunConfig) -> None:

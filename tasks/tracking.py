@@ -34,6 +34,7 @@ from schemas.manifests import (
     TeacherManifest,
     TokenizeManifest,
 )
+from stages.evaluate import gain_kept, gain_note
 from stages.layout import file_name, inside, workdir
 from stages.train import read_steps
 from tasks.cached import cached_run, remember
@@ -252,6 +253,16 @@ class RunRecord(FlowRunRecord):
             self._metrics({"best/epoch": self.best})
         if self.merged is not None:
             self._metrics({f"merged/{k}": v for k, v in _eval_values(self.merged).items()})
+            kept = self._gain_kept()
+            if kept is not None:
+                self._metrics({"merged/gain_kept": kept})
+
+    def _gain_kept(self) -> float | None:
+        """The fraction of the best adapter's held-out KL gain the merged GGUF keeps (None without the three)."""
+        if self.merged is None or self.baseline is None or self.best is None:
+            return None
+        best = self.evals[self.best]
+        return gain_kept(self.baseline.metric("kl"), best.metric("kl"), self.merged.metric("kl"))
 
     # ---- end of run ----
     def summary(self) -> dict[str, Any]:
@@ -267,6 +278,8 @@ class RunRecord(FlowRunRecord):
             "best_epoch": None if best is None else best.epoch,
             "best": manifest_json(best),
             "merged": manifest_json(self.merged),
+            "merged_gain_kept": self._gain_kept(),
+            "lora_kind": self.cfg.lora.kind,
             "export": manifest_json(self.exported),
             "files": {} if self.exported is None else self.exported.files(),
             "teacher_bytes_per_position": None
@@ -507,6 +520,9 @@ def render_report(cfg: RunConfig, s: Mapping[str, Any]) -> str:
                 f"{abs(drop):.4f}, {abs(pct):.1f}%); top-1 agreement {100 * base['top1']:.1f}% → "
                 f"{100 * best['top1']:.1f}% (best by {cfg.eval.best_metric}).",
             ]
+            note = gain_note(s.get("merged_gain_kept"), cfg.lora.kind)
+            if note:
+                lines += ["", note]
         lines.append("")
     stages = s.get("stages", {})
     lines += [
@@ -521,8 +537,14 @@ def render_report(cfg: RunConfig, s: Mapping[str, Any]) -> str:
             if key in files:
                 lines.append(f"- {label}: `{files[key]}`")
         if "merged" in files:
-            rms = s["export"]["merge_report"]["error_rms"]
-            lines.append(f"- merged GGUF: `{files['merged']}` (merge error rms {rms:.3g})")
+            merge = s["export"]["merge_report"]
+            how = "folded" if merge.get("fold") else "re-quantized"
+            size = (
+                f", {merge['file_bytes'] / merge['base_file_bytes']:.3f}x the student's size"
+                if "file_bytes" in merge
+                else ""
+            )
+            lines.append(f"- merged GGUF: `{files['merged']}` ({how}, merge error rms {merge['error_rms']:.3g}{size})")
         lines.append("")
     ml = s["mlflow"]
     lines += [

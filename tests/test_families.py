@@ -435,18 +435,18 @@ def test_refusals_name_the_file_and_key(tmp_path: Path) -> None:
             r"window\.gguf: key 'qwen2\.rope\.scaling\.type'",
         ),
     ]
-    # a quant type we cannot decode (Q5_1), given as raw rows
+    # a quant type we cannot decode (IQ4_NL: 18 bytes per 32), given as raw rows
     cfg = FAMILIES["qwen2"].cfg
     weights = R.random_weights(cfg, seed=1, dtype=np.float32)
     q51 = [
-        (n, np.zeros((w.shape[0], w.shape[1] // 32 * 24), np.uint8), Q.Q5_1)
+        (n, np.zeros((w.shape[0], w.shape[1] // 32 * 18), np.uint8), Q.IQ4_NL)
         if n.endswith("ffn_up.weight")
         else (n, w, Q.F32)
         for n, w in weights.items()
     ]
     meta = {**tokenizer_metadata(), **model_metadata(cfg)}
     cases.append(
-        (_write(tmp_path / "q51.gguf", "qwen2", meta, q51), r"q51\.gguf: tensor 'blk\.0\.ffn_up\.weight': type: Q5_1")
+        (_write(tmp_path / "q51.gguf", "qwen2", meta, q51), r"q51\.gguf: tensor 'blk\.0\.ffn_up\.weight': type: IQ4_NL")
     )
     for path, match in cases:
         with pytest.raises(GGUFError, match=match):

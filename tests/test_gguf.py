@@ -25,6 +25,7 @@ ENCODE_TOL = {
     Q.Q8_0: 1e-2,
     Q.Q6_K: 3e-2,
     Q.Q5_0: 7e-2,
+    Q.Q5_1: 5e-2,
     Q.Q4_0: 0.15,
     Q.Q4_1: 0.1,
     Q.Q4_K: 0.1,
@@ -54,7 +55,7 @@ def test_round_trip_every_type(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     rows, row_len = 3, 512  # 512: a whole number of blocks for every type (block sizes 1..256)
     tensors, expect_f32, expect_bytes = [], {}, {}
-    for qtype in (Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):  # encoded by write_gguf
+    for qtype in (Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q6_K):  # encoded by write_gguf
         x = _values(rng, (rows, row_len))
         tensors.append((f"enc.{qtype.name}", x, int(qtype)))
         expect_f32[f"enc.{qtype.name}"] = (x, ENCODE_TOL[qtype])

@@ -91,7 +91,9 @@ def test_quantize_kernel_matches_the_twin(dev: Device) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name
+)
 def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
     """A frozen weight decoded from its GGML type on the GPU to per-row int8 codes: the twin's codes (a tie may
     land one code off) and scales, on the dequantized weight."""

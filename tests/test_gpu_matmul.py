@@ -25,7 +25,7 @@ def dev() -> Device:
 TOL = 1e-4
 # (M, N): M=1 (decode), M not a tile multiple, N not a multiple of 4 tiles; K per block size below.
 SHAPES = [(1, 64), (7, 100), (33, 100)]
-GGUF_ENCODABLE = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
+GGUF_ENCODABLE = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 
 
 def _weight(qtype: T, n: int, k: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -42,7 +42,9 @@ def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("orient", ["nt", "nn"])
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name
+)
 def test_matmul_matches_dequantized_reference(dev: Device, qtype: T, orient: str) -> None:
     rng = np.random.default_rng([qtype.value, orient == "nt"])
     k = 512 if qtype in (T.Q4_K, T.Q6_K) else 160  # 5 blocks a row: odd rows of Q4_0 are not 4-aligned

@@ -39,8 +39,8 @@ from gpu.weights import random_blocks, upload_quant
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 from tests.gpu_helpers import gemm_twice
 
-ALL_TYPES = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q6_K]
-GGUF_ENCODABLE = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0)
+ALL_TYPES = [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K]
+GGUF_ENCODABLE = (T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)
 # f32 accumulation of f16 products: the kernel's error vs float64 is ~1e-6 of the largest output on these
 # shapes (the ordering of the f32 sums); an indexing or decode error is O(1).
 TOL = 2e-5

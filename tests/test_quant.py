@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 
 from model import quant
 
-LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0)
+LEGACY = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 KQUANTS = (Q.Q4_K, Q.Q6_K)
 QUANTS = LEGACY + KQUANTS
 

@@ -178,7 +178,7 @@ def test_bad_value_names_field(override, expect):
 @pytest.mark.parametrize(
     ("override", "expect"),
     [
-        ("lora.rank=8", "unknown key 'lora.rank' (valid keys of lora: r, alpha, targets, layers)"),
+        ("lora.rank=8", "unknown key 'lora.rank' (valid keys of lora: r, alpha, targets, layers, kind)"),
         ("lorra.r=8", "unknown key 'lorra.r' (valid keys of top level: model, data, teacher"),
         ("lora.r.x=1", "'lora.r' is a value, not a section"),
         ("lora.r", "expected key.sub=value"),

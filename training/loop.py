@@ -155,7 +155,7 @@ def _restore(cfg: RunConfig, engine: Engine, ckpt_root: Path, epoch: int, steps:
     if latest is None:
         if epoch != 0:
             raise FileNotFoundError(f"{ckpt_root}: no checkpoint to start epoch {epoch} from (train epoch 0 first)")
-        init = reference.init_lora(engine.cfg, list(cfg.lora.targets), cfg.lora.r, cfg.train.seed)
+        init = reference.init_lora(engine.cfg, list(cfg.lora.targets), cfg.lora.r, cfg.train.seed, group=cfg.lora.group)
         engine.set_adapter({key: pair for key, pair in init.items() if key in engine.layout.slots})
         return 0, [], 0
     adapter, optim, state = load_checkpoint(latest)

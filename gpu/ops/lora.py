@@ -13,17 +13,20 @@ By default (fused=None) the fused path runs when FUSED is set and the rank is co
 H200 (2026-12-04, docs/benchmarks.md) the fused kernels made the TinyLlama-shape train step slower (LoRA 64.4 vs
 54.0 ms per step, 11,487 vs 12,038 tokens/s; `bench/train_step.py --lora-path fused|split`): fewer dispatches,
 but the fused forward took 89 us at d 2048 x 2048 against 35 + 9 + 35 for the split one's three.
-lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute)."""
+lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute).
+lora_group_sum is a mergeable adapter's projection of dA (model/reference.py lora_group_project)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpu.device import Device
+from gpu.device import Device, DeviceError
+from gpu.ops.common import grid, need, pack
 from gpu.ops.lora_fused import covers, lora_fused
 from gpu.ops.lora_matmul import lora_matmul
 from gpu.ops.strided_matmul import row_major, transposed
 from gpu.profile import scope
+from gpu.registry import pipeline
 
 FUSED = False  # the default path of lora_forward / lora_backward (where covers(T, r))
 
@@ -87,11 +90,17 @@ def lora_backward(
     *,
     accumulate_grads: bool = False,
     fused: bool | None = None,
+    group: int = 0,
+    da_scratch: Any = None,
 ) -> None:
     """dB [out, r] = scale dy^T t; dt [T, r] (scratch) = scale dy B; dA [r, in] = dt^T x; dx [T, in] += dt A.
     accumulate_grads=True adds into dA / dB instead of overwriting them (gradient accumulation). fused=True: dt
-    and dx in one dispatch (r <= 64); False: four products on lora_matmul; None: see the module docstring."""
+    and dx in one dispatch (r <= 64); False: four products on lora_matmul; None: see the module docstring.
+    group > 0 (a mergeable adapter): dt^T x goes to da_scratch ([r, in] floats at least) and dA gets its
+    group sums (lora_group_sum), the gradient of A's group values."""
     acc = accumulate_grads
+    if group and da_scratch is None:
+        raise DeviceError("lora_backward: a mergeable adapter (group > 0) needs da_scratch")
     with scope(dev, "lora"):
         lora_matmul(dev, transposed(dy, d_out), row_major(t, r), db, d_out, r, n_tokens, alpha=scale, accumulate=acc)
         if _fused(fused, n_tokens, r):
@@ -102,6 +111,24 @@ def lora_backward(
         else:
             lora_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n_tokens, r, d_out, alpha=scale)
         # dA^T [in, r] = x^T dt, stored transposed into dA [r, in]
-        lora_matmul(dev, transposed(x, d_in), row_major(dt, r), da, d_in, r, n_tokens, accumulate=acc, csm=1, csn=d_in)
+        if group:
+            lora_matmul(dev, transposed(x, d_in), row_major(dt, r), da_scratch, d_in, r, n_tokens, csm=1, csn=d_in)
+            lora_group_sum(dev, da_scratch, da, r * d_in, group, accumulate=acc)
+        else:
+            lora_matmul(
+                dev, transposed(x, d_in), row_major(dt, r), da, d_in, r, n_tokens, accumulate=acc, csm=1, csn=d_in
+            )
         if not _fused(fused, n_tokens, r):
             lora_matmul(dev, row_major(dt, r), row_major(a, d_in), dx, n_tokens, d_in, r, accumulate=True)
+
+
+def lora_group_sum(dev: Device, x: Any, y: Any, n: int, group: int, *, accumulate: bool = False) -> None:
+    """y[i] (+)= the sum of x over the group of `group` consecutive elements holding i, for i < n (n a multiple
+    of group): dA [r, in] of a mergeable adapter projected onto group-constant matrices (the gradient of A's
+    group values). y must not alias x."""
+    if group <= 0 or n % group:
+        raise DeviceError(f"lora_group_sum: {n} elements are not whole groups of {group}")
+    need(x, n, "lora_group_sum x")
+    need(y, n, "lora_group_sum y")
+    with scope(dev, "lora"):
+        dev.dispatch(pipeline(dev, "lora_group_sum", acc=accumulate), [pack(n, 0.0, group, 0), x, y], grid(n, 256))
