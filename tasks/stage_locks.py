@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,8 +36,9 @@ class FlockLockManager:
 
     def __init__(self, folder: Callable[[], Path] = _result_folder) -> None:
         self._folder = folder
-        self._held: dict[str, tuple[int, str]] = {}  # key -> (file descriptor, holder)
-        self._mutex = threading.Lock()
+        # key -> (file descriptor, holder); single dict operations (atomic in CPython) keep it consistent across
+        # threads without a lock object, so Prefect can copy a cache policy that holds this manager
+        self._held: dict[str, tuple[int, str]] = {}
 
     def _path(self, key: str) -> Path:
         d = self._folder() / ".locks"
@@ -68,8 +68,7 @@ class FlockLockManager:
             if fd is not None:
                 os.ftruncate(fd, 0)
                 os.write(fd, f"pid {os.getpid()} holder {holder}\n".encode())
-                with self._mutex:
-                    self._held[key] = (fd, holder)
+                self._held[key] = (fd, holder)
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -81,18 +80,16 @@ class FlockLockManager:
         return await asyncio.to_thread(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
 
     def release_lock(self, key: str, holder: str) -> None:
-        with self._mutex:
-            held = self._held.get(key)
-            if held is None or held[1] != holder:
-                raise ValueError(f"stage lock {key!r} is not held by {holder!r}")
-            del self._held[key]
+        held = self._held.get(key)
+        if held is None or held[1] != holder:
+            raise ValueError(f"stage lock {key!r} is not held by {holder!r}")
+        del self._held[key]
         fcntl.flock(held[0], fcntl.LOCK_UN)
         os.close(held[0])
 
     def is_locked(self, key: str) -> bool:
-        with self._mutex:
-            if key in self._held:
-                return True
+        if key in self._held:
+            return True
         fd = self._try(key)
         if fd is None:
             return True
@@ -101,8 +98,7 @@ class FlockLockManager:
         return False
 
     def is_lock_holder(self, key: str, holder: str) -> bool:
-        with self._mutex:
-            held = self._held.get(key)
+        held = self._held.get(key)
         return held is not None and held[1] == holder
 
     def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
