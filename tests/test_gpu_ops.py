@@ -11,9 +11,9 @@ from gpu.device import Device
 from gpu.ops.add import add, add_inplace, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.embedding import embedding_forward
+from gpu.ops.gated import swiglu_backward, swiglu_forward
 from gpu.ops.half import add_unscaled, to_f16, to_f16_scaled
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
-from gpu.ops.swiglu import swiglu_backward, swiglu_forward
 from gpu.weights import quantize_upload
 from model import reference as ref
 from model.quant import dequantize, quantize

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gpu.ops.add import add, scale_inplace
+from gpu.ops.gated import swiglu_forward
 from gpu.ops.rmsnorm import rmsnorm_forward
-from gpu.ops.swiglu import swiglu_forward
 from gpu.profile import Profiler, kernel_class, scope
 from tests.gpu_fixtures import device_or_skip
 
