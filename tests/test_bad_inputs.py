@@ -454,6 +454,38 @@ RECOVERIES = [
 # sees, the test that checks it). They join the generated table in docs/reliability.md.
 ELSEWHERE: list[tuple[str, str, str]] = [
     (
+        "team set-up: a worker and its flow run killed with SIGKILL mid-training",
+        "the run's heartbeats stop; it is marked Crashed, scheduled again, and the other worker finishes it from the "
+        "stage cache with the serial run's adapter bytes, in the same MLflow run",
+        "test_team.py::test_killed_worker_is_retried_elsewhere_and_cron_fires_meanwhile",
+    ),
+    (
+        "team set-up: a cron schedule firing while a worker is down",
+        "the other worker runs it",
+        "test_team.py::test_killed_worker_is_retried_elsewhere_and_cron_fires_meanwhile",
+    ),
+    (
+        "team set-up: two flow runs of one config (and two of another) on one workdir at once, on two workers",
+        "one computes each stage, the other waits for the stage's lock and takes the cached result; all end with "
+        "the serial runs' adapter bytes, one model version per adapter",
+        "test_team.py::test_four_runs_on_two_workers_match_serial_runs",
+    ),
+    (
+        "team set-up: two runs creating the same MLflow experiment at once",
+        "both log into the one that exists (no RESOURCE_ALREADY_EXISTS failure)",
+        "test_team.py::test_four_runs_on_two_workers_match_serial_runs",
+    ),
+    (
+        "team set-up: a flow run that crashes on every attempt",
+        "its fourth start fails: `flow run <name>: attempt 4, more than 3: the earlier ones crashed ...`",
+        "test_team.py::test_a_run_crashing_every_time_stops_after_three_attempts",
+    ),
+    (
+        "team set-up: infra/down.sh",
+        "workers, servers and PostgreSQL stopped; no process and no port of theirs left",
+        "test_team.py::test_down_stops_everything_it_started",
+    ),
+    (
         "kill -9 at every stage boundary, mid teacher shard, mid checkpoint, mid export",
         "the rerun resumes from the cache and the last checkpoint: the same adapter bytes as an unbroken run",
         "test_faults.py::test_killed_at_every_boundary_and_mid_write_resumes_to_the_reference_bytes",

@@ -274,3 +274,15 @@ def test_down_stops_everything_it_started(team: Team) -> None:
     for key in ("PREFECT_PORT", "MLFLOW_PORT", "POSTGRES_PORT"):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", int(team.env[key]))) != 0, key
+
+
+def test_a_run_crashing_every_time_stops_after_three_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The crash automation schedules a crashed run again; the flow's fourth start is refused in one line."""
+    from flows.attempts import MAX_ATTEMPTS, TooManyAttempts, check_attempt
+
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__RUN_COUNT", str(MAX_ATTEMPTS))
+    check_attempt()
+    monkeypatch.setenv("PREFECT__RUNTIME__FLOW_RUN__RUN_COUNT", str(MAX_ATTEMPTS + 1))
+    with pytest.raises(TooManyAttempts, match=f"attempt {MAX_ATTEMPTS + 1}, more than {MAX_ATTEMPTS}") as err:
+        check_attempt()
+    assert "\n" not in str(err.value)
