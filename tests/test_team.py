@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -70,6 +71,14 @@ class Team:
     env: dict[str, str]
     configs: dict[str, Path]
     serial: Path  # the workdir of the serial runs of configs a, b and c
+    serial_run: subprocess.Popen | None = None  # the process making them
+
+    def serial_done(self) -> None:
+        """Wait for the serial runs (they run while the team stack starts and works)."""
+        if self.serial_run is not None:
+            out, _ = self.serial_run.communicate(timeout=600)
+            assert self.serial_run.returncode == 0, out[-3000:]
+            self.serial_run = None
 
     @property
     def api(self) -> str:
@@ -143,6 +152,18 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         "d": _config(base / "d.yaml", work, 1e-3),  # the cron deployment
     }
     t = Team(data, work, env, configs, base / "serial")
+    # serial references, meanwhile: the configs one after another through the CLI in a workdir of their own, on
+    # its own temporary Prefect server and sqlite MLflow store (no fault)
+    alone = {k: v for k, v in env.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    runs = [
+        [sys.executable, "-m", "flows.cli", "run", str(configs[n]), "--set", f"run.workdir={t.serial}"]
+        for n in ("a", "b", "c")
+    ]
+    serial = subprocess.Popen(
+        ["bash", "-c", " && ".join(" ".join(map(shlex.quote, r)) for r in runs)],
+        env=alone, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    t.serial_run = serial
     try:
         up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
@@ -153,20 +174,10 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
             f"deploy({str(configs['a'])!r}, pool='distillery', name='a')\n"
             f"deploy({str(configs['b'])!r}, pool='distillery', name='b')\n"
         )
-        # serial references: the configs one after another through the flow (one process, one workdir of their
-        # own, another MLflow experiment; no fault)
-        serial = base / "serial"
-        t.python(
-            "from flows.distill import run_pipeline\nfrom schemas.config import load_config\n"
-            + "".join(
-                f"run_pipeline(load_config({str(configs[n])!r}, ['run.workdir={serial}', 'run.experiment=serial']))\n"
-                for n in ("a", "b", "c")
-            ),
-            timeout=300,
-        )
-        t.serial = serial
         yield t
     finally:
+        if serial.poll() is None:
+            serial.kill()
         down = subprocess.run([ROOT / "infra/down.sh", data], capture_output=True, text=True, timeout=180)
         print(down.stdout, down.stderr)
 
@@ -174,6 +185,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
 def _assert_serial_bytes(team: Team, n_configs: int) -> None:
     """The team workdir holds the exports of n_configs of the serially run configs, each with the serial bytes
     (an export folder is named by its content key: same key, same config and inputs)."""
+    team.serial_done()
     serial = team.serial / "export"
     keys = [p.name for p in serial.iterdir() if (team.work / "export" / p.name).is_dir()]
     assert len(keys) == n_configs, (sorted(p.name for p in serial.iterdir()), keys)
