@@ -137,8 +137,10 @@ def _leaves(cfg: dict[str, Any]) -> list[str]:
 
 
 def _set(cfg: dict[str, Any], key: str, value: Any) -> None:
+    """cfg[section][name] = value; nothing when an earlier mutation made the section other than a mapping."""
     section, name = key.split(".", 1)
-    cfg.setdefault(section, {})[name] = value
+    if isinstance(cfg.setdefault(section, {}), dict):
+        cfg[section][name] = value
 
 
 def _all_fields() -> list[str]:

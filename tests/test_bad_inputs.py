@@ -36,6 +36,7 @@ import yaml
 from gguf import GGMLQuantizationType as Q
 from rich.console import Console
 
+from bench.fuzz_runs import TOKENS, mutate_text
 from data import records
 from data.records import DataError, load_records
 from flows.compare import CompareError, compare_runs
@@ -60,6 +61,7 @@ from training import engines
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "reliability.md"
+FUZZ_RUNS = ROOT / "docs" / "bench" / "2026-12-04-fuzz-runs.json"  # bench/fuzz_runs.py's long pass
 
 
 @dataclass
@@ -593,6 +595,49 @@ ELSEWHERE: list[tuple[str, str, str]] = [
         "test_bad_inputs.py::test_fuzzed_data_files_load_or_fail_with_a_data_error",
     ),
     (
+        "random mutations of the config and the data through full `distillery run`s (fuzz; the long pass: below)",
+        "a completed run whose every stage verifies, or one line naming the field or file; a valid config then "
+        "completes on the same workdir",
+        "test_fuzz_runs.py::test_fuzz_cases_complete_or_refuse_in_one_line",
+    ),
+    (
+        "a lone surrogate (JSON `\\ud800`) in a text or a chat message (fuzz)",
+        "`<file> line 4: field 'text' holds an unpaired surrogate \\ud800 (character 10), not Unicode text`",
+        "test_fuzz_runs.py::test_a_lone_surrogate_in_the_data_is_one_line_naming_the_record",
+    ),
+    (
+        "run.experiment holding '/' or ':' (fuzz; MLflow refuses them in a model name)",
+        "the run completes; the adapter registers as `<experiment with / and : as _>-adapter`",
+        "test_fuzz_runs.py::test_an_experiment_name_mlflow_refuses_for_a_model_still_registers",
+    ),
+    (
+        "train.epochs 11111111111111111111, train.batch_size 2^63, train.grad_accum 10^9 (fuzz)",
+        "`train.epochs: Input should be less than or equal to 10000`, not a run without end",
+        "test_fuzz_runs.py::test_absurd_sizes_are_refused_at_load",
+    ),
+    (
+        "a training batch beyond memory (fuzz: train.batch_size 10^8)",
+        "`train.batch_size: ... sequences of data.seq_len ... do not fit in memory (...); lower train.batch_size`",
+        "test_fuzz_runs.py::test_a_batch_beyond_memory_is_one_line_naming_the_batch_size",
+    ),
+    (
+        "run.mlflow_uri a path or file:// (fuzz; MLflow's retired file store)",
+        "`run.mlflow_uri: '<path>': The filesystem tracking backend (e.g., './mlruns') is in maintenance mode ...; "
+        "give a database (sqlite:///<file>) or a server (http://host:port)`",
+        "test_fuzz_runs.py::test_a_tracking_uri_mlflow_refuses_is_one_line_naming_the_field",
+    ),
+    (
+        "a JSON line of 100,000 '[' (fuzz)",
+        "`<file> line 37: JSON nested too deeply to read (...)`",
+        "test_fuzz_runs.py::test_json_nested_beyond_the_recursion_limit_is_a_data_error",
+    ),
+    (
+        "infra/compose.yaml without its secrets (no container runtime here: the file is parsed)",
+        "compose refuses to start (`${DISTILLERY_PREFECT_AUTH:?run infra/secret.sh first}`); server and worker "
+        "read the same secret",
+        "test_compose.py::test_every_secret_is_required_from_the_env_file_and_wired_to_both_ends",
+    ),
+    (
         "the engine chosen on a machine whose only adapter is a CPU (train.backend=auto)",
         "the numpy engine, without the 'no discrete GPU' warning of the unused kernels",
         "test_bad_inputs.py::test_choosing_the_engine_does_not_warn_about_a_cpu_adapter",
@@ -717,7 +762,50 @@ def _write_report(done: list[Outcome], short: dict[str, str]) -> None:
         "|---|---|---|",
     ]
     lines += [f"| {cell(case)} | {cell(sees)} | `{test}` |" for case, sees, test in ELSEWHERE]
+    lines += fuzz_section(json.loads(FUZZ_RUNS.read_text(encoding="utf-8")))
     REPORT.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _rerun_line(again: dict[str, Any] | None) -> list[str]:
+    if again is None:
+        return []
+    outcomes = ", ".join(f"{n} {k}" for k, n in sorted(again["outcomes"].items()))
+    where = f"commit {again['commit']}, `{again['command']}`"
+    return [f"- the pass's failing cases rerun on the fixes ({where}): {outcomes}"]
+
+
+def fuzz_section(f: dict[str, Any]) -> list[str]:
+    """The long fuzz pass of bench/fuzz_runs.py as the report's last section, from its JSON."""
+    out, where = f["outcomes"], f["refused_at"]
+    rechecks = f["rechecks"]
+    return [
+        "",
+        "## Fuzz through full runs",
+        "",
+        "`bench/fuzz_runs.py` mutates the tiny config (YAML text edits, `--set` overrides, wrong types, out-of-range "
+        "values, missing and extra keys and sections, paths) and its data (truncation, bad JSON lines, encodings, "
+        "blank, few or huge documents, wrong field types, formats, held-out files) and runs each case through "
+        "`distillery run` in-process (numpy engine); after a share of the cases a valid config runs on the same "
+        "workdir, and at each workdir's end every stage record in it must verify. `tests/test_fuzz_runs.py` keeps "
+        f"20 of its cases in every `make test`. The long pass ({FUZZ_RUNS.relative_to(ROOT)}):",
+        "",
+        f"- cases: {f['cases']:,} (seed {f['seed']}; {f['ranges']})",
+        f"- completed, every stage verified: {out.get('completed', 0):,}",
+        f"- refused in one line naming a field or file: {out.get('refused', 0):,} (at load {where.get('load', 0):,}, "
+        f"at preflight {where.get('preflight', 0):,}, in a stage {where.get('stage', 0):,})",
+        f"- failures (a traceback, an exception class, a vague or several-line error, unverified outputs, a hang, a "
+        f"broken cache): {out.get('failure', 0)}",
+        f"- valid runs on the same workdir after a case: {sum(rechecks.values()):,}, {rechecks.get('ok', 0):,} "
+        "completed",
+        f"- stage records that do not verify at a workdir's end: {len(f['workdir_record_problems'])}",
+        f"- wall time: {f['seconds'] / 60:.0f} min, {f['where']}",
+        f"- commit {f['commit']}: {'; '.join(f'`{c}`' for c in f['commands'])}",
+        *_rerun_line(f.get("failures_rerun")),
+        "",
+        "Defects it found, each fixed with a test that fails before the fix (`tests/test_fuzz_runs.py`): "
+        + "; ".join(f["defects"])
+        + ".",
+    ]
 
 
 def test_at_least_25_cases() -> None:
@@ -842,27 +930,6 @@ def test_choosing_the_engine_does_not_warn_about_a_cpu_adapter(monkeypatch: pyte
 
 # ---------------------------------------------------------------------------------------------- fuzz
 
-TOKENS = ("yes", "no", "on", "-1", "0", "1e309", ".nan", "null", "[", "{a: 1}", "2024-01-01", "~", "''", "0x10",
-          "!!python/object/apply:os.system ['true']", "&a x", "*a", "1_000", "\x00", "é", "true", "- x", "a: b: c",
-          '"', "\t", "<<: {r: 1}", "[[[[[[[[[[]]]]]]]]]]", "../../x", "/abs", "1.5", "1" * 20)  # fmt: skip
-
-
-def _mutate_text(rng: np.random.Generator, text: str) -> str:
-    """One random edit of a config's text: a line deleted or doubled, a value replaced, a character changed."""
-    lines = text.splitlines()
-    i = int(rng.integers(len(lines)))
-    kind = int(rng.integers(4))
-    if kind == 0:
-        del lines[i]
-    elif kind == 1:
-        lines.insert(i, lines[i])
-    elif kind == 2 and ":" in lines[i]:
-        lines[i] = lines[i].split(":", 1)[0] + ": " + str(rng.choice(TOKENS))
-    else:
-        pos = int(rng.integers(len(lines[i]) + 1))
-        lines[i] = lines[i][:pos] + chr(int(rng.integers(1, 0x250))) + lines[i][pos:]
-    return "\n".join(lines) + "\n"
-
 
 def test_fuzzed_configs_load_or_fail_with_a_config_error(tmp_path: Path) -> None:
     """3,000 random edits of a valid config file and random --set overrides: a RunConfig or a ConfigError."""
@@ -875,7 +942,7 @@ def test_fuzzed_configs_load_or_fail_with_a_config_error(tmp_path: Path) -> None
     for n in range(3000):
         mutated = text
         for _ in range(int(rng.integers(1, 4))):
-            mutated = _mutate_text(rng, mutated)
+            mutated = mutate_text(rng, mutated)
         path.write_text(mutated, encoding="utf-8")
         overrides = [f"{rng.choice(keys)}={rng.choice(TOKENS)}"] if n % 3 == 0 else []
         try:
