@@ -766,11 +766,17 @@ def _write_report(done: list[Outcome], short: dict[str, str]) -> None:
     REPORT.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def _as_run_from_the_repo(command: str) -> str:
+    """A recorded command as a user runs it from a checkout: the script relative to the repository, --out's
+    folder left out (the recording machine's paths are not the reader's)."""
+    return re.sub(r"(--out )\S*/", r"\1", re.sub(r"\S*/(bench/\S+)", r"\1", command))
+
+
 def _rerun_line(again: dict[str, Any] | None) -> list[str]:
     if again is None:
         return []
     outcomes = ", ".join(f"{n} {k}" for k, n in sorted(again["outcomes"].items()))
-    where = f"commit {again['commit']}, `{again['command']}`"
+    where = f"commit {again['commit']}, `{_as_run_from_the_repo(again['command'])}`"
     return [f"- the pass's failing cases rerun on the fixes ({where}): {outcomes}"]
 
 
@@ -799,7 +805,7 @@ def fuzz_section(f: dict[str, Any]) -> list[str]:
         "completed",
         f"- stage records that do not verify at a workdir's end: {len(f['workdir_record_problems'])}",
         f"- wall time: {f['seconds'] / 60:.0f} min, {f['where']}",
-        f"- commit {f['commit']}: {'; '.join(f'`{c}`' for c in f['commands'])}",
+        f"- commit {f['commit']}: {'; '.join(f'`{_as_run_from_the_repo(c)}`' for c in f['commands'])}",
         *_rerun_line(f.get("failures_rerun")),
         "",
         "Defects it found, each fixed with a test that fails before the fix (`tests/test_fuzz_runs.py`): "
