@@ -199,7 +199,9 @@ def gguf_lora_eval(config: Path, files: dict[str, Path]) -> dict[str, dict[str, 
     return out
 
 
-def llama_cpp_eval(python: Path, files: dict[str, Path], data: dict[str, np.ndarray], threads: int) -> dict:
+def llama_cpp_eval(
+    python: Path, files: dict[str, Path], data: dict[str, np.ndarray], threads: int, n_batch: int = 0
+) -> dict:
     """Held-out metrics of the student GGUF run by llama.cpp, without and with the exported GGUF LoRA, through
     bench/llama_cpp_support.py in `python` (its own venv: llama-cpp-python is not a project dependency)."""
     helper = Path(__file__).with_name("llama_cpp_support.py")
@@ -214,7 +216,8 @@ def llama_cpp_eval(python: Path, files: dict[str, Path], data: dict[str, np.ndar
         for name, gguf, lora in runs:
             res = Path(tmp) / name
             cmd = [str(python), str(helper), str(gguf), str(ids), str(tids), str(res)]
-            cmd += ["--threads", str(threads)] + ([] if lora is None else ["--lora", str(lora)])
+            cmd += ["--threads", str(threads), "--n-batch", str(n_batch)]
+            cmd += [] if lora is None else ["--lora", str(lora)]
             t0 = time.perf_counter()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -237,6 +240,7 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true", help="skip transformers/peft (only the GGUF LoRA)")
     p.add_argument("--llama-cpp", type=Path, default=None, metavar="PYTHON", help="python with llama-cpp-python")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    p.add_argument("--llama-cpp-batch", type=int, default=0, help="llama.cpp tokens per batch (0: a sequence)")
     p.add_argument("--export", type=Path, default=None, help="the export folder (default: the newest)")
     args = p.parse_args()
     files = run_files(args.config, args.export)
@@ -250,7 +254,7 @@ def main() -> None:
     out["distillery_engine"] = ours
     out["gguf_lora_kl_reduction"] = 1 - ours["gguf_lora"]["kl"] / ours["baseline"]["kl"]
     if args.llama_cpp is not None:
-        out["llama_cpp"] = llama_cpp_eval(args.llama_cpp, files, data, args.threads)
+        out["llama_cpp"] = llama_cpp_eval(args.llama_cpp, files, data, args.threads, args.llama_cpp_batch)
         lc = out["llama_cpp"]
         out["llama_cpp_kl_reduction"] = 1 - lc["gguf_lora"]["kl"] / lc["baseline"]["kl"]  # type: ignore[index]
         gaps = {k: lc[k]["kl"] - ours[k]["kl"] for k in ("baseline", "gguf_lora")}  # type: ignore[index]

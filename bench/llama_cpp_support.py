@@ -46,6 +46,13 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--lora", type=Path, default=None, help="GGUF LoRA adapter (llama.cpp --lora)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--n-batch",
+        type=int,
+        default=0,
+        help="tokens per llama.cpp batch (0: a whole sequence); 1 keeps llama.cpp's one-token kernels (its batched "
+        "Q4_1 path crashed on an AMX CPU with llama-cpp-python 0.3.36)",
+    )
     args = p.parse_args()
 
     import llama_cpp
@@ -58,8 +65,8 @@ def main() -> None:
         model_path=str(args.student),
         lora_path=None if args.lora is None else str(args.lora),
         n_ctx=t,
-        n_batch=t,
-        n_ubatch=t,
+        n_batch=args.n_batch or t,
+        n_ubatch=args.n_batch or t,
         n_threads=args.threads,
         n_threads_batch=args.threads,
         logits_all=True,
