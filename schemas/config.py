@@ -755,6 +755,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> RunCo
     overridden: dict[str, str] = {}
     for item in overrides:
         overridden[_apply_override(data, item)] = item
+    _anchor_paths(data, Path.cwd())  # the overrides' relative paths (the file's are absolute by now)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -75,9 +75,11 @@ def run(cfg: RunConfig) -> TokenizeManifest:
         raise DataError(f"{field}: {exc}") from None
     for name, split in (("train", train), ("eval", held_out)):
         if len(split) == 0:
+            from_eval_file = name == "eval" and d.eval_path is not None
+            field, path = ("data.eval_path", d.eval_path) if from_eval_file else ("data.path", d.path)
             raise DataError(
-                f"{d.eval_path if name == 'eval' and d.eval_path else d.path}: the {name} split is empty "
-                f"({len(docs)} documents, data.eval_fraction={d.eval_fraction}); give more documents"
+                f"{field} ({path}): the {name} split is empty ({len(docs)} documents, "
+                f"data.eval_fraction={d.eval_fraction}); give more documents"
             )
     manifest = write_token_shards(
         train,

@@ -510,4 +510,5 @@ def test_relative_paths_in_a_file_are_relative_to_its_folder(tmp_path, monkeypat
     cfg = load_config(Path("configs/run.yaml"), ["data.eval_path=e.jsonl"])
     assert cfg.model.student == tmp_path / "m" / "s.gguf" and cfg.model.teacher == Path("/abs/t.gguf")
     assert cfg.data.path == sub / "d.jsonl" and cfg.run.workdir == Path("runs/default")  # default: cwd
-    assert cfg.data.eval_path == Path("e.jsonl")  # an override: relative to the current directory
+    assert cfg.data.eval_path == tmp_path / "e.jsonl"  # an override: relative to the current directory
+    assert load_config(Path("configs/run.yaml"), ["data.path=d.txt"]).data.path == tmp_path / "d.txt"
