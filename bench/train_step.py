@@ -246,7 +246,8 @@ def bench_ours(args: argparse.Namespace) -> None:
         with Profiler(dev) as prof:
             teacher.topk(ids)
         emit(what="profile", side="ours", of="teacher_topk", **prof.summary(1))
-    emit(what="own_memory", side="ours", own_peak_bytes=dev.peak_bytes)
+    top = sorted(dev.peak_by_label.items(), key=lambda kv: -kv[1])[:24]
+    emit(what="own_memory", side="ours", own_peak_bytes=dev.peak_bytes, peak_by_label=dict(top))
 
 
 def _model_name(args: argparse.Namespace) -> str:

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -211,6 +213,8 @@ class Device:
         self.submit_every = 0 if self.is_cpu else SUBMIT_EVERY
         self.live_bytes = 0  # bytes of the buffers this Device created that are still alive
         self.peak_bytes = 0  # the most live_bytes ever reached (the GPU memory our tensors needed)
+        self.live_by_label: Counter[str] = Counter()  # live bytes by label, digits folded ("blk.#.ffn_up")
+        self.peak_by_label: dict[str, int] = {}  # live_by_label when peak_bytes was reached
         self._fence = self.buffer(4, label="fence")
         self.stats = {"pipelines": 0, "bind_groups": 0, "uniforms": 0, "submits": 0, "dispatches": 0}
 
@@ -283,9 +287,13 @@ class Device:
         if usage & self.wgpu.BufferUsage.STORAGE and not sliced:
             self.check_binding(nbytes, name)
         buf = self.device.create_buffer(size=nbytes, usage=usage, label=label)
+        group = _label_group(label)
         self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(buf, _release_bytes, weakref.ref(self), nbytes)
+        self.live_by_label[group] += nbytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_by_label = dict(self.live_by_label)
+        weakref.finalize(buf, _release_bytes, weakref.ref(self), nbytes, group)
         return buf
 
     def upload(self, array: np.ndarray | bytes, label: str = "", usage: int | None = None, *, sliced: bool = False):
@@ -578,10 +586,16 @@ def _adapter_rank(a: Any) -> tuple[int, int]:
     return (kind.get(t, 3), 1 if api in ("opengl", "gl", "gles") else 0)
 
 
-def _release_bytes(dev_ref: weakref.ref, nbytes: int) -> None:
+def _label_group(label: str) -> str:
+    """A buffer label with its numbers folded, so the layers' buffers add up under one name."""
+    return re.sub(r"\d+", "#", label) or "(unlabelled)"
+
+
+def _release_bytes(dev_ref: weakref.ref, nbytes: int, group: str) -> None:
     dev = dev_ref()
     if dev is not None:
         dev.live_bytes -= nbytes
+        dev.live_by_label[group] -= nbytes
 
 
 def _forget_buffer(dev_ref: weakref.ref, uid: int) -> None:

@@ -236,3 +236,16 @@ def test_clear_and_copy_are_ordered_in_a_step(dev: Device) -> None:
         dev.clear(by, 0, 128)  # y[:32] = 0, after the copy read it
     np.testing.assert_array_equal(dev.read(bz, np.float32, 64), np.r_[np.zeros(32), 2 * x[:32]])
     np.testing.assert_array_equal(dev.read(by, np.float32, 64), np.r_[np.zeros(32), 2 * x[32:]])
+
+
+def test_memory_accounting_by_label(dev: Device) -> None:
+    """live/peak bytes add up by label (numbers folded), the peak's snapshot included; freed buffers leave."""
+    base_live = dev.live_bytes
+    size = max(1 << 20, -(-(dev.peak_bytes - base_live + 4) // 3 // 4) * 4)  # three of them make a new peak
+    bufs = [dev.buffer(size, label=f"blk.{i}.probe_w") for i in range(3)]
+    assert dev.live_by_label["blk.#.probe_w"] == 3 * size and dev.live_bytes == base_live + 3 * size
+    assert dev.peak_bytes == dev.live_bytes and dev.peak_by_label["blk.#.probe_w"] == 3 * size
+    assert sum(dev.peak_by_label.values()) == dev.peak_bytes
+    del bufs
+    gc.collect()
+    assert dev.live_by_label["blk.#.probe_w"] == 0 and dev.live_bytes == base_live
