@@ -15,7 +15,9 @@ from gpu.codegen import fill, kernel_text
 from gpu.codegen_tc import MATRIX, SubgroupTile
 
 MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
-PROBES = ("", "no_mma", "no_stage", "no_scale")  # timing probes (bench/gemm_i8.py); "" for real kernels
+# timing probes (bench/gemm_i8.py; "" for real kernels): without the MMAs, the staging after the first step, the
+# per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C
+PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write")
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,8 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     for g in range(0, len(pairs), c.fm):
         group = pairs[g : g + c.fm]
         lines += [f"{i2}{d.store_cs.format(off=f'{f * 256}u', acc=f'acc_{i}_{j}')};" for f, (i, j) in enumerate(group)]
-        lines.append(f"{i2}workgroupBarrier();")
+        barrier = "" if final and c.probe == "no_ebar" else f"{i2}workgroupBarrier();"
+        lines.append(barrier)
         for f, (i, j) in enumerate(group):
             part = f"scaled8(sg, {f}u, lane, sa{i}, sw{j})"
             if not final:
@@ -190,7 +193,7 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
             else:
                 val = f"add8(f_{i}_{j}, {part})" if v.chunked else part
                 lines.append(f"{i2}write8(ms + {i * MATRIX}u, ns + {j * MATRIX}u, {val});")
-        lines.append(f"{i2}workgroupBarrier();")
+        lines.append(barrier)
     if not final:
         lines += [f"{i2}acc_{i}_{j} = {d.zero};" for i, j in pairs]
     return lines + [f"{ind}}}"]
@@ -231,6 +234,8 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         raise ValueError(f"I8Variant orient={v.orient!r} chunked={v.chunked}: expected 'nt', or 'nn' with one chunk")
     out = "C[base + n + e]"
     store = f"{out} = {out} + prm.alpha * v[e];" if v.accumulate else f"{out} = prm.alpha * v[e];"
+    if c.probe == "no_write":  # the values stay live, the stores (practically) never happen
+        store = f"if (v[e] == 1.2345e-30) {{ {store} }}"
     return fill(
         kernel_text("matmul_i8.wgsl"),
         DIRECTIVES=d.directives,
