@@ -42,32 +42,16 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from model.config import LORA_TARGETS, ModelConfig  # noqa: E402
 
+# issue 22's sizes: Llama-3-8B (untied) and Llama-3.2-3B (tied) shapes, vocab 128,256, head dim 128
+_LLAMA3 = {"vocab": 128256, "context_length": 8192, "rope_base": 5e5}
 SHAPES = {
     "tinyllama": ModelConfig(
-        n_layers=22,
-        hidden=2048,
-        ffn=5632,
-        n_heads=32,
-        n_kv_heads=4,
-        vocab=32000,
-        context_length=2048,
-        tied_embeddings=False,
+        n_layers=22, hidden=2048, ffn=5632, n_heads=32, n_kv_heads=4, vocab=32000, tied_embeddings=False
     ),
-    # issue 22's sizes: Llama-3-8B (untied) and Llama-3.2-3B (tied) shapes, vocab 128,256, head dim 128
     "llama8b": ModelConfig(
-        n_layers=32,
-        hidden=4096,
-        ffn=14336,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab=128256,
-        context_length=8192,
-        rope_base=5e5,
-        tied_embeddings=False,
+        n_layers=32, hidden=4096, ffn=14336, n_heads=32, n_kv_heads=8, tied_embeddings=False, **_LLAMA3
     ),
-    "llama3b": ModelConfig(
-        n_layers=28, hidden=3072, ffn=8192, n_heads=24, n_kv_heads=8, vocab=128256, context_length=8192, rope_base=5e5
-    ),
+    "llama3b": ModelConfig(n_layers=28, hidden=3072, ffn=8192, n_heads=24, n_kv_heads=8, **_LLAMA3),
     "smollm2": ModelConfig(
         n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv_heads=3, vocab=49152, context_length=8192, rope_base=1e5
     ),
