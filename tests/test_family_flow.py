@@ -49,17 +49,7 @@ def _hf_qwen3():
     """transformers' Qwen3ForCausalLM of QWEN3's shape (random weights): the oracle for HF module names."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(
-        vocab_size=QWEN3.vocab,
-        hidden_size=QWEN3.hidden,
-        intermediate_size=QWEN3.ffn,
-        num_hidden_layers=QWEN3.n_layers,
-        num_attention_heads=QWEN3.n_heads,
-        num_key_value_heads=QWEN3.n_kv_heads,
-        head_dim=QWEN3.head_dim,
-        tie_word_embeddings=QWEN3.tied_embeddings,
-    )
-    return Qwen3ForCausalLM(cfg)
+    return Qwen3ForCausalLM(Qwen3Config(**QWEN3.hf_shape()))
 
 
 def _printed(output: str, label: str) -> Path:
