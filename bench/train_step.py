@@ -202,15 +202,7 @@ def bench_ours(args: argparse.Namespace) -> None:
         precision=st.precision,
         backend=dev.backend,
         adapter=dev.adapter.summary,
-        model=_model_name(args),
-        batch=b,
-        seq=t,
-        rank=args.rank,
-        top_k=k,
-        **throughput(b * t, secs),
-        loss_first=losses[0],
-        loss_last=losses[-1],
-        losses=[round(x, 5) for x in losses],
+        **_step_row(args, secs, losses),
         applied_steps=st.applied_steps,
         skipped_steps=st.skipped_steps,
         own_peak_bytes=dev.peak_bytes,
@@ -231,6 +223,22 @@ def bench_ours(args: argparse.Namespace) -> None:
             teacher.topk(ids)
         emit(what="profile", side="ours", of="teacher_topk", **prof.summary(1))
     emit(what="own_memory", side="ours", own_peak_bytes=dev.peak_bytes)
+
+
+def _step_row(args: argparse.Namespace, secs: list[float], losses: list[float]) -> dict[str, Any]:
+    """The fields every side's train_step row reports: the model and batch shape, the speed, the losses."""
+    b, t = args.batch, args.seq
+    return {
+        "model": _model_name(args),
+        "batch": b,
+        "seq": t,
+        "rank": args.rank,
+        "top_k": args.top_k,
+        **throughput(b * t, secs),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "losses": [round(x, 5) for x in losses],
+    }
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -290,15 +298,7 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
         side=f"hf-{dtype_name}",
         impl="hf+peft",
         dtype=str(dtype),
-        model=_model_name(args),
-        batch=b,
-        seq=t,
-        rank=args.rank,
-        top_k=k,
-        **throughput(b * t, secs),
-        loss_first=losses[0],
-        loss_last=losses[-1],
-        losses=[round(x, 5) for x in losses],
+        **_step_row(args, secs, losses),
         own_peak_bytes=torch.cuda.max_memory_allocated(),
     )
     if args.no_teacher or f"hf-{dtype_name}" not in args.teacher_sides.split(","):
@@ -337,14 +337,8 @@ def _hf_model(args: argparse.Namespace, dtype: Any, device: str = "cuda") -> Any
         return model.to(device, dtype)
     cfg = SHAPES[args.shape]
     hf = LlamaConfig(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
+        **cfg.hf_shape(),
         max_position_embeddings=cfg.context_length,
-        tie_word_embeddings=cfg.tied_embeddings,
         rope_theta=cfg.rope_base,
         initializer_range=INIT_STD,
     )
