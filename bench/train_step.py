@@ -42,32 +42,16 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 
 from model.config import LORA_TARGETS, ModelConfig  # noqa: E402
 
+# issue 22's sizes: Llama-3-8B (untied) and Llama-3.2-3B (tied) shapes, vocab 128,256, head dim 128
+_LLAMA3 = {"vocab": 128256, "context_length": 8192, "rope_base": 5e5}
 SHAPES = {
     "tinyllama": ModelConfig(
-        n_layers=22,
-        hidden=2048,
-        ffn=5632,
-        n_heads=32,
-        n_kv_heads=4,
-        vocab=32000,
-        context_length=2048,
-        tied_embeddings=False,
+        n_layers=22, hidden=2048, ffn=5632, n_heads=32, n_kv_heads=4, vocab=32000, tied_embeddings=False
     ),
-    # issue 22's sizes: Llama-3-8B (untied) and Llama-3.2-3B (tied) shapes, vocab 128,256, head dim 128
     "llama8b": ModelConfig(
-        n_layers=32,
-        hidden=4096,
-        ffn=14336,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab=128256,
-        context_length=8192,
-        rope_base=5e5,
-        tied_embeddings=False,
+        n_layers=32, hidden=4096, ffn=14336, n_heads=32, n_kv_heads=8, tied_embeddings=False, **_LLAMA3
     ),
-    "llama3b": ModelConfig(
-        n_layers=28, hidden=3072, ffn=8192, n_heads=24, n_kv_heads=8, vocab=128256, context_length=8192, rope_base=5e5
-    ),
+    "llama3b": ModelConfig(n_layers=28, hidden=3072, ffn=8192, n_heads=24, n_kv_heads=8, **_LLAMA3),
     "smollm2": ModelConfig(
         n_layers=30, hidden=576, ffn=1536, n_heads=9, n_kv_heads=3, vocab=49152, context_length=8192, rope_base=1e5
     ),
@@ -218,15 +202,7 @@ def bench_ours(args: argparse.Namespace) -> None:
         precision=st.precision,
         backend=dev.backend,
         adapter=dev.adapter.summary,
-        model=_model_name(args),
-        batch=b,
-        seq=t,
-        rank=args.rank,
-        top_k=k,
-        **throughput(b * t, secs),
-        loss_first=losses[0],
-        loss_last=losses[-1],
-        losses=[round(x, 5) for x in losses],
+        **_step_row(args, secs, losses),
         applied_steps=st.applied_steps,
         skipped_steps=st.skipped_steps,
         own_peak_bytes=dev.peak_bytes,
@@ -248,6 +224,22 @@ def bench_ours(args: argparse.Namespace) -> None:
         emit(what="profile", side="ours", of="teacher_topk", **prof.summary(1))
     top = sorted(dev.peak_by_label.items(), key=lambda kv: -kv[1])[:24]
     emit(what="own_memory", side="ours", own_peak_bytes=dev.peak_bytes, peak_by_label=dict(top))
+
+
+def _step_row(args: argparse.Namespace, secs: list[float], losses: list[float]) -> dict[str, Any]:
+    """The fields every side's train_step row reports: the model and batch shape, the speed, the losses."""
+    b, t = args.batch, args.seq
+    return {
+        "model": _model_name(args),
+        "batch": b,
+        "seq": t,
+        "rank": args.rank,
+        "top_k": args.top_k,
+        **throughput(b * t, secs),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "losses": [round(x, 5) for x in losses],
+    }
 
 
 def _model_name(args: argparse.Namespace) -> str:
@@ -307,15 +299,7 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
         side=f"hf-{dtype_name}",
         impl="hf+peft",
         dtype=str(dtype),
-        model=_model_name(args),
-        batch=b,
-        seq=t,
-        rank=args.rank,
-        top_k=k,
-        **throughput(b * t, secs),
-        loss_first=losses[0],
-        loss_last=losses[-1],
-        losses=[round(x, 5) for x in losses],
+        **_step_row(args, secs, losses),
         own_peak_bytes=torch.cuda.max_memory_allocated(),
     )
     if args.no_teacher or f"hf-{dtype_name}" not in args.teacher_sides.split(","):
@@ -354,14 +338,8 @@ def _hf_model(args: argparse.Namespace, dtype: Any, device: str = "cuda") -> Any
         return model.to(device, dtype)
     cfg = SHAPES[args.shape]
     hf = LlamaConfig(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
+        **cfg.hf_shape(),
         max_position_embeddings=cfg.context_length,
-        tie_word_embeddings=cfg.tied_embeddings,
         rope_theta=cfg.rope_base,
         initializer_range=INIT_STD,
     )

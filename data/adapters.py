@@ -27,7 +27,7 @@ from model import quant as qc
 from model.config import LORA_TARGETS, PEFT_MODULES, ModelConfig
 from model.fold import FoldError
 from model.fold import fold as fold_update
-from model.gguf import GGUFFile, write_gguf, write_lora_gguf
+from model.gguf import GGUFFile, rewrite_gguf, write_lora_gguf
 from model.reference import LoraPair, check_group_constant
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -322,13 +322,7 @@ def merge_adapter(
                 }
                 yield info.name, data, qtype
 
-        write_gguf(
-            out_path,
-            f.metadata.get("general.architecture", "llama"),
-            f.metadata,
-            tensors(),
-            metadata_types=f.metadata_types,
-        )
+        rewrite_gguf(out_path, f, tensors())
     stats = report["tensors"].values()
     n = sum(s["n"] for s in stats)
     report["merged"] = len(report["tensors"])

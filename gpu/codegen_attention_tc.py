@@ -28,11 +28,6 @@ def workgroup_rows() -> int:
     return SUBGROUPS * MATRIX
 
 
-def _check(head_dim: int) -> None:
-    if head_dim not in ATTENTION_TC_HEAD_DIMS:
-        raise ValueError(f"tensor-core attention: head_dim={head_dim}; generated for {ATTENTION_TC_HEAD_DIMS}")
-
-
 def _ind(lines: list[str], n: int) -> str:
     return "\n".join(" " * n + s for s in lines)
 
@@ -193,6 +188,26 @@ def _common(kernel: str, head_dim: int) -> str:
     return common + "\n" + kernel_text("grad_scale.wgsl")
 
 
+_FILES = {
+    "forward": "attention_tc_forward.wgsl",
+    "dq": "attention_tc_backward_dq.wgsl",
+    "dkv": "attention_tc_backward_dkv.wgsl",
+}
+
+
+def _blocks(kernel: str, head_dim: int) -> tuple[int, int]:
+    """(nd, nc) of `kernel` ("forward", "dq" or "dkv"): 16-wide blocks across the head dim and across a streamed
+    tile (ValueError for a head dim no kernel is generated for)."""
+    if head_dim not in ATTENTION_TC_HEAD_DIMS:
+        raise ValueError(f"tensor-core attention: head_dim={head_dim}; generated for {ATTENTION_TC_HEAD_DIMS}")
+    return head_dim // MATRIX, tile_columns(kernel, head_dim) // MATRIX
+
+
+def _source(kernel: str, head_dim: int, **values: str) -> str:
+    """`kernel`'s WGSL: the common part (attention_tc_common.wgsl, grad_scale.wgsl), then its body file filled."""
+    return _common(kernel, head_dim) + "\n" + fill(kernel_text(_FILES[kernel]), **values)
+
+
 def _pv_rescaled(nc: int, nd: int) -> list[str]:
     """The forward's O = O * alpha + P V for one key tile: P V of as many column blocks as a row of Ss holds
     (BC / 16) into fresh result matrices, stored to this subgroup's Ss and added by each lane to its f32 share
@@ -272,11 +287,11 @@ def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
 
 def forward_source(head_dim: int) -> str:
     """attention_tc_forward for one head dim."""
-    _check(head_dim)
-    nd, nc = head_dim // MATRIX, tile_columns("forward", head_dim) // MATRIX
+    nd, nc = _blocks("forward", head_dim)
     store = [f"O[ob + {2 * m}u] = vec2<f32>(ov[{2 * m}u], ov[{2 * m + 1}u]) * inv;" for m in range(head_dim // 4)]
-    body = fill(
-        kernel_text("attention_tc_forward.wgsl"),
+    return _source(
+        "forward",
+        head_dim,
         STAGE_FNS=_staging_fns([("Ks", "Q16"), ("Vs", "Q16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
@@ -285,15 +300,14 @@ def forward_source(head_dim: int) -> str:
         O_STORE=_ind(store, 8),
         **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
     )
-    return _common("forward", head_dim) + "\n" + body
 
 
 def backward_dq_source(head_dim: int) -> str:
     """attention_tc_backward_dq for one head dim."""
-    _check(head_dim)
-    nd, nc = head_dim // MATRIX, tile_columns("dq", head_dim) // MATRIX
-    body = fill(
-        kernel_text("attention_tc_backward_dq.wgsl"),
+    nd, nc = _blocks("dq", head_dim)
+    return _source(
+        "dq",
+        head_dim,
         STAGE_FNS=_staging_fns([(a, b) for a in ("Ks", "Vs") for b in ("Q16", "dO16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
@@ -305,15 +319,14 @@ def backward_dq_source(head_dim: int) -> str:
         **_backward_rows("dq", nc * MATRIX),
         **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
     )
-    return _common("dq", head_dim) + "\n" + body
 
 
 def backward_dkv_source(head_dim: int) -> str:
     """attention_tc_backward_dkv for one head dim."""
-    _check(head_dim)
-    nd, nc = head_dim // MATRIX, tile_columns("dkv", head_dim) // MATRIX
-    body = fill(
-        kernel_text("attention_tc_backward_dkv.wgsl"),
+    nd, nc = _blocks("dkv", head_dim)
+    return _source(
+        "dkv",
+        head_dim,
         STAGE_FNS=_staging_fns(
             [(a, b) for a in ("Qs", "dOs") for b in ("K16", "V16")], [("Qs", "Q16"), ("dOs", "dO16")]
         ),
@@ -333,7 +346,6 @@ def backward_dkv_source(head_dim: int) -> str:
             rows=("zr + w0", "zr + i0 + BC"),
         ),  # fmt: skip
     )
-    return _common("dkv", head_dim) + "\n" + body
 
 
 def pack_source(scaled: bool) -> str:

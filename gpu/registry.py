@@ -91,6 +91,11 @@ def _half_output(half: bool, binding: int, index: str) -> dict[str, str]:
     }
 
 
+def _glu_values(gate: str, half: bool) -> dict[str, str]:
+    """Template values of glu_forward.wgsl: the activation `gate` of g (WGSL), and the variant's f16 copy."""
+    return {"GATE": gate, **_half_output(half, 4, "i")}
+
+
 def _literal(value: object) -> str:
     """A template value as WGSL source (bools as true/false)."""
     if isinstance(value, bool):
@@ -138,12 +143,10 @@ KERNELS: dict[str, Kernel] = {
     "from_bf16": Kernel((*_ELEMENTWISE, "from_bf16")),
     "scale": Kernel((*_ELEMENTWISE, "scale")),
     "lora_group_sum": Kernel((*_ELEMENTWISE, "lora_group_sum"), {"acc": BOOLS}),
-    "swiglu_forward": Kernel(
-        ("swiglu_forward", *_ELEMENTWISE), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
-    ),
+    "swiglu_forward": Kernel(("glu_forward", *_ELEMENTWISE), {"half": BOOLS}, partial(_glu_values, "g * sigmoid(g)")),
     "swiglu_backward": Kernel((*_ELEMENTWISE, "swiglu_backward")),
     "geglu_forward": Kernel(
-        ("geglu_forward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, lambda half: _half_output(half, 4, "i")
+        ("glu_forward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, partial(_glu_values, "gelu_tanh(g).x")
     ),
     "geglu_backward": Kernel((*_ELEMENTWISE, "gelu_tanh", "geglu_backward")),
     "adamw_update": Kernel((*_ELEMENTWISE, "adamw_update")),

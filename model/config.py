@@ -186,6 +186,19 @@ class ModelConfig:
         family = FAMILIES.get(self.arch)
         return family.qk_rows_permuted if family else self.rope_type == "norm"
 
+    def hf_shape(self) -> dict[str, int | bool]:
+        """This shape in the config names transformers' decoder configs share (LlamaConfig, Qwen3Config, ...)."""
+        return {
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.ffn,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "tie_word_embeddings": self.tied_embeddings,
+        }
+
     def target_shape(self, target: str) -> tuple[int, int]:
         """(out_features, in_features) of the projection a LoRA target adapts."""
         h, f = self.hidden, self.ffn

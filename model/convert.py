@@ -9,7 +9,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from model import quant
-from model.gguf import GGUFFile, write_gguf
+from model.gguf import GGUFFile, rewrite_gguf
 
 # The (tied) embedding is also the lm_head, which LoRA cannot adapt: the student keeps it at 8 bits, as
 # llama.cpp's K-quant mixes keep token_embd/output at >= 6 bits.
@@ -24,13 +24,7 @@ def dequantize_gguf(src: Path, dst: Path) -> Path:
             for info, _ in f.iter_tensors():
                 yield info.name, f.tensor_f32(info.name), Q.F32
 
-        write_gguf(
-            dst,
-            f.metadata.get("general.architecture", "llama"),
-            f.metadata,
-            tensors(),
-            metadata_types=f.metadata_types,
-        )
+        rewrite_gguf(dst, f, tensors())
     return dst
 
 
@@ -55,11 +49,5 @@ def requantize_gguf(
                 chosen[info.name] = Q(qtype).name
                 yield info.name, data, qtype
 
-        write_gguf(
-            dst,
-            f.metadata.get("general.architecture", "llama"),
-            f.metadata,
-            tensors(),
-            metadata_types=f.metadata_types,
-        )
+        rewrite_gguf(dst, f, tensors())
     return chosen

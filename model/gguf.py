@@ -17,7 +17,14 @@ from model.gguf_reader import (
     gguf_error,
     model_config,
 )
-from model.gguf_writer import llama3_rope_factors, llama_metadata, model_metadata, write_gguf, write_lora_gguf
+from model.gguf_writer import (
+    llama3_rope_factors,
+    llama_metadata,
+    model_metadata,
+    rewrite_gguf,
+    write_gguf,
+    write_lora_gguf,
+)
 from model.tokenizer import check_tokenizer_metadata
 
 __all__ = [
@@ -33,6 +40,7 @@ __all__ = [
     "llama3_rope_factors",
     "model_config",
     "model_metadata",
+    "rewrite_gguf",
     "write_gguf",
     "write_lora_gguf",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from model.config import LORA_TARGETS, ModelConfig
-from model.gguf_reader import GGUFError, gguf_error, model_config
+from model.gguf_reader import GGUFError, GGUFFile, gguf_error, model_config
 
 Q = GGMLQuantizationType
 # ggml types stored as plain numpy dtypes (data given as numbers is cast to these).
@@ -186,6 +186,12 @@ def write_gguf(
             writer.temp_file.close()
         tmp.unlink(missing_ok=True)
         raise
+
+
+def rewrite_gguf(path: str | Path, source: GGUFFile, tensors: Iterable[tuple[str, np.ndarray, int]]) -> None:
+    """Write `tensors` as a converted copy of `source`: its architecture, metadata and metadata types kept."""
+    arch = source.metadata.get("general.architecture", "llama")
+    write_gguf(path, arch, source.metadata, tensors, metadata_types=source.metadata_types)
 
 
 def _add_metadata(writer: GGUFWriter, path: Path, arch: str, metadata: Mapping[str, Any], types: dict) -> None:

@@ -117,6 +117,29 @@ class Codec:
         raise NotImplementedError
 
 
+def _symmetric_codes(blocks: np.ndarray, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0/Q5_0 rounding (ggml's reference): d = the block's largest-magnitude value / -half, codes
+    q = round(x / d) + half in [0, 2 half - 1]; returns (d [n, 1], q uint8)."""
+    imax = abs(blocks).argmax(axis=-1, keepdims=True)
+    d = np.take_along_axis(blocks, imax, axis=-1) / -half
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, 0, 1 / d)
+    q = np.trunc(blocks * inv + np.float32(half + 0.5), dtype=np.float32).astype(np.uint8).clip(0, 2 * half - 1)
+    return d, q
+
+
+def _min_max_codes(blocks: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1/Q5_1 rounding (ggml's reference): d = (max - min) / top, codes q = round((x - min) / d) in
+    [0, top]; returns (d [n, 1], min [n, 1], q uint8)."""
+    hi = blocks.max(axis=-1, keepdims=True)
+    lo = blocks.min(axis=-1, keepdims=True)
+    d = (hi - lo) / top
+    with np.errstate(divide="ignore"):
+        inv = np.where(d == 0, 0, 1 / d)
+    q = np.trunc((blocks - lo) * inv + np.float32(0.5), dtype=np.float32).astype(np.uint8).clip(0, top)
+    return d, lo, q
+
+
 class F32(Codec, qtype=GGMLQuantizationType.F32, block_size=1, type_size=4, f16_offsets=()):
     @classmethod
     def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
@@ -140,11 +163,7 @@ class F16(Codec, qtype=GGMLQuantizationType.F16, block_size=1, type_size=2, f16_
 class Q4_0(Codec, qtype=GGMLQuantizationType.Q4_0, block_size=32, type_size=18, f16_offsets=(0,)):
     @classmethod
     def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-        imax = abs(blocks).argmax(axis=-1, keepdims=True)
-        d = np.take_along_axis(blocks, imax, axis=-1) / -8
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, 0, 1 / d)
-        q = np.trunc(blocks * inv + np.float32(8.5), dtype=np.float32).astype(np.uint8).clip(0, 15)
+        d, q = _symmetric_codes(blocks, 8)
         return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=-1)
 
     @classmethod
@@ -157,12 +176,7 @@ class Q4_0(Codec, qtype=GGMLQuantizationType.Q4_0, block_size=32, type_size=18, 
 class Q4_1(Codec, qtype=GGMLQuantizationType.Q4_1, block_size=32, type_size=20, f16_offsets=(0, 2)):
     @classmethod
     def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-        hi = blocks.max(axis=-1, keepdims=True)
-        lo = blocks.min(axis=-1, keepdims=True)
-        d = (hi - lo) / 15
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, 0, 1 / d)
-        q = np.trunc((blocks - lo) * inv + np.float32(0.5), dtype=np.float32).astype(np.uint8).clip(0, 15)
+        d, lo, q = _min_max_codes(blocks, 15)
         return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], axis=-1)
 
     @classmethod
@@ -175,13 +189,8 @@ class Q4_1(Codec, qtype=GGMLQuantizationType.Q4_1, block_size=32, type_size=20, 
 class Q5_0(Codec, qtype=GGMLQuantizationType.Q5_0, block_size=32, type_size=22, f16_offsets=(0,)):
     @classmethod
     def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-        n = blocks.shape[0]
-        imax = abs(blocks).argmax(axis=-1, keepdims=True)
-        d = np.take_along_axis(blocks, imax, axis=-1) / -16
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, 0, 1 / d)
-        q = np.trunc(blocks * inv + np.float32(16.5), dtype=np.float32).astype(np.uint8).clip(0, 31)
-        qh = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little").reshape((n, 4))
+        d, q = _symmetric_codes(blocks, 16)
+        qh = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little").reshape((blocks.shape[0], 4))
         return np.concatenate([_f16_bytes(d), qh, _pack_nibbles(q & np.uint8(0x0F))], axis=-1)
 
     @classmethod
@@ -195,14 +204,8 @@ class Q5_0(Codec, qtype=GGMLQuantizationType.Q5_0, block_size=32, type_size=22, 
 class Q5_1(Codec, qtype=GGMLQuantizationType.Q5_1, block_size=32, type_size=24, f16_offsets=(0, 2)):
     @classmethod
     def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-        n = blocks.shape[0]
-        hi = blocks.max(axis=-1, keepdims=True)
-        lo = blocks.min(axis=-1, keepdims=True)
-        d = (hi - lo) / 31
-        with np.errstate(divide="ignore"):
-            inv = np.where(d == 0, 0, 1 / d)
-        q = np.trunc((blocks - lo) * inv + np.float32(0.5), dtype=np.float32).astype(np.uint8).clip(0, 31)
-        qh = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little").reshape((n, 4))
+        d, lo, q = _min_max_codes(blocks, 31)
+        qh = np.packbits(q >> np.uint8(4), axis=-1, bitorder="little").reshape((blocks.shape[0], 4))
         return np.concatenate([_f16_bytes(d), _f16_bytes(lo), qh, _pack_nibbles(q & np.uint8(0x0F))], axis=-1)
 
     @classmethod

@@ -134,6 +134,20 @@ def tiny_config(workdir: Path, **sections: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- Prefect
 
 
+def run_summary(**fields: Any) -> dict[str, Any]:
+    """A flow's summary as flows.cli.print_report reads it: no stage run, a local MLflow run, no Prefect page;
+    `fields` add to it or replace."""
+    return {
+        "stages": {"ran": [], "cached": []},
+        "mlflow": {"run_id": "r", "tracking_uri": "sqlite:///x.db", "url": "http://127.0.0.1:5000/#/r"},
+        "seconds": 1.0,
+        "flow_run_name": "n",
+        "flow_run_id": "abc",
+        "prefect_url": None,
+        **fields,
+    }
+
+
 _harness: list[ExitStack] = []
 
 

@@ -19,6 +19,7 @@ from flows.cli import app
 from tests.pipeline_fixtures import (  # noqa: F401 (the fixtures prefect_harness and reference_run)
     _prefect_harness,
     _reference_run,
+    run_summary,
     tiny_config,
     write_tiny_llama,
 )
@@ -254,14 +255,7 @@ def test_report_prefect_link_is_a_page_or_the_way_to_open_one(
         assert prefect_ui_url(run) == "http://127.0.0.1:4200/runs/flow-run/abc"
         monkeypatch.setenv("DISTILLERY_PREFECT_SERVER", "temporary")
         assert prefect_ui_url(run) is None
-    summary = {
-        "stages": {"ran": [], "cached": []},
-        "mlflow": {"run_id": "r", "tracking_uri": "sqlite:///x.db", "url": "http://127.0.0.1:5000/#/r"},
-        "seconds": 1.0,
-        "flow_run_name": "n",
-        "flow_run_id": "abc",
-        "prefect_url": None,
-    }
+    summary = run_summary()
     print_report(summary, Path("/w"))
     out = capsys.readouterr().out
     assert "None/" not in out

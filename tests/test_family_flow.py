@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from typer.testing import CliRunner
 from flows.cli import app, console
 from model import reference as R
 from model.config import FAMILIES as ARCHITECTURES
-from model.config import LORA_TARGETS, PEFT_MODULES, ModelConfig
+from model.config import LORA_TARGETS, PEFT_MODULES
 from model.gguf import check_model_file, model_metadata, write_gguf
 from model.quant import SUPPORTED_TYPES
 from tests.pipeline_fixtures import _prefect_harness, tiny_config, tokenizer_metadata  # noqa: F401 (fixture)
@@ -34,22 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 VOCAB = len(tokenizer_metadata()["tokenizer.ggml.tokens"])
 # Qwen3's shape at toy size: 4 query heads of 32 over a hidden size of 64 (q_dim 128 != hidden), GQA 2:1.
-QWEN3 = ModelConfig(
-    n_layers=2,
-    hidden=64,
-    ffn=128,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=32,
-    vocab=VOCAB,
-    context_length=64,
-    eps=1e-6,
-    rope_base=1e6,
-    arch="qwen3",
-    rope_type="neox",
-    qk_norm=True,
-    tied_embeddings=False,
-)
+QWEN3 = replace(FAMILIES["qwen3"].cfg, n_heads=4, n_kv_heads=2, head_dim=32, context_length=64, rope_base=1e6)
 
 
 def _write_qwen3(path: Path) -> Path:
@@ -63,17 +49,7 @@ def _hf_qwen3():
     """transformers' Qwen3ForCausalLM of QWEN3's shape (random weights): the oracle for HF module names."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(
-        vocab_size=QWEN3.vocab,
-        hidden_size=QWEN3.hidden,
-        intermediate_size=QWEN3.ffn,
-        num_hidden_layers=QWEN3.n_layers,
-        num_attention_heads=QWEN3.n_heads,
-        num_key_value_heads=QWEN3.n_kv_heads,
-        head_dim=QWEN3.head_dim,
-        tie_word_embeddings=QWEN3.tied_embeddings,
-    )
-    return Qwen3ForCausalLM(cfg)
+    return Qwen3ForCausalLM(Qwen3Config(**QWEN3.hf_shape()))
 
 
 def _printed(output: str, label: str) -> Path:

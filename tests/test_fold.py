@@ -17,6 +17,7 @@ from model import reference as R
 from model.config import LORA_TARGETS
 from model.fold import FOLD_TYPE, FoldError, fold
 from model.gguf import GGUFFile
+from tests.pipeline_fixtures import run_summary
 from tests.test_export import CFG, IDS, _assert_copied, _base_logits, _merged_weights, write_tiny_gguf
 
 F16_ULP = 2.0**-11  # relative rounding of an f16 (half an ulp of 2^-10)
@@ -183,20 +184,14 @@ def test_report_prints_the_gain_a_merge_keeps(capsys: pytest.CaptureFixture[str]
     def ev(kl: float, epoch: int | None = None) -> dict:
         return {"kl": kl, "top1": 0.7, "ce": 3.5, "ppl": 33.0, "epoch": epoch}
 
-    summary = {
-        "baseline": ev(0.2211),
-        "evals": [ev(0.1326, 0)],
-        "best_epoch": 0,
-        "best": ev(0.1326, 0),
-        "merged": ev(0.2147),
-        "lora_kind": "plain",
-        "stages": {"ran": [], "cached": []},
-        "mlflow": {"run_id": "r", "tracking_uri": "sqlite:///x.db", "url": "http://127.0.0.1:5000/#/r"},
-        "seconds": 1.0,
-        "flow_run_name": "n",
-        "flow_run_id": "abc",
-        "prefect_url": None,
-    }
+    summary = run_summary(
+        baseline=ev(0.2211),
+        evals=[ev(0.1326, 0)],
+        best_epoch=0,
+        best=ev(0.1326, 0),
+        merged=ev(0.2147),
+        lora_kind="plain",
+    )
     print_report(summary, Path("/w"))
     out = " ".join(capsys.readouterr().out.split())
     assert "merged GGUF" in out and "keeps 7% of the adapter's held-out KL gain. Warning: less than 50%" in out

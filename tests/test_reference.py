@@ -286,14 +286,7 @@ def test_kd_guards(rng: np.random.Generator) -> None:
 
 def _tiny(tied: bool = True) -> ModelConfig:
     return ModelConfig(
-        n_layers=2,
-        hidden=32,
-        ffn=64,
-        n_heads=4,
-        n_kv_heads=2,
-        vocab=300,
-        rope_base=100.0,
-        tied_embeddings=tied,
+        n_layers=2, hidden=32, ffn=64, n_heads=4, n_kv_heads=2, vocab=300, rope_base=100.0, tied_embeddings=tied
     )
 
 

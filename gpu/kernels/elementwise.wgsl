@@ -1,8 +1,8 @@
 // Elementwise skeleton (as llama.cpp's glu_head/glu_main): a pure elementwise kernel is threads.wgsl, this file
 // and its body file, which declares the op's storage bindings (@binding(1) on) and `fn op(i: u32)`, the work on
 // element i. One thread per element over a 2-D grid of 256-thread workgroups (gpu/ops/common.py grid); the
-// uniform block is (n, alpha, width). Bodies: add, add_inplace, add_bias, scale, swiglu_forward, swiglu_backward,
-// geglu_forward, geglu_backward, adamw_update, to_bf16, from_bf16, lora_group_sum.
+// uniform block is (n, alpha, width). Bodies: add, add_inplace, add_bias, scale, glu_forward (swiglu_forward and
+// geglu_forward), swiglu_backward, geglu_backward, adamw_update, to_bf16, from_bf16, lora_group_sum.
 
 struct Params {
     n: u32,
