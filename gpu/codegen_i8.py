@@ -178,8 +178,8 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     registers (final False) or, with them, out to C (final True)."""
     i2 = ind + "    "
     lines = [f"{ind}{{", f"{i2}let c = {chunk};"]
-    lines += [f"{i2}let sa{i} = SA[min(ms + {i * MATRIX}u, prm.M - 1u) * prm.chunks + c];" for i in range(c.tm)]
-    lines += [f"{i2}let sw{j} = sw8(ns + {j * MATRIX}u, c);" for j in range(c.tn)]
+    lines += [f"{i2}let sa{i} = sa8(ms + {i * MATRIX}u, c);" for i in range(c.tm)]
+    lines += [f"{i2}let sw{j} = SW[min(ns + {j * MATRIX}u, prm.N - 1u) * prm.chunks + c];" for j in range(c.tn)]
     pairs = _pairs(c)
     for g in range(0, len(pairs), c.fm):
         group = pairs[g : g + c.fm]
@@ -232,7 +232,7 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     c.validate(max_threads=1 << 16, max_workgroup_bytes=1 << 30)
     if v.orient not in ("nt", "nn") or (v.orient == "nn" and v.chunked):
         raise ValueError(f"I8Variant orient={v.orient!r} chunked={v.chunked}: expected 'nt', or 'nn' with one chunk")
-    out = "C[base + n + e]"
+    out = "C[i]"
     store = f"{out} = {out} + prm.alpha * v[e];" if v.accumulate else f"{out} = prm.alpha * v[e];"
     if c.probe == "no_write":  # the values stay live, the stores (practically) never happen
         store = f"if (v[e] == 1.2345e-30) {{ {store} }}"

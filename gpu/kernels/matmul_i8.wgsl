@@ -10,7 +10,7 @@
 // buffers, the registers stored into the idle one after the products, one barrier a step. Subgroup matrices are
 // opaque (no per-row or per-column scaling in registers), so at the end of every chunk of K (CHUNKED) or only
 // at the end (one chunk: per-row scales) each result matrix goes through the subgroup's scratch Cs, FM at a
-// time; each invocation scales its 8 elements (one row, 8 columns) by SA * SW into f32 registers, and the
+// time; each invocation scales its 8 elements (one column, every other row) by SA * SW into f32 registers, and the
 // i32 matrix starts again from zero. Rows past M or N are clamped on load and never written.
 // K must be a multiple of BK and of the chunk (gpu/ops/matmul_i8.py checks). Dollar-brace placeholders are
 // filled by gpu/codegen_i8.py, whose emulation mode swaps the subgroup-matrix builtins for plain WGSL
@@ -77,20 +77,21 @@ fn put_a(u: u32, v: vec4<u32>, buf: u32) {
 ${B_STAGING}
 ${RASTER}
 
-// SW of 8 consecutive columns from n (clamped to the last row of W)
-fn sw8(n: u32, c: u32) -> array<f32, 8> {
+// SA of this invocation's 8 rows of a result matrix whose first row is m (m, m + 2, ..., m + 14; clamped)
+fn sa8(m: u32, c: u32) -> array<f32, 8> {
     var s: array<f32, 8>;
     for (var e = 0u; e < 8u; e++) {
-        s[e] = SW[min(n + e, prm.N - 1u) * prm.chunks + c];
+        s[e] = SA[min(m + 2u * e, prm.M - 1u) * prm.chunks + c];
     }
     return s;
 }
 
-// this invocation's 8 i32 results of the subgroup's scratch matrix f, scaled
-fn scaled8(sg: u32, f: u32, lane: u32, sa: f32, sw: array<f32, 8>) -> array<f32, 8> {
+// this invocation's 8 i32 results of the subgroup's scratch matrix f (elements lane, lane + 32, ...: the warp
+// reads 32 consecutive words and writes two 16-column rows of C per element), scaled
+fn scaled8(sg: u32, f: u32, lane: u32, sa: array<f32, 8>, sw: f32) -> array<f32, 8> {
     var v: array<f32, 8>;
     for (var e = 0u; e < 8u; e++) {
-        v[e] = f32(Cs[sg][f * 256u + lane * 8u + e]) * (sa * sw[e]);
+        v[e] = f32(Cs[sg][f * 256u + e * 32u + lane]) * (sa[e] * sw);
     }
     return v;
 }
@@ -103,14 +104,15 @@ fn add8(a: array<f32, 8>, b: array<f32, 8>) -> array<f32, 8> {
     return v;
 }
 
-// row m, columns n .. n + 7 of C (bounds-checked)
+// rows m, m + 2, ..., m + 14 of column n of C (bounds-checked)
 fn write8(m: u32, n: u32, v: array<f32, 8>) {
-    if (m >= prm.M) {
+    if (n >= prm.N) {
         return;
     }
-    let base = prm.c_off + m * prm.ldc;
     for (var e = 0u; e < 8u; e++) {
-        if (n + e < prm.N) {
+        let row = m + 2u * e;
+        if (row < prm.M) {
+            let i = prm.c_off + row * prm.ldc + n;
             ${STORE_EXPR}
         }
     }
@@ -129,8 +131,8 @@ fn main(
     let n0 = tile_n * BN;
     let sg_m = sg % SG_M;
     let sg_n = sg / SG_M;
-    let row = lane / 2u;                 // this invocation's row and first column in each 16 x 16 result
-    let col = (lane % 2u) * 8u;
+    let row = lane / 16u;                // this invocation's first row and its column in each 16 x 16 result
+    let col = lane % 16u;
     let ms = m0 + sg_m * (TM * 16u) + row;
     let ns = n0 + sg_n * (TN * 16u) + col;
     let steps = prm.K / BK;
