@@ -204,33 +204,39 @@ def llama_cpp_eval(
 ) -> dict:
     """Held-out metrics of the student GGUF run by llama.cpp, without and with the exported GGUF LoRA, through
     bench/llama_cpp_support.py in `python` (its own venv: llama-cpp-python is not a project dependency)."""
-    helper = Path(__file__).with_name("llama_cpp_support.py")
     out: dict[str, object] = {}
+    runs = [("baseline", files["student"], None), ("gguf_lora", files["student"], files["export"] / GGUF_LORA)]
+    if (files["export"] / MERGED).is_file():
+        runs.append(("merged", files["export"] / MERGED, None))
+    for name, gguf, lora in runs:
+        out[name], out[f"{name}_log"] = llama_cpp_metrics(python, gguf, lora, data, threads, n_batch)
+    return out
+
+
+def llama_cpp_metrics(
+    python: Path, gguf: Path, lora: Path | None, data: dict[str, np.ndarray], threads: int, n_batch: int = 0
+) -> tuple[dict[str, float], str]:
+    """Held-out metrics of `gguf` (+ the GGUF LoRA `lora`) run by llama.cpp in `python`, and its log line."""
+    helper = Path(__file__).with_name("llama_cpp_support.py")
     with tempfile.TemporaryDirectory() as tmp:
-        ids, tids = Path(tmp) / "ids.npy", Path(tmp) / "tids.npy"
+        ids, tids, res = Path(tmp) / "ids.npy", Path(tmp) / "tids.npy", Path(tmp) / "out"
         np.save(ids, data["ids"].astype(np.int64), allow_pickle=False)
         np.save(tids, data["tids"], allow_pickle=False)
-        runs = [("baseline", files["student"], None), ("gguf_lora", files["student"], files["export"] / GGUF_LORA)]
-        if (files["export"] / MERGED).is_file():
-            runs.append(("merged", files["export"] / MERGED, None))
-        for name, gguf, lora in runs:
-            res = Path(tmp) / name
-            cmd = [str(python), str(helper), str(gguf), str(ids), str(tids), str(res)]
-            cmd += ["--threads", str(threads), "--n-batch", str(n_batch)]
-            cmd += [] if lora is None else ["--lora", str(lora)]
-            t0 = time.perf_counter()
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-            except OSError as e:
-                raise SystemExit(f"--llama-cpp {python}: cannot run it ({e})") from None
-            if proc.returncode != 0:
-                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                raise SystemExit(f"--llama-cpp {python}: {helper.name} failed ({last})")
-            arrays = [np.load(res / f"{x}.npy", allow_pickle=False) for x in ("support", "target", "argmax")]
-            out[name] = metrics([score_support(*arrays, data, slice(None))])
-            out[name]["seconds"] = time.perf_counter() - t0  # type: ignore[index]
-            out[f"{name}_log"] = proc.stdout.strip()
-    return out
+        cmd = [str(python), str(helper), str(gguf), str(ids), str(tids), str(res)]
+        cmd += ["--threads", str(threads), "--n-batch", str(n_batch)]
+        cmd += [] if lora is None else ["--lora", str(lora)]
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise SystemExit(f"--llama-cpp {python}: cannot run it ({e})") from None
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SystemExit(f"--llama-cpp {python}: {helper.name} failed ({last})")
+        arrays = [np.load(res / f"{x}.npy", allow_pickle=False) for x in ("support", "target", "argmax")]
+        out = metrics([score_support(*arrays, data, slice(None))])
+        out["seconds"] = time.perf_counter() - t0
+    return out, proc.stdout.strip()
 
 
 def main() -> None:

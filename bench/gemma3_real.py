@@ -168,8 +168,18 @@ def interop(args: argparse.Namespace, config: Path) -> dict[str, Any]:
         out["gguf_lora_kl_cut"] = 1 - ours["gguf_lora"]["kl"] / ours["baseline"]["kl"]
     if args.llama_cpp is not None:
         lc = di.llama_cpp_eval(args.llama_cpp, files, data, args.threads, args.llama_cpp_batch)
+        # the teacher itself in llama.cpp, against the teacher's own float top-k: what llama.cpp's arithmetic
+        # (8-bit activations in its quantized dot products, f16 KV cache) adds with no student error at all
+        lc["teacher"], lc["teacher_log"] = di.llama_cpp_metrics(
+            args.llama_cpp, args.gguf, None, data, args.threads, args.llama_cpp_batch
+        )
         out["llama_cpp"] = lc
         out["llama_cpp_kl_cut"] = 1 - lc["gguf_lora"]["kl"] / lc["baseline"]["kl"]
+        if "hf" in out:  # the float32 forward (HF and the engine agree to ~1e-6)
+            gaps = {k: lc[k]["kl"] - out["hf"][v]["kl"] for k, v in (("baseline", "baseline"), ("gguf_lora", "peft"))}
+            out["llama_cpp_kl_minus_float"] = gaps
+            out["llama_cpp_within_0.01_kl"] = all(abs(g) <= di.LLAMA_CPP_KL_TOL for g in gaps.values())
+            out["llama_cpp_cut_minus_float_cut"] = out["llama_cpp_kl_cut"] - out["hf_kl_cut"]
     out["seconds"] = time.perf_counter() - t0
     return out
 
