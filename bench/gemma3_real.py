@@ -184,6 +184,10 @@ def interop(args: argparse.Namespace, config: Path) -> dict[str, Any]:
             out["llama_cpp_kl_minus_float"] = gaps
             out["llama_cpp_within_0.01_kl"] = all(abs(g) <= di.LLAMA_CPP_KL_TOL for g in gaps.values())
             out["llama_cpp_cut_minus_float_cut"] = out["llama_cpp_kl_cut"] - out["hf_kl_cut"]
+    for name, adapter in (("hf", "peft"), ("distillery_engine", "gguf_lora"), ("llama_cpp", "gguf_lora")):
+        res = out.get(name)
+        if isinstance(res, dict) and "merged" in res:  # --merge: the share of the adapter's gain the fold keeps
+            out[f"{name}_merged_gain_kept"] = di.gain_kept(*(res[k]["kl"] for k in ("baseline", adapter, "merged")))
     out["seconds"] = time.perf_counter() - t0
     return out
 
