@@ -249,8 +249,9 @@ def c_section_type(b: Builder) -> None:
 def c_valid(b: Builder) -> None:
     for _ in range(int(b.rng.integers(1, 4))):
         key = b.pick(list(VALID))
-        _set(b.cfg, key, b.pick(VALID[key]))
-        b.names.append(f"{key}={json.dumps(b.cfg[key.split('.')[0]][key.split('.')[1]])}")
+        value = b.pick(VALID[key])
+        _set(b.cfg, key, value)  # no-op where an earlier mutation made the section a non-mapping
+        b.names.append(f"{key}={json.dumps(value)}")
 
 
 def c_path(b: Builder) -> None:

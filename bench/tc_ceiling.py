@@ -1,6 +1,6 @@
 """Where the tensor-core GEMM's time goes, and the ceiling of this stack (issue 8), as JSON lines.
 
-    source .gl/enter.sh; python3 bench/tc_ceiling.py            # on the H200 (device tool)
+    python3 bench/tc_ceiling.py            # on a GPU with subgroup matrices (H200)
     python bench/tc_ceiling.py --n 256 --iters 64 --no-torch    # plumbing only (needs Dawn subgroup matrices)
 
 Rows:

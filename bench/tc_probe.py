@@ -1,4 +1,4 @@
-"""Tensor-core GEMM tuning sweep for the device tool: many tile configs x Dawn toggles, checked and timed, as
+"""Tensor-core GEMM tuning sweep (a GPU with subgroup matrices): tile configs x Dawn toggles, checked and timed, as
 JSON lines (one per run) plus a summary table; adaptive, so one call does the whole study.
 
     source .gl/enter.sh; python3 bench/tc_probe.py            # lines to $OUT/tc_sweep.jsonl, table on stdout

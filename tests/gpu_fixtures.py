@@ -60,7 +60,7 @@ def _tensor_core_device() -> Any:
 
 
 def tensor_core_device_or_skip() -> Any:
-    """The process's Dawn Device with usable subgroup matrices (the H200 through the device tool); skips the
+    """The process's Dawn Device with usable subgroup matrices (e.g. an NVIDIA H200 with Vulkan); skips the
     calling test elsewhere (the `tensorcore` tests, deselected by `make test`)."""
     dev = _tensor_core_device()
     if isinstance(dev, str):

@@ -5,7 +5,7 @@ each output (out, lse, dq, dk, dv) must lie within TOL of its own max abs; an in
 error is O(1). The shapes cover T off the 16-row and 64-column tiles, GQA groups 1 and 8, head_dim 64 and
 128, several key tiles with scores spread widely enough that the running max moves (rescales O), gradients
 of 1e-7 (the dO scale sigma), and a batch of sequences in one call. Runs where Dawn has subgroup matrices (the
-H200, via the device tool: `source .gl/enter.sh; python3 -m pytest -q -m tensorcore tests/test_gpu_attention_tc.py`);
+H200 with Vulkan and wgpudawn installed: `python3 -m pytest -q -m tensorcore tests/test_gpu_attention_tc.py`);
 the Tint compile of every variant is in tests/test_kernel_registry.py, the refusal elsewhere runs on lavapipe.
 """
 

@@ -5,7 +5,7 @@ Three layers, so that most of it runs without tensor cores:
   by plain WGSL, which checks all of its indexing (staging, layouts, prefetch, epilogue, bounds);
 - compiled (no marker): the real kernels through Dawn's WGSL compiler (Tint) on its Null backend, which
   checks the subgroup-matrix code, its types and uniformity rules without executing anything;
-- tensorcore (H200 via the device tool): the real kernels on the hardware. Run there with
+- tensorcore (a GPU with subgroup matrices, e.g. an H200): the real kernels on the hardware. Run there with
   `source .gl/enter.sh; python3 -m pytest -q -m tensorcore tests/test_gpu_tensorcore.py`.
 """
 
@@ -245,7 +245,7 @@ def test_tensor_core_kernels_compile_in_tint() -> None:
     assert not result["failed"], "\n".join(result["failed"][:3])
 
 
-# ---- tensorcore: the real kernels on a GPU with subgroup matrices (H200 via the device tool) ----------
+# ---- tensorcore: the real kernels on a GPU with subgroup matrices (e.g. an H200) ----------
 
 
 @pytest.fixture(scope="module")
