@@ -61,7 +61,7 @@ from training import engines
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = ROOT / "docs" / "reliability.md"
-FUZZ_RUNS = ROOT / "docs" / "bench" / "2026-12-04-fuzz-runs.json"  # bench/fuzz_runs.py's long pass
+FUZZ_RUNS = ROOT / "docs" / "bench" / "2026-12-05-fuzz-runs.json"  # bench/fuzz_runs.py's long pass
 
 
 @dataclass
