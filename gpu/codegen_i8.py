@@ -184,8 +184,8 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     for g in range(0, len(pairs), c.fm):
         group = pairs[g : g + c.fm]
         lines += [f"{i2}{d.store_cs.format(off=f'{f * 256}u', acc=f'acc_{i}_{j}')};" for f, (i, j) in enumerate(group)]
-        barrier = "" if final and c.probe == "no_ebar" else f"{i2}workgroupBarrier();"
-        lines.append(barrier)
+        barrier = [] if final and c.probe == "no_ebar" else [f"{i2}workgroupBarrier();"]
+        lines += barrier
         for f, (i, j) in enumerate(group):
             part = f"scaled8(sg, {f}u, lane, sa{i}, sw{j})"
             if not final:
@@ -193,7 +193,7 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
             else:
                 val = f"add8(f_{i}_{j}, {part})" if v.chunked else part
                 lines.append(f"{i2}write8(ms + {i * MATRIX}u, ns + {j * MATRIX}u, {val});")
-        lines.append(barrier)
+        lines += barrier
     if not final:
         lines += [f"{i2}acc_{i}_{j} = {d.zero};" for i, j in pairs]
     return lines + [f"{ind}}}"]
