@@ -211,7 +211,7 @@ def bench_ours(args: argparse.Namespace) -> None:
         with Profiler(dev) as prof:
             for _ in range(args.profile_steps):
                 st.train_step(lr=args.lr)
-        emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps))
+        emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=16))
     st = None  # frees the student's buffers before the teacher's
     if args.no_teacher:
         return

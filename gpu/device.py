@@ -79,7 +79,6 @@ SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
 # keeps the GPU busy from the first chunk on instead of idling while the whole step is recorded.
 SUBMIT_EVERY = 256
 _DAWN_TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"]
-DAWN_TOGGLES_ENV = "DISTILLERY_DAWN_TOGGLES"  # extra Dawn toggles, comma-separated (e.g. disable_robustness)
 _dawn_instance_ready = False
 
 
@@ -614,8 +613,7 @@ def _dawn_adapter() -> tuple[Any, ModuleType | None, str]:
         return None, None, f"wgpudawn is not installed ({e})"
     try:
         if not _dawn_instance_ready:
-            extra = [t.strip() for t in os.environ.get(DAWN_TOGGLES_ENV, "").split(",") if t.strip()]
-            extras.set_instance_extras(backends=["Vulkan"], enable_toggles=_DAWN_TOGGLES + extra)
+            extras.set_instance_extras(backends=["Vulkan"], enable_toggles=_DAWN_TOGGLES)
             _dawn_instance_ready = True
         if gpu_index() is not None:
             return _best_adapter(wgpudawn.gpu.enumerate_adapters_sync(), "dawn"), wgpudawn, ""

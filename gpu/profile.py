@@ -50,7 +50,7 @@ def kernel_class(label: str, scope: str | None = None) -> str:
     if "matmul_tc" in low:
         plain = "wtype='f16'" in low or "wtype='f32'" in low
         return "tc gemm" if plain else "fused-quant gemm"
-    if "matmul_i8" in low or "quantize_i8" in low or "weight_i8" in low:
+    if any(s in low for s in ("matmul_i8", "quantize_i8", "weight_i8", "transpose_i8")):
         return "int8 gemm"
     if "strided_matmul" in low:
         return "lora"
@@ -167,7 +167,7 @@ class Profiler:
                 for c in order
             },
             "top_kernels": [
-                {"class": c, "kernel": label[:120], "ms": round(ns / 1e6 / steps, 3), "calls": self.calls[(c, label)]}
+                {"class": c, "kernel": label[:240], "ms": round(ns / 1e6 / steps, 3), "calls": self.calls[(c, label)]}
                 for (c, label), ns in kernels
             ],
         }

@@ -165,6 +165,7 @@ KERNELS: dict[str, Kernel] = {
     "weight_i8": Kernel(
         ("workgroup_reduce", "int8_codes", "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values
     ),
+    "transpose_i8": Kernel(("transpose_i8",)),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
     "adamw_finalize": Kernel((*_SUM, "adamw_finalize")),

@@ -31,7 +31,7 @@ from gpu.ops.add import scale_inplace
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu
+from gpu.ops.quantize_i8 import quantize_i8_gpu, transpose_i8
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
@@ -53,6 +53,7 @@ class GPUStudent(GPUModel):
 
     saves_lora_t = True  # the forward's t = x A^T serves the backward's recompute and the LoRA gradients
     int8_input_grads = True  # with precision int8, the projections' input gradients on the integer GEMM too
+    transposed_input_grads = True  # ... on the forward's ("nt") GEMM over W's transposed codes (else "nn")
 
     def __init__(
         self,
@@ -92,6 +93,9 @@ class GPUStudent(GPUModel):
         self.da_scratch = (
             dev.buffer(4 * self.layout.r * d_in_max, label="dA before its group sums") if spec.lora_group else None
         )
+        w8_bytes = max((w.rows * w.k for w in self._w8_slots.values()), default=0)
+        if w8_bytes and self.int8_input_grads and self.transposed_input_grads:  # one projection's codes at a time
+            self.w8t = dev.buffer(w8_bytes, label="int8 weight transposed")
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
         self.applied_steps = 0
         self.skipped_steps = 0
@@ -159,7 +163,11 @@ class GPUStudent(GPUModel):
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding
             a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
             quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
-            gemm_i8(self.dev, a, w8, dx, orient="nn", col_scales=self.ones, accumulate=accumulate)
+            if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
+                wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
+                gemm_i8(self.dev, a, wt, dx, accumulate=accumulate)
+            else:
+                gemm_i8(self.dev, a, w8, dx, orient="nn", col_scales=self.ones, accumulate=accumulate)
         else:
             a, kw = self._gemm_input(dy, d_out)
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)

@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, gemm_i8, i8_buffers, upload_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, transpose_i8, weight_to_i8
 from gpu.weights import random_blocks, upload_quant
 from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
@@ -106,6 +106,25 @@ def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
     diff = np.abs(dev.read(out.codes, np.int8, (n, k)).astype(int) - codes_np)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-2
     assert out.chunks == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(68, 96), (128, 64), (4, 288)])
+def test_transpose_i8_is_exact(dev: Device, n: int, k: int) -> None:
+    """W's codes transposed on the GPU (tiles of 64 x 64, partial at both edges) equal numpy's transpose byte for
+    byte; the rows' scales are the buffer given; sizes that are no multiple of 4 are refused."""
+    rng = np.random.default_rng(n + k)
+    codes = rng.integers(-127, 128, size=(n, k), dtype=np.int8)
+    w = i8_buffers(dev, n, k, k, "w")
+    dev.write(w.codes, pack_i8(codes))
+    ones = dev.upload(np.ones(k, np.float32))
+    out = transpose_i8(dev, w, dev.buffer(n * k), ones)
+    assert (out.rows, out.k, out.chunk, out.scales) == (k, n, n, ones)
+    np.testing.assert_array_equal(dev.read(out.codes, np.int8, (k, n)), codes.T)
+    with pytest.raises(DeviceError, match="multiples of 4"):
+        transpose_i8(dev, i8_buffers(dev, 6, 64, 64, "odd"), dev.buffer(6 * 64), ones)
+    with pytest.raises(DeviceError, match="fewer than"):
+        transpose_i8(dev, w, dev.buffer(n * k - 4), ones)
 
 
 def _check_gemm(dev: Device, m: int, n: int, k: int, chunk: int, cfg: I8Config | None, *, emulate: bool, **kw) -> float:

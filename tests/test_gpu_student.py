@@ -395,7 +395,8 @@ def test_int8_engine_logic_with_emulated_integer_gemms() -> None:
     loss and LoRA gradients within INT8_REL of the float64 reference (the 8-bit rounding of the projections' and
     the LM head's inputs, weights and input gradients; a stale or mis-indexed block of codes is an O(1) error);
     a replayed step
-    (its tape decodes what it needs) bitwise the recorded one; and after a step the shared slots hold exactly the
+    (its tape decodes what it needs) bitwise the recorded one; the input gradients over W's transposed codes
+    (the default) bitwise those of the "nn" GEMM over W's codes; and after a step the shared slots hold exactly the
     codes weight_to_i8 gives the lowest block's weights (one block's projections are decoded at a time)."""
     from gpu.ops.matmul_i8 import int8_emulation
     from gpu.ops.quantize_i8 import weight_to_i8
@@ -423,6 +424,15 @@ def test_int8_engine_logic_with_emulated_integer_gemms() -> None:
         for key, g in grads.items():
             np.testing.assert_array_equal(g.A, again_grads[key].A)
             np.testing.assert_array_equal(g.B, again_grads[key].B)
+    with int8_emulation(dev):  # the input gradients on the "nn" GEMM over W's codes: the same integer sums
+        nn = _precision_student(dev, weights, "int8", loss_cfg, vocab_chunk=256)
+        nn.transposed_input_grads = False
+        nn.set_adapter(lora)
+        nn.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+        assert nn.loss_and_grads() == loss
+        for key, g in nn.get_grads().items():
+            np.testing.assert_array_equal(g.A, grads[key].A)
+            np.testing.assert_array_equal(g.B, grads[key].B)
     for target, slot in st._w8_slots.items():
         fresh = weight_to_i8(dev, weights.proj[(0, target)])
         for got, wanted, n in (

@@ -1,6 +1,7 @@
 """int8 operands of the integer GEMM: activations to codes with per-(row, chunk) scales (gpu/kernels/quantize_i8.wgsl)
 and frozen weights to codes with per-row scales, decoded from their GGML type (gpu/kernels/weight_i8.wgsl); the
-numpy twin of both is model/int8.py quantize_i8."""
+numpy twin of both is model/int8.py quantize_i8. Weight codes transposed (gpu/kernels/transpose_i8.wgsl) for the
+input gradient on the forward's GEMM."""
 
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None) -> 
         pipeline(dev, "weight_i8", wtype=w.qtype.name), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1)
     )
     return out
+
+
+def transpose_i8(dev: Device, w: Int8Matrix, codes: Any, scales: Any, name: str = "") -> Int8Matrix:
+    """W's codes transposed into `codes` ([w.k rows, w.rows], one chunk) with `scales` as the rows' scales (the
+    caller's: W's own per-row scales run along the transposed rows, so the input gradient folds them into dY).
+    w.rows and w.k must be multiples of 4."""
+    n, k = w.rows, w.k
+    if n % 4 or k % 4 or w.chunks != 1:
+        raise DeviceError(f"transpose_i8 {w.name!r}: {n} x {k} in {w.chunks} chunks, needs multiples of 4, one chunk")
+    if nbytes(codes) < n * k or nbytes(scales) < 4 * k:
+        raise DeviceError(f"transpose_i8 {w.name!r}: output holds fewer than {k} rows of {n} codes and scales")
+    dev.dispatch(pipeline(dev, "transpose_i8"), [pack(n, k, 0, 0), w.codes, codes], (-(-k // 64), -(-n // 64), 1))
+    return Int8Matrix(codes, scales, k, n, n, name or f"{w.name} transposed")
