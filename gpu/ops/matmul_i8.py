@@ -21,11 +21,11 @@ from gpu.ops.common import nbytes
 from gpu.ops.matmul_tc import matrix_problem
 from model.int8 import check_chunk, pack_i8, quantize_i8
 
-# Presets, measured on an H200 (docs/benchmarks.md, 2026-12-04; bench/gemm_i8.py --sweep): one scale per row
+# Presets, measured on an H200 (docs/benchmarks.md, 2026-12-05; bench/gemm_i8.py --sweep): one scale per row
 # (one chunk): 4 x 2 subgroups of 4 x 4 matrices, a 256 x 128 tile, 64 codes staged per step with register
-# prefetch: 306 / 329 TOPS at 4096 x 4096 x 4096 / 4096 x 14336 x 4096 (4 x 2 matrices: 241 / 262; two
-# buffers: 238 / 256). Several chunks keep f32 partials in registers beside the i32 matrices, so 4 x 2 matrices:
-# 139 / 148 TOPS at chunk 256 (two buffers 105).
+# prefetch: 438 / 450 TOPS at 4096 x 4096 x 4096 / 4096 x 14336 x 4096 (2 x 4 subgroups: 455 / 461, but slower
+# on the "nn" GEMM; 128 x 128 tiles: 280-413). Several chunks keep f32 partials in registers beside the i32
+# matrices, so 4 x 2 matrices: 139 / 148 TOPS at chunk 256 (2026-12-04, before the epilogue rework).
 I8_TILE = I8Config(sg_m=4, sg_n=2, tm=4, tn=4, bk=64, fm=1)
 I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
 # Lavapipe-sized tile for the emulated kernel.
