@@ -91,6 +91,27 @@ def test_quantize_kernel_matches_the_twin(dev: Device) -> None:
 
 
 @pytest.mark.gpu
+def test_rows_longer_than_the_registers_hold(dev: Device) -> None:
+    """Rows past the 16,384 values an invocation group holds in registers (int8_codes.wgsl PER) read their rest
+    twice: activation and weight codes still equal the twin's, the row's max found in the rest."""
+    rng = np.random.default_rng(3)
+    k = 16384 + 128
+    x = rng.standard_normal((2, k)).astype(np.float32)
+    x[1, -5] = 40.0  # the max of row 1 in the part read twice
+    out = i8_buffers(dev, 2, k, k, "long")
+    quantize_i8_gpu(dev, dev.upload(x), out)
+    codes_np, scales_np = quantize_i8(x, k)
+    np.testing.assert_allclose(dev.read(out.scales, np.float32, (2, 1)), scales_np, rtol=1e-6)
+    assert np.abs(dev.read(out.codes, np.int8, (2, k)).astype(int) - codes_np).max() <= 1
+    kw = 16384 + 32
+    raw = random_blocks(T.Q4_0, (2, kw), rng)
+    w8 = weight_to_i8(dev, upload_quant(dev, raw, T.Q4_0, (2, kw), name="long w"))
+    wc, ws = quantize_i8(dequantize(raw, T.Q4_0).reshape(2, kw).astype(np.float32), kw)
+    np.testing.assert_allclose(dev.read(w8.scales, np.float32, (2, 1)), ws, rtol=1e-6)
+    assert np.abs(dev.read(w8.codes, np.int8, (2, kw)).astype(int) - wc).max() <= 1
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "qtype", [T.F32, T.F16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name
 )

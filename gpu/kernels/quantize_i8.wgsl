@@ -1,7 +1,8 @@
 // Activations to int8 for the integer GEMM (model/int8.py quantize_i8 is the numpy twin): per row r and chunk c of
 // `chunk` consecutive elements, S[r, c] = max |X[r, chunk c]| / 127 and Q[r, k] = round(X[r, k] / S[r, c])
 // (ties to even, |q| <= 127; an all-zero chunk gives S = 0 and codes 0), four codes per u32 word, little-endian.
-// A workgroup per (chunk, row): the absmax by the fixed tree of workgroup_reduce.wgsl, then the codes (int8_codes.wgsl).
+// A workgroup per (chunk, row): the chunk's values held in registers for its absmax (workgroup_reduce.wgsl) and
+// its codes (int8_codes.wgsl codes_of_row).
 
 struct Params {
     k: u32,        // row length (codes per row of Q)
@@ -24,25 +25,23 @@ fn value(i: u32, k: u32) -> f32 {
     return X[i]${CS_FACTOR};
 }
 
-const WG: u32 = 64u;
+var<private> x0: u32;   // X's index of this workgroup's chunk start
+var<private> k0: u32;   // its column
+
+fn group4(w: u32) -> vec4<f32> {
+    let i = x0 + 4u * w;
+    let k = k0 + 4u * w;
+    return vec4<f32>(value(i, k), value(i + 1u, k + 1u), value(i + 2u, k + 2u), value(i + 3u, k + 3u));
+}
+
+const WG: u32 = 256u;
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let c = wid.x;
     let r = wid.y;
-    let x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
-    var m = 0.0;
-    let k0 = c * prm.chunk;
-    for (var i = lid; i < prm.chunk; i += WG) {
-        m = max(m, abs(value(x0 + i, k0 + i)));
-    }
-    let scale = workgroup_reduce(lid, m) / 127.0;
-    let q0 = (r * prm.k + c * prm.chunk) / 4u;
-    for (var w = lid; w < prm.chunk / 4u; w += WG) {
-        let i = x0 + 4u * w;
-        let k = k0 + 4u * w;
-        let v = vec4<f32>(value(i, k), value(i + 1u, k + 1u), value(i + 2u, k + 2u), value(i + 3u, k + 3u));
-        Q[q0 + w] = pack4(v, scale);
-    }
+    x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
+    k0 = c * prm.chunk;
+    let scale = codes_of_row(lid, prm.chunk / 4u, (r * prm.k + c * prm.chunk) / 4u);
     if (lid == 0u) {
         S[r * prm.chunks + c] = scale;
     }
