@@ -131,19 +131,18 @@ def _decode(path: Path, data: bytes, lineno: int = 1) -> str:
         ) from None
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
+def _lines(
+    path: Path, hint: str = "JSON Lines holds one record per line (is this a JSON Lines file?)"
+) -> Iterator[tuple[int, str]]:
     """(line number, text) of a UTF-8 file one line at a time, each at most MAX_LINE_BYTES (memory stays bounded
-    on a huge file without newlines): DataError naming the file and line otherwise."""
+    on a huge file without newlines): DataError naming the file and line, then `hint`, otherwise."""
     with open(path, "rb") as fh:
         for lineno in itertools.count(1):
             raw = fh.readline(MAX_LINE_BYTES + 1)
             if not raw:
                 return
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                raise DataError(
-                    f"{path} line {lineno}: longer than {MAX_LINE_BYTES / 2**20:g} MiB; JSON Lines holds one record "
-                    "per line (is this a JSON Lines file?)"
-                )
+                raise DataError(f"{path} line {lineno}: longer than {MAX_LINE_BYTES / 2**20:g} MiB; {hint}")
             yield lineno, _decode(path, raw, lineno)
 
 
@@ -222,7 +221,10 @@ def _read_hf_dir(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]
 
 
 def _read_text(path: Path) -> Iterator[tuple[str, Any]]:
-    text = _decode(path, path.read_bytes())
+    """Paragraphs of a text file, read line by line as JSON Lines are (a line over MAX_LINE_BYTES or not UTF-8 is
+    refused at that line, before the rest of the file is read)."""
+    lines = _lines(path, "a text file is read line by line (is this a text file?)")
+    text = "".join(line for _, line in lines)
     for i, para in enumerate(p.strip() for p in _PARAGRAPH.split(text)):
         if para:
             yield f"paragraph {i}", para

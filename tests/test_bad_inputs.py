@@ -25,7 +25,7 @@ import tracemalloc
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -565,6 +565,17 @@ ELSEWHERE: list[tuple[str, str, str]] = [
         "test_bad_inputs.py::test_a_line_without_end_is_refused_in_bounded_memory",
     ),
     (
+        "a text (.txt) file with a huge line, or not UTF-8 on its first line",
+        "`<file> line 3: longer than 64 MiB; a text file is read line by line` / `<file> line 1: not UTF-8 text`, "
+        "before the rest of the file is read",
+        "test_bad_inputs.py::test_a_text_file_is_refused_in_bounded_memory",
+    ),
+    (
+        "anything a run writes (every case above, refused or run, and the recoveries)",
+        "nothing created, changed or removed beside the workdir",
+        "test_bad_inputs.py::test_nothing_is_written_outside_the_workdir",
+    ),
+    (
         "some blank documents",
         "one warning line: `<file>: 2 of 3 documents are empty or whitespace only (first: line 2)`",
         "test_bad_inputs.py::test_some_blank_documents_are_a_warning",
@@ -672,12 +683,37 @@ class Outcome:
     output: str
     error: str
     workdir: Path
+    outside: list[str] = field(default_factory=list)  # what the run created, changed or removed beside its workdir
+
+
+def _tree(folder: Path, workdir: Path) -> dict[str, tuple[bool, int, int]]:
+    """Every entry under `folder` outside `workdir`: relative path -> (a folder, size, mtime_ns), links not
+    followed."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if here / d != workdir]
+        for name in dirnames + filenames:
+            st = (here / name).lstat()
+            found[str((here / name).relative_to(folder))] = (name in dirnames, st.st_size, st.st_mtime_ns)
+    return found
+
+
+def _changed(before: dict[str, tuple[bool, int, int]], after: dict[str, tuple[bool, int, int]]) -> list[str]:
+    """The entries created, removed or changed between two _tree snapshots (a folder's mtime aside: a folder
+    changes when its files do, which the files themselves show)."""
+    return sorted(
+        name
+        for name in before.keys() | after.keys()
+        if before.get(name) != after.get(name) and not (before.get(name, (0,))[0] and after.get(name, (0,))[0])
+    )
 
 
 def _run_case(case: Case, root: Path, api_url: str) -> Outcome:
     ctx = Ctx(root / re.sub(r"[^a-z0-9]+", "-", case.name.lower()).strip("-"), case.name)
     ctx.dir.mkdir(parents=True)
     args = case.build(ctx)
+    before = _tree(ctx.dir, ctx.workdir)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
     env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="80")
     env.update({"DISTILLERY_FAULT": case.fault} if case.fault else {})
@@ -686,7 +722,8 @@ def _run_case(case: Case, root: Path, api_url: str) -> Outcome:
     )
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if line.startswith("error:")]
-    return Outcome(case, proc.returncode, output, errors[-1] if errors else "", ctx.workdir)
+    outside = _changed(before, _tree(ctx.dir, ctx.workdir))
+    return Outcome(case, proc.returncode, output, errors[-1] if errors else "", ctx.workdir, outside)
 
 
 def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, dict]) -> Outcome:
@@ -698,6 +735,7 @@ def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, di
     )
     item.damage(ctx.workdir, summary)
     config = ctx.file("config.yaml", yaml.safe_dump({**cfg, "run": {**cfg["run"], "workdir": str(ctx.workdir)}}))
+    before = _tree(ctx.dir, ctx.workdir)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
     env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="80")
     proc = subprocess.run(
@@ -706,7 +744,8 @@ def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, di
     )  # fmt: skip
     output = proc.stdout + proc.stderr
     said = [line for line in output.splitlines() if "cached result not used" in line]
-    return Outcome(item, proc.returncode, output, said[0].split(" - ", 1)[-1] if said else "", ctx.workdir)
+    outside = _changed(before, _tree(ctx.dir, ctx.workdir))
+    return Outcome(item, proc.returncode, output, said[0].split(" - ", 1)[-1] if said else "", ctx.workdir, outside)
 
 
 @pytest.fixture(scope="module")
@@ -846,6 +885,15 @@ def test_broken_output_is_rebuilt_with_one_warning_line(outcomes: list[Outcome],
     assert item.absent is None or not (o.workdir / item.absent).exists()
 
 
+def test_nothing_is_written_outside_the_workdir(outcomes: list[Outcome]) -> None:
+    """No case, refused or run (recoveries included), creates, changes or removes anything beside its workdir:
+    in its own folder (its config and data files, where `run.run_name=../../x` once wrote x.md) or in the folder
+    above, which holds only the cases' folders."""
+    assert {o.case.name: o.outside for o in outcomes if o.outside} == {}
+    root = outcomes[0].workdir.parent.parent
+    assert sorted(p.name for p in root.iterdir()) == sorted(o.workdir.parent.name for o in outcomes)
+
+
 def test_report_lists_every_case(outcomes: list[Outcome]) -> None:
     text = REPORT.read_text(encoding="utf-8")
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| case")]
@@ -888,6 +936,40 @@ def test_a_line_without_end_is_refused_in_bounded_memory(tmp_path: Path, monkeyp
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20, peak  # the 16 MiB line is never held
+
+
+def test_a_text_file_is_refused_in_bounded_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A .txt file is read line by line as JSON Lines are: a line without end longer than MAX_LINE_BYTES, or a
+    first line that is not UTF-8, is refused before the rest of the file is held (it was read whole: about three
+    times the file's size at the peak, then 'not UTF-8' or one huge document)."""
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 1 << 16)
+    huge, binary = tmp_path / "huge.txt", tmp_path / "binary.txt"
+    huge.write_bytes(b"the river\n\n" + b"x" * (16 << 20))  # 16 MiB on line 3, no newline
+    binary.write_bytes(b"\xffx\n" + b"x\n" * (8 << 20))  # not UTF-8 on line 1, 16 MiB after it
+    for path, says in ((huge, "line 3: longer than 0.0625 MiB; a text file is read line by line"),
+                       (binary, "line 1: not UTF-8 text (byte 0xff")):  # fmt: skip
+        tracemalloc.start()
+        try:
+            with pytest.raises(DataError) as err:
+                load_records(path)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert str(err.value).startswith(f"{path} {says}"), err.value
+        assert peak < 4 << 20, (path.name, peak)  # the 16 MiB is never held
+
+
+def test_text_paragraphs_are_those_of_the_whole_file(tmp_path: Path) -> None:
+    """Reading a text file line by line splits it into the same paragraphs, at the same indices, as splitting the
+    whole file at blank lines (runs of blank lines, whitespace-only lines, CRLF, no final newline)."""
+    rng = np.random.default_rng(0)
+    pieces = ["a", "b c", " ", "\t", "\r", "\n", "\n", "\n", "\u00e9"]
+    path = tmp_path / "a.txt"
+    for _ in range(300):
+        text = "x" + "".join(pieces[int(i)] for i in rng.integers(len(pieces), size=int(rng.integers(1, 30))))
+        path.write_bytes(text.encode())
+        want = [(f"paragraph {i}", p) for i, p in enumerate(q.strip() for q in records._PARAGRAPH.split(text)) if p]
+        assert [(d.locator, d.text) for d in load_records(path)] == want, repr(text)
 
 
 def test_some_blank_documents_are_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

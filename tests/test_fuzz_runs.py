@@ -6,6 +6,7 @@ is the bench; its numbers are in docs/reliability.md. Below: each defect the fuz
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,18 +23,57 @@ SEED = 0
 CASES = range(20)
 
 
+def _tree(root: Path, skip: Path) -> dict[Path, tuple[bool, int, int]]:
+    """Every entry under root outside `skip`: path -> (a folder, size, mtime_ns), links not followed."""
+    found = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [d for d in dirnames if here / d != skip]
+        for name in dirnames + filenames:
+            st = (here / name).lstat()
+            found[here / name] = (name in dirnames, st.st_size, st.st_mtime_ns)
+    return found
+
+
+def _written_outside(case: Case, case_dir: Path, before: dict, after: dict) -> list[Path]:
+    """What a case created or changed under the test's folder other than its inputs (config, data, links,
+    folders: bench/fuzz_runs.materialize, and the recheck's valid.yaml) and its own workdir."""
+    try:
+        workdir: Path | None = Path(load_config(case_dir / "config.yaml", case.overrides).run.workdir).resolve()
+    except Exception:  # noqa: BLE001 -- refused at load: it has no workdir, so it may write nothing
+        workdir = None
+    inputs = {case_dir / n for n in [*case.files, *case.dirs, *case.links, "config.yaml", "valid.yaml"]}
+    inputs |= {parent for path in inputs for parent in path.parents if parent.is_relative_to(case_dir)}
+    inputs |= {case_dir.parent}
+    changed = [p for p in after.keys() | before.keys() if before.get(p) != after.get(p)]
+    return sorted(
+        p
+        for p in changed
+        if not (before.get(p, (0,))[0] and after.get(p, (0,))[0])  # a folder both times: its entries say
+        and p not in inputs
+        and not (workdir is not None and p.resolve().is_relative_to(workdir))
+    )
+
+
 def test_fuzz_cases_complete_or_refuse_in_one_line(prefect_harness: None, tmp_path: Path) -> None:
-    """20 cases of seed 0 on one workdir, every fourth followed by a valid run there."""
+    """20 cases of seed 0 on one workdir, every fourth followed by a valid run there; no case writes beside its
+    workdir (in its own folder or another case's)."""
     workdir = tmp_path / "run"
-    outcomes = []
+    outcomes, outside = [], {}
     for n in CASES:
         case_dir = tmp_path / "cases" / f"{n:05d}"
-        outcomes.append(run_case(make_case(SEED, n, case_dir, workdir), case_dir, workdir, n if n % 4 == 3 else None))
+        case = make_case(SEED, n, case_dir, workdir)
+        before = _tree(tmp_path, workdir)
+        outcomes.append(run_case(case, case_dir, workdir, n if n % 4 == 3 else None))
+        if written := _written_outside(case, case_dir, before, _tree(tmp_path, workdir)):
+            outside[f"{n} {case.mutation}"] = [str(p.relative_to(tmp_path)) for p in written]
     failures = [o for o in outcomes if o.outcome == "failure"]
     assert not failures, failures
     assert {o.outcome for o in outcomes} == {"completed", "refused"}, outcomes
     assert [o.recheck for o in outcomes if o.recheck] == ["ok"] * 5
     assert record_problems(workdir) == []
+    assert outside == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cases", "run"]
 
 
 def _case(tmp_path: Path, edit: dict[str, dict[str, Any]], files: dict[str, bytes] | None = None) -> Case:
