@@ -95,16 +95,33 @@ def render_chat(
     )
 
 
+def _marked(index: int, content: str, space_outside: bool) -> str:
+    """`content` wrapped in markers; space_outside: its leading and trailing whitespace left outside them, where a
+    template's `| trim` still removes it (the markers would otherwise shield it)."""
+    if not space_outside:
+        return f"{_OPEN}{index}{_SEP}{content}{_CLOSE}"
+    core = content.strip()
+    lead = content[: len(content) - len(content.lstrip())]
+    return f"{lead}{_OPEN}{index}{_SEP}{core}{_CLOSE}{content[len(lead) + len(core) :]}"
+
+
 def _marked_spans(
-    template: str, messages: Sequence[Mapping[str, Any]], text: str, context: Mapping[str, Any]
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    text: str,
+    context: Mapping[str, Any],
+    space_outside: bool = False,
 ) -> list[tuple[int, int]] | None:
     """Span of each message's content in `text`, from a render whose contents are wrapped in markers.
 
-    None when the template changes the marked contents (so the stripped render is not `text`).
+    space_outside: the markers hold each content without its surrounding whitespace, so a template that trims some
+    contents (Gemma's turns, not its folded system message) renders the same text; the spans are then the trimmed
+    contents. None when the template changes the marked contents (so the render with the markers taken out is not
+    `text`).
     """
     if any(c in m["content"] for m in messages for c in (_OPEN, _SEP, _CLOSE)):
         return None
-    marked = [{**m, "content": f"{_OPEN}{i}{_SEP}{m['content']}{_CLOSE}"} for i, m in enumerate(messages)]
+    marked = [{**m, "content": _marked(i, m["content"], space_outside)} for i, m in enumerate(messages)]
     try:
         rendered = render_chat(template, marked, **context)
     except Exception:  # the template inspected the content: fall back to searching
@@ -157,7 +174,11 @@ def content_spans(
     template: str, messages: Sequence[Mapping[str, Any]], text: str, **context: Any
 ) -> list[tuple[int, int]]:
     """[start, end) character span of each message's content in `text` = render_chat(template, messages)."""
-    return _marked_spans(template, messages, text, context) or _searched_spans(messages, text)
+    return (
+        _marked_spans(template, messages, text, context)
+        or _marked_spans(template, messages, text, context, space_outside=True)
+        or _searched_spans(messages, text)
+    )
 
 
 def tokenize_chat(
