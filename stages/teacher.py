@@ -43,14 +43,8 @@ FOLDER = "teacher"
 KEY = StageKey(
     stage="teacher-plan",
     version="2",  # 2: batched teacher (bytes within reference_topk_batch's stated tolerance of version 1's)
-    config_fields=(
-        "teacher.store",
-        "teacher.top_k",
-        "teacher.samples",
-        "teacher.seed",
-        "teacher.temperature",
-        "teacher.shard_tokens",
-    ),
+    config_fields=("teacher.top_k", "teacher.temperature", "teacher.shard_tokens"),
+    config_fields_when=(("teacher.store", "sampled", ("teacher.samples", "teacher.seed")),),
     files=("model.teacher",),
     inputs=("tokens",),
 )

@@ -3,6 +3,7 @@ same KdBatch, bytes per position, the cache key and the refusals (teacher.store:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,9 +16,10 @@ from model import reference as R
 from model.kd import LossConfig
 from model.sampled import logp_value, sample_positions
 from model.teacher_cpu import reference_sampled_batch
-from schemas.config import RunConfig, config_fingerprint
+from schemas.config import RunConfig
 from schemas.files import SAMPLED_SHARD
 from schemas.manifests import TeacherManifest
+from stages.keys import content
 from stages.teacher import KEY
 from tests.pipeline_fixtures import tiny_config
 from tests.test_topk_store import CFG, TAU, _token_table
@@ -169,12 +171,21 @@ def test_config_store_fields_key_and_refusals(tmp_path: Path) -> None:
     cfg = RunConfig.model_validate(base)
     assert cfg.teacher.store == "topk" and cfg.teacher.samples == 12
     sampled = RunConfig.model_validate({**base, "teacher": {**base["teacher"], "store": "sampled"}})
-    fp = [config_fingerprint(c, KEY.config_fields) for c in (cfg, sampled)]
+    inputs = {"tokens": {"shards_hash": "0" * 64}}
     more = {**base["teacher"], "store": "sampled", "samples": 16}
-    fp.append(config_fingerprint(RunConfig.model_validate({**base, "teacher": more}), KEY.config_fields))
     seeded = {**base["teacher"], "store": "sampled", "seed": 1}
-    fp.append(config_fingerprint(RunConfig.model_validate({**base, "teacher": seeded}), KEY.config_fields))
-    assert len(set(fp)) == 4
+    others = [RunConfig.model_validate({**base, "teacher": t}) for t in (more, seeded)]
+    keys = [KEY.key(c, inputs) for c in (cfg, sampled, *others)]
+    assert len(set(keys)) == 4
+    # top-k keys stay those of runs from before the sampled store: its fields are folded in only when sampled
+    assert KEY.config_fields_when and KEY.key(cfg, inputs) == replace(KEY, config_fields_when=()).key(cfg, inputs)
+    topk_other_seed = RunConfig.model_validate({**base, "teacher": {**base["teacher"], "seed": 5, "samples": 3}})
+    assert KEY.key(topk_other_seed, inputs) == KEY.key(cfg, inputs)
+    manifest = TeacherManifest(
+        teacher_sha256="0" * 64, k=4, temperature=1.0, vocab_size=300, token_shards_hash="0" * 64, shards=()
+    )
+    assert not {"store", "shard_schema", "seed"} & set(content(manifest))
+    assert {"store", "seed"} <= set(content(manifest.model_copy(update={"store": "sampled", "seed": 3})))
     for kind in ("reverse_kl", "jsd"):
         with pytest.raises(ValidationError, match=r"loss\.kind: .* teacher\.store: sampled"):
             RunConfig.model_validate(
