@@ -157,17 +157,19 @@ def kd_rows(
     cfg: LossConfig,
     count: int,
     backward: bool,
+    counts: np.ndarray | None = None,
 ) -> KdRows:
-    """model/kd.py's per-row loss from a = z[ids] / tau - lse_tau, in float64; count = masked rows of the batch."""
+    """model/kd.py's per-row loss from a = z[ids] / tau - lse_tau, in float64; count = masked rows of the batch;
+    counts: the sampled store's (cfg.samples > 0)."""
     k = teacher_logprobs.shape[1]
     a = vp.gathered[:, :k].astype(np.float64) / cfg.tau - vp.lse_tau[:, None]
     lt = np.asarray(teacher_logprobs, np.float64)
     tail = None if teacher_tail is None else np.asarray(teacher_tail, np.float64)
     n = max(1, count)
-    per_row = cfg.tau**2 * kd_support_forward(a, lt, tail, cfg)
+    per_row = cfg.tau**2 * kd_support_forward(a, lt, tail, cfg, counts)
     if cfg.ce_weight:
         per_row = per_row + cfg.ce_weight * (vp.lse_1 - vp.gathered[:, k].astype(np.float64))
-    da = kd_support_backward(a, lt, tail, cfg) * (cfg.tau**2 / n) if backward else np.zeros((0, k))
+    da = kd_support_backward(a, lt, tail, cfg, counts) * (cfg.tau**2 / n) if backward else np.zeros((0, k))
     return KdRows(per_row / n, da)
 
 

@@ -2,7 +2,8 @@
 batch (model/engine_spec.py), turns the final normed hidden states into a loss and dL/dh of the rows that count,
 and says what an evaluation returns. Their GPU twins are gpu/objectives.py's GpuKd and GpuPreference.
 
-NumpyKd: model/kd.py's KD losses over the teacher's top-k, through cpu/head.py's vocabulary pass.
+NumpyKd: model/kd.py's KD losses over the teacher's top-k (or the sampled store's draws: LossConfig.samples > 0,
+KdBatch.teacher_counts), through cpu/head.py's vocabulary pass.
 
 NumpyPreference: DPO-family losses (model/dpo.py) over P pairs as 2P sequences: rows 0..P-1 the chosen responses,
 P..2P-1 the rejected ones. One vocabulary pass (tau = 1, weighted) gives per masked row the target's log-prob
@@ -97,7 +98,19 @@ class NumpyKd:
         for name, a in (("token ids", ids), ("teacher ids", tids), ("targets", targets)):
             _check_ids(name, a, v)
         tail = batch.teacher_tail
+        counts = None
+        if self.loss_cfg.samples:
+            if batch.teacher_counts is None:
+                raise ValueError("the sampled KD loss needs KdBatch.teacher_counts (teacher.store: sampled)")
+            counts = np.asarray(batch.teacher_counts).reshape(e.rows, self.top_k).astype(np.int32)
+            mask = np.asarray(batch.mask).reshape(-1) != 0
+            if (counts[mask].sum(axis=1) != self.loss_cfg.samples).any():
+                raise ValueError(f"teacher counts of a trained position do not sum to {self.loss_cfg.samples}")
+            tail = None
+        elif batch.teacher_counts is not None:
+            raise ValueError("a sampled KdBatch (teacher_counts) given to a top-k loss: set teacher.store: sampled")
         return {
+            "teacher_counts": counts,
             "ids": ids,
             "targets": targets,
             "mask": np.asarray(batch.mask).reshape(-1) != 0,
@@ -117,7 +130,8 @@ class NumpyKd:
         tids, targets = b["teacher_ids"][rows], b["targets"][rows]
         vp = head.vocab_pass(nf[rows], tids, targets, c.tau, weighted=weighted)
         tail = None if b["teacher_tail"] is None else b["teacher_tail"][rows]
-        kd = kd_rows(vp, b["teacher_logprobs"][rows], tail, c, count, backward)
+        counts = None if b["teacher_counts"] is None else b["teacher_counts"][rows]
+        kd = kd_rows(vp, b["teacher_logprobs"][rows], tail, c, count, backward, counts)
         loss = float(np.sum(kd.row_loss))
         dh = head_backward(head, vp, kd, tids, targets, c, count) if backward else None
         return loss, dh, rows
@@ -132,7 +146,9 @@ class NumpyKd:
         if len(rows):
             sub = VocabPass(vp.lse_tau[rows], vp.lse_1[rows], vp.gathered[rows], None, None, None)
             tail = None if b["teacher_tail"] is None else b["teacher_tail"][rows]
-            loss = float(np.sum(kd_rows(sub, b["teacher_logprobs"][rows], tail, c, len(rows), False).row_loss))
+            counts = None if b["teacher_counts"] is None else b["teacher_counts"][rows]
+            kd = kd_rows(sub, b["teacher_logprobs"][rows], tail, c, len(rows), False, counts)
+            loss = float(np.sum(kd.row_loss))
         return {
             "kd_loss": np.array([loss], np.float32),
             "ce": vp.lse_1 - vp.gathered[:, self.top_k].astype(np.float64),

@@ -1,4 +1,6 @@
-"""Teacher top-k shards: Parquet (zstd) files of schemas.files.topk_schema, a Parquet manifest, resumable.
+"""Teacher shards: Parquet (zstd) files of schemas.files.topk_schema (teacher.store topk) or sampled_schema
+(teacher.store sampled, model/sampled.py), a Parquet manifest, resumable. One reader and writer for both: rows
+carry counts exactly when they are sampled.
 
 Layout of a top-k directory:
   topk-<split>-<shard:05d>.parquet   one row per trained position (loss_mask = 1), sorted by (seq_id, pos)
@@ -27,7 +29,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data.atomic import atomic_file
-from schemas.files import TOPK_MANIFEST, SchemaError, topk_schema, validate_table
+from model.sampled import logp_code, logp_value
+from schemas.files import (
+    SHARD_SCHEMAS,
+    TOPK_MANIFEST,
+    SchemaError,
+    sampled_schema,
+    shard_schema,
+    topk_schema,
+    validate_table,
+)
 from schemas.manifests import ManifestError, ShardRecord, TeacherManifest, sha256_file
 
 try:
@@ -41,7 +52,17 @@ MANIFEST_NAME = "topk_manifest.parquet"
 PENDING_SHA256 = "0" * 64  # sha256 field of a planned, not yet written shard
 ZSTD_LEVEL = 7
 F16_MIN = float(np.finfo(np.float16).min)
-_HEADER_KEYS = ("teacher_sha256", "k", "temperature", "vocab_size", "token_shards_hash")
+_HEADER_KEYS = (
+    "teacher_sha256",
+    "k",
+    "temperature",
+    "vocab_size",
+    "token_shards_hash",
+    "store",
+    "shard_schema",
+    "seed",
+)
+_HEADER_DEFAULTS = {"store": "topk", "shard_schema": SHARD_SCHEMAS["topk"], "seed": "0"}  # manifests before them
 _manifest_lock = threading.Lock()
 
 # A teacher: ids [N, T] and loss mask [N, T] of N sequences -> (ids [N, T, k], logprobs [N, T, k], tail [N, T]) at
@@ -59,21 +80,28 @@ class VocabMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class TopkRows:
-    """Rows of a top-k shard (or a batch read back): one per trained position, sorted by (seq_id, pos)."""
+    """Rows of a teacher shard (or a batch read back): one per trained position, sorted by (seq_id, pos).
+
+    Sampled rows (counts given): ids the distinct drawn ids ascending, padded to k = samples with id 0, count 0;
+    logprobs their stored log-probs (-code / 16; codes uint8 from compute_shard_rows); tail zeros (not stored)."""
 
     seq_id: np.ndarray  # [N] int64
     pos: np.ndarray  # [N] int32
     ids: np.ndarray  # [N, k] (uint16/uint32 on disk; int64 from compute_shard_rows, int32 from readers)
-    logprobs: np.ndarray  # [N, k] float32 (float16 on disk)
+    logprobs: np.ndarray  # [N, k] float32 (float16 on disk; sampled: uint8 codes on disk and from the teacher)
     tail: np.ndarray  # [N] float32
+    counts: np.ndarray | None = None  # [N, k] uint8: the sampled store's counts; None for top-k
 
     def __len__(self) -> int:
         return len(self.seq_id)
 
 
-def _empty_rows(k: int) -> TopkRows:
+def _empty_rows(k: int, sampled: bool = False) -> TopkRows:
     z = np.zeros
-    return TopkRows(z(0, np.int64), z(0, np.int32), z((0, k), np.int32), z((0, k), np.float32), z(0, np.float32))
+    counts = z((0, k), np.uint8) if sampled else None
+    return TopkRows(
+        z(0, np.int64), z(0, np.int32), z((0, k), np.int32), z((0, k), np.float32), z(0, np.float32), counts
+    )
 
 
 def shard_file(split: str, shard: int) -> str:
@@ -155,7 +183,9 @@ def compute_shard_rows(
     on_sequences: Callable[[int], None] | None = None,
 ) -> TopkRows:
     """Run `teacher` on the shard's sequences, about rows_per_call positions per call (sequences of one length
-    together), and keep the rows of positions with loss_mask = 1. on_sequences(n) after each call."""
+    together), and keep the rows of positions with loss_mask = 1. on_sequences(n) after each call. A teacher whose
+    `store` is "sampled" is called with the sequences' seq_ids too and returns (ids, logp codes, counts)."""
+    sampled = getattr(teacher, "store", "topk") == "sampled"
     table = _table(token_split)
     seq = _seq_ids(table, f"{plan.split} split")
     if not len(seq) or plan.seq_start < seq[0] or plan.seq_end > seq[-1] + 1:
@@ -179,8 +209,11 @@ def compute_shard_rows(
             group = rows[s : s + per_call]
             ids = np.asarray([ids_rows[i] for i in group], np.int64).reshape(len(group), t)
             mask = np.stack([mask_rows[i] for i in group])
-            t_ids, t_lp, t_tail = teacher(ids, mask)
-            t_ids, t_lp, t_tail = np.asarray(t_ids), np.asarray(t_lp, np.float32), np.asarray(t_tail, np.float32)
+            if sampled:
+                t_ids, t_lp, t_counts = (np.asarray(a) for a in teacher(ids, mask, seq_ids[group]))
+            else:
+                t_ids, t_lp, t_tail = teacher(ids, mask)
+                t_ids, t_lp, t_tail = np.asarray(t_ids), np.asarray(t_lp, np.float32), np.asarray(t_tail, np.float32)
             for j, i in enumerate(group):
                 positions = np.flatnonzero(mask_rows[i])
                 results[i] = (
@@ -188,12 +221,13 @@ def compute_shard_rows(
                     positions.astype(np.int32),
                     t_ids[j, positions].astype(np.int64),
                     t_lp[j, positions],
-                    t_tail[j, positions],
+                    np.zeros(len(positions), np.float32) if sampled else t_tail[j, positions],
+                    *((t_counts[j, positions],) if sampled else ()),
                 )
             if on_sequences is not None:
                 on_sequences(len(group))
     if not results:  # write_shard reshapes the empty [0, 0] arrays to [0, k]
-        return _empty_rows(0)
+        return _empty_rows(0, sampled)
     cols = [np.concatenate(c) for c in zip(*(results[i] for i in trained), strict=True)]
     return TopkRows(*cols)
 
@@ -210,7 +244,56 @@ def _write_parquet_atomic(table: pa.Table, path: Path, **options: object) -> str
     return digest
 
 
+def _sorted_keys(rows: TopkRows, source: str) -> None:
+    key = np.asarray(rows.seq_id, np.int64) * (1 << 32) + np.asarray(rows.pos, np.int64)
+    if len(key) > 1 and not (np.diff(key) > 0).all():
+        raise ValueError(f"{source}: rows must be sorted by (seq_id, pos) without duplicates")
+
+
+def _sampled_table(rows: TopkRows, vocab_size: int, n: int, source: str) -> pa.Table:
+    """The sampled_schema table of sampled rows (ids/codes/counts [N, n], the distinct ids first, then padding)."""
+    schema = sampled_schema(vocab_size, n)
+    count = len(rows.seq_id)
+    ids, counts = np.asarray(rows.ids).reshape(count, -1), np.asarray(rows.counts).reshape(count, -1)
+    codes = np.asarray(rows.logprobs)
+    if codes.dtype != np.uint8:  # log-probs given as values: encode them
+        codes = logp_code(codes)
+    codes = codes.reshape(count, -1)
+    if ids.shape != (count, n) or counts.shape != (count, n) or codes.shape != (count, n) or len(rows.pos) != count:
+        raise ValueError(f"{source}: expected sampled ids/logp/counts [{count}, {n}], got {ids.shape}, {counts.shape}")
+    live = counts > 0
+    width = live.sum(axis=1)
+    if count and (
+        (counts.sum(axis=1) != n).any() or (live != (np.arange(n)[None, :] < width[:, None])).any() or width.min() < 1
+    ):
+        raise ValueError(f"{source}: column 'counts' must sum to {n} per row, its non-zero entries first")
+    kept = ids[live]
+    if count and (kept.min() < 0 or kept.max() >= vocab_size):
+        raise ValueError(f"{source}: column 'ids' holds ids outside [0, {vocab_size})")
+    if count and n > 1 and ((np.diff(ids, axis=1) <= 0) & live[:, 1:]).any():
+        raise ValueError(f"{source}: column 'ids' must be distinct and ascending within a row")
+    _sorted_keys(rows, source)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(width)]).astype(np.int32))
+    id_type = schema.field("ids").type.value_type
+
+    def lists(values: np.ndarray, kind: pa.DataType) -> pa.Array:
+        return pa.ListArray.from_arrays(offsets, pa.array(values, kind))
+
+    return pa.Table.from_arrays(
+        [
+            pa.array(np.asarray(rows.seq_id, np.int64), pa.int64()),
+            pa.array(np.asarray(rows.pos, np.int32), pa.int32()),
+            lists(kept.astype(id_type.to_pandas_dtype()), id_type),
+            lists(counts[live], pa.uint8()),
+            lists(codes[live], pa.uint8()),
+        ],
+        schema=schema,
+    )
+
+
 def _rows_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Table:
+    if rows.counts is not None:
+        return _sampled_table(rows, vocab_size, k, source)
     schema = topk_schema(vocab_size, k)
     n = len(rows.seq_id)
     ids = np.asarray(rows.ids)
@@ -229,9 +312,7 @@ def _rows_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Tabl
         raise ValueError(f"{source}: column 'logprobs' or 'tail' is not finite, or a logprob is > 0")
     if k > 1 and n and (np.diff(np.sort(ids, axis=1), axis=1) == 0).any():
         raise ValueError(f"{source}: column 'ids' repeats an id within a row")
-    key = np.asarray(rows.seq_id, np.int64) * (1 << 32) + np.asarray(rows.pos, np.int64)
-    if n > 1 and not (np.diff(key) > 0).all():
-        raise ValueError(f"{source}: rows must be sorted by (seq_id, pos) without duplicates")
+    _sorted_keys(rows, source)
     id_type = schema.field("ids").type.value_type
     return pa.Table.from_arrays(
         [
@@ -254,6 +335,7 @@ SHARD_OPTIONS: dict[str, object] = {
     "use_dictionary": ["ids.list.element"],
     "use_byte_stream_split": ["logprobs.list.element", "tail"],
 }
+SAMPLED_OPTIONS: dict[str, object] = {"compression": "zstd", "compression_level": ZSTD_LEVEL, "use_dictionary": False}
 
 
 def shard_table(plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Table:
@@ -272,14 +354,15 @@ def write_shard(out_dir: str | Path, plan: ShardRecord, rows: TopkRows, vocab_si
     """Write the rows of planned shard `plan` to out_dir/plan.file atomically; return its complete record.
 
     Rows must be the trained positions of sequences [seq_start, seq_end), sorted by (seq_id, pos), as many as
-    the plan counted. Logprobs are stored as float16 (clamped to the float16 range), tail as float32.
+    the plan counted. Logprobs are stored as float16 (clamped to the float16 range), tail as float32; sampled rows
+    (counts given, k = samples) as sampled_schema.
     """
     path = Path(out_dir) / plan.file
     table = shard_table(plan, rows, vocab_size, k, str(path))
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by an interrupted writer of this shard
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
-    digest = _write_parquet_atomic(table, path, **SHARD_OPTIONS)
+    digest = _write_parquet_atomic(table, path, **(SHARD_OPTIONS if rows.counts is None else SAMPLED_OPTIONS))
     return plan.model_copy(update={"sha256": digest, "complete": True})
 
 
@@ -307,12 +390,20 @@ def read_manifest(out_dir: str | Path) -> TeacherManifest | None:
     validate_table(table, TOPK_MANIFEST, str(path))
     meta = table.schema.metadata or {}
     try:
-        header = {key: meta[f"distillery.{key}".encode()].decode() for key in _HEADER_KEYS}
+        header = {
+            key: meta[f"distillery.{key}".encode()].decode()
+            if key not in _HEADER_DEFAULTS
+            else meta.get(f"distillery.{key}".encode(), _HEADER_DEFAULTS[key].encode()).decode()
+            for key in _HEADER_KEYS
+        }
     except KeyError as exc:
         raise ShardError(f"{path}: top-k manifest lacks header field {exc.args[0]!r}") from None
     try:
         return TeacherManifest(
             teacher_sha256=header["teacher_sha256"],
+            store=header["store"],
+            shard_schema=header["shard_schema"],
+            seed=int(header["seed"]),
             k=int(header["k"]),
             temperature=float(header["temperature"]),
             vocab_size=int(header["vocab_size"]),
@@ -397,8 +488,9 @@ def record_shard(out_dir: str | Path, record: ShardRecord) -> TeacherManifest:
 # ---------------------------------------------------------------------------------------------- verifying
 
 
-def verify_shard(path: str | Path, record: ShardRecord, vocab_size: int, k: int) -> None:
-    """Raise ShardError ("corrupt shard <path>: ...") unless sha256, schema and row count match the record."""
+def verify_shard(path: str | Path, record: ShardRecord, vocab_size: int, k: int, store: str = "topk") -> None:
+    """Raise ShardError ("corrupt shard <path>: ...") unless sha256, schema (of teacher store `store`) and row
+    count match the record."""
     path = Path(path)
     if not path.is_file():
         raise ShardError(f"missing shard {path}: file not found")
@@ -409,7 +501,7 @@ def verify_shard(path: str | Path, record: ShardRecord, vocab_size: int, k: int)
         raise ShardError(f"corrupt shard {path}: sha256 {digest}, manifest says {record.sha256}")
     try:
         pf = pq.ParquetFile(path)
-        validate_table(pf.schema_arrow, topk_schema(vocab_size, k), str(path))
+        validate_table(pf.schema_arrow, shard_schema(store, vocab_size, k), str(path))
     except (pa.ArrowException, OSError, SchemaError) as exc:
         raise ShardError(f"corrupt shard {path}: {exc}") from None
     if pf.metadata.num_rows != record.n_positions:
@@ -426,7 +518,7 @@ def missing_shards(manifest: TeacherManifest, out_dir: str | Path) -> list[Shard
     for rec in manifest.shards:
         if rec.complete:
             try:
-                verify_shard(out / rec.file, rec, manifest.vocab_size, manifest.k)
+                verify_shard(out / rec.file, rec, manifest.vocab_size, manifest.k, manifest.store)
                 continue
             except ShardError as exc:
                 log.warning("%s; it will be recomputed", exc)
@@ -467,28 +559,16 @@ class TopkReader:
             self._cache.move_to_end(rec.shard)
             return self._cache[rec.shard]
         path = self.out_dir / rec.file
-        k, vocab = self.manifest.k, self.manifest.vocab_size
+        k, vocab, store = self.manifest.k, self.manifest.vocab_size, self.manifest.store
         if self.verify:
-            verify_shard(path, rec, vocab, k)
+            verify_shard(path, rec, vocab, k, store)
         try:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as exc:
             raise ShardError(f"corrupt shard {path}: {exc}") from None
-        validate_table(table, topk_schema(vocab, k), str(path))
-        n = len(table)
-
-        def matrix(name: str) -> np.ndarray:
-            col = table.column(name).combine_chunks()
-            return col.flatten().to_numpy(zero_copy_only=False).reshape(n, k)
-
-        rows = TopkRows(
-            seq_id=table.column("seq_id").to_numpy(),
-            pos=table.column("pos").to_numpy(),
-            ids=matrix("ids").astype(np.int32),
-            logprobs=matrix("logprobs"),  # float16 while cached; float32 on the way out
-            tail=table.column("tail").to_numpy(),
-        )
-        if n and (rows.seq_id.min() < rec.seq_start or rows.seq_id.max() >= rec.seq_end):
+        validate_table(table, shard_schema(store, vocab, k), str(path))
+        rows = _sampled_rows(table, k, path) if store == "sampled" else _topk_rows(table, k)
+        if len(rows) and (rows.seq_id.min() < rec.seq_start or rows.seq_id.max() >= rec.seq_end):
             raise ShardError(f"corrupt shard {path}: seq_id outside [{rec.seq_start}, {rec.seq_end})")
         self._cache[rec.shard] = rows
         while len(self._cache) > self.cache_shards:
@@ -506,7 +586,8 @@ class TopkReader:
             rows = self._load(self._shard_of(int(s)))
             lo, hi = np.searchsorted(rows.seq_id, [int(s), int(s) + 1])
             cut = slice(lo, hi)
-            part = TopkRows(rows.seq_id[cut], rows.pos[cut], rows.ids[cut], rows.logprobs[cut], rows.tail[cut])
+            counts = None if rows.counts is None else rows.counts[cut]
+            part = TopkRows(rows.seq_id[cut], rows.pos[cut], rows.ids[cut], rows.logprobs[cut], rows.tail[cut], counts)
             if masks is not None:
                 want = np.flatnonzero(np.asarray(masks[j]))
                 if not np.array_equal(part.pos, want):
@@ -515,15 +596,62 @@ class TopkReader:
                         f"its loss_mask trains {want[:8].tolist()}.. (token and top-k shards disagree)"
                     )
             parts.append(part)
+        sampled = self.manifest.store == "sampled"
         if not parts:
-            return _empty_rows(self.manifest.k)
+            return _empty_rows(self.manifest.k, sampled)
         return TopkRows(
             seq_id=np.concatenate([p.seq_id for p in parts]),
             pos=np.concatenate([p.pos for p in parts]),
             ids=np.concatenate([p.ids for p in parts]),
             logprobs=np.concatenate([p.logprobs for p in parts]).astype(np.float32),
             tail=np.concatenate([p.tail for p in parts]).astype(np.float32),
+            counts=np.concatenate([p.counts for p in parts]) if sampled else None,
         )
+
+
+def _topk_rows(table: pa.Table, k: int) -> TopkRows:
+    n = len(table)
+
+    def matrix(name: str) -> np.ndarray:
+        col = table.column(name).combine_chunks()
+        return col.flatten().to_numpy(zero_copy_only=False).reshape(n, k)
+
+    return TopkRows(
+        seq_id=table.column("seq_id").to_numpy(),
+        pos=table.column("pos").to_numpy(),
+        ids=matrix("ids").astype(np.int32),
+        logprobs=matrix("logprobs"),  # float16 while cached; float32 on the way out
+        tail=table.column("tail").to_numpy(),
+    )
+
+
+def _sampled_rows(table: pa.Table, n: int, path: Path) -> TopkRows:
+    """Sampled rows padded to n columns (id 0, count 0, log-prob 0 after each row's distinct ids)."""
+    count = len(table)
+    cols = {name: table.column(name).combine_chunks() for name in ("ids", "counts", "logp")}
+    width = np.diff(cols["ids"].offsets.to_numpy())
+    if any(not np.array_equal(np.diff(c.offsets.to_numpy()), width) for c in cols.values()) or (
+        count and (width.min() < 1 or width.max() > n)
+    ):
+        raise ShardError(f"corrupt shard {path}: sampled lists of unequal or out-of-range lengths")
+    live = np.arange(n)[None, :] < width[:, None]
+
+    def padded(name: str, dtype: type) -> np.ndarray:
+        out = np.zeros((count, n), dtype)
+        out[live] = cols[name].flatten().to_numpy(zero_copy_only=False)
+        return out
+
+    counts = padded("counts", np.uint8)
+    if count and (counts.sum(axis=1, dtype=np.int64) != n).any():
+        raise ShardError(f"corrupt shard {path}: sampled counts do not sum to {n}")
+    return TopkRows(
+        seq_id=table.column("seq_id").to_numpy(),
+        pos=table.column("pos").to_numpy(),
+        ids=padded("ids", np.int32),
+        logprobs=np.where(live, logp_value(padded("logp", np.uint8)), 0).astype(np.float16),
+        tail=np.zeros(count, np.float32),
+        counts=counts,
+    )
 
 
 def read_topk(out_dir: str | Path, seq_ids: Sequence[int], masks: Sequence[np.ndarray] | None = None) -> TopkRows:

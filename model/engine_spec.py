@@ -115,7 +115,9 @@ class KdBatch:
     """One distillation batch: ids, targets (the next token) [B, T] in [0, vocab); mask [B, T] (1 where the loss
     counts); the teacher's top-k ids [B, T, k] and log-probs [B, T, k] at the teacher temperature; tail [B, T],
     the teacher mass outside the top-k, or None to leave the tail out of the loss; prefix [B, T, hidden] float32,
-    the residual stream entering the engine's start_layer (given exactly when start_layer > 0)."""
+    the residual stream entering the engine's start_layer (given exactly when start_layer > 0); teacher_counts
+    [B, T, n] uint8 for the sampled store (model/sampled.py): teacher_ids are then the distinct drawn ids padded with
+    count 0, teacher_logprobs their stored log-probs, and the tail is None."""
 
     ids: np.ndarray
     targets: np.ndarray
@@ -124,6 +126,7 @@ class KdBatch:
     teacher_logprobs: np.ndarray
     teacher_tail: np.ndarray | None = None
     prefix: np.ndarray | None = None
+    teacher_counts: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

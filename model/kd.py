@@ -18,6 +18,13 @@ Semantics (EPS = 1e-12, every logarithm of a probability is taken of max(prob, E
   per position: tau^2 * KD + ce_weight * CE,  CE = -log softmax(z)[target] (at tau = 1).
   loss = sum over positions with mask != 0 / max(1, count).
 
+Sampled store (cfg.samples = n > 0; model/sampled.py draws them): per position the distinct ids of n draws from
+the teacher at tau, their counts c (sum n) and stored log-probs lt. Only forward_kl over the full vocabulary:
+  KD_hat = sum_ids (c / n) (lt - a),  a = log q[ids] (the full softmax),
+an unbiased estimate of KL(p_T || q) (up to the log-prob code's rounding, which touches the value only), whose
+gradient dKD_hat/dz = (q - c / n) / tau is unbiased for the full-vocabulary (q - p_T) / tau, since E[c] = n p_T.
+Padding columns (count 0) contribute nothing. No tail, no renormalisation, no EPS floor.
+
 Guards (so nothing is NaN or infinite for finite logits): teacher probabilities over S are floored at EPS
 (a zero tail becomes EPS, so a 0 log 0 term contributes ~EPS |log EPS|, not NaN); the student tail
 1 - sum(q[ids]) is computed as -expm1(logsumexp(a)) and floored at EPS; its gradient is zero while floored.
@@ -49,10 +56,18 @@ class LossConfig:
     beta: float = 0.5
     ce_weight: float = 0.0
     use_tail: bool = False
+    samples: int = 0  # > 0: the sampled store, n draws per position (forward_kl only, no tail)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"LossConfig.kind={self.kind!r} is not one of {KINDS}")
+        if self.samples < 0:
+            raise ValueError(f"LossConfig.samples={self.samples} must be >= 0")
+        if self.samples and (self.kind != "forward_kl" or self.use_tail):
+            raise ValueError(
+                f"LossConfig.samples={self.samples}: the sampled store estimates forward_kl without a tail only, "
+                f"not kind={self.kind!r} use_tail={self.use_tail}"
+            )
         if not self.tau > 0:
             raise ValueError(f"LossConfig.tau={self.tau} must be > 0")
         if self.kind == "jsd" and not 0 < self.beta < 1:
@@ -148,18 +163,38 @@ def divergence_backward(ls: np.ndarray, p: np.ndarray, lp: np.ndarray, cfg: Loss
 # ---------------------------------------------------------------- KD over S (the chunk-independent core)
 
 
+def sampled_weights(counts: np.ndarray | None, cfg: LossConfig) -> np.ndarray:
+    """c / n [N, k] of a sampled batch (refused without counts)."""
+    if counts is None:
+        raise ValueError(f"LossConfig.samples={cfg.samples}: the sampled loss needs the teacher's counts")
+    return np.asarray(counts, np.float64) / cfg.samples
+
+
 def kd_support_forward(
-    a: np.ndarray, teacher_logprobs: np.ndarray, teacher_tail: np.ndarray | None, cfg: LossConfig
+    a: np.ndarray,
+    teacher_logprobs: np.ndarray,
+    teacher_tail: np.ndarray | None,
+    cfg: LossConfig,
+    counts: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Per-row KD [N] (without the tau^2 factor) from a = log softmax(z/tau)[ids] [N, k]."""
+    """Per-row KD [N] (without the tau^2 factor) from a = log softmax(z/tau)[ids] [N, k]; counts [N, k] of the
+    sampled store (cfg.samples > 0)."""
+    if cfg.samples:
+        return np.sum(sampled_weights(counts, cfg) * (np.asarray(teacher_logprobs, a.dtype) - a), axis=1)
     p, lp = teacher_support(teacher_logprobs, teacher_tail, cfg)
     return divergence_forward(student_support_forward(a, cfg), p, lp, cfg)
 
 
 def kd_support_backward(
-    a: np.ndarray, teacher_logprobs: np.ndarray, teacher_tail: np.ndarray | None, cfg: LossConfig
+    a: np.ndarray,
+    teacher_logprobs: np.ndarray,
+    teacher_tail: np.ndarray | None,
+    cfg: LossConfig,
+    counts: np.ndarray | None = None,
 ) -> np.ndarray:
     """d KD / d a [N, k] (without the tau^2 factor)."""
+    if cfg.samples:
+        return -sampled_weights(counts, cfg).astype(a.dtype)
     p, lp = teacher_support(teacher_logprobs, teacher_tail, cfg)
     ls = student_support_forward(a, cfg)
     return student_support_backward(divergence_backward(ls, p, lp, cfg), a, cfg)
@@ -188,13 +223,16 @@ def kd_loss_forward(
     targets: np.ndarray,
     mask: np.ndarray,
     cfg: LossConfig,
+    teacher_counts: np.ndarray | None = None,
 ) -> float:
     """Masked mean of tau^2 * KD + ce_weight * CE (see the module docstring)."""
     rows, n = _rows(mask)
     z = logits[rows]
     ids = np.asarray(teacher_ids)[rows].astype(np.intp)
     a = np.take_along_axis(log_softmax(z / cfg.tau), ids, axis=1)
-    per_row = cfg.tau**2 * kd_support_forward(a, *_teacher_rows(teacher_logprobs, teacher_tail, rows, z.dtype), cfg)
+    counts = None if teacher_counts is None else np.asarray(teacher_counts)[rows]
+    lt, tail = _teacher_rows(teacher_logprobs, teacher_tail, rows, z.dtype)
+    per_row = cfg.tau**2 * kd_support_forward(a, lt, tail, cfg, counts)
     if cfg.ce_weight:
         tgt = np.asarray(targets)[rows].astype(np.intp)
         per_row = per_row - cfg.ce_weight * np.take_along_axis(log_softmax(z), tgt[:, None], axis=1)[:, 0]
@@ -209,6 +247,7 @@ def kd_loss_backward(
     targets: np.ndarray,
     mask: np.ndarray,
     cfg: LossConfig,
+    teacher_counts: np.ndarray | None = None,
 ) -> np.ndarray:
     """d loss / d logits [T, V]; zero on rows with mask == 0."""
     rows, n = _rows(mask)
@@ -217,7 +256,8 @@ def kd_loss_backward(
     logq = log_softmax(z / cfg.tau)
     a = np.take_along_axis(logq, ids, axis=1)
     lt, tail = _teacher_rows(teacher_logprobs, teacher_tail, rows, z.dtype)
-    da = kd_support_backward(a, lt, tail, cfg) * (cfg.tau**2 / n)
+    counts = None if teacher_counts is None else np.asarray(teacher_counts)[rows]
+    da = kd_support_backward(a, lt, tail, cfg, counts) * (cfg.tau**2 / n)
     g = np.zeros_like(z)
     np.add.at(g, (np.arange(len(rows))[:, None], ids), da)  # scatter (add: safe even for repeated ids)
     dz = (g - np.exp(logq) * np.sum(da, axis=1, keepdims=True)) / cfg.tau

@@ -571,12 +571,14 @@ def loss_and_grads(
     mask: np.ndarray,
     loss_cfg: LossConfig,
     lora_group: int = 0,
+    teacher_counts: np.ndarray | None = None,
 ) -> tuple[float, dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]]:
     """(loss, {(layer, target): (dA, dB)}) by the hand-written backward.
 
     One sequence (ids [T], teacher arrays [T, k] / [T]) or a batch (ids [B, T], [B, T, k] / [B, T]): the loss
     is the mean over every masked position of the batch. lora_group > 0 (a mergeable adapter): each dA is
-    projected by lora_group_project, the gradient with respect to A's group values."""
+    projected by lora_group_project, the gradient with respect to A's group values. teacher_counts ([T, k] or
+    [B, T, k]): the sampled store's counts (loss_cfg.samples > 0; model/kd.py)."""
     logits, caches, x = _forward_cached(weights, cfg, ids, lora, lora_scale)
     k = np.shape(teacher_ids)[-1]
     flat = logits.reshape(-1, logits.shape[-1])
@@ -588,8 +590,9 @@ def loss_and_grads(
         np.reshape(mask, -1),
         loss_cfg,
     )
-    loss = kd_loss_forward(flat, *args)
-    dlogits = kd_loss_backward(flat, *args).reshape(logits.shape)
+    counts = None if teacher_counts is None else np.reshape(teacher_counts, (-1, k))
+    loss = kd_loss_forward(flat, *args, teacher_counts=counts)
+    dlogits = kd_loss_backward(flat, *args, teacher_counts=counts).reshape(logits.shape)
     dn = linear_backward_input(dlogits, lm_head_weight(weights))
     dx = rmsnorm_backward(dn, x, weights["output_norm.weight"], cfg.eps)
     grads: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = {}

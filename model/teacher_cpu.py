@@ -1,16 +1,18 @@
 """The teacher's top-k next-token distribution on the CPU, through the numpy reference forward.
 
-gpu.teacher.GPUTeacher.topk computes the same on the GPU; both feed data.topk.
+gpu.teacher.GPUTeacher.topk computes the same on the GPU; both feed data.topk. reference_sampled_batch: the sampled
+store's draws instead (model/sampled.py), numpy only for now.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
 from model.config import ModelConfig
 from model.reference import block_forward, embed, forward, lm_head_weight, rmsnorm_forward
+from model.sampled import sample_positions
 
 
 def topk_from_logits(logits: np.ndarray, k: int, temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -105,22 +107,72 @@ def reference_topk_batch(
     if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab):
         raise ValueError(f"ids outside the teacher vocabulary [0, {cfg.vocab})")
     n_seq, t = ids.shape
-    keep = np.ones(ids.shape, bool) if mask is None else np.asarray(mask).reshape(ids.shape) != 0
-    w = {name: np.asarray(a, np.float32) for name, a in weights.items()}
-    lm_head = lm_head_weight(w)
     out_ids = np.zeros((n_seq, t, k), np.int64)
     out_lp = np.zeros((n_seq, t, k), np.float32)
     out_tail = np.zeros((n_seq, t), np.float32)
+    for sl, keep, h, lm_head in _final_hidden(weights, cfg, ids, mask, max_rows):
+        top_ids, top_lp, tail = topk_chunked(h, lm_head, k, temperature, vocab_chunk)
+        out_ids[sl][keep], out_lp[sl][keep], out_tail[sl][keep] = top_ids, top_lp, tail
+    return out_ids, out_lp, out_tail
+
+
+def _final_hidden(
+    weights: Mapping[str, np.ndarray], cfg: ModelConfig, ids: np.ndarray, mask: np.ndarray | None, max_rows: int
+) -> Iterator[tuple[slice, np.ndarray, np.ndarray, np.ndarray]]:
+    """(sequences, their kept positions [n', T], the normed final hidden states there [rows, H], lm_head) per group
+    of at most max_rows tokens: the batched float32 forward of both teachers."""
+    n_seq, t = ids.shape
+    keep = np.ones(ids.shape, bool) if mask is None else np.asarray(mask).reshape(ids.shape) != 0
+    w = {name: np.asarray(a, np.float32) for name, a in weights.items()}
+    lm_head = lm_head_weight(w)
     group = max(1, max_rows // max(t, 1))
     for s0 in range(0, n_seq, group):
         sl = slice(s0, min(n_seq, s0 + group))
         x = embed(w, cfg, ids[sl].astype(np.intp))
         for layer in range(cfg.n_layers):
             x = block_forward(x, w, cfg, layer, {}, 1.0)[0]
-        h = rmsnorm_forward(x, w["output_norm.weight"], cfg.eps)[keep[sl]]
-        top_ids, top_lp, tail = topk_chunked(h, lm_head, k, temperature, vocab_chunk)
-        out_ids[sl][keep[sl]], out_lp[sl][keep[sl]], out_tail[sl][keep[sl]] = top_ids, top_lp, tail
-    return out_ids, out_lp, out_tail
+        yield sl, keep[sl], rmsnorm_forward(x, w["output_norm.weight"], cfg.eps)[keep[sl]], lm_head
+
+
+SAMPLE_BLOCK_FLOATS = 1 << 22  # logits per block of rows of the sampled teacher (32 MiB of float64)
+
+
+def reference_sampled_batch(
+    weights: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    ids: np.ndarray,
+    n: int,
+    temperature: float,
+    seed: int,
+    seq_ids: np.ndarray,
+    *,
+    mask: np.ndarray | None = None,
+    max_rows: int = 4096,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sampled store's rows for many sequences: ids [N, T] of the sequences seq_ids [N] -> (ids [N, T, n],
+    logp codes uint8 [N, T, n], counts uint8 [N, T, n]) (model/sampled.py's sample_positions, keyed by seed,
+    seq_id and position; float32 logits a block of rows at a time, the draw in float64). Positions with mask 0
+    come back as zeros. A position's row depends on its logits and key only, not on the batch around it."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be a 2-D [N, T] integer array, got {ids.dtype} shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab):
+        raise ValueError(f"ids outside the teacher vocabulary [0, {cfg.vocab})")
+    n_seq, t = ids.shape
+    seq_ids = np.asarray(seq_ids, np.int64).reshape(n_seq)
+    out = [np.zeros((n_seq, t, n), np.int64), np.zeros((n_seq, t, n), np.uint8), np.zeros((n_seq, t, n), np.uint8)]
+    for sl, keep, h, lm_head in _final_hidden(weights, cfg, ids, mask, max_rows):
+        rows, cols = np.nonzero(keep)
+        seq, pos = seq_ids[sl][rows], cols
+        block = max(1, SAMPLE_BLOCK_FLOATS // lm_head.shape[0])
+        parts = [
+            sample_positions(h[r : r + block] @ lm_head.T, temperature, n, seed, seq[r : r + block], pos[r : r + block])
+            for r in range(0, len(rows), block)
+        ]
+        if parts:
+            s_ids, s_counts, s_codes = (np.concatenate(p) for p in zip(*parts, strict=True))
+            out[0][sl][keep], out[1][sl][keep], out[2][sl][keep] = s_ids, s_codes, s_counts
+    return out[0], out[1], out[2]
 
 
 def topk_chunked(

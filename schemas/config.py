@@ -172,7 +172,20 @@ class DataSection(Section):
 class TeacherSection(Section):
     """How the teacher's next-token distributions are precomputed and stored."""
 
+    store: Literal["topk", "sampled"] = Field(
+        "topk",
+        description="What the teacher stage stores per position: topk (the top_k most probable ids and their "
+        "log-probs, plus the tail mass) or sampled (the distinct ids of `samples` draws from the teacher at "
+        "temperature, with their counts: an unbiased estimate of the full-vocabulary forward KL; loss.kind "
+        "forward_kl only; docs/architecture.md).",
+    )
     top_k: int = Field(128, ge=1, le=256, description="Teacher token ids kept per position (by probability).")
+    samples: int = Field(
+        12, ge=1, le=255, description="Draws per position of the sampled store (teacher.store sampled only)."
+    )
+    seed: int = Field(
+        0, ge=0, lt=2**64, description="Seed of the sampled store's draws (keyed by seed, sequence and position)."
+    )
     temperature: float = Field(
         1.0,
         gt=0.0,
@@ -554,6 +567,17 @@ class RunConfig(Section):
             raise ValueError(
                 f"train.workers: {self.train.workers} exceeds train.grad_accum {self.train.grad_accum}; each worker "
                 "takes whole micro-batches of a step: raise train.grad_accum (or lower train.batch_size with it)"
+            )
+        if self.teacher.store == "sampled" and self.loss.kind != "forward_kl":
+            raise ValueError(
+                f"loss.kind: {self.loss.kind} needs the teacher's top-k; teacher.store: sampled holds draws, which "
+                "estimate forward_kl only (set loss.kind: forward_kl or teacher.store: topk)"
+            )
+        if self.teacher.store == "sampled" and (self.teacher.runner == "ray" or self.teacher.backend == "gpu"):
+            field = "teacher.runner" if self.teacher.runner == "ray" else "teacher.backend"
+            raise ValueError(
+                f"{field}: teacher.store: sampled has a local numpy teacher only for now (set teacher.runner: local "
+                "and teacher.backend: numpy or auto)"
             )
         if self.loss.temperature != self.teacher.temperature:
             raise ValueError(

@@ -38,6 +38,10 @@ TOKEN_SHARD_SCHEMA = _schema(
 )
 
 
+TOPK_SHARD, SAMPLED_SHARD = "topk_shard/1", "sampled_shard/1"  # the versioned shard schemas of teacher.store
+SHARD_SCHEMAS = {"topk": TOPK_SHARD, "sampled": SAMPLED_SHARD}
+
+
 def topk_id_type(vocab_size: int) -> pa.DataType:
     """uint16 when every id fits (vocab <= 65536), else uint32."""
     if vocab_size < 1:
@@ -57,7 +61,7 @@ def topk_schema(vocab_size: int, k: int) -> pa.Schema:
     if not 1 <= k <= vocab_size:
         raise ValueError(f"k must be in [1, vocab_size={vocab_size}], got {k}")
     return _schema(
-        "topk_shard/1",
+        TOPK_SHARD,
         [
             pa.field("seq_id", pa.int64(), nullable=False),
             pa.field("pos", pa.int32(), nullable=False),
@@ -66,6 +70,34 @@ def topk_schema(vocab_size: int, k: int) -> pa.Schema:
             pa.field("tail", pa.float32(), nullable=False),
         ],
     )
+
+
+def sampled_schema(vocab_size: int, n: int) -> pa.Schema:
+    """Sampled shard (Parquet, zstd; model/sampled.py): one row per trained position, position-major.
+
+    ids: the distinct ids among n draws from the teacher at teacher.temperature, ascending (uint16 when the
+    vocabulary allows, else uint32); counts: how often each was drawn (uint8, summing to n); logp: the teacher's
+    log-prob of each as a uint8 code, log p = -code / 16. Lists of 1 to n entries.
+    """
+    if not 1 <= n <= 255:
+        raise ValueError(f"samples must be in [1, 255], got {n}")
+    return _schema(
+        SAMPLED_SHARD,
+        [
+            pa.field("seq_id", pa.int64(), nullable=False),
+            pa.field("pos", pa.int32(), nullable=False),
+            pa.field("ids", pa.list_(topk_id_type(vocab_size)), nullable=False),
+            pa.field("counts", pa.list_(pa.uint8()), nullable=False),
+            pa.field("logp", pa.list_(pa.uint8()), nullable=False),
+        ],
+    )
+
+
+def shard_schema(store: str, vocab_size: int, k: int) -> pa.Schema:
+    """The shard schema of teacher store `store` (topk: k ids per position; sampled: k = samples)."""
+    if store not in SHARD_SCHEMAS:
+        raise ValueError(f"teacher.store {store!r}: expected one of {', '.join(SHARD_SCHEMAS)}")
+    return topk_schema(vocab_size, k) if store == "topk" else sampled_schema(vocab_size, k)
 
 
 # The top-k shard manifest (Parquet, next to the shards): one row per shard. A shard is complete only when

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -173,9 +173,15 @@ class ShardRecord(Manifest):
 
 
 class TeacherManifest(Located):
-    """Output of the teacher stage: the top-k shard set (dir: the top-k folder) and what it was computed from."""
+    """Output of the teacher stage: the teacher shard set (dir: its folder) and what it was computed from. store
+    topk: k ids per position; store sampled: k = teacher.samples draws per position under `seed`."""
+
+    UNKEYED_DEFAULTS: ClassVar[dict[str, Any]] = {"store": "topk", "shard_schema": "topk_shard/1", "seed": 0}
 
     teacher_sha256: str = Field(pattern=SHA256)
+    store: Literal["topk", "sampled"] = "topk"
+    shard_schema: str = Field("topk_shard/1", description="the shards' versioned schema (schemas/files.py)")
+    seed: int = Field(0, ge=0, description="seed of the sampled store's draws (0 for top-k)")
     k: int = Field(ge=1)
     temperature: float = Field(gt=0)
     vocab_size: int = Field(ge=1)

@@ -78,7 +78,8 @@ def _read_memo(path: Path) -> dict[str, dict[str, Any]]:
 def content(value: Any) -> Any:
     """JSON-able content of a manifest (or a list of them, or a plain value), for keys: IGNORED_KEYS dropped."""
     if hasattr(value, "model_dump"):
-        value = value.model_dump(mode="json")
+        unkeyed = getattr(value, "UNKEYED_DEFAULTS", {})  # fields added later: at their default, keys stay put
+        value = {k: v for k, v in value.model_dump(mode="json").items() if k not in unkeyed or unkeyed[k] != v}
     if isinstance(value, Mapping):
         return {str(k): content(v) for k, v in value.items() if k not in IGNORED_KEYS}
     if isinstance(value, list | tuple):
@@ -93,6 +94,7 @@ class StageKey:
     """What one stage's output depends on; `key` hashes it (see the module docstring).
 
     config_fields: dotted config fields the stage reads (values, never paths).
+    config_fields_when: (field, value, fields) folded in only while field == value.
     files: dotted config fields naming files the stage reads, hashed by content (e.g. "model.student").
     dataset: fold in data.records.dataset_fingerprint of cfg.data (data.path, and data.eval_path when set).
     inputs: upstream values folded in by content (manifests, an epoch number, a shard plan), by name.
@@ -101,6 +103,9 @@ class StageKey:
     stage: str
     version: str = "1"
     config_fields: tuple[str, ...] = ()
+    # (field, value, more fields): the more fields are folded in only while field == value (options added later,
+    # so that the keys of runs without them stay put)
+    config_fields_when: tuple[tuple[str, Any, tuple[str, ...]], ...] = ()
     files: tuple[str, ...] = ()
     dataset: bool = False
     inputs: tuple[str, ...] = ()
@@ -113,6 +118,9 @@ class StageKey:
             "version": self.version,
             "config": config_fingerprint(cfg, self.config_fields),
         }
+        for field, value, more in self.config_fields_when:
+            if _field(cfg, field) == value:
+                parts[f"config:{field}={value}"] = config_fingerprint(cfg, more)
         for name in self.files:
             parts[f"file:{name}"] = file_sha256(_field(cfg, name), root)
         if self.dataset:

@@ -29,10 +29,12 @@ from data.topk import (
 )
 from model.gguf import GGUFFile
 from schemas.config import RunConfig
+from schemas.files import SHARD_SCHEMAS
 from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
 from stages.keys import StageKey, file_sha256
 from stages.layout import stage_dir, workdir
 from stages.progress import BarFactory, no_bar
+from training.engines import teacher_width
 from training.teacher import release_teacher, teacher_fn
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ KEY = StageKey(
     stage="teacher-plan",
     version="2",  # 2: batched teacher (bytes within reference_topk_batch's stated tolerance of version 1's)
     config_fields=("teacher.top_k", "teacher.temperature", "teacher.shard_tokens"),
+    config_fields_when=(("teacher.store", "sampled", ("teacher.samples", "teacher.seed")),),
     files=("model.teacher",),
     inputs=("tokens",),
 )
@@ -60,7 +63,10 @@ def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
     held_out = read_token_split(token_dir, "eval", tokens, root)
     planned = TeacherManifest(
         teacher_sha256=file_sha256(cfg.model.teacher, root),
-        k=cfg.teacher.top_k,
+        store=cfg.teacher.store,
+        shard_schema=SHARD_SCHEMAS[cfg.teacher.store],
+        seed=cfg.teacher.seed if cfg.teacher.store == "sampled" else 0,
+        k=teacher_width(cfg),
         temperature=cfg.teacher.temperature,
         vocab_size=len(teacher_tokens),
         token_shards_hash=tokens.shards_hash(),
@@ -80,7 +86,7 @@ def shard_problem(cfg: RunConfig, planned: TeacherManifest, record: ShardRecord)
         row = next((s for s in current.shards if s.shard == record.shard), None) if current else None
         if row is None:
             return f"{out / MANIFEST_NAME}: no row for shard {record.shard}"
-        verify_shard(out / row.file, row, planned.vocab_size, planned.k)
+        verify_shard(out / row.file, row, planned.vocab_size, planned.k, planned.store)
     except (ShardError, ValueError) as exc:
         return str(exc)
     return None
@@ -96,7 +102,7 @@ def shard(
     row = next(s for s in current.shards if s.shard == record.shard)
     if row.complete:
         try:
-            verify_shard(out / row.file, row, planned.vocab_size, planned.k)
+            verify_shard(out / row.file, row, planned.vocab_size, planned.k, planned.store)
             log.info("shard %d already complete and verified: kept", record.shard)
             return row
         except ShardError as exc:
@@ -120,7 +126,8 @@ def finish(cfg: RunConfig, planned: TeacherManifest, records: Sequence[ShardReco
     manifest = planned.model_copy(update={"shards": tuple(records)})
     out = manifest.path_in(workdir(cfg))
     log.info(
-        "teacher top-k complete: %d shards, %.1f bytes/position (k=%d) in %s",
+        "teacher %s complete: %d shards, %.1f bytes/position (k=%d) in %s",
+        manifest.store,
         len(records),
         bytes_per_position(manifest, out),
         manifest.k,

@@ -39,8 +39,8 @@ def read_split(token_dir: Path, split: str) -> Split:
 
 
 def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> KdBatch:
-    """The dense [B, T] KdBatch of split rows `rows` (teacher tail included, no prefix) for Engine.write_batch;
-    missing rows (the last partial batch) are masked out."""
+    """The dense [B, T] KdBatch of split rows `rows` (teacher tail included, no prefix; a sampled store's counts
+    instead of the tail) for Engine.write_batch; missing rows (the last partial batch) are masked out."""
     seq_len = split.seq_len
     ids = np.zeros((batch, seq_len), np.int64)
     mask = np.zeros((batch, seq_len), np.uint8)
@@ -51,12 +51,18 @@ def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: 
     tids = np.zeros((batch, seq_len, k), np.int64)
     tlp = np.zeros((batch, seq_len, k), np.float32)
     tail = np.zeros((batch, seq_len), np.float32)
+    sampled = reader.manifest.store == "sampled"
+    counts = np.zeros((batch, seq_len, k), np.uint8) if sampled else None
     if len(rows):
         top = reader.read(split.seq_ids[rows].tolist(), masks=list(split.mask[rows]))
         b_idx, t_idx = np.nonzero(mask)
         tids[b_idx, t_idx] = top.ids
         tlp[b_idx, t_idx] = top.logprobs
         tail[b_idx, t_idx] = top.tail
+        if counts is not None:
+            counts[b_idx, t_idx] = top.counts
+    if sampled:  # no tail: the draws cover the whole vocabulary
+        return KdBatch(ids, targets, mask, tids, tlp, None, teacher_counts=counts)
     return KdBatch(ids, targets, mask, tids, tlp, tail)
 
 
@@ -93,4 +99,4 @@ class KdSource:
         prefix when there is a cache."""
         out = kd_batch(self.split, rows, batch, self.reader, k)
         prefix = None if self.prefix is None else batch_prefix(self.split, rows, batch, self.prefix)
-        return replace(out, teacher_tail=out.teacher_tail if tail else None, prefix=prefix)
+        return replace(out, teacher_tail=out.teacher_tail if tail else None, prefix=prefix)  # sampled: tail None

@@ -11,6 +11,7 @@ import numpy as np
 
 from data.checkpoint import load_checkpoint
 from model import reference
+from model.engine_spec import KdBatch
 from schemas.config import RunConfig
 from training import engines
 from training.batches import KdSource, Split, read_split
@@ -24,6 +25,16 @@ def zero_adapter(layout: AdapterLayout) -> dict[tuple[int, str], reference.LoraP
         key: reference.LoraPair(np.zeros((layout.r, s.d_in), np.float32), np.zeros((s.d_out, layout.r), np.float32))
         for key, s in layout.slots.items()
     }
+
+
+def teacher_top1(batch: KdBatch, width: int) -> np.ndarray:
+    """The teacher's top-1 id per position [B * T]: its first top-k id, or for the sampled store the most drawn id
+    (ties: the smallest), the estimate the draws give."""
+    ids = np.asarray(batch.teacher_ids).reshape(-1, width)
+    if batch.teacher_counts is None:
+        return ids[:, 0]
+    best = np.argmax(np.asarray(batch.teacher_counts).reshape(-1, width), axis=1)  # ids ascend: first = smallest
+    return ids[np.arange(len(ids)), best]
 
 
 def eval_batches(cfg: RunConfig, split: Split) -> Iterator[np.ndarray]:
@@ -56,16 +67,17 @@ def evaluate(
     engine = engines.build_engine(cfg, student_gguf, split.seq_len, eval_mode=True, start_layer=source.start_layer)
     engine.set_adapter(zero_adapter(engine.layout) if checkpoint is None else load_checkpoint(checkpoint)[0])
     tau2 = cfg.teacher.temperature**2
+    width = engines.teacher_width(cfg)
     kl_sum = ce_sum = top1 = n = 0.0
     for rows in eval_batches(cfg, split):
-        batch = source.batch(rows, cfg.train.batch_size, cfg.teacher.top_k)
+        batch = source.batch(rows, cfg.train.batch_size, width)
         engine.write_batch(batch)
         out = engine.evaluate_batch()
         m = batch.mask.reshape(-1) != 0
         count = int(m.sum())
         kl_sum += float(out["kd_loss"][0]) * count / tau2
         ce_sum += float(out["ce"][m].sum())
-        top1 += float((out["top1"][m] == batch.teacher_ids.reshape(-1, cfg.teacher.top_k)[m, 0]).sum())
+        top1 += float((out["top1"][m] == teacher_top1(batch, width)[m]).sum())
         n += count
         if on_batch is not None:
             on_batch(len(rows))

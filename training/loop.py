@@ -77,7 +77,7 @@ def train_epoch(
         engine = engines.build_engine(cfg, student_gguf, train.seq_len, start_layer=start)
 
     def write_micro(part: np.ndarray) -> int:
-        batch = source.batch(part, cfg.train.batch_size, cfg.teacher.top_k, tail=cfg.teacher.tail)
+        batch = source.batch(part, cfg.train.batch_size, engines.teacher_width(cfg), tail=cfg.teacher.tail)
         engine.write_batch(batch)
         return int(batch.mask.sum())
 

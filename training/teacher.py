@@ -34,9 +34,10 @@ class Teacher:
     fn: TeacherFn
     rows_per_call: int
     backend: str
+    store: str = "topk"  # sampled: fn(ids, mask, seq_ids) -> (ids, logp codes, counts) [N, T, n] (data.topk)
 
-    def __call__(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.fn(ids, mask)
+    def __call__(self, ids: np.ndarray, mask: np.ndarray, *seq_ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        return self.fn(ids, mask, *seq_ids)
 
 
 def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
@@ -44,6 +45,8 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
     k, tau = cfg.teacher.top_k, cfg.teacher.temperature
     backend, why = resolve_backend(cfg.teacher.backend, cfg.run.gpu_backend, "teacher.backend")
     log.info("teacher: %s (%s)", backend, why)
+    if cfg.teacher.store == "sampled" and backend != "numpy":
+        raise ValueError("teacher.store: sampled has a numpy teacher only for now (set teacher.backend: numpy)")
     if backend == "numpy":
         from model.gguf import GGUFFile
         from model.teacher_cpu import reference_topk_batch
@@ -51,6 +54,16 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
         with GGUFFile(teacher_gguf) as f:
             mcfg = f.config()
             weights = {name: f.tensor_f32(name) for name in f.tensors}
+
+        if cfg.teacher.store == "sampled":
+            from model.teacher_cpu import reference_sampled_batch
+
+            n, seed = cfg.teacher.samples, cfg.teacher.seed
+
+            def sampled_fn(ids: np.ndarray, mask: np.ndarray, seq_ids: np.ndarray) -> tuple[np.ndarray, ...]:
+                return reference_sampled_batch(weights, mcfg, np.asarray(ids), n, tau, seed, seq_ids, mask=mask)
+
+            return Teacher(sampled_fn, NUMPY_ROWS_PER_CALL, "numpy", "sampled")  # type: ignore[arg-type]
 
         def numpy_fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             return reference_topk_batch(weights, mcfg, np.asarray(ids), k, tau, mask=mask)
@@ -91,6 +104,7 @@ def teacher_fn(cfg: RunConfig) -> Teacher:
     st = path.stat()
     t = cfg.teacher
     key = (str(path), st.st_size, st.st_mtime_ns, t.top_k, t.temperature, t.backend, cfg.train.batch_size)
+    key += (t.store, t.samples, t.seed)
     if key not in _TEACHER:
         _TEACHER.clear()
         _TEACHER[key] = make_teacher_fn(cfg, path)
