@@ -76,6 +76,7 @@ class I8Variant:
     chunked: bool  # K in several chunks, each with its own scales (else one scale per row)
     accumulate: bool = False  # C += alpha * (...) instead of C = alpha * (...)
     orient: str = "nt"  # "nt": C = A . W^T (forward); "nn": C = A . W (input gradient; one chunk)
+    lora: bool = False  # C also gets s T . LB^T (a LoRA's t = x A^T [M, r] and B [N, r]; "nt", one chunk)
 
     @property
     def key(self) -> tuple:
@@ -232,8 +233,11 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     c.validate(max_threads=1 << 16, max_workgroup_bytes=1 << 30)
     if v.orient not in ("nt", "nn") or (v.orient == "nn" and v.chunked):
         raise ValueError(f"I8Variant orient={v.orient!r} chunked={v.chunked}: expected 'nt', or 'nn' with one chunk")
+    if v.lora and (v.orient != "nt" or v.chunked):
+        raise ValueError(f"I8Variant lora with orient={v.orient!r} chunked={v.chunked}: 'nt' with one chunk only")
     out = "C[i]"
-    store = f"{out} = {out} + prm.alpha * v[e];" if v.accumulate else f"{out} = prm.alpha * v[e];"
+    value = "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
+    store = f"{out} = {out} + ({value});" if v.accumulate else f"{out} = {value};"
     if c.probe == "no_write":  # the values stay live, the stores (practically) never happen
         store = f"if (v[e] == 1.2345e-30) {{ {store} }}"
     return fill(
@@ -261,6 +265,8 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         B_BLOCKS=c.stages * c.sg_n,
         CS_LEN=c.fm * MATRIX * MATRIX,
         STORE_EXPR=store,
+        LORA_BINDINGS=kernel_text("matmul_i8_lora.wgsl") if v.lora else "",
+        LORA_PRE="let lo = lora8(m, n);" if v.lora else "",
         DECLS="\n".join(_decls(c, v, d)),
         MAIN_LOOP="\n".join(_main_loop(c, v, d)),
         EPILOGUE="\n".join(_scale_pass(c, v, d, " " * 4, "prm.chunks - 1u", final=True)),

@@ -31,9 +31,9 @@ from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
-from gpu.ops.lora import lora_expand, lora_forward
+from gpu.ops.lora import lora_expand, lora_forward, lora_project
 from gpu.ops.matmul import linear, linear_input_grad
-from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
+from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
 from gpu.ops.rmsnorm import rmsnorm_forward
@@ -242,6 +242,7 @@ class GPUModel:
 
     keeps_block_inputs = True  # every block's input stays in xs (a backward recomputes from them)
     saves_lora_t = False  # one t = x A^T per adapted projection, kept for a backward (GPUStudent)
+    lora_in_gemm_i8 = True  # int8: a projection's LoRA expansion s t B^T added in its integer GEMM's epilogue
 
     def __init__(
         self,
@@ -501,17 +502,22 @@ class GPUModel:
         projections, or written by x's producer), else packed here by _gemm_input."""
         d_out, d_in = self.cfg.target_shape(target)
         a, kw = gemm_input or self._forward_input(x, d_in)
+        ab = self._lora(layer, target, self.params)
+        t, r = (self._lora_t(layer, target), self.layout.r) if ab is not None else (None, 0)
+        fused = None
         if kw.get("int8"):  # every projection whose input _forward_input quantizes has an int8 slot
-            gemm_i8(self.dev, a, self._int8_weight(layer, target), y)
+            if ab is not None and self.lora_in_gemm_i8 and r % 4 == 0:  # s t B^T added in the GEMM's epilogue
+                if not self._replay_lora_t:
+                    lora_project(self.dev, x, ab[0], t, self.rows, d_in, r)
+                fused = LoraTerm(t, ab[1], r, self.scale)
+            gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused)
         else:
             self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
         bias = self.w.biases.get((layer, target))
         if bias is not None:
             add_bias(self.dev, y, bias, self.rows, d_out)
-        ab = self._lora(layer, target, self.params)
-        if ab is None:
+        if ab is None or fused is not None:
             return
-        t, r = self._lora_t(layer, target), self.layout.r
         if self._replay_lora_t:  # t = x A^T is still there from the forward (same x, same kernels)
             lora_expand(self.dev, t, ab[1], y, self.rows, d_out, r, self.scale)
         else:

@@ -12,6 +12,8 @@
 // at the end (one chunk: per-row scales) each result matrix goes through the subgroup's scratch Cs, FM at a
 // time; each invocation scales its 8 elements (one column, every other row) by SA * SW into f32 registers, and the
 // i32 matrix starts again from zero. Rows past M or N are clamped on load and never written.
+// The LoRA variant adds s * T[m, :] . LB[n, :] to each value as it is written (matmul_i8_lora.wgsl): the forward's
+// LoRA expansion in the epilogue instead of a pass of its own over C.
 // K must be a multiple of BK and of the chunk (gpu/ops/matmul_i8.py checks). Dollar-brace placeholders are
 // filled by gpu/codegen_i8.py, whose emulation mode swaps the subgroup-matrix builtins for plain WGSL
 // (matmul_i8_emulation.wgsl) to test the indexing on adapters without them.
@@ -29,7 +31,11 @@ struct I8Params {
     alpha: f32,
     chunks: u32,   // scales per row: K / chunk
     spc: u32,      // staged steps per chunk: chunk / BK
-    _pad: u32,
+    lr4: u32,      // LoRA variant: the rank / 4 (T and LB rows of vec4)
+    ls: f32,       // LoRA variant: its scale s
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: I8Params;
@@ -38,6 +44,7 @@ struct I8Params {
 @group(0) @binding(3) var<storage, read> SA: array<f32>;
 @group(0) @binding(4) var<storage, read> SW: array<f32>;
 @group(0) @binding(5) var<storage, read_write> C: array<f32>;
+${LORA_BINDINGS}
 
 const TM: u32 = ${TM}u;
 const TN: u32 = ${TN}u;
@@ -109,6 +116,7 @@ fn write8(m: u32, n: u32, v: array<f32, 8>) {
     if (n >= prm.N) {
         return;
     }
+    ${LORA_PRE}
     for (var e = 0u; e < 8u; e++) {
         let row = m + 2u * e;
         if (row < prm.M) {

@@ -13,7 +13,8 @@ By default (fused=None) the fused path runs when FUSED is set and the rank is co
 H200 (2026-12-04, docs/benchmarks.md) the fused kernels made the TinyLlama-shape train step slower (LoRA 64.4 vs
 54.0 ms per step, 11,487 vs 12,038 tokens/s; `bench/train_step.py --lora-path fused|split`): fewer dispatches,
 but the fused forward took 89 us at d 2048 x 2048 against 35 + 9 + 35 for the split one's three.
-lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute).
+lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute);
+lora_project its first alone, for the integer GEMM that adds the second in its epilogue.
 lora_group_sum is a mergeable adapter's projection of dA (model/reference.py lora_group_project)."""
 
 from __future__ import annotations
@@ -60,8 +61,15 @@ def lora_forward(
                 alpha2=float(scale),
             )  # fmt: skip
             return
-        lora_matmul(dev, row_major(x, d_in), transposed(a, d_in), t_out, n_tokens, r, d_in)
+        lora_project(dev, x, a, t_out, n_tokens, d_in, r)
         lora_expand(dev, t_out, b, y, n_tokens, d_out, r, scale)
+
+
+def lora_project(dev: Device, x: Any, a: Any, t_out: Any, n_tokens: int, d_in: int, r: int) -> None:
+    """t_out [T, r] = x [T, in] . A^T (A [r, in]): lora_forward's first product alone, for a caller that adds
+    scale t . B^T itself (the integer GEMM's LoRA epilogue, gpu/ops/matmul_i8.py LoraTerm)."""
+    with scope(dev, "lora"):
+        lora_matmul(dev, row_major(x, d_in), transposed(a, d_in), t_out, n_tokens, r, d_in)
 
 
 def lora_expand(dev: Device, t: Any, b: Any, y: Any, n_tokens: int, d_out: int, r: int, scale: float) -> None:

@@ -33,6 +33,17 @@ EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
 
 
 @dataclass(frozen=True)
+class LoraTerm:
+    """A LoRA's contribution to a forward GEMM's output, scale * t . B^T: t = x A^T [rows, r] and B [cols, r]
+    (f32, row-major; r a multiple of 4), added in the integer GEMM's epilogue."""
+
+    t: Any
+    b: Any
+    r: int
+    scale: float
+
+
+@dataclass(frozen=True)
 class Int8Matrix:
     """An int8 operand on the GPU: codes [rows, k] packed four per u32 word, f32 scales [rows, k / chunk]."""
 
@@ -108,7 +119,7 @@ def all_i8_variants() -> list[I8Variant]:
         for chunks in all_chunks
         for chunk in (64, 32)
         for acc in (False, True)
-    ]
+    ] + [I8Variant(pick_i8_config(1, chunk), chunked=False, orient="nt", lora=True) for chunk in (64, 32)]
 
 
 def gemm_i8(
@@ -125,12 +136,14 @@ def gemm_i8(
     c_offset: int = 0,
     cfg: I8Config | None = None,
     emulate: bool = False,
+    lora: LoraTerm | None = None,
 ) -> None:
     """C[m, P] (+)= alpha * A . B over the int8 operands, m = a.rows: "nt" (the forward) B = W^T, P = w.rows, A
     and W with the same k and chunks; "nn" (the input gradient) B = W, P = w.k (a multiple of 16), A's k =
     w.rows, one chunk each, and col_scales (f32, P values) scale C's columns in place of W's row scales (which
     the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
-    matrix builtins emulated (slow; lavapipe)."""
+    matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk, no accumulate): C also gets
+    lora.scale * t . B^T, added as C is written."""
     name = w.name or "int8 weight"
     emulate = emulate or dev in _emulated
     if not emulate and (problem := int8_problem(dev)) is not None:
@@ -153,6 +166,10 @@ def gemm_i8(
         raise DeviceError(f"gemm_i8 with {name!r}: A's codes or scales hold fewer than {m} rows of {r}")
     if orient == "nn" and nbytes(col_scales) < 4 * p:
         raise DeviceError(f"gemm_i8 with {name!r}: col_scales hold fewer than {p} values")
+    if lora is not None and (orient != "nt" or a.chunks != 1 or accumulate or lora.r % 4 or lora.r <= 0):
+        raise DeviceError(f"gemm_i8 with {name!r}: a LoRA term needs 'nt', one chunk, no accumulate, r % 4 == 0")
+    if lora is not None and (nbytes(lora.t) < 4 * m * lora.r or nbytes(lora.b) < 4 * p * lora.r):
+        raise DeviceError(f"gemm_i8 with {name!r}: the LoRA t or B hold fewer than {m} or {p} rows of {lora.r}")
     if m <= 0 or p <= 0:
         return
     cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk))
@@ -162,11 +179,14 @@ def gemm_i8(
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
         max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
     )
-    variant = I8Variant(cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient)
+    variant = I8Variant(cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient, lora=lora is not None)
     pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_i8_source(variant, emulate=emulate))
     grid = (-(-p // cfg.bn), -(-m // cfg.bm))
     alpha_bits = int(np.float32(alpha).view(np.uint32))
     ldw = r // 16 if orient == "nt" else p // 16
-    prm = np.array([m, p, r, r // 16, ldw, 0, ldc, c_offset, alpha_bits, a.chunks, a.chunk // cfg.bk, 0], np.uint32)
+    lr4, ls = (lora.r // 4, lora.scale) if lora is not None else (0, 0.0)
+    head = [m, p, r, r // 16, ldw, 0, ldc, c_offset, alpha_bits, a.chunks, a.chunk // cfg.bk, lr4]
+    prm = np.array([*head, int(np.float32(ls).view(np.uint32)), 0, 0, 0], np.uint32)
     sw = w.scales if orient == "nt" else col_scales
-    dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, sw, c], grid)
+    extra = [lora.t, lora.b] if lora is not None else []
+    dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, sw, c, *extra], grid)
