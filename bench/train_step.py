@@ -451,6 +451,18 @@ def main() -> None:
     p.add_argument(
         "--int8-head", choices=("on", "off"), default="on", help="int8: the LM head on the integer GEMM too (off: f16)"
     )
+    p.add_argument(
+        "--int8-lora-epilogue",
+        choices=("on", "off"),
+        default="on",
+        help="int8: the LoRA expansion in the integer GEMM's epilogue (off: a pass of its own)",
+    )
+    p.add_argument(
+        "--int8-input-grads",
+        choices=("transposed", "nn", "f16"),
+        default="transposed",
+        help="int8: the input gradients on the forward's GEMM over W's transposed codes, the 'nn' GEMM, or f16",
+    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -474,6 +486,12 @@ def main() -> None:
         from gpu.ops import head
 
         head.INT8_HEAD = args.int8_head == "on"
+        from gpu.model import GPUModel
+        from gpu.student import GPUStudent
+
+        GPUModel.lora_in_gemm_i8 = args.int8_lora_epilogue == "on"
+        GPUStudent.int8_input_grads = args.int8_input_grads != "f16"
+        GPUStudent.transposed_input_grads = args.int8_input_grads == "transposed"
         if args.lora_path != "default":
             from gpu.ops import lora
 
