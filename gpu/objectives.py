@@ -22,6 +22,7 @@ per-row weight in the KD head (a float mask) would remove both.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,13 +30,14 @@ import numpy as np
 from gpu.device import Device
 from gpu.model import ModelWeights
 from gpu.ops import head
+from gpu.ops.add import add
 from gpu.ops.kd import KdScratch, kd_head_forward_backward
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
 from model.config import ModelConfig
 from model.dpo import DpoConfig, PairTerms, preference_loss
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, check_pair_engine, expect_batch, pair_arrays
-from model.kd import LossConfig
+from model.kd import EPS, LossConfig
 
 
 class Trunk(Protocol):
@@ -106,13 +108,20 @@ class GpuObjective(Protocol):
 
 # ---- knowledge distillation ----------------------------------------------------------------------------------
 class GpuKd:
-    """KD over the teacher's top-k (model/kd.py's `loss`), k = top_k ids per position."""
+    """KD over the teacher's top-k (model/kd.py's `loss`), k = top_k ids per position; or, loss.samples > 0, the
+    sampled store's estimate over its distinct drawn ids (k = samples columns, counts c). The sampled gradient
+    (q - c / n) / tau is forward KL's with teacher probabilities c / n and a zero tail, so the head runs that
+    (teacher log-probs log(c / n), log EPS on padding; the floored tail and padding change the gradient by ~EPS);
+    the two losses differ by tau^2 sum (c / n) (lt - log(c / n)) per position, which does not depend on the student
+    and is added to the loss on the GPU (SampledShift)."""
 
     host_pass = False
 
     def __init__(self, loss: LossConfig, top_k: int) -> None:
         self.loss_cfg, self.top_k = loss, top_k
         self._has_tail = False
+        self._head_cfg = replace(loss, samples=0, use_tail=True) if loss.samples else loss
+        self._shift: np.ndarray | None = None  # sampled: the batch's loss shift (SampledShift)
 
     def bind(self, student: Trunk) -> None:
         st, rows, top_k = student, student.rows, self.top_k
@@ -134,6 +143,9 @@ class GpuKd:
         self.top1 = TopKState.build(dev, rows, 1)
         self.top1_lp = dev.buffer(4 * rows, label="student top-1 logprob")
         self.top1_tail = dev.buffer(4 * rows, label="student top-1 tail")
+        n_losses = max(1, st.spec.grad_accum)
+        self.shift = dev.buffer(4 * n_losses, label="sampled loss shift") if self.loss_cfg.samples else None
+        self.shifted = dev.buffer(4 * n_losses, label="shifted losses") if self.loss_cfg.samples else None
 
     def write(self, batch: KdBatch) -> None:
         """Upload ids/targets/mask [B, T], teacher top-k ids/logprobs [B, T, k], tail [B, T]; prefix [B, T, H]:
@@ -155,16 +167,39 @@ class GpuKd:
         w(bufs["targets"], np.asarray(batch.targets).reshape(bt).astype(np.uint32).reshape(-1))
         w(bufs["mask"], (np.asarray(batch.mask).reshape(bt) != 0).astype(np.uint32).reshape(-1))
         w(bufs["teacher_ids"], np.asarray(batch.teacher_ids).reshape(*bt, self.top_k).astype(np.uint32).reshape(-1))
-        w(bufs["teacher_logprobs"], np.asarray(batch.teacher_logprobs, np.float32).reshape(-1))
+        logprobs = np.asarray(batch.teacher_logprobs, np.float32).reshape(*bt, self.top_k)
+        if self.loss_cfg.samples:
+            logprobs = self._sampled(batch, logprobs)
+        w(bufs["teacher_logprobs"], logprobs.reshape(-1))
         tail = np.zeros(bt, np.float32) if batch.teacher_tail is None else np.asarray(batch.teacher_tail, np.float32)
         w(bufs["teacher_tail"], tail.reshape(-1))
-        self._has_tail = batch.teacher_tail is not None
+        self._has_tail = batch.teacher_tail is not None or bool(self.loss_cfg.samples)
+
+    def _sampled(self, batch: KdBatch, lt: np.ndarray) -> np.ndarray:
+        """A sampled batch's head inputs: log(c / n) (log EPS where c = 0) as the teacher log-probs; keeps the
+        batch's loss shift, the masked mean of tau^2 sum (c / n) (lt - log(c / n)), for prepare()."""
+        n, st = self.loss_cfg.samples, self.st
+        if batch.teacher_counts is None:
+            raise ValueError("the sampled KD loss needs KdBatch.teacher_counts (teacher.store: sampled)")
+        p = np.asarray(batch.teacher_counts, np.float64).reshape(lt.shape) / n
+        mask = np.asarray(batch.mask).reshape(lt.shape[:2]) != 0
+        if (np.abs(p[mask].sum(axis=-1) - 1.0) > 1e-9).any():
+            raise ValueError(f"teacher counts of a trained position do not sum to {n}")
+        logp = np.log(np.where(p > 0, p, EPS))
+        per_row = self.loss_cfg.tau**2 * np.sum(np.where(p > 0, p * (lt - logp), 0.0), axis=-1)
+        self._shift = np.float32(per_row[mask].sum() / max(1, int(mask.sum())))
+        st.dev.write(self.shift, np.full(max(1, st.spec.grad_accum), 0.0, np.float32))
+        self.prepare(0)
+        return logp.astype(np.float32)
 
     def tape_key(self) -> Hashable:
         return self._has_tail
 
     def prepare(self, micro: int) -> None:
-        pass
+        if self.shift is not None and self._shift is not None:  # only micro-batch `micro`'s loss gets the shift
+            shift = np.zeros(max(1, self.st.spec.grad_accum), np.float32)
+            shift[micro] = self._shift
+            self.st.dev.write(self.shift, shift)
 
     def finish(self) -> None:
         pass
@@ -176,10 +211,14 @@ class GpuKd:
         with scope(st.dev, "kd head"):
             kd_head_forward_backward(
                 st.dev, st.a["nf"], st.w.lm_head, bufs["teacher_ids"], bufs["teacher_logprobs"], tail,
-                bufs["targets"], bufs["mask"], self.loss_cfg, st.a["tmp"], st.losses, st.rows, cfg.hidden,
+                bufs["targets"], bufs["mask"], self._head_cfg, st.a["tmp"], st.losses, st.rows, cfg.hidden,
                 cfg.vocab, self.top_k, scratch=self.scratch, loss_index=loss_index, backward=backward,
                 h16=h16,
             )  # fmt: skip
+            if self.shift is not None:  # the sampled estimate's value (see the class docstring)
+                n = max(1, st.spec.grad_accum)
+                add(st.dev, st.losses, self.shift, self.shifted, n)
+                st.dev.copy(self.shifted, st.losses, 4 * n)
 
     def micro_loss(self, micro: int) -> float:
         return float(self.st.dev.read(self.st.losses, np.float32, (micro + 1,))[micro])

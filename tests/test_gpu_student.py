@@ -489,3 +489,62 @@ def test_int8_teacher_topk_close_emulated() -> None:
         err, top1 = _int8_teacher_vs_f32(dev)
     assert err < INT8_REL
     assert top1 > 0.9
+
+
+def _sampled_teacher(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sampled store's batch columns: per position 1..n distinct ids (ascending) whose counts sum to n, padded
+    with id 0 / count 0, and the stored log-probs of the ids."""
+    tids, counts = np.zeros((B, T, n), np.int64), np.zeros((B, T, n), np.uint8)
+    for b in range(B):
+        for t in range(T):
+            d = int(rng.integers(1, n + 1))
+            tids[b, t, :d] = np.sort(rng.choice(CFG.vocab, d, replace=False))
+            counts[b, t, :d] = rng.multinomial(n - d, np.full(d, 1.0 / d)) + 1
+    return tids, -rng.uniform(0.05, 9.0, (B, T, n)).astype(np.float32), counts
+
+
+def test_sampled_store_step_matches_reference() -> None:
+    """The sampled store's KD estimate (with a CE mix, tau 1.5) on the GPU's f32 path, run as forward KL against
+    c / n with a zero tail plus the loss shift: loss and every LoRA gradient within REL of the float64 reference's
+    estimator (model/kd.py); a second micro-batch's loss gets its own shift (gradient accumulation)."""
+    dev = device_or_skip()
+    n = 12
+    loss_cfg = LossConfig("forward_kl", tau=1.5, ce_weight=0.25, samples=n)
+    w, lora, ids, targets, mask, rng = _problem(5, Q.Q4_0)
+    tids, tlp, counts = _sampled_teacher(rng, n)
+    spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, grad_accum=2)
+    st = GPUStudent(dev, ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0), spec, GpuKd(loss_cfg, n))
+    st.set_adapter(lora)
+    w64 = {name: a.astype(np.float64) for name, a in w.items()}
+    l64 = {k: reference.LoraPair(p.A.astype(np.float64), p.B.astype(np.float64)) for k, p in lora.items()}
+    want = []
+    for micro, flip in enumerate((False, True)):  # the second micro-batch: the teacher columns of other rows
+        cols = (tids[::-1], tlp[::-1], counts[::-1]) if flip else (tids, tlp, counts)
+        st.write_batch(KdBatch(ids, targets, mask, cols[0], cols[1], None, teacher_counts=cols[2]))
+        st.accumulate(micro)
+        want.append(
+            reference.loss_and_grads(
+                w64,
+                CFG,
+                ids,
+                l64,
+                2.0,
+                cols[0],
+                cols[1].astype(np.float64),
+                None,
+                targets,
+                mask,
+                loss_cfg,
+                teacher_counts=cols[2],
+            )  # fmt: skip
+        )
+        got_loss = st.objective.micro_loss(micro)
+        assert abs(got_loss - want[-1][0]) <= REL * abs(want[-1][0]), (micro, got_loss, want[-1][0])
+    got = st.get_grads()
+    worst = 0.0
+    for key, g in got.items():
+        da = want[0][1][key][0] + want[1][1][key][0]
+        db = want[0][1][key][1] + want[1][1][key][1]
+        worst = max(worst, _rel(g.A, da), _rel(g.B, db))
+    print(f"sampled store on the GPU: worst LoRA gradient rel err {worst:.1e}")
+    assert worst < REL

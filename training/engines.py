@@ -189,8 +189,6 @@ def build_engine(
         raise ValueError(
             f"train.precision: {cfg.train.precision} needs the GPU engine (train.backend=gpu); numpy computes in f32"
         )
-    if cfg.teacher.store == "sampled" and chosen_backend(cfg) != "numpy":
-        raise ValueError("teacher.store: sampled trains on the numpy engine only for now (set train.backend: numpy)")
     loss, k = loss_config(cfg, eval_mode), teacher_width(cfg)
     grad_accum = 1 if eval_mode else None
     return objective_engine(
