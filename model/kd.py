@@ -209,10 +209,25 @@ def _rows(mask: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def _teacher_rows(
-    teacher_logprobs: np.ndarray, teacher_tail: np.ndarray | None, rows: np.ndarray, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray | None]:
+    teacher_logprobs: np.ndarray,
+    teacher_tail: np.ndarray | None,
+    teacher_counts: np.ndarray | None,
+    rows: np.ndarray,
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """The teacher's log-probs, tail and (sampled store) counts of the masked rows."""
     lt = np.asarray(teacher_logprobs)[rows].astype(dtype)
-    return lt, None if teacher_tail is None else np.asarray(teacher_tail)[rows].astype(dtype)
+    tail = None if teacher_tail is None else np.asarray(teacher_tail)[rows].astype(dtype)
+    return lt, tail, None if teacher_counts is None else np.asarray(teacher_counts)[rows]
+
+
+def _student_rows(
+    logits: np.ndarray, teacher_ids: np.ndarray, mask: np.ndarray, cfg: LossConfig
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+    """(masked rows, their count, their logits z, the teacher ids there, log softmax(z / tau))."""
+    rows, n = _rows(mask)
+    z = logits[rows]
+    return rows, n, z, np.asarray(teacher_ids)[rows].astype(np.intp), log_softmax(z / cfg.tau)
 
 
 def kd_loss_forward(
@@ -226,12 +241,9 @@ def kd_loss_forward(
     teacher_counts: np.ndarray | None = None,
 ) -> float:
     """Masked mean of tau^2 * KD + ce_weight * CE (see the module docstring)."""
-    rows, n = _rows(mask)
-    z = logits[rows]
-    ids = np.asarray(teacher_ids)[rows].astype(np.intp)
-    a = np.take_along_axis(log_softmax(z / cfg.tau), ids, axis=1)
-    counts = None if teacher_counts is None else np.asarray(teacher_counts)[rows]
-    lt, tail = _teacher_rows(teacher_logprobs, teacher_tail, rows, z.dtype)
+    rows, n, z, ids, logq = _student_rows(logits, teacher_ids, mask, cfg)
+    a = np.take_along_axis(logq, ids, axis=1)
+    lt, tail, counts = _teacher_rows(teacher_logprobs, teacher_tail, teacher_counts, rows, z.dtype)
     per_row = cfg.tau**2 * kd_support_forward(a, lt, tail, cfg, counts)
     if cfg.ce_weight:
         tgt = np.asarray(targets)[rows].astype(np.intp)
@@ -250,13 +262,9 @@ def kd_loss_backward(
     teacher_counts: np.ndarray | None = None,
 ) -> np.ndarray:
     """d loss / d logits [T, V]; zero on rows with mask == 0."""
-    rows, n = _rows(mask)
-    z = logits[rows]
-    ids = np.asarray(teacher_ids)[rows].astype(np.intp)
-    logq = log_softmax(z / cfg.tau)
+    rows, n, z, ids, logq = _student_rows(logits, teacher_ids, mask, cfg)
     a = np.take_along_axis(logq, ids, axis=1)
-    lt, tail = _teacher_rows(teacher_logprobs, teacher_tail, rows, z.dtype)
-    counts = None if teacher_counts is None else np.asarray(teacher_counts)[rows]
+    lt, tail, counts = _teacher_rows(teacher_logprobs, teacher_tail, teacher_counts, rows, z.dtype)
     da = kd_support_backward(a, lt, tail, cfg, counts) * (cfg.tau**2 / n)
     g = np.zeros_like(z)
     np.add.at(g, (np.arange(len(rows))[:, None], ids), da)  # scatter (add: safe even for repeated ids)

@@ -101,11 +101,7 @@ def reference_topk_batch(
     logprobs differ by float32 rounding of the logits (~1e-6 relative: 1.5e-5 absolute on SmolLM2-135M, ~1e-6 on
     the tiny test model against float64), tails by ~1e-6 relative; ids agree except between near-equal logits.
     """
-    ids = np.asarray(ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"ids must be a 2-D [N, T] integer array, got {ids.dtype} shape {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab):
-        raise ValueError(f"ids outside the teacher vocabulary [0, {cfg.vocab})")
+    ids = _sequence_ids(ids, cfg)
     n_seq, t = ids.shape
     out_ids = np.zeros((n_seq, t, k), np.int64)
     out_lp = np.zeros((n_seq, t, k), np.float32)
@@ -114,6 +110,16 @@ def reference_topk_batch(
         top_ids, top_lp, tail = topk_chunked(h, lm_head, k, temperature, vocab_chunk)
         out_ids[sl][keep], out_lp[sl][keep], out_tail[sl][keep] = top_ids, top_lp, tail
     return out_ids, out_lp, out_tail
+
+
+def _sequence_ids(ids: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """ids as a 2-D [N, T] integer array inside the teacher's vocabulary (else ValueError)."""
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"ids must be a 2-D [N, T] integer array, got {ids.dtype} shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab):
+        raise ValueError(f"ids outside the teacher vocabulary [0, {cfg.vocab})")
+    return ids
 
 
 def _final_hidden(
@@ -153,11 +159,7 @@ def reference_sampled_batch(
     logp codes uint8 [N, T, n], counts uint8 [N, T, n]) (model/sampled.py's sample_positions, keyed by seed,
     seq_id and position; float32 logits a block of rows at a time, the draw in float64). Positions with mask 0
     come back as zeros. A position's row depends on its logits and key only, not on the batch around it."""
-    ids = np.asarray(ids)
-    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"ids must be a 2-D [N, T] integer array, got {ids.dtype} shape {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() >= cfg.vocab):
-        raise ValueError(f"ids outside the teacher vocabulary [0, {cfg.vocab})")
+    ids = _sequence_ids(ids, cfg)
     n_seq, t = ids.shape
     seq_ids = np.asarray(seq_ids, np.int64).reshape(n_seq)
     out = [np.zeros((n_seq, t, n), np.int64), np.zeros((n_seq, t, n), np.uint8), np.zeros((n_seq, t, n), np.uint8)]

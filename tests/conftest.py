@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# the operations tests' session-wide servers (fixtures servers, served, default_run)
+pytest_plugins = ("tests.server_fixtures",)
+
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 os.environ.setdefault("WGPU_BACKEND_TYPE", "Vulkan")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

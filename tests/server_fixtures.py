@@ -1,9 +1,7 @@
 """Real servers for the operations tests: a Prefect server and an MLflow server on 127.0.0.1 (infra/up.sh on free
 ports, stopped by infra/down.sh), `distillery serve` of the tiny config as deployment distill/tiny in a
 subprocess, and the REST calls the Prefect UI makes. One of each per test session, shared by
-tests/test_deploy.py and tests/test_ui.py:
-
-    from tests.server_fixtures import _default_run, _served, _servers  # noqa: F401 (fixtures)
+tests/test_deploy.py and tests/test_ui.py (tests/conftest.py registers the fixtures: servers, served, default_run).
 """
 
 from __future__ import annotations

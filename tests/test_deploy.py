@@ -16,14 +16,11 @@ import yaml
 
 from schemas.config import RunConfig
 from tests.pipeline_fixtures import tiny_config
-from tests.server_fixtures import (  # noqa: F401 (the fixtures servers, served, default_run)
+from tests.server_fixtures import (
     CRON,
     DEPLOYMENT,
     FinishedRun,
     Served,
-    _default_run,
-    _served,
-    _servers,
     stage_states,
     wait_run,
 )

@@ -23,6 +23,7 @@ from model.gguf import write_gguf
 from model.tokenizer import GGUFTokenizer, build_tokenizer, load_tokenizer
 from tests.test_gemma3_real import _published_file
 from tests.test_gemma3_tokenizer import _metadata as tiny_gemma3_metadata
+from tests.test_tokenizer import mask_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -75,18 +76,6 @@ def _theirs(hf: Any, messages: list[dict[str, str]], template: str, add_generati
     )
 
 
-def _mask_runs(mask: list[int]) -> list[tuple[int, int]]:
-    """[start, end) runs of 1s."""
-    runs, start = [], None
-    for k, m in enumerate([*mask, 0]):
-        if m and start is None:
-            start = k
-        elif not m and start is not None:
-            runs.append((start, k))
-            start = None
-    return runs
-
-
 def check_against_transformers(
     ours: GGUFTokenizer, hf: Any, messages: list[dict[str, str]], add_generation_prompt: bool
 ) -> None:
@@ -104,10 +93,10 @@ def check_against_transformers(
 
     end_of_turn = ours.token_to_id("<end_of_turn>")
     # HF's mask is the tagged contents; ours adds the <end_of_turn> right after each of them
-    closing = {b for a, b in _mask_runs(theirs["assistant_masks"])}
+    closing = {b for a, b in mask_runs(theirs["assistant_masks"])}
     assert [int(m or k in closing) for k, m in enumerate(theirs["assistant_masks"])] == mask
     replies = [m["content"].strip() for m in messages if m["role"] == "assistant"]
-    runs = _mask_runs(mask)
+    runs = mask_runs(mask)
     assert len(runs) == len(replies)
     for (a, b), reply in zip(runs, replies, strict=True):
         assert ids[a:b] == [*ours.encode(reply, add_bos=False), end_of_turn]

@@ -153,7 +153,7 @@ def test_chatml_render_exact(template: str) -> None:
     )
 
 
-def _segments(mask: list[int]) -> list[tuple[int, int]]:
+def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
     """[start, end) runs of 1s."""
     runs, start = [], None
     for k, m in enumerate([*mask, 0]):
@@ -167,7 +167,7 @@ def _segments(mask: list[int]) -> list[tuple[int, int]]:
 
 def _check_turns(tok: GGUFTokenizer, ids: list[int], mask: list[int], replies: list[str], end: str) -> None:
     end_id = tok.token_to_id(end)
-    runs = _segments(mask)
+    runs = mask_runs(mask)
     assert len(runs) == len(replies)
     for (a, b), reply in zip(runs, replies, strict=True):
         assert ids[a:b] == [*tok.encode(reply), end_id]
@@ -208,7 +208,7 @@ def test_mask_content_that_looks_like_the_template(tok: GGUFTokenizer, template:
     msgs = [{"role": "user", "content": "system"}, {"role": "assistant", "content": "assistant"}]
     ids, mask = tokenize_chat(tok, template, msgs)
     _check_turns(tok, ids, mask, ["assistant"], "<|im_end|>")
-    ((a, _b),) = _segments(mask)
+    ((a, _b),) = mask_runs(mask)
     assert tok.decode(ids[:a]).endswith("<|im_start|>assistant\n")
 
 

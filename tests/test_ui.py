@@ -21,12 +21,9 @@ from selenium import webdriver  # make test installs it (Makefile: selenium + De
 from selenium.webdriver.chrome.service import Service
 
 from flows.compare import compare_view_url
-from tests.server_fixtures import (  # noqa: F401 (the fixtures servers, served, default_run)
+from tests.server_fixtures import (
     FinishedRun,
     Served,
-    _default_run,
-    _served,
-    _servers,
     stage_states,
     wait_run,
 )

@@ -3,14 +3,7 @@
 // staging reads whole rows, instead of transposing W tile by tile in every workgroup of the "nn" GEMM.
 // A workgroup per 64 x 64 tile (wid.x along K, wid.y along N): 64 rows of 16 words through workgroup memory.
 
-struct Params {
-    N: u32,   // rows of Q
-    K: u32,   // codes per row of Q
-    _pad0: u32,
-    _pad1: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
+@group(0) @binding(0) var<uniform> prm: vec4<u32>;   // (N rows of Q, K codes per row, -, -)
 @group(0) @binding(1) var<storage, read> Q: array<u32>;
 @group(0) @binding(2) var<storage, read_write> QT: array<u32>;
 
@@ -20,15 +13,17 @@ var<workgroup> tile: array<u32, 1088>;  // 64 rows x LD
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let kw = prm.K / 4u;
-    let nw = prm.N / 4u;
+    let n_rows = prm.x;
+    let k_codes = prm.y;
+    let kw = k_codes / 4u;
+    let nw = n_rows / 4u;
     let w = lid % 16u;
     for (var e = 0u; e < 4u; e++) {
         let row = e * 16u + lid / 16u;
         let n = wid.y * 64u + row;
         let word = wid.x * 16u + w;
         var v = 0u;
-        if (n < prm.N && word < kw) {
+        if (n < n_rows && word < kw) {
             v = Q[n * kw + word];
         }
         tile[row * LD + w] = v;
@@ -43,7 +38,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         for (var b = 0u; b < 4u; b++) {
             out |= ((tile[(4u * w + b) * LD + r / 4u] >> shift) & 0xffu) << (8u * b);
         }
-        if (k < prm.K && word < nw) {
+        if (k < k_codes && word < nw) {
             QT[k * nw + word] = out;
         }
     }
