@@ -158,6 +158,9 @@ KERNELS: dict[str, Kernel] = {
     "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats")),
     "kd_grad": Kernel((*_ROWS, "kd_grad"), {"ce": BOOLS}),
     "topk": Kernel((*_ROWS, *_LSE, "topk"), {"ns": TOPK_SORT_SIZES}),
+    # the sampled store's two passes over the vocabulary (gpu/ops/sampled.py)
+    "sample_stats": Kernel((*_ROWS, "workgroup_reduce", "sample_piece", "sample_stats")),
+    "sample_draw": Kernel((*_ROWS, "workgroup_reduce", "sample_piece", "sample_draw")),
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
@@ -172,6 +175,9 @@ KERNELS: dict[str, Kernel] = {
     # one thread per row / item
     "kd_row": Kernel((*_ITEMS, "kd_row"), {"kind": KINDS, "tail": KD_TAILS, "ce": BOOLS}, _kd_row_values),
     "topk_finish": Kernel((*_ITEMS, "topk_finish")),
+    "sample_thresholds": Kernel((*_ITEMS, "philox", "sample_thresholds")),
+    "sample_encode": Kernel((*_ITEMS, "sample_encode")),
+    "philox_words": Kernel((*_ITEMS, "philox", "philox_words")),
     "embedding": Kernel(("embedding",), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "rope": Kernel(("rope", "rope_position_offset"), {"neox": BOOLS}),
     "rope_positions": Kernel(("rope", "rope_position_buffer"), {"neox": BOOLS}),

@@ -1,4 +1,5 @@
-"""The teacher on the GPU: forward of the frozen model and its top-k next-token distribution per position."""
+"""The teacher on the GPU: forward of the frozen model and its top-k next-token distribution per position, or the
+sampled store's draws (gpu/ops/sampled.py, the same rows as model.teacher_cpu.reference_sampled_batch)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from gpu.device import Device
 from gpu.model import GPUModel, ModelWeights
 from gpu.ops import head
 from gpu.ops.head import Int8Head
+from gpu.ops.sampled import SampledState, hidden_sampled
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
 
@@ -37,6 +39,7 @@ class GPUTeacher(GPUModel):
         self.logprobs = dev.buffer(4 * self.rows * top_k, label="teacher logprobs")
         self.tail = dev.buffer(4 * self.rows, label="teacher tail")
         self.logits = dev.buffer(4 * self.rows * self.chunk, label="teacher logits chunk")
+        self._sampled: SampledState | None = None
         self.int8_head = (
             Int8Head.build(dev, self.rows, self.cfg.hidden, self.chunk, backward=False)
             if self.precision == "int8" and head.INT8_HEAD
@@ -74,6 +77,52 @@ class GPUTeacher(GPUModel):
                 cfg.hidden,
                 cfg.vocab,
                 self.tau,
+                logits_scratch=self.logits,
+                chunk=self.chunk,
+                h16=h16,
+                i8=self.int8_head,
+            )
+
+    def sampled(
+        self, ids: np.ndarray, seq_ids: np.ndarray, n: int, seed: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """ids [B, T] of the sequences seq_ids [B] -> the sampled store's rows (ids int64 [B, T, n], log-prob
+        codes uint8 [B, T, n], counts uint8 [B, T, n]) of n draws keyed by (seed, seq_id, position), as
+        model.teacher_cpu.reference_sampled_batch returns them (every position drawn; no mask)."""
+        batch, seq_len = self.batch, self.seq_len
+        ids = np.asarray(ids).reshape(batch, seq_len)
+        if np.any(ids < 0) or np.any(ids >= self.cfg.vocab):
+            raise ValueError(f"token ids outside the teacher's vocabulary [0, {self.cfg.vocab})")
+        st = self._sampled
+        if st is None or st.n != n:
+            st = self._sampled = SampledState.build(self.dev, self.rows, n, self.cfg.vocab, self.chunk)
+        bufs = self._b.bufs
+        self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
+        self.dev.write(bufs["positions"], np.tile(np.arange(seq_len, dtype=np.uint32), batch))
+        seq = np.repeat(np.asarray(seq_ids, np.uint64).reshape(batch), seq_len)
+        st.write_keys(self.dev, seq, np.tile(np.arange(seq_len), batch))
+        with self.dev.step():
+            self._taped(("sampled", n, seed), lambda: self._record_sampled(st, seed))
+        shape = (batch, seq_len, n)
+        out_ids = self.dev.read(st.ids, np.uint32, shape).astype(np.int64)
+        codes = self.dev.read(st.codes, np.uint32, shape).astype(np.uint8)
+        counts = self.dev.read(st.counts, np.uint32, shape).astype(np.uint8)
+        return out_ids, codes, counts
+
+    def _record_sampled(self, st: SampledState, seed: int) -> None:
+        """Forward to the head and the sampled draw over vocab chunks, recorded into the current step."""
+        cfg = self.cfg
+        h16 = self._forward_to_head()
+        with scope(self.dev, "kd head"):
+            hidden_sampled(
+                self.dev,
+                self.a["nf"],
+                self.w.lm_head,
+                st,
+                cfg.hidden,
+                cfg.vocab,
+                self.tau,
+                seed,
                 logits_scratch=self.logits,
                 chunk=self.chunk,
                 h16=h16,

@@ -19,8 +19,11 @@ draws, and never more):
 What a GPU teacher must match: the generator bit for bit (KNOWN_ANSWERS and test vectors in tests), the
 thresholds' definition and the first-C_v-above rule over ids in ascending order. Its CDF is a float32 (or
 compensated) sum of its own float32 logits, so a draw may differ from this reference only where t_i lies within
-that rounding of a boundary C_v (order 1e-5 of draws for a 49k vocabulary): the same backend (local or Ray)
-writes byte-identical shards; across backends the draws agree to that rate, as top-k's ids agree up to ties.
+that rounding of a boundary C_v: per draw about eps_f32 (6e-8) times the number of ids whose boundaries the
+thresholds cross, so more for flat teachers and large vocabularies (gpu/ops/sampled.py; measured in
+tests/test_gpu_sampled.py: 4 of 1,024 positions of a flat 5,000-id teacher, 1 of 2,048 on the tiny model): the
+same backend (local or Ray) writes byte-identical shards; across backends the draws agree to that rate, as top-k's
+ids agree up to ties.
 
 Stored per position (encode): the distinct drawn ids ascending, their counts (uint8, summing to n) and the
 teacher's log-prob of each, log p_v = z'_v - m - log S, as a uint8 code q = min(255, round(-16 log p_v)):

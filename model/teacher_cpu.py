@@ -1,7 +1,7 @@
 """The teacher's top-k next-token distribution on the CPU, through the numpy reference forward.
 
 gpu.teacher.GPUTeacher.topk computes the same on the GPU; both feed data.topk. reference_sampled_batch: the sampled
-store's draws instead (model/sampled.py), numpy only for now.
+store's draws instead (model/sampled.py); gpu.teacher.GPUTeacher.sampled is its GPU twin (gpu/ops/sampled.py).
 """
 
 from __future__ import annotations

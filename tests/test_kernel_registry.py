@@ -175,10 +175,20 @@ def test_model_dispatches_only_registry_members(monkeypatch: pytest.MonkeyPatch)
         st.accumulate(micro)
     assert not st.apply(lr=1e-2).skipped
     st.evaluate_batch()
-    GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.5, vocab_chunk=128).topk(ids)
+    teacher = GPUTeacher(dev, weights, batch=B, seq_len=T, top_k=K, tau=1.5, vocab_chunk=128)
+    teacher.topk(ids)
+    teacher.sampled(ids, np.arange(B), 12, 3)
 
     registered = {e.key for e in ENTRIES}
-    assert {k[0] for k in asked} >= {"matmul", "kd_row", "topk", "rmsnorm_backward", "adamw_update", "scale"}
+    assert {k[0] for k in asked} >= {
+        "matmul",
+        "kd_row",
+        "topk",
+        "sample_draw",
+        "rmsnorm_backward",
+        "adamw_update",
+        "scale",
+    }
     stray = sorted(map(str, asked - registered))
     assert not stray, f"dispatched kernels missing from gpu/registry.py: {stray[:5]}"
 

@@ -193,3 +193,31 @@ def test_config_store_fields_key_and_refusals(tmp_path: Path) -> None:
             )
     with pytest.raises(ValidationError, match=r"teacher\.runner: teacher\.store: sampled"):
         RunConfig.model_validate({**base, "teacher": {**base["teacher"], "store": "sampled", "runner": "ray"}})
+
+
+@pytest.mark.gpu
+def test_gpu_teacher_writes_the_numpy_teachers_sampled_rows(tmp_path: Path) -> None:
+    """teacher.backend: gpu with teacher.store: sampled (training.teacher's GPU teacher, 5 sequences in batches of
+    2, the last padded): the numpy teacher's rows on every position of this tiny model (the agreement rate beyond it:
+    tests/test_gpu_sampled.py), masked positions zero as the numpy teacher's."""
+    from tests.gpu_fixtures import device_or_skip
+    from training.teacher import make_teacher_fn
+
+    device_or_skip()
+    teachers = {}
+    for backend in ("gpu", "numpy"):
+        raw = tiny_config(tmp_path, teacher={"backend": backend, "store": "sampled", "seed": 2**33 + 1},
+                          train={"batch_size": 2})  # fmt: skip
+        cfg = RunConfig.model_validate(raw)
+        teachers[backend] = make_teacher_fn(cfg, cfg.model.teacher)
+    assert teachers["gpu"].backend == "gpu" and teachers["gpu"].store == "sampled"
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 200, size=(5, 24))
+    mask = (rng.random(ids.shape) < 0.8).astype(np.uint8)
+    seq_ids = np.array([3, 1, 4, 1_000_000_007, 2**40])
+    got, want = teachers["gpu"](ids, mask, seq_ids), teachers["numpy"](ids, mask, seq_ids)
+    assert got[0].shape == want[0].shape == (5, 24, 12)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[2], want[2])
+    assert np.abs(got[1].astype(int) - want[1].astype(int)).max() <= 1
+    assert (got[2].astype(int).sum(-1) == np.where(mask > 0, 12, 0)).all()

@@ -4,6 +4,8 @@ teacher.backend picks where it runs (auto: numpy when the only adapter is a CPU,
 take many sequences per call: the numpy teacher is model.teacher_cpu.reference_topk_batch (float32 forward,
 lm_head + top-k over vocabulary chunks, the head skipped where the loss mask is 0), the GPU teacher
 gpu.teacher.GPUTeacher over train.batch_size sequences per dispatch (the activation memory of a training step).
+teacher.store sampled: model.teacher_cpu.reference_sampled_batch or GPUTeacher.sampled (gpu/ops/sampled.py), the
+same rows up to f32 rounding at CDF boundaries (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -45,8 +47,6 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
     k, tau = cfg.teacher.top_k, cfg.teacher.temperature
     backend, why = resolve_backend(cfg.teacher.backend, cfg.run.gpu_backend, "teacher.backend")
     log.info("teacher: %s (%s)", backend, why)
-    if cfg.teacher.store == "sampled" and backend != "numpy":
-        raise ValueError("teacher.store: sampled has a numpy teacher only for now (set teacher.backend: numpy)")
     if backend == "numpy":
         from model.gguf import GGUFFile
         from model.teacher_cpu import reference_topk_batch
@@ -76,19 +76,52 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
     batch = cfg.train.batch_size
     teachers: dict[int, GPUTeacher] = {}
 
-    def gpu_fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        ids = np.asarray(ids)
-        n, t = ids.shape
+    def gpu_teacher(t: int) -> GPUTeacher:
         if t not in teachers:
             teachers[t] = GPUTeacher(
                 dev, weights, batch=batch, seq_len=t, top_k=k, tau=tau, precision=cfg.train.precision
             )
-        parts = []
-        for s in range(0, n, batch):  # the last group padded with token 0 to the teacher's batch, then cut
+        return teachers[t]
+
+    def groups(ids: np.ndarray, *per_seq: np.ndarray):
+        """The teacher's batches of ids (and of per-sequence arrays): the last padded with zeros, then cut."""
+        n, t = ids.shape
+        for s in range(0, n, batch):
+            m = min(batch, n - s)
             group = np.zeros((batch, t), np.int64)
-            group[: min(batch, n - s)] = ids[s : s + batch]
-            out_ids, lp, tail = teachers[t].topk(group)
-            parts.append((out_ids[: n - s].astype(np.int64), lp[: n - s], tail[: n - s]))
+            group[:m] = ids[s : s + batch]
+            extra = [np.zeros(batch, a.dtype) for a in per_seq]
+            for e, a in zip(extra, per_seq, strict=True):
+                e[:m] = a[s : s + batch]
+            yield m, group, extra
+
+    if cfg.teacher.store == "sampled":
+        n_samples, seed = cfg.teacher.samples, cfg.teacher.seed
+
+        def gpu_sampled_fn(ids: np.ndarray, mask: np.ndarray, seq_ids: np.ndarray) -> tuple[np.ndarray, ...]:
+            """reference_sampled_batch's rows on the GPU (gpu/ops/sampled.py): positions with mask 0 as zeros."""
+            ids = np.asarray(ids)
+            teacher = gpu_teacher(ids.shape[1])
+            seq_ids = np.asarray(seq_ids, np.int64).reshape(len(ids))
+            parts = [
+                tuple(a[:m] for a in teacher.sampled(group, seq, n_samples, seed))
+                for m, group, (seq,) in groups(ids, seq_ids)
+            ]
+            out = [np.concatenate(p) for p in zip(*parts, strict=True)]
+            dropped = np.asarray(mask).reshape(ids.shape) == 0
+            for a in out:
+                a[dropped] = 0
+            return tuple(out)
+
+        return Teacher(gpu_sampled_fn, batch * cfg.data.seq_len, "gpu", "sampled")  # type: ignore[arg-type]
+
+    def gpu_fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ids = np.asarray(ids)
+        teacher = gpu_teacher(ids.shape[1])
+        parts = []
+        for m, group, _ in groups(ids):
+            out_ids, lp, tail = teacher.topk(group)
+            parts.append((out_ids[:m].astype(np.int64), lp[:m], tail[:m]))
         return tuple(np.concatenate(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
     return Teacher(gpu_fn, batch * cfg.data.seq_len, "gpu")
