@@ -455,7 +455,7 @@ def main() -> None:
         "--int8-lora-epilogue",
         choices=("on", "off"),
         default="on",
-        help="int8: the LoRA expansion in the integer GEMM's epilogue (off: a pass of its own)",
+        help="int8: the LoRA expansions (forward s t B^T, backward dt A) in the integer GEMMs' epilogues (off: passes)",
     )
     p.add_argument(
         "--int8-input-grads",

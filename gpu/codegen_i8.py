@@ -76,7 +76,9 @@ class I8Variant:
     chunked: bool  # K in several chunks, each with its own scales (else one scale per row)
     accumulate: bool = False  # C += alpha * (...) instead of C = alpha * (...)
     orient: str = "nt"  # "nt": C = A . W^T (forward); "nn": C = A . W (input gradient; one chunk)
-    lora: bool = False  # C also gets s T . LB^T (a LoRA's t = x A^T [M, r] and B [N, r]; "nt", one chunk)
+    # C also gets s T . L ("nt", one chunk; T [M, r]): L = LB^T with LB [N, r] ("rows": the forward's t = x A^T
+    # and B), or L [r, N] ("cols": the input gradient's dt = s dY B and A)
+    lora: str = ""
 
     @property
     def key(self) -> tuple:
@@ -226,6 +228,17 @@ def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
     return lines + [f"{i1}}}"]
 
 
+# the LoRA variants' binding of L and its vec4 for ranks 4q .. 4q + 3 of column n (matmul_i8_lora.wgsl)
+_LB = {
+    "rows": {"LB_ELEM": "vec4<f32>", "LB_LOAD": "LB[n * prm.lr4 + q]"},
+    "cols": {
+        "LB_ELEM": "f32",
+        "LB_LOAD": "vec4<f32>(LB[4u * q * prm.N + n], LB[(4u * q + 1u) * prm.N + n], LB[(4u * q + 2u) * prm.N + n], "
+        "LB[(4u * q + 3u) * prm.N + n])",
+    },
+}
+
+
 def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     """Full WGSL of one integer GEMM variant (emulate=True: the same kernel without subgroup matrices)."""
     c = v.cfg
@@ -233,8 +246,9 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     c.validate(max_threads=1 << 16, max_workgroup_bytes=1 << 30)
     if v.orient not in ("nt", "nn") or (v.orient == "nn" and v.chunked):
         raise ValueError(f"I8Variant orient={v.orient!r} chunked={v.chunked}: expected 'nt', or 'nn' with one chunk")
-    if v.lora and (v.orient != "nt" or v.chunked):
-        raise ValueError(f"I8Variant lora with orient={v.orient!r} chunked={v.chunked}: 'nt' with one chunk only")
+    if v.lora not in ("", "rows", "cols") or (v.lora and (v.orient != "nt" or v.chunked)):
+        raise ValueError(f"I8Variant lora={v.lora!r} orient={v.orient!r} chunked={v.chunked}: '', 'rows' or 'cols', "
+                         "with 'nt' and one chunk")  # fmt: skip
     out = "C[i]"
     value = "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
     store = f"{out} = {out} + ({value});" if v.accumulate else f"{out} = {value};"
@@ -265,7 +279,7 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         B_BLOCKS=c.stages * c.sg_n,
         CS_LEN=c.fm * MATRIX * MATRIX,
         STORE_EXPR=store,
-        LORA_BINDINGS=kernel_text("matmul_i8_lora.wgsl") if v.lora else "",
+        LORA_BINDINGS=fill(kernel_text("matmul_i8_lora.wgsl"), **_LB[v.lora]) if v.lora else "",
         LORA_PRE="let lo = lora8(m, n);" if v.lora else "",
         DECLS="\n".join(_decls(c, v, d)),
         MAIN_LOOP="\n".join(_main_loop(c, v, d)),

@@ -30,7 +30,7 @@ from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward
-from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8
+from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8
 from gpu.ops.quantize_i8 import quantize_i8_gpu, transpose_i8
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
@@ -159,40 +159,51 @@ class GPUStudent(GPUModel):
     def _proj_back(self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool) -> None:
         d_out, d_in = self.cfg.target_shape(target)
         w8 = self._int8_weight(layer, target) if self.int8_input_grads else None
-        if w8 is not None and d_out % MMA_K == 0 and d_in % 16 == 0:
+        ab = self._lora(layer, target, self.params)
+        int8 = w8 is not None and d_out % MMA_K == 0 and d_in % 16 == 0
+        # int8 over W's transposed codes: dx += dt A in the GEMM's epilogue, so the LoRA products come first
+        in_gemm = int8 and self.transposed_input_grads and self.lora_in_gemm_i8 and self.layout.r % 4 == 0
+        if ab is not None and in_gemm:
+            self._lora_back(dy, x, layer, target, ab, None)
+        if int8:
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding
             a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
             quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
-                gemm_i8(self.dev, a, wt, dx, accumulate=accumulate)
+                term = LoraTerm(self.dt, ab[0], self.layout.r, 1.0, "cols") if ab is not None and in_gemm else None
+                gemm_i8(self.dev, a, wt, dx, accumulate=accumulate, lora=term)
             else:
                 gemm_i8(self.dev, a, w8, dx, orient="nn", col_scales=self.ones, accumulate=accumulate)
         else:
             a, kw = self._gemm_input(dy, d_out)
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
-        ab = self._lora(layer, target, self.params)
-        if ab is not None:
-            da, db = self._lora(layer, target, self.grads)
-            lora_backward(
-                self.dev,
-                dy,
-                x,
-                *ab,
-                self._lora_t(layer, target),
-                da,
-                db,
-                dx,
-                self.dt,
-                self.rows,
-                d_in,
-                d_out,
-                self.layout.r,
-                self.scale,
-                accumulate_grads=self._acc_grads,
-                group=self.lora_group,
-                da_scratch=self.da_scratch,
-            )
+        if ab is not None and not in_gemm:
+            self._lora_back(dy, x, layer, target, ab, dx)
+
+    def _lora_back(self, dy: Any, x: Any, layer: int, target: str, ab: tuple[Any, Any], dx: Any) -> None:
+        """The LoRA gradients of (layer, target) and dt = s dY B into self.dt; dx += dt A unless dx is None."""
+        d_out, d_in = self.cfg.target_shape(target)
+        da, db = self._lora(layer, target, self.grads)
+        lora_backward(
+            self.dev,
+            dy,
+            x,
+            *ab,
+            self._lora_t(layer, target),
+            da,
+            db,
+            dx,
+            self.dt,
+            self.rows,
+            d_in,
+            d_out,
+            self.layout.r,
+            self.scale,
+            accumulate_grads=self._acc_grads,
+            group=self.lora_group,
+            da_scratch=self.da_scratch,
+        )
 
     def _attention_back(
         self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any, layer: int

@@ -90,42 +90,51 @@ def test_quantize_kernel_matches_the_twin(dev: Device) -> None:
     assert not codes[4, :64].any() and scales[4, 0] == 0
 
 
-def _check_gemm_lora(dev: Device, m: int, n: int, k: int, r: int, cfg: I8Config | None, **kw) -> float:
-    """C = alpha A . W^T + s t . B^T in one GEMM (the LoRA term in the epilogue) against float64 on the same
-    codes; C's other columns and elements before c_offset untouched."""
+def _check_gemm_lora(
+    dev: Device, m: int, n: int, k: int, r: int, cfg: I8Config | None, layout: str = "rows", **kw
+) -> float:
+    """C (+)= alpha A . W^T + s t . L in one GEMM (the LoRA term in the epilogue; L given as L^T [n, r] or L [r, n]
+    by layout) against float64 on the same codes; C's other columns and elements before c_offset untouched."""
     rng = np.random.default_rng(m + n + k + r)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
-    t, b = rng.standard_normal((m, r)).astype(np.float32), rng.standard_normal((n, r)).astype(np.float32)
+    t, lo = rng.standard_normal((m, r)).astype(np.float32), rng.standard_normal((r, n)).astype(np.float32)
     alpha, scale = kw.get("alpha", 1.0), 0.75
     wq, a = upload_i8(dev, w, k, "w"), i8_buffers(dev, m, k, k, "x")
     quantize_i8_gpu(dev, dev.upload(x), a)
     ac, asc = dev.read(a.codes, np.int8, (m, k)), dev.read(a.scales, np.float32, (m, 1))
-    lora_ref = scale * (t.astype(np.float64) @ b.T.astype(np.float64))
+    lora_ref = scale * (t.astype(np.float64) @ lo.astype(np.float64))
     ref = gemm_i8_reference(ac, asc, *quantize_i8(w, k)) + lora_ref / alpha
-    term = LoraTerm(dev.upload(t), dev.upload(b), r, scale)
+    stored = np.ascontiguousarray(lo.T if layout == "rows" else lo)
+    term = LoraTerm(dev.upload(t), dev.upload(stored), r, scale, layout)
     return _run_into_c(dev, rng, ref, lambda c: gemm_i8(dev, a, wq, c, cfg=cfg, lora=term, **kw), **kw)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["rows", "cols"])
 @pytest.mark.parametrize("m,n,k,r", [(70, 50, 128, 16), (33, 40, 64, 4), (16, 16, 64, 64)])
-def test_gemm_lora_epilogue_emulated(dev: Device, m: int, n: int, k: int, r: int) -> None:
-    """The LoRA variant (edges in M and N, ranks 4 / 16 / 64, alpha != 1, C with a stride and an offset) within
-    TOL of float64; a LoRA term with accumulate, several chunks, "nn" or r % 4 != 0 is refused."""
+def test_gemm_lora_epilogue_emulated(dev: Device, m: int, n: int, k: int, r: int, layout: str) -> None:
+    """The LoRA variants (L stored transposed or not; edges in M and N, ranks 4 / 16 / 64, alpha != 1, C with a
+    stride and an offset, accumulating or not) within TOL of float64; a LoRA term with several chunks, "nn",
+    r % 4 != 0 or another layout is refused."""
     cfg = I8Config(2, 1, 1, 2, 32, 1)
-    assert _check_gemm_lora(dev, m, n, k, r, cfg, emulate=True, alpha=0.5, ldc=n + 6, c_offset=3) < TOL
+    for acc in (False, True):
+        kw = {"alpha": 0.5, "ldc": n + 6, "c_offset": 3, "accumulate": acc}
+        assert _check_gemm_lora(dev, m, n, k, r, cfg, layout, emulate=True, **kw) < TOL
     a, w = i8_buffers(dev, 16, 64, 64, "x"), upload_i8(dev, np.ones((16, 64), np.float32), 64, "w")
-    term = LoraTerm(dev.buffer(4 * 16 * 4), dev.buffer(4 * 16 * 4), 4, 1.0)
-    for bad in ({"accumulate": True}, {"lora": LoraTerm(term.t, term.b, 3, 1.0)}):
-        with pytest.raises(DeviceError, match="a LoRA term needs"):
-            gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, **{"lora": term, **bad})
+    term = LoraTerm(dev.buffer(4 * 16 * 4), dev.buffer(4 * 16 * 4), 4, 1.0, layout)
+    with pytest.raises(DeviceError, match="a LoRA term needs"):
+        gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, lora=LoraTerm(term.t, term.b, 3, 1.0, layout))
+    with pytest.raises(DeviceError, match="LoRA layout 'diag'"):
+        gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, lora=LoraTerm(term.t, term.b, 4, 1.0, "diag"))
     with pytest.raises(DeviceError, match="fewer than 16 or 16 rows of 8"):
-        gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, lora=LoraTerm(term.t, term.b, 8, 1.0))
+        gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, lora=LoraTerm(term.t, term.b, 8, 1.0, layout))
 
 
 @pytest.mark.tensorcore
-def test_gemm_lora_epilogue_on_tensor_cores() -> None:
-    """The LoRA variant with the preset tile on the integer tensor cores (H200 only)."""
-    assert _check_gemm_lora(tensor_core_device_or_skip(), 300, 272, 256, 16, None) < TOL
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_gemm_lora_epilogue_on_tensor_cores(layout: str) -> None:
+    """The LoRA variants with the preset tile on the integer tensor cores (H200 only)."""
+    assert _check_gemm_lora(tensor_core_device_or_skip(), 300, 272, 256, 16, None, layout) < TOL
 
 
 @pytest.mark.gpu

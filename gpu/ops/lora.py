@@ -101,7 +101,8 @@ def lora_backward(
     group: int = 0,
     da_scratch: Any = None,
 ) -> None:
-    """dB [out, r] = scale dy^T t; dt [T, r] (scratch) = scale dy B; dA [r, in] = dt^T x; dx [T, in] += dt A.
+    """dB [out, r] = scale dy^T t; dt [T, r] (scratch) = scale dy B; dA [r, in] = dt^T x; dx [T, in] += dt A
+    (dx None: not done here, the caller adds dt A itself: the integer GEMM's LoRA epilogue).
     accumulate_grads=True adds into dA / dB instead of overwriting them (gradient accumulation). fused=True: dt
     and dx in one dispatch (r <= 64); False: four products on lora_matmul; None: see the module docstring.
     group > 0 (a mergeable adapter): dt^T x goes to da_scratch ([r, in] floats at least) and dA gets its
@@ -111,7 +112,8 @@ def lora_backward(
         raise DeviceError("lora_backward: a mergeable adapter (group > 0) needs da_scratch")
     with scope(dev, "lora"):
         lora_matmul(dev, transposed(dy, d_out), row_major(t, r), db, d_out, r, n_tokens, alpha=scale, accumulate=acc)
-        if _fused(fused, n_tokens, r):
+        fuse = dx is not None and _fused(fused, n_tokens, r)
+        if fuse:
             lora_fused(
                 dev, dy, row_major(b, r), row_major(a, d_in), dt, dx, n_tokens, d_out, d_in, r, alpha1=float(scale),
                 alpha2=1.0,
@@ -126,7 +128,7 @@ def lora_backward(
             lora_matmul(
                 dev, transposed(x, d_in), row_major(dt, r), da, d_in, r, n_tokens, accumulate=acc, csm=1, csn=d_in
             )
-        if not _fused(fused, n_tokens, r):
+        if dx is not None and not fuse:
             lora_matmul(dev, row_major(dt, r), row_major(a, d_in), dx, n_tokens, d_in, r, accumulate=True)
 
 

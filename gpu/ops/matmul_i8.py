@@ -34,13 +34,15 @@ EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
 
 @dataclass(frozen=True)
 class LoraTerm:
-    """A LoRA's contribution to a forward GEMM's output, scale * t . B^T: t = x A^T [rows, r] and B [cols, r]
-    (f32, row-major; r a multiple of 4), added in the integer GEMM's epilogue."""
+    """A LoRA's contribution to an "nt" GEMM's output, scale * t . L, added in the integer GEMM's epilogue: t
+    [rows, r] (f32, row-major; r a multiple of 4) and L [r, cols] stored as b = L^T [cols, r] (layout "rows": the
+    forward's t = x A^T and B) or as L itself (layout "cols": the input gradient's dt = s dY B and A)."""
 
     t: Any
     b: Any
     r: int
     scale: float
+    layout: str = "rows"
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,12 @@ def all_i8_variants() -> list[I8Variant]:
         for chunks in all_chunks
         for chunk in (64, 32)
         for acc in (False, True)
-    ] + [I8Variant(pick_i8_config(1, chunk), chunked=False, orient="nt", lora=True) for chunk in (64, 32)]
+    ] + [
+        I8Variant(pick_i8_config(1, chunk), chunked=False, accumulate=acc, orient="nt", lora=layout)
+        for chunk in (64, 32)
+        for acc in (False, True)
+        for layout in ("rows", "cols")
+    ]
 
 
 def gemm_i8(
@@ -142,8 +149,8 @@ def gemm_i8(
     and W with the same k and chunks; "nn" (the input gradient) B = W, P = w.k (a multiple of 16), A's k =
     w.rows, one chunk each, and col_scales (f32, P values) scale C's columns in place of W's row scales (which
     the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
-    matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk, no accumulate): C also gets
-    lora.scale * t . B^T, added as C is written."""
+    matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk): C also gets lora.scale * t . L, added as
+    C is written (with accumulate: C + (alpha * A . B + lora))."""
     name = w.name or "int8 weight"
     emulate = emulate or dev in _emulated
     if not emulate and (problem := int8_problem(dev)) is not None:
@@ -166,8 +173,10 @@ def gemm_i8(
         raise DeviceError(f"gemm_i8 with {name!r}: A's codes or scales hold fewer than {m} rows of {r}")
     if orient == "nn" and nbytes(col_scales) < 4 * p:
         raise DeviceError(f"gemm_i8 with {name!r}: col_scales hold fewer than {p} values")
-    if lora is not None and (orient != "nt" or a.chunks != 1 or accumulate or lora.r % 4 or lora.r <= 0):
-        raise DeviceError(f"gemm_i8 with {name!r}: a LoRA term needs 'nt', one chunk, no accumulate, r % 4 == 0")
+    if lora is not None and (orient != "nt" or a.chunks != 1 or lora.r % 4 or lora.r <= 0):
+        raise DeviceError(f"gemm_i8 with {name!r}: a LoRA term needs 'nt', one chunk and r % 4 == 0")
+    if lora is not None and lora.layout not in ("rows", "cols"):
+        raise DeviceError(f"gemm_i8 with {name!r}: LoRA layout {lora.layout!r}, expected 'rows' or 'cols'")
     if lora is not None and (nbytes(lora.t) < 4 * m * lora.r or nbytes(lora.b) < 4 * p * lora.r):
         raise DeviceError(f"gemm_i8 with {name!r}: the LoRA t or B hold fewer than {m} or {p} rows of {lora.r}")
     if m <= 0 or p <= 0:
@@ -179,7 +188,9 @@ def gemm_i8(
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
         max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
     )
-    variant = I8Variant(cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient, lora=lora is not None)
+    variant = I8Variant(
+        cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient, lora=lora.layout if lora is not None else ""
+    )
     pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_i8_source(variant, emulate=emulate))
     grid = (-(-p // cfg.bn), -(-m // cfg.bm))
     alpha_bits = int(np.float32(alpha).view(np.uint32))
