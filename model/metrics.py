@@ -34,9 +34,9 @@ def cross_entropy(logits: np.ndarray, targets: np.ndarray) -> float:
 
 @dataclass
 class Calibration:
-    """Expected calibration error of the student's top-1 against the teacher: over positions binned by the
-    student's top-1 probability (ECE_BINS equal-width bins), sum_b (n_b / n) |agree_b - confidence_b|, where agree_b
-    is the fraction of bin b whose student top-1 is the teacher's top-1. Accumulated batch by batch (add)."""
+    """Expected calibration error of the student's top-1: over positions binned by the student's top-1 probability
+    (ECE_BINS equal-width bins), sum_b (n_b / n) |agree_b - confidence_b|, where agree_b is the fraction of bin b
+    whose top-1 is right (the true next token, or the teacher's top-1). Accumulated batch by batch (add)."""
 
     bins: int = ECE_BINS
     n: np.ndarray = field(init=False)
@@ -47,7 +47,7 @@ class Calibration:
         self.n, self.confidence, self.agree = (np.zeros(self.bins, np.float64) for _ in range(3))
 
     def add(self, top1_logp: np.ndarray, agree: np.ndarray) -> None:
-        """Positions with the student's top-1 log-prob top1_logp [n] and whether it is the teacher's top-1 [n]."""
+        """Positions with the student's top-1 log-prob top1_logp [n] and whether that top-1 is right [n]."""
         p = np.exp(np.minimum(np.asarray(top1_logp, np.float64), 0.0))
         b = np.minimum((p * self.bins).astype(np.int64), self.bins - 1)
         self.n += np.bincount(b, minlength=self.bins)

@@ -267,7 +267,7 @@ class CheckpointEval(Manifest):
 class EvalManifest(CheckpointEval):
     """Held-out metrics of one checkpoint (epoch/step None: the student before training)."""
 
-    UNKEYED_DEFAULTS: ClassVar[dict[str, Any]] = {"ece": None}
+    UNKEYED_DEFAULTS: ClassVar[dict[str, Any]] = {"ece": None, "ece_teacher": None}
 
     kl: float = Field(description="mean KL(teacher || student) per trained position")
     top1: float = Field(ge=0, le=1, description="fraction of positions where the argmaxes agree")
@@ -278,8 +278,15 @@ class EvalManifest(CheckpointEval):
         None,
         ge=0,
         le=1,
-        description="expected calibration error of the student's top-1 against agreement with the teacher's top-1 "
+        description="expected calibration error of the student's top-1 probability against the true next token "
         "(model.metrics.Calibration); None: not reported by the engine (the GPU engine, for now)",
+    )
+    ece_teacher: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="the same against agreement with the teacher's top-1 (a student equal to its teacher scores "
+        "1 - its mean top-1 probability, not 0: read it beside ece, not as a target)",
     )
 
     def metric(self, name: Literal["kl", "top1", "ce"]) -> float:

@@ -81,6 +81,7 @@ def _evaluate(
         ppl=metrics["ppl"],
         n_positions=int(metrics["tokens"]),
         ece=metrics.get("ece"),
+        ece_teacher=metrics.get("ece_teacher"),
     )
     log.info(
         "%s: KL %.4f, top-1 %.1f%%, CE %.4f (ppl %.2f), ECE %s on %d positions",

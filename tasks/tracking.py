@@ -351,7 +351,8 @@ def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:
 
 def _eval_values(ev: EvalManifest) -> dict[str, float]:
     values = {"kl": ev.kl, "top1": ev.top1, "ce": ev.ce, "ppl": ev.ppl}
-    return values if ev.ece is None else {**values, "ece": ev.ece}
+    more = {"ece": ev.ece, "ece_teacher": ev.ece_teacher}
+    return {**values, **{k: v for k, v in more.items() if v is not None}}
 
 
 def summary_header(record: Any, states: list[tuple[str, str]]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """Held-out evaluation above the engine interface: forward KL over the teacher top-k + tail, top-1 agreement, CE,
-perplexity and the expected calibration error of the student's top-1 (model.metrics.Calibration). The eval split's
+perplexity and the expected calibration errors of the student's top-1 (model.metrics.Calibration). The eval split's
 shards are top-k in both teacher stores, so these are exact and comparable across stores."""
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ def evaluate(
     prefix_dir: Path | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> dict[str, float | None]:
-    """Held-out forward KL(teacher || student) over the top-k + tail, top-1 agreement, CE, perplexity and ECE (the
-    student's top-1 calibrated against agreement with the teacher's top-1; None from an engine that does not report
-    its top-1 log-prob).
+    """Held-out forward KL(teacher || student) over the top-k + tail, top-1 agreement, CE, perplexity and the
+    expected calibration error of the student's top-1 probability: ece against the true next token (the usual
+    calibration), ece_teacher against agreement with the teacher's top-1 (not 0 for a student equal to its teacher:
+    1 - its mean top-1 probability); both None from an engine that does not report its top-1 log-prob.
 
     checkpoint None evaluates the student without an adapter (the baseline). prefix_dir: a frozen-prefix cache
     (the engine starts at its block). on_batch(n_sequences) after each batch (progress)."""
@@ -76,7 +77,8 @@ def evaluate(
         raise ValueError(f"{topk_dir}: eval shards of width {width}, the run's evaluation expects "
                          f"{engines.teacher_width(cfg, 'eval')} (teacher.top_k)")  # fmt: skip
     kl_sum = ce_sum = top1 = n = 0.0
-    calibration: Calibration | None = Calibration()
+    # the student's top-1 confidence against the true next token, and against the teacher's top-1
+    calibration: tuple[Calibration, Calibration] | None = (Calibration(), Calibration())
     for rows in eval_batches(cfg, split):
         batch = source.batch(rows, cfg.train.batch_size, width)
         engine.write_batch(batch)
@@ -88,7 +90,8 @@ def evaluate(
         agree = out["top1"][m] == teacher_top1(batch, width)[m]
         top1 += float(agree.sum())
         if calibration is not None and "top1_logp" in out:
-            calibration.add(out["top1_logp"][m], agree)
+            calibration[0].add(out["top1_logp"][m], out["top1"][m] == batch.targets.reshape(-1)[m])
+            calibration[1].add(out["top1_logp"][m], agree)
         else:
             calibration = None
         n += count
@@ -97,6 +100,14 @@ def evaluate(
     if n == 0:
         raise ValueError(f"{token_dir}: the eval split has no trained positions")
     ce = ce_sum / n
-    ece = None if calibration is None else calibration.ece()
+    ece, ece_teacher = (None, None) if calibration is None else (c.ece() for c in calibration)
     ppl = float(math.exp(min(ce, 50.0)))
-    return {"kl": kl_sum / n, "top1": top1 / n, "ce": ce, "ppl": ppl, "tokens": n, "ece": ece}
+    return {
+        "kl": kl_sum / n,
+        "top1": top1 / n,
+        "ce": ce,
+        "ppl": ppl,
+        "tokens": n,
+        "ece": ece,
+        "ece_teacher": ece_teacher,
+    }
