@@ -4,7 +4,8 @@ the same training, with the wall time of each stage.
 
     python bench/sampled_store_demo.py configs/demo.yaml --out /tmp/stores              # top-k 64 vs sampled n=12
     python bench/sampled_store_demo.py configs/demo.yaml --out /tmp/stores \\
-        --variant topk --variant sampled16:teacher.store=sampled,teacher.samples=16
+        --variant topk --variant sampled16:teacher.store=sampled,teacher.samples=16 \\
+        --variant sampled-seed1:teacher.store=sampled,teacher.seed=1
 
 Each variant (NAME[:FIELD=VALUE,...], overrides on top of --set) runs tokenize, student, teacher, train and the
 baseline and final evaluations through the stage library (no Prefect or MLflow) in its own empty workdir
@@ -47,7 +48,9 @@ def emit(**row: Any) -> None:
 
 def metrics(manifest: EvalManifest) -> dict[str, Any]:
     """The held-out figures of an evaluation manifest."""
-    return manifest.model_dump(include={"epoch", "step", "kl", "top1", "ce", "ppl", "ece", "n_positions"})
+    return manifest.model_dump(
+        include={"epoch", "step", "kl", "top1", "ce", "ppl", "ece", "ece_teacher", "n_positions"}
+    )
 
 
 def store_figures(teacher: TeacherManifest, root: Path) -> dict[str, Any]:
