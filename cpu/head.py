@@ -37,6 +37,7 @@ class VocabPass:
     top1: np.ndarray | None  # [n] int64: arg-max of z (ties: the smallest id)
     q_w: np.ndarray | None  # [n, H] float32: sum_v softmax(z / tau)_v W_v
     p_w: np.ndarray | None  # [n, H] float32: sum_v softmax(z)_v W_v (q_w itself when tau == 1)
+    top1_z: np.ndarray | None = None  # [n] float32: z at top1 (its log-prob is top1_z - lse_1)
 
 
 class _Online:
@@ -129,7 +130,7 @@ class VocabHead:
             lse_1, p_w = lse_tau, q_w
         else:
             lse_1, p_w = at_1.lse(), at_1.weighted()
-        return VocabPass(lse_tau, lse_1, gathered, best_id if top1 else None, q_w, p_w)
+        return VocabPass(lse_tau, lse_1, gathered, best_id if top1 else None, q_w, p_w, best if top1 else None)
 
     def sparse_rows(self, coef: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """sum_j coef[:, j] W[ids[:, j]] -> [n, H], a block of rows at a time (bounded gather)."""

@@ -137,8 +137,9 @@ class NumpyKd:
         return loss, dh, rows
 
     def evaluate(self, b: Batch, nf: np.ndarray) -> dict[str, np.ndarray]:
-        """kd_loss (the batch's masked-mean loss, [1]), ce [rows] and the student's top-1 id [rows] (u32); rows
-        with mask 0 are included (callers select masked rows)."""
+        """kd_loss (the batch's masked-mean loss, [1]), ce [rows], the student's top-1 id [rows] (u32) and its
+        log-prob at temperature 1 (top1_logp [rows], for calibration); rows with mask 0 are included (callers
+        select masked rows)."""
         c = self.loss_cfg
         vp = self.engine.head.vocab_pass(nf, b["teacher_ids"], b["targets"], c.tau, top1=True)
         rows = np.flatnonzero(b["mask"])
@@ -153,6 +154,7 @@ class NumpyKd:
             "kd_loss": np.array([loss], np.float32),
             "ce": vp.lse_1 - vp.gathered[:, self.top_k].astype(np.float64),
             "top1": vp.top1.astype(np.uint32),
+            "top1_logp": vp.top1_z.astype(np.float64) - vp.lse_1,
         }
 
 

@@ -61,8 +61,10 @@ _HEADER_KEYS = (
     "store",
     "shard_schema",
     "seed",
+    "eval_k",
 )
-_HEADER_DEFAULTS = {"store": "topk", "shard_schema": SHARD_SCHEMAS["topk"], "seed": "0"}  # manifests before them
+# manifests written before these fields
+_HEADER_DEFAULTS = {"store": "topk", "shard_schema": SHARD_SCHEMAS["topk"], "seed": "0", "eval_k": "0"}
 _manifest_lock = threading.Lock()
 
 # A teacher: ids [N, T] and loss mask [N, T] of N sequences -> (ids [N, T, k], logprobs [N, T, k], tail [N, T]) at
@@ -404,6 +406,7 @@ def read_manifest(out_dir: str | Path) -> TeacherManifest | None:
             store=header["store"],
             shard_schema=header["shard_schema"],
             seed=int(header["seed"]),
+            eval_k=int(header["eval_k"]),
             k=int(header["k"]),
             temperature=float(header["temperature"]),
             vocab_size=int(header["vocab_size"]),
@@ -518,7 +521,8 @@ def missing_shards(manifest: TeacherManifest, out_dir: str | Path) -> list[Shard
     for rec in manifest.shards:
         if rec.complete:
             try:
-                verify_shard(out / rec.file, rec, manifest.vocab_size, manifest.k, manifest.store)
+                k, store = manifest.k_of(rec.split), manifest.store_of(rec.split)
+                verify_shard(out / rec.file, rec, manifest.vocab_size, k, store)
                 continue
             except ShardError as exc:
                 log.warning("%s; it will be recomputed", exc)
@@ -559,7 +563,7 @@ class TopkReader:
             self._cache.move_to_end(rec.shard)
             return self._cache[rec.shard]
         path = self.out_dir / rec.file
-        k, vocab, store = self.manifest.k, self.manifest.vocab_size, self.manifest.store
+        k, vocab, store = self.manifest.k_of(rec.split), self.manifest.vocab_size, self.manifest.store_of(rec.split)
         if self.verify:
             verify_shard(path, rec, vocab, k, store)
         try:
@@ -576,14 +580,18 @@ class TopkReader:
         return rows
 
     def read(self, seq_ids: Sequence[int], masks: Sequence[np.ndarray] | None = None) -> TopkRows:
-        """Rows of the given sequences, in the order given, each by ascending pos.
+        """Rows of the given sequences, in the order given, each by ascending pos: sequences stored alike (not both
+        splits of a sampled store, whose eval split is top-k: manifest.store_of).
 
         With `masks` (each sequence's loss_mask), checks the rows sit exactly at its trained positions, so
         row j of the result belongs to the j-th position with mask 1 of the batch in row-major order.
         """
         parts = []
+        splits = set()
         for j, s in enumerate(seq_ids):
-            rows = self._load(self._shard_of(int(s)))
+            rec = self._shard_of(int(s))
+            splits.add(rec.split)
+            rows = self._load(rec)
             lo, hi = np.searchsorted(rows.seq_id, [int(s), int(s) + 1])
             cut = slice(lo, hi)
             counts = None if rows.counts is None else rows.counts[cut]
@@ -596,9 +604,16 @@ class TopkReader:
                         f"its loss_mask trains {want[:8].tolist()}.. (token and top-k shards disagree)"
                     )
             parts.append(part)
-        sampled = self.manifest.store == "sampled"
+        stores = {(self.manifest.store_of(split), self.manifest.k_of(split)) for split in splits or ("train",)}
+        if len(stores) > 1:
+            raise ShardError(
+                f"{self.out_dir}: one read takes sequences of one store, got the splits {sorted(splits)} "
+                f"stored as {sorted(stores)}"
+            )
+        store, k = stores.pop()
+        sampled = store == "sampled"
         if not parts:
-            return _empty_rows(self.manifest.k, sampled)
+            return _empty_rows(k, sampled)
         return TopkRows(
             seq_id=np.concatenate([p.seq_id for p in parts]),
             pos=np.concatenate([p.pos for p in parts]),
@@ -659,9 +674,9 @@ def read_topk(out_dir: str | Path, seq_ids: Sequence[int], masks: Sequence[np.nd
     return TopkReader(out_dir).read(seq_ids, masks)
 
 
-def bytes_per_position(manifest: TeacherManifest, out_dir: str | Path) -> float:
-    """Disk bytes of the complete shards per stored position."""
-    done = [s for s in manifest.shards if s.complete]
+def bytes_per_position(manifest: TeacherManifest, out_dir: str | Path, split: str | None = None) -> float:
+    """Disk bytes of the complete shards (of split `split`; None: both) per stored position."""
+    done = [s for s in manifest.shards if s.complete and split in (None, s.split)]
     n = sum(s.n_positions for s in done)
     return sum((Path(out_dir) / s.file).stat().st_size for s in done) / max(1, n)
 

@@ -297,9 +297,12 @@ def print_report(summary: dict[str, Any], workdir: Path) -> None:
         if best is not None and base["kl"]:
             pct = 100 * (base["kl"] - best["kl"]) / base["kl"]
             direction = "lower" if pct >= 0 else "higher"
+            ece = ""
+            if base.get("ece") is not None and best.get("ece") is not None:
+                ece = f", calibration (ECE of the student's top-1) {base['ece']:.4f} → {best['ece']:.4f}"
             console.print(
                 f"KL {base['kl']:.4f} → {best['kl']:.4f} ({abs(pct):.1f}% {direction}), "
-                f"top-1 {100 * base['top1']:.1f}% → {100 * best['top1']:.1f}%"
+                f"top-1 {100 * base['top1']:.1f}% → {100 * best['top1']:.1f}%{ece}"
             )
         from stages.evaluate import gain_kept, gain_note
 

@@ -225,8 +225,8 @@ class GpuKd:
 
     def evaluate(self) -> dict[str, np.ndarray]:
         """Per row the KD loss share, the CE on the target and the student's top-1 id: kd_loss (the batch's
-        masked-mean loss, [1]), ce [rows], top1 [rows] (u32); rows with mask 0 are included (callers select
-        masked rows)."""
+        masked-mean loss, [1]), ce [rows], top1 [rows] (u32), top1_logp [rows] (its log-prob at temperature 1, for
+        calibration); rows with mask 0 are included (callers select masked rows)."""
         st = self.st
         dev, rows = st.dev, st.rows
         with dev.step():
@@ -238,6 +238,7 @@ class GpuKd:
             "kd_loss": dev.read(st.losses, np.float32, (1,)),
             "ce": ce,
             "top1": dev.read(self.top1.ids, np.uint32, (rows,)),
+            "top1_logp": dev.read(self.top1_lp, np.float32, (rows,)).astype(np.float64),
         }
 
     def _record_evaluate(self) -> None:

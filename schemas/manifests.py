@@ -174,9 +174,15 @@ class ShardRecord(Manifest):
 
 class TeacherManifest(Located):
     """Output of the teacher stage: the teacher shard set (dir: its folder) and what it was computed from. store
-    topk: k ids per position; store sampled: k = teacher.samples draws per position under `seed`."""
+    topk: k ids per position; store sampled: k = teacher.samples draws per position under `seed` on the train split,
+    the eval split top-k of width eval_k (store_of / k_of say which per split)."""
 
-    UNKEYED_DEFAULTS: ClassVar[dict[str, Any]] = {"store": "topk", "shard_schema": "topk_shard/1", "seed": 0}
+    UNKEYED_DEFAULTS: ClassVar[dict[str, Any]] = {
+        "store": "topk",
+        "shard_schema": "topk_shard/1",
+        "seed": 0,
+        "eval_k": 0,
+    }
 
     teacher_sha256: str = Field(pattern=SHA256)
     store: Literal["topk", "sampled"] = "topk"
@@ -186,11 +192,25 @@ class TeacherManifest(Located):
     temperature: float = Field(gt=0)
     vocab_size: int = Field(ge=1)
     token_shards_hash: str = Field(pattern=SHA256, description="TokenizeManifest.shards_hash()")
+    eval_k: int = Field(
+        0,
+        ge=0,
+        description="> 0: the eval split's shards are top-k (topk_shard/1, with tail) of this width beside a sampled "
+        "train split, so held-out metrics are exact and comparable across stores; 0: stored as the train split",
+    )
     shards: tuple[ShardRecord, ...]
 
     @property
     def complete(self) -> bool:
         return all(s.complete for s in self.shards)
+
+    def store_of(self, split: str) -> Literal["topk", "sampled"]:
+        """The store of split `split`'s shards: `store`, except an eval split kept top-k (eval_k > 0)."""
+        return "topk" if split == "eval" and self.eval_k else self.store
+
+    def k_of(self, split: str) -> int:
+        """Ids per position of split `split`'s shards (top-k width, or the sampled store's draws)."""
+        return self.eval_k if split == "eval" and self.eval_k else self.k
 
 
 class PrefixShard(Manifest):
@@ -247,11 +267,27 @@ class CheckpointEval(Manifest):
 class EvalManifest(CheckpointEval):
     """Held-out metrics of one checkpoint (epoch/step None: the student before training)."""
 
+    UNKEYED_DEFAULTS: ClassVar[dict[str, Any]] = {"ece": None, "ece_teacher": None}
+
     kl: float = Field(description="mean KL(teacher || student) per trained position")
     top1: float = Field(ge=0, le=1, description="fraction of positions where the argmaxes agree")
     ce: float = Field(description="mean cross-entropy on the true next token (nats)")
     ppl: float = Field(description="exp(ce)")
     n_positions: int = Field(ge=0)
+    ece: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="expected calibration error of the student's top-1 probability against the true next token "
+        "(model.metrics.Calibration); None: not reported by the engine (the GPU engine, for now)",
+    )
+    ece_teacher: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="the same against agreement with the teacher's top-1 (a student equal to its teacher scores "
+        "1 - its mean top-1 probability, not 0: read it beside ece, not as a target)",
+    )
 
     def metric(self, name: Literal["kl", "top1", "ce"]) -> float:
         """The value of a best_metric name."""

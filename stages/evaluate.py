@@ -27,18 +27,22 @@ log = logging.getLogger(__name__)
 # What evaluation reads besides its inputs' content: the batching of the held-out split, the engine and its
 # matmul path, and whether the input of the lowest adapted block comes from the float16 prefix cache.
 _EVAL_FIELDS = ("eval.eval_batches", "train.batch_size", "train.precision", "train.backend", "train.prefix_cache")
+_EVAL_VERSION = "2"  # 2: + ece (the student's top-1 calibration)
 
 BASELINE_KEY = StageKey(
-    stage="evaluate-baseline", version="1", config_fields=_EVAL_FIELDS, inputs=("student", "tokens", "teacher")
+    stage="evaluate-baseline",
+    version=_EVAL_VERSION,
+    config_fields=_EVAL_FIELDS,
+    inputs=("student", "tokens", "teacher"),
 )
 CHECKPOINT_KEY = StageKey(
     stage="evaluate",
-    version="1",
+    version=_EVAL_VERSION,
     config_fields=(*_EVAL_FIELDS, "lora"),  # the adapter's layout and alpha/r scale
     inputs=("student", "tokens", "teacher", "checkpoint"),
 )
 MERGED_KEY = StageKey(
-    stage="evaluate-merged", version="1", config_fields=_EVAL_FIELDS, inputs=("merged", "tokens", "teacher")
+    stage="evaluate-merged", version=_EVAL_VERSION, config_fields=_EVAL_FIELDS, inputs=("merged", "tokens", "teacher")
 )
 
 
@@ -76,14 +80,17 @@ def _evaluate(
         ce=metrics["ce"],
         ppl=metrics["ppl"],
         n_positions=int(metrics["tokens"]),
+        ece=metrics.get("ece"),
+        ece_teacher=metrics.get("ece_teacher"),
     )
     log.info(
-        "%s: KL %.4f, top-1 %.1f%%, CE %.4f (ppl %.2f) on %d positions",
+        "%s: KL %.4f, top-1 %.1f%%, CE %.4f (ppl %.2f), ECE %s on %d positions",
         label,
         manifest.kl,
         100 * manifest.top1,
         manifest.ce,
         manifest.ppl,
+        "–" if manifest.ece is None else f"{manifest.ece:.4f}",
         manifest.n_positions,
     )
     return manifest

@@ -56,7 +56,7 @@ def check_inputs(cfg: RunConfig) -> None:
     ):
         if cfg.data.seq_len > ctx:
             raise InputError(f"data.seq_len: {cfg.data.seq_len} exceeds the context length {ctx} of {field} {path}")
-    if cfg.teacher.store == "topk" and cfg.teacher.top_k > len(teacher):
+    if cfg.teacher.top_k > len(teacher):  # the sampled store's eval split is top-k too
         raise InputError(f"teacher.top_k: {cfg.teacher.top_k} exceeds the vocabulary size {len(teacher)}")
     _check_lora(cfg, s_cfg)
     _check_student_quant(cfg)

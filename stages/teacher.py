@@ -44,7 +44,9 @@ KEY = StageKey(
     stage="teacher-plan",
     version="2",  # 2: batched teacher (bytes within reference_topk_batch's stated tolerance of version 1's)
     config_fields=("teacher.top_k", "teacher.temperature", "teacher.shard_tokens"),
-    config_fields_when=(("teacher.store", "sampled", ("teacher.samples", "teacher.seed")),),
+    # sampled: top_k folded in again (it already is above) so that sampled plans from before the eval split was
+    # kept top-k get new keys; top-k keys are untouched
+    config_fields_when=(("teacher.store", "sampled", ("teacher.samples", "teacher.seed", "teacher.top_k")),),
     files=("model.teacher",),
     inputs=("tokens",),
 )
@@ -53,7 +55,9 @@ SHARD_KEY = StageKey(stage="teacher-shard", version="1", inputs=("plan", "shard"
 
 
 def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
-    """Refuse a vocabulary mismatch, plan the shards, open the top-k manifest; every shard pending."""
+    """Refuse a vocabulary mismatch, plan the shards, open the top-k manifest; every shard pending. The sampled
+    store samples the train split only: the eval split stays top-k (eval_k = teacher.top_k, with tail), so held-out
+    metrics are exact and the same for both stores."""
     with GGUFFile(cfg.model.teacher) as t, GGUFFile(cfg.model.student) as s:
         teacher_tokens = list(t.metadata.get("tokenizer.ggml.tokens") or [])
         check_vocab(teacher_tokens, list(s.metadata.get("tokenizer.ggml.tokens") or []), t.path, s.path)
@@ -67,6 +71,7 @@ def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
         shard_schema=SHARD_SCHEMAS[cfg.teacher.store],
         seed=cfg.teacher.seed if cfg.teacher.store == "sampled" else 0,
         k=teacher_width(cfg),
+        eval_k=cfg.teacher.top_k if cfg.teacher.store == "sampled" else 0,
         temperature=cfg.teacher.temperature,
         vocab_size=len(teacher_tokens),
         token_shards_hash=tokens.shards_hash(),
@@ -86,7 +91,7 @@ def shard_problem(cfg: RunConfig, planned: TeacherManifest, record: ShardRecord)
         row = next((s for s in current.shards if s.shard == record.shard), None) if current else None
         if row is None:
             return f"{out / MANIFEST_NAME}: no row for shard {record.shard}"
-        verify_shard(out / row.file, row, planned.vocab_size, planned.k, planned.store)
+        verify_shard(out / row.file, row, planned.vocab_size, planned.k_of(row.split), planned.store_of(row.split))
     except (ShardError, ValueError) as exc:
         return str(exc)
     return None
@@ -102,20 +107,20 @@ def shard(
     row = next(s for s in current.shards if s.shard == record.shard)
     if row.complete:
         try:
-            verify_shard(out / row.file, row, planned.vocab_size, planned.k, planned.store)
+            verify_shard(out / row.file, row, planned.vocab_size, planned.k_of(row.split), planned.store_of(row.split))
             log.info("shard %d already complete and verified: kept", record.shard)
             return row
         except ShardError as exc:
             log.warning("%s: recomputing", exc)
     split = read_token_split(tokens.path_in(root), record.split)
     n_seq = record.seq_end - record.seq_start
-    teacher = teacher_fn(cfg)
+    teacher = teacher_fn(cfg, planned.store_of(record.split))
     with bar(f"teacher shard {record.shard}", n_seq) as b:
         try:
             rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call, lambda n: b.advance(n))
         except ValueError as exc:  # e.g. logits not finite: the teacher's weights are at fault, not the shard
             raise ValueError(f"model.teacher: {cfg.model.teacher}: shard {record.shard}: {exc}") from None
-    done = write_shard(out, record, rows, planned.vocab_size, planned.k)
+    done = write_shard(out, record, rows, planned.vocab_size, planned.k_of(record.split))
     record_shard(out, done)
     log.info("shard %d: %d positions, %d sequences -> %s", record.shard, record.n_positions, n_seq, out / record.file)
     return done
@@ -125,14 +130,16 @@ def finish(cfg: RunConfig, planned: TeacherManifest, records: Sequence[ShardReco
     """The plan with its shards' records: the stage's result."""
     manifest = planned.model_copy(update={"shards": tuple(records)})
     out = manifest.path_in(workdir(cfg))
-    log.info(
-        "teacher %s complete: %d shards, %.1f bytes/position (k=%d) in %s",
-        manifest.store,
-        len(records),
-        bytes_per_position(manifest, out),
-        manifest.k,
-        out / MANIFEST_NAME,
-    )
+    for split in ("train", "eval"):
+        log.info(
+            "teacher %s split (%s, k=%d): %d shards, %.1f bytes/position in %s",
+            split,
+            manifest.store_of(split),
+            manifest.k_of(split),
+            sum(r.split == split for r in records),
+            bytes_per_position(manifest, out, split),
+            out / MANIFEST_NAME,
+        )
     return manifest
 
 

@@ -350,7 +350,9 @@ def report_paths(root: Path, flow_run_name: str) -> tuple[Path, Path]:
 
 
 def _eval_values(ev: EvalManifest) -> dict[str, float]:
-    return {"kl": ev.kl, "top1": ev.top1, "ce": ev.ce, "ppl": ev.ppl}
+    values = {"kl": ev.kl, "top1": ev.top1, "ce": ev.ce, "ppl": ev.ppl}
+    more = {"ece": ev.ece, "ece_teacher": ev.ece_teacher}
+    return {**values, **{k: v for k, v in more.items() if v is not None}}
 
 
 def summary_header(record: Any, states: list[tuple[str, str]]) -> dict[str, Any]:
@@ -495,15 +497,19 @@ def log_config(cfg: RunConfig, client: Any, run_id: str) -> None:
 
 def _row(label: str, ev: Mapping[str, Any] | None) -> str:
     if ev is None:
-        return f"| {label} | – | – | – | – |"
-    return f"| {label} | {ev['kl']:.4f} | {100 * ev['top1']:.1f}% | {ev['ce']:.4f} | {ev['ppl']:.2f} |"
+        return f"| {label} | – | – | – | – | – |"
+    ece = "–" if ev.get("ece") is None else f"{ev['ece']:.4f}"
+    return f"| {label} | {ev['kl']:.4f} | {100 * ev['top1']:.1f}% | {ev['ce']:.4f} | {ev['ppl']:.2f} | {ece} |"
 
 
 def render_report(cfg: RunConfig, s: Mapping[str, Any]) -> str:
     """report.md: the before/after table (KL, top-1, CE), stages ran/cached, files, MLflow run link."""
     lines = [f"# distillery run `{s['flow_run_name']}`", ""]
     if s.get("baseline") is not None or s.get("evals"):
-        lines += ["| student | KL(teacher‖student) | top-1 agreement | CE | ppl |", "|---|---|---|---|---|"]
+        lines += [
+            "| student | KL(teacher‖student) | top-1 agreement | CE | ppl | ECE (top-1) |",
+            "|---|---|---|---|---|---|",
+        ]
         lines.append(_row("before: no adapter", s.get("baseline")))
         for ev in s.get("evals") or []:
             mark = " **(best)**" if s.get("best") is not None and ev["epoch"] == s["best_epoch"] else ""

@@ -112,9 +112,12 @@ def _step_errors(dev: Device, precision: str, loss_cfg: LossConfig) -> tuple[flo
     loss_err = abs(loss - want_loss) / abs(want_loss)
     print(f"gemma3 GPU step ({precision}): loss rel err {loss_err:.1e}, worst grad {worst:.1e}")
     if precision == "f32":
-        top1 = st.evaluate_batch()["top1"]
+        out = st.evaluate_batch()
         logits = ref.forward(w64, CFG, batch.ids, a64, SCALE).reshape(b * t, -1)
-        np.testing.assert_array_equal(top1, logits.argmax(axis=1))
+        np.testing.assert_array_equal(out["top1"], logits.argmax(axis=1))
+        top = logits.max(axis=1)  # calibration's top-1 log-prob: max z - logsumexp z
+        want_lp = -np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        np.testing.assert_allclose(out["top1_logp"], want_lp, rtol=0, atol=1e-4)
     return loss_err, worst, st
 
 

@@ -221,3 +221,47 @@ def test_gpu_teacher_writes_the_numpy_teachers_sampled_rows(tmp_path: Path) -> N
     np.testing.assert_array_equal(got[2], want[2])
     assert np.abs(got[1].astype(int) - want[1].astype(int)).max() <= 1
     assert (got[2].astype(int).sum(-1) == np.where(mask > 0, 12, 0)).all()
+
+
+def test_sampled_run_keeps_the_eval_split_topk(tmp_path: Path) -> None:
+    """teacher.store sampled through the stages on the tiny model: the train split is sampled, the eval split is
+    top-k (teacher.top_k, with tail) byte for byte as a top-k run's, so held-out metrics (KL, top-1, CE, ECE) are
+    the top-k run's exactly; the manifest records it (eval_k), and a sampled run trains on its draws."""
+    import stages.evaluate
+    import stages.student
+    import stages.teacher
+    import stages.tokenize
+    import stages.train
+
+    runs = {}
+    for store in ("topk", "sampled"):
+        base = tiny_config(tmp_path / store, train={"epochs": 1, "backend": "numpy"})
+        cfg = RunConfig.model_validate({**base, "teacher": {**base["teacher"], "store": store}})
+        tokens = stages.tokenize.run(cfg)
+        student, teacher = stages.student.run(cfg), stages.teacher.run(cfg, tokens)
+        runs[store] = (cfg, tokens, student, teacher)
+    topk, sampled = runs["topk"][3], runs["sampled"][3]
+    assert (topk.eval_k, sampled.eval_k, sampled.k) == (0, 8, N)
+    assert [sampled.store_of(s) for s in ("train", "eval")] == ["sampled", "topk"]
+    assert [sampled.k_of(s) for s in ("train", "eval")] == [N, 8] and topk.k_of("eval") == 8
+    assert "eval_k" not in content(topk) and content(sampled)["eval_k"] == 8
+    assert S.read_manifest(sampled.path_in(tmp_path / "sampled")) == sampled.model_copy(update={"dir": ""})
+
+    def shas(m: TeacherManifest, split: str) -> list[str]:
+        return [s.sha256 for s in m.shards if s.split == split]
+
+    assert shas(sampled, "eval") == shas(topk, "eval") and shas(sampled, "train") != shas(topk, "train")
+    assert S.missing_shards(sampled, sampled.path_in(tmp_path / "sampled")) == []
+    reader = S.TopkReader(sampled.path_in(tmp_path / "sampled"))
+    train_seq = next(s for s in sampled.shards if s.split == "train").seq_start
+    eval_seq = next(s for s in sampled.shards if s.split == "eval").seq_start
+    assert reader.read([train_seq]).counts is not None and reader.read([eval_seq]).counts is None
+    with pytest.raises(S.ShardError, match="one store"):
+        reader.read([train_seq, eval_seq])
+    evals = {store: stages.evaluate.run(cfg, student, tokens, teacher) for store, (cfg, tokens, student, teacher) in
+             runs.items()}  # fmt: skip
+    assert evals["sampled"] == evals["topk"] and None not in (evals["topk"].ece, evals["topk"].ece_teacher)
+    cfg, tokens, student, teacher = runs["sampled"]
+    checkpoints = stages.train.run(cfg, student, tokens, teacher)
+    trained = stages.evaluate.run(cfg, student, tokens, teacher, checkpoints[-1])
+    assert trained.kl < evals["sampled"].kl

@@ -177,8 +177,8 @@ def test_teacher_rebuilds_a_corrupt_shard_to_the_same_bytes(chain: Chain, monkey
     assert "corrupt shard" in (stages.teacher.shard_problem(c.cfg, t, victim) or "")
     real, calls = stages.teacher.teacher_fn, []
 
-    def counting(cfg: RunConfig) -> Teacher:
-        teacher = real(cfg)
+    def counting(cfg: RunConfig, store: str | None = None) -> Teacher:
+        teacher = real(cfg, store)
         return dataclasses.replace(teacher, fn=lambda ids, mask: calls.append(len(ids)) or teacher(ids, mask))
 
     monkeypatch.setattr(stages.teacher, "teacher_fn", counting)

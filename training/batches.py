@@ -39,8 +39,9 @@ def read_split(token_dir: Path, split: str) -> Split:
 
 
 def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> KdBatch:
-    """The dense [B, T] KdBatch of split rows `rows` (teacher tail included, no prefix; a sampled store's counts
-    instead of the tail) for Engine.write_batch; missing rows (the last partial batch) are masked out."""
+    """The dense [B, T] KdBatch of split rows `rows` (teacher tail included, no prefix; a sampled split's counts
+    instead of the tail) for Engine.write_batch; missing rows (the last partial batch) are masked out. k: the
+    teacher width of the split's shards (TeacherManifest.k_of)."""
     seq_len = split.seq_len
     ids = np.zeros((batch, seq_len), np.int64)
     mask = np.zeros((batch, seq_len), np.uint8)
@@ -51,10 +52,10 @@ def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: 
     tids = np.zeros((batch, seq_len, k), np.int64)
     tlp = np.zeros((batch, seq_len, k), np.float32)
     tail = np.zeros((batch, seq_len), np.float32)
-    sampled = reader.manifest.store == "sampled"
+    top = reader.read(split.seq_ids[rows].tolist(), masks=list(split.mask[rows])) if len(rows) else None
+    sampled = reader.manifest.store == "sampled" if top is None else top.counts is not None
     counts = np.zeros((batch, seq_len, k), np.uint8) if sampled else None
-    if len(rows):
-        top = reader.read(split.seq_ids[rows].tolist(), masks=list(split.mask[rows]))
+    if top is not None:
         b_idx, t_idx = np.nonzero(mask)
         tids[b_idx, t_idx] = top.ids
         tlp[b_idx, t_idx] = top.logprobs

@@ -152,22 +152,24 @@ def preload_student(cfg: RunConfig, path: Path, progress: Callable[[Any], None] 
 # ---- the engine of a run ------------------------------------------------------------------------------------
 def loss_config(cfg: RunConfig, eval_mode: bool = False) -> LossConfig:
     """The model/kd.py loss an engine computes: the run's loss for training; forward KL at the teacher
-    temperature with the tail bucket for evaluation (the metric every run is compared on)."""
-    if cfg.teacher.store == "sampled":  # the sampled estimate of forward KL over the full vocabulary
-        ce = 0.0 if eval_mode else cfg.loss.ce_weight
-        return LossConfig("forward_kl", tau=cfg.teacher.temperature, ce_weight=ce, samples=cfg.teacher.samples)
+    temperature with the tail bucket for evaluation (the metric every run is compared on: the eval split is
+    top-k with tail in both stores)."""
     if eval_mode:
         return LossConfig("forward_kl", tau=cfg.teacher.temperature, use_tail=True)
+    if cfg.teacher.store == "sampled":  # the sampled estimate of forward KL over the full vocabulary
+        return LossConfig(
+            "forward_kl", tau=cfg.teacher.temperature, ce_weight=cfg.loss.ce_weight, samples=cfg.teacher.samples
+        )
     beta = cfg.loss.beta if cfg.loss.kind == "jsd" else 0.5
     return LossConfig(
         cfg.loss.kind, tau=cfg.loss.temperature, beta=beta, ce_weight=cfg.loss.ce_weight, use_tail=cfg.teacher.tail
     )
 
 
-def teacher_width(cfg: RunConfig) -> int:
-    """Teacher ids per position of a KdBatch: teacher.top_k, or teacher.samples for the sampled store (its distinct
-    ids padded to that width with count 0)."""
-    return cfg.teacher.samples if cfg.teacher.store == "sampled" else cfg.teacher.top_k
+def teacher_width(cfg: RunConfig, split: str = "train") -> int:
+    """Teacher ids per position of a KdBatch of split `split`: teacher.top_k, or teacher.samples for the sampled
+    store's train split (its distinct ids padded to that width with count 0; its eval split is top-k)."""
+    return cfg.teacher.samples if cfg.teacher.store == "sampled" and split == "train" else cfg.teacher.top_k
 
 
 def adamw_config(cfg: RunConfig) -> AdamWConfig:
@@ -189,7 +191,7 @@ def build_engine(
         raise ValueError(
             f"train.precision: {cfg.train.precision} needs the GPU engine (train.backend=gpu); numpy computes in f32"
         )
-    loss, k = loss_config(cfg, eval_mode), teacher_width(cfg)
+    loss, k = loss_config(cfg, eval_mode), teacher_width(cfg, "eval" if eval_mode else "train")
     grad_accum = 1 if eval_mode else None
     return objective_engine(
         cfg,

@@ -42,20 +42,18 @@ class Teacher:
         return self.fn(ids, mask, *seq_ids)
 
 
-def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
-    """The teacher of cfg.teacher (numpy or GPU per teacher.backend; the choice is logged)."""
+def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None) -> Teacher:
+    """The teacher of cfg.teacher writing store `store` (None: teacher.store; the sampled store's eval split is
+    written top-k), numpy or GPU per teacher.backend (the choice is logged)."""
     k, tau = cfg.teacher.top_k, cfg.teacher.temperature
+    store = store or cfg.teacher.store
     backend, why = resolve_backend(cfg.teacher.backend, cfg.run.gpu_backend, "teacher.backend")
     log.info("teacher: %s (%s)", backend, why)
     if backend == "numpy":
-        from model.gguf import GGUFFile
         from model.teacher_cpu import reference_topk_batch
 
-        with GGUFFile(teacher_gguf) as f:
-            mcfg = f.config()
-            weights = {name: f.tensor_f32(name) for name in f.tensors}
-
-        if cfg.teacher.store == "sampled":
+        mcfg, weights = _numpy_weights(teacher_gguf)
+        if store == "sampled":
             from model.teacher_cpu import reference_sampled_batch
 
             n, seed = cfg.teacher.samples, cfg.teacher.seed
@@ -95,7 +93,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
                 e[:m] = a[s : s + batch]
             yield m, group, extra
 
-    if cfg.teacher.store == "sampled":
+    if store == "sampled":
         n_samples, seed = cfg.teacher.samples, cfg.teacher.seed
 
         def gpu_sampled_fn(ids: np.ndarray, mask: np.ndarray, seq_ids: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -127,23 +125,42 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path) -> Teacher:
     return Teacher(gpu_fn, batch * cfg.data.seq_len, "gpu")
 
 
-# One teacher per process, kept across the shards of a run (loading it is the expensive part).
+# One teacher per process and store, kept across the shards of a run (loading it is the expensive part); the
+# numpy teacher's float32 weights are loaded once for both stores of a sampled run (train sampled, eval top-k).
 _TEACHER: dict[tuple, Teacher] = {}
+_WEIGHTS: dict[tuple, tuple] = {}
 
 
-def teacher_fn(cfg: RunConfig) -> Teacher:
-    """The process's batched teacher for cfg (numpy or GPU per teacher.backend), loaded once."""
+def _numpy_weights(path: Path) -> tuple:
+    """(ModelConfig, float32 weights by name) of the GGUF at `path`, loaded once per process (release_teacher)."""
+    from model.gguf import GGUFFile
+
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()
+        with GGUFFile(path) as f:
+            _WEIGHTS[key] = (f.config(), {name: f.tensor_f32(name) for name in f.tensors})
+    return _WEIGHTS[key]
+
+
+def teacher_fn(cfg: RunConfig, store: str | None = None) -> Teacher:
+    """The process's batched teacher for cfg writing store `store` (None: teacher.store), numpy or GPU per
+    teacher.backend, loaded once."""
     path = Path(cfg.model.teacher).resolve()
     st = path.stat()
     t = cfg.teacher
+    store = store or t.store
     key = (str(path), st.st_size, st.st_mtime_ns, t.top_k, t.temperature, t.backend, cfg.train.batch_size)
-    key += (t.store, t.samples, t.seed)
+    key += (store, t.samples, t.seed)
     if key not in _TEACHER:
-        _TEACHER.clear()
-        _TEACHER[key] = make_teacher_fn(cfg, path)
+        if any(k[:-3] != key[:-3] for k in _TEACHER):  # another teacher: drop the old one
+            _TEACHER.clear()
+        _TEACHER[key] = make_teacher_fn(cfg, path, store)
     return _TEACHER[key]
 
 
 def release_teacher() -> None:
     """Drop the process's teacher (its weights) once the shards are done."""
     _TEACHER.clear()
+    _WEIGHTS.clear()
