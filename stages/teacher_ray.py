@@ -4,9 +4,14 @@ Each missing shard is one Ray task (one GPU where the cluster has GPUs and teach
 CPU) that computes the shard's rows with the worker process's teacher (training.teacher.teacher_fn: loaded once per
 worker process and kept across its shards) and writes the Parquet file through a pyarrow filesystem
 (write_shard_uri: a plain path or file:// URL, or an object store URL resolved by pyarrow.fs.FileSystem.from_uri)
-with the same writer options as the local runner, so the bytes are the same. The task returns the shard's record
-(sha256, complete); the driver re-verifies the file and records it in the top-k manifest: the driver is the only
-manifest writer (no lock shared across machines) and the manifest stays the single record of what is complete.
+with the same writer options as the local runner, so the bytes are the same. Each split is written as the local
+runner writes it (the manifest's store_of / k_of): with teacher.store sampled the train split's shards are the
+sampled store's (the worker's teacher draws with model/sampled.py's counter-based generator, keyed by seed, sequence
+and position, so which worker computes a shard, and in what order, does not change a draw; SAMPLED_OPTIONS) and
+the eval split's are top-k (SHARD_OPTIONS), the same bytes and manifest as the local runner's. The task returns the
+shard's record (sha256, complete); the driver re-verifies the file (against its split's schema) and records it in
+the top-k manifest: the driver is the only manifest writer (no lock shared across machines) and the manifest stays
+the single record of what is complete.
 Shards already complete and verified are never resubmitted. A worker that dies (a killed process, a lost node) is
 retried by Ray (MAX_RETRIES system-failure retries); an error raised by the computation itself (e.g. a teacher
 with non-finite logits) is not retried and fails the stage after the shards already recorded.
@@ -46,6 +51,7 @@ import pyarrow.parquet as pq
 
 from data.tokens import read_token_split
 from data.topk import (
+    SAMPLED_OPTIONS,
     SHARD_OPTIONS,
     ShardError,
     TopkRows,
@@ -57,7 +63,7 @@ from data.topk import (
     shard_table,
 )
 from schemas.config import RunConfig
-from schemas.files import SchemaError, topk_schema, validate_table
+from schemas.files import SchemaError, shard_schema, validate_table
 from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
 from stages.layout import workdir
 from stages.progress import BarFactory, no_bar
@@ -81,14 +87,15 @@ def _filesystem(out_uri: str) -> tuple[pafs.FileSystem, str]:
 
 def write_shard_uri(out_uri: str, plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int) -> ShardRecord:
     """Write planned shard `plan` under `out_uri` (an absolute path, file://, s3://, ... URL) with the local
-    writer's options (data.topk.SHARD_OPTIONS: the same rows give the same bytes); return its complete record.
+    writer's options (data.topk.write_shard's: SHARD_OPTIONS for top-k rows, SAMPLED_OPTIONS for sampled rows,
+    whose counts are given, k = samples; the same rows give the same bytes); return its complete record.
     On a local filesystem through a temp name and a rename; on an object store in one PUT (atomic there)."""
     fs, base = _filesystem(out_uri)
     base = base.rstrip("/")
     path = f"{base}/{plan.file}"
     table = shard_table(plan, rows, vocab_size, k, f"{out_uri.rstrip('/')}/{plan.file}")
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, **SHARD_OPTIONS)
+    pq.write_table(table, sink, **(SHARD_OPTIONS if rows.counts is None else SAMPLED_OPTIONS))
     data = sink.getvalue()
     if fs.type_name == "local":
         fs.create_dir(base, recursive=True)
@@ -105,8 +112,9 @@ def write_shard_uri(out_uri: str, plan: ShardRecord, rows: TopkRows, vocab_size:
     return plan.model_copy(update={"sha256": hashlib.sha256(data).hexdigest(), "complete": True})
 
 
-def verify_shard_uri(out_uri: str, record: ShardRecord, vocab_size: int, k: int) -> None:
-    """Raise ShardError unless the file of `record` under `out_uri` has its sha256, schema and row count."""
+def verify_shard_uri(out_uri: str, record: ShardRecord, vocab_size: int, k: int, store: str = "topk") -> None:
+    """Raise ShardError unless the file of `record` under `out_uri` has its sha256, schema (of teacher store
+    `store`) and row count."""
     fs, base = _filesystem(out_uri)
     where = f"{out_uri.rstrip('/')}/{record.file}"
     try:
@@ -119,7 +127,7 @@ def verify_shard_uri(out_uri: str, record: ShardRecord, vocab_size: int, k: int)
         raise ShardError(f"corrupt shard {where}: sha256 {digest}, the worker reported {record.sha256}")
     try:
         pf = pq.ParquetFile(pa.BufferReader(data))
-        validate_table(pf.schema_arrow, topk_schema(vocab_size, k), where)
+        validate_table(pf.schema_arrow, shard_schema(store, vocab_size, k), where)
     except (pa.ArrowException, OSError, SchemaError) as exc:
         raise ShardError(f"corrupt shard {where}: {exc}") from None
     if pf.metadata.num_rows != record.n_positions:
@@ -145,8 +153,9 @@ def _injected_fault(fault: str | None, shard: int, out_uri: str) -> None:
 def compute_shard(
     cfg_json: str, tokens_json: str, plan_json: str, record_json: str, out_uri: str, fault: str | None
 ) -> str:
-    """The body of one shard's Ray task: rows of shard `record` by the worker's teacher, written under out_uri.
-    Arguments and result travel as JSON (the manifests' own format); returns the complete record as JSON."""
+    """The body of one shard's Ray task: rows of shard `record` by the worker's teacher of its split's store
+    (planned.store_of), written under out_uri. Arguments and result travel as JSON (the manifests' own format);
+    returns the complete record as JSON."""
     from training.cluster import pin_assigned_gpu
     from training.teacher import teacher_fn
 
@@ -157,12 +166,12 @@ def compute_shard(
     record = ShardRecord.model_validate_json(record_json)
     _injected_fault(fault, record.shard, out_uri)
     split = read_token_split(tokens.path_in(workdir(cfg)), record.split)
-    teacher = teacher_fn(cfg)
+    teacher = teacher_fn(cfg, planned.store_of(record.split))
     try:
         rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call)
     except ValueError as exc:  # e.g. logits not finite: the teacher's weights are at fault, not the shard
         raise ValueError(f"model.teacher: {cfg.model.teacher}: shard {record.shard}: {exc}") from None
-    done = write_shard_uri(out_uri, record, rows, planned.vocab_size, planned.k)
+    done = write_shard_uri(out_uri, record, rows, planned.vocab_size, planned.k_of(record.split))
     log.info(
         "shard %d: %d positions -> %s/%s (ray worker pid %d)",
         done.shard,
@@ -259,6 +268,7 @@ def _run_on_ray(
                     done = ShardRecord.model_validate_json(ray.get(ref))
                 except ray.exceptions.RayError as exc:
                     raise _unwrap(ray, exc, record) from None
-                verify_shard_uri(out_uri, done, planned.vocab_size, planned.k)
+                k, store = planned.k_of(done.split), planned.store_of(done.split)
+                verify_shard_uri(out_uri, done, planned.vocab_size, k, store)
                 record_shard(out, done)
                 b.advance(1)
