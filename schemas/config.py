@@ -573,8 +573,6 @@ class RunConfig(Section):
                 f"loss.kind: {self.loss.kind} needs the teacher's top-k; teacher.store: sampled holds draws, which "
                 "estimate forward_kl only (set loss.kind: forward_kl or teacher.store: topk)"
             )
-        if self.teacher.store == "sampled" and self.teacher.runner == "ray":
-            raise ValueError("teacher.runner: teacher.store: sampled has no Ray writer yet (set teacher.runner: local)")
         if self.loss.temperature != self.teacher.temperature:
             raise ValueError(
                 f"loss.temperature: {self.loss.temperature} differs from teacher.temperature "

@@ -1,6 +1,7 @@
 """teacher.runner=ray on a local 2-CPU Ray cluster and the tiny llama: the shards are byte-identical to the local
 runner's, also when a worker dies on its first attempt at a shard (Ray retries it); complete shards are never
-resubmitted and a lost one is recomputed alone to the same bytes; the shard writer resolves file:// URLs."""
+resubmitted and a lost one is recomputed alone to the same bytes; the shard writer resolves file:// URLs. The same
+for teacher.store sampled (train split sampled, eval split top-k): shards and manifest are the local runner's."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from tests.ray_fixtures import _ray_cluster  # noqa: F401 (fixture)
 pytestmark = pytest.mark.ray
 
 
-def _run(root: Path, runner: str) -> tuple[RunConfig, TeacherManifest]:
-    cfg = RunConfig.model_validate(tiny_config(root, teacher={"runner": runner}))
+def _run(root: Path, runner: str, **teacher: Any) -> tuple[RunConfig, TeacherManifest]:
+    cfg = RunConfig.model_validate(tiny_config(root, teacher={"runner": runner, **teacher}))
     return cfg, stages.teacher.run(cfg, stages.tokenize.run(cfg))
 
 
@@ -82,3 +83,46 @@ def test_shard_writer_takes_file_urls(local: tuple[RunConfig, TeacherManifest], 
     stages.teacher_ray.verify_shard_uri(url, done, manifest.vocab_size, manifest.k)
     verify_shard(tmp_path / "shards" / record.file, done, manifest.vocab_size, manifest.k)
     assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [record.file]  # no temp file left
+
+
+SAMPLED = {"store": "sampled", "samples": 12, "seed": 2**33 + 5}
+
+
+def test_ray_writes_the_sampled_store_byte_identical_with_a_worker_killed(
+    ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """teacher.store sampled through teacher.runner ray: every shard (train sampled, eval top-k) and the manifest
+    are the local runner's, with the worker of a sampled train shard killed on its first attempt; a lost sampled
+    shard is recomputed alone to the same bytes."""
+    local_cfg, local = _run(tmp_path / "local", "local", **SAMPLED)
+    assert local.store_of("train") == "sampled" and local.store_of("eval") == "topk"
+    victim = next(s for s in local.shards if s.split == "train" and s.shard > 0)
+    assert any(s.split == "eval" for s in local.shards)
+
+    monkeypatch.setenv(stages.teacher_ray.FAULT_ENV, f"shard={victim.shard}")
+    cfg, manifest = _run(tmp_path / "ray", "ray", **SAMPLED)
+    out = manifest.path_in(cfg.run.workdir)
+    assert (out / f".ray-fault-shard-{victim.shard}").is_file()  # the first attempt died: Ray's retry wrote it
+    assert manifest.complete and read_manifest(out) == manifest.model_copy(update={"dir": ""})
+    assert manifest.model_copy(update={"dir": ""}) == local.model_copy(update={"dir": ""})
+    local_out = local.path_in(local_cfg.run.workdir)
+    assert (out / "topk_manifest.parquet").read_bytes() == (local_out / "topk_manifest.parquet").read_bytes()
+    ours, theirs = _shard_bytes(cfg, manifest), _shard_bytes(local_cfg, local)
+    assert ours.keys() == theirs.keys() and all(ours[f] == theirs[f] for f in ours)
+    for record in manifest.shards:  # each split in its store's schema (the driver verified these too)
+        k, store = manifest.k_of(record.split), manifest.store_of(record.split)
+        verify_shard(out / record.file, record, manifest.vocab_size, k, store)
+
+    submitted: list[list[int]] = []
+    real = stages.teacher_ray._run_on_ray
+
+    def spy(cfg: RunConfig, tokens: Any, planned: Any, todo: list[ShardRecord], *rest: Any) -> None:
+        submitted.append([s.shard for s in todo])
+        real(cfg, tokens, planned, todo, *rest)
+
+    monkeypatch.setattr(stages.teacher_ray, "_run_on_ray", spy)
+    monkeypatch.delenv(stages.teacher_ray.FAULT_ENV)
+    (out / victim.file).unlink()
+    assert stages.teacher.run(cfg, stages.tokenize.run(cfg)) == manifest
+    assert submitted == [[victim.shard]]
+    assert (out / victim.file).read_bytes() == theirs[victim.file]
