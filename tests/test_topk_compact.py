@@ -100,3 +100,25 @@ def test_compact_format_is_refused_with_the_ray_runner() -> None:
     assert base.teacher.topk_format == "plain"
     with pytest.raises(ValueError, match="topk_format"):
         RunConfig.model_validate({**cfg, "teacher": {**cfg["teacher"], "topk_format": "compact", "runner": "ray"}})
+
+
+def test_teacher_key_moves_only_for_the_compact_format(tmp_path: Path) -> None:
+    """The format enters the teacher stage's key only when compact (plain runs keep their keys); a plain manifest's
+    content has no topk_format, so the keys downstream stay put."""
+    from dataclasses import replace
+
+    from stages.keys import content
+    from stages.teacher import KEY
+    from tests.pipeline_fixtures import tiny_config
+
+    base = tiny_config(tmp_path)
+    plain = RunConfig.model_validate(base)
+    compact = RunConfig.model_validate({**base, "teacher": {**base["teacher"], "topk_format": "compact"}})
+    inputs = {"tokens": {"shards_hash": "0" * 64}}
+    assert KEY.key(plain, inputs) == replace(KEY, config_fields_when=()).key(plain, inputs)
+    assert KEY.key(compact, inputs) != KEY.key(plain, inputs)
+    manifest = TeacherManifest(
+        teacher_sha256="0" * 64, k=4, temperature=1.0, vocab_size=300, token_shards_hash="0" * 64, shards=()
+    )
+    assert "topk_format" not in content(manifest)
+    assert content(manifest.model_copy(update={"topk_format": "compact"}))["topk_format"] == "compact"
