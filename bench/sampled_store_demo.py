@@ -57,8 +57,11 @@ def store_figures(teacher: TeacherManifest, root: Path) -> dict[str, Any]:
     """Bytes per position of each split's shards on disk, and the train split's mean ids per position."""
     out = teacher.path_in(root)
     train = [s for s in teacher.shards if s.split == "train"]
-    ids = sum(len(pq.read_table(out / s.file, columns=["ids"]).column("ids").combine_chunks().flatten()) for s in train)
     positions = sum(s.n_positions for s in train)
+    if teacher.store == "sampled":  # distinct drawn ids (a list per position)
+        ids = sum(len(pq.read_table(out / s.file, columns=["ids"])["ids"].combine_chunks().flatten()) for s in train)
+    else:  # top-k: k ids per position (whatever the format's encoding)
+        ids = teacher.k * positions
     return {
         "store": teacher.store,
         "k": teacher.k,

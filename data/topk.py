@@ -36,6 +36,7 @@ from schemas.files import (
     SchemaError,
     sampled_schema,
     shard_schema,
+    topk_compact_schema,
     topk_schema,
     validate_table,
 )
@@ -62,9 +63,16 @@ _HEADER_KEYS = (
     "shard_schema",
     "seed",
     "eval_k",
+    "topk_format",
 )
 # manifests written before these fields
-_HEADER_DEFAULTS = {"store": "topk", "shard_schema": SHARD_SCHEMAS["topk"], "seed": "0", "eval_k": "0"}
+_HEADER_DEFAULTS = {
+    "store": "topk",
+    "shard_schema": SHARD_SCHEMAS["topk"],
+    "seed": "0",
+    "eval_k": "0",
+    "topk_format": "plain",
+}
 _manifest_lock = threading.Lock()
 
 # A teacher: ids [N, T] and loss mask [N, T] of N sequences -> (ids [N, T, k], logprobs [N, T, k], tail [N, T]) at
@@ -338,12 +346,146 @@ SHARD_OPTIONS: dict[str, object] = {
     "use_byte_stream_split": ["logprobs.list.element", "tail"],
 }
 SAMPLED_OPTIONS: dict[str, object] = {"compression": "zstd", "compression_level": ZSTD_LEVEL, "use_dictionary": False}
+# topk_shard/2 (teacher.topk_format compact): byte columns, zstd at its strongest (a shard is written once)
+COMPACT_OPTIONS: dict[str, object] = {"compression": "zstd", "compression_level": 19, "use_dictionary": False}
+# The stated error of topk_shard/2 (schemas.files.topk_compact_schema), in nats of log-prob: the top-1 (uint16 code
+# of 1/1024 nat), then up to NEAR_NATS below it (steps of 1/8), then further (steps of 1/2; codes clip at 255).
+TOP_STEP, NEAR_STEP, FAR_STEP, NEAR_NATS = 1 / 1024, 1 / 8, 1 / 2, 4.0
+NEAR_CODES = round(NEAR_NATS / NEAR_STEP)
+MAX_TOP_ERROR = TOP_STEP / 2
+MAX_NEAR_ERROR = MAX_TOP_ERROR + NEAR_STEP / 2
+MAX_FAR_ERROR = MAX_TOP_ERROR + FAR_STEP / 2
+MAX_CODED_NATS = NEAR_NATS + (255 - NEAR_CODES) * FAR_STEP  # below the top-1: farther log-probs are clipped here
 
 
-def shard_table(plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Table:
-    """The Arrow table of planned shard `plan` (write it with SHARD_OPTIONS); raises ValueError naming `source`
-    unless rows are the plan's trained positions, sorted, in range and finite."""
-    table = _rows_table(rows, vocab_size, k, source)
+def shard_options(topk_format: str = "plain", sampled: bool = False) -> dict[str, object]:
+    """pyarrow.parquet.write_table options of a shard: sampled, top-k plain (/1) or compact (/2)."""
+    if sampled:
+        return SAMPLED_OPTIONS
+    return COMPACT_OPTIONS if topk_format == "compact" else SHARD_OPTIONS
+
+
+def logp_codes(delta: np.ndarray) -> np.ndarray:
+    """uint8 codes of delta = top-1 log-prob - log-prob (>= 0, nats): 1/8-nat steps below NEAR_NATS, then 1/2."""
+    d = np.maximum(np.asarray(delta, np.float64), 0.0)
+    near = np.round(d / NEAR_STEP)
+    far = NEAR_CODES + np.round((d - NEAR_NATS) / FAR_STEP)
+    return np.clip(np.where(near < NEAR_CODES, near, np.maximum(far, NEAR_CODES)), 0, 255).astype(np.uint8)
+
+
+def logp_deltas(codes: np.ndarray) -> np.ndarray:
+    """The deltas (nats below the top-1, float32) of logp_codes' codes."""
+    c = np.asarray(codes).astype(np.float32)
+    return np.where(c < NEAR_CODES, c * NEAR_STEP, NEAR_NATS + (c - NEAR_CODES) * FAR_STEP).astype(np.float32)
+
+
+def varint_bytes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """LEB128 varint bytes of the rows of values [N, k] (non-negative, < 2**35): (uint8 data, int32 offsets [N+1])."""
+    v = np.asarray(values, np.int64)
+    n = len(v)
+    nb = 1 + sum((v >= (1 << (7 * j))).astype(np.int64) for j in range(1, 5))
+    j = np.arange(5)
+    parts = ((v[..., None] >> (7 * j)) & 127) | np.where(j < nb[..., None] - 1, 128, 0)
+    data = parts[j < nb[..., None]].astype(np.uint8)
+    offsets = np.concatenate([[0], np.cumsum(nb.reshape(n, -1).sum(axis=1))]).astype(np.int32)
+    return data, offsets
+
+
+def varint_values(data: np.ndarray, count: int) -> np.ndarray:
+    """The `count` values of LEB128 varint bytes `data` (int64); ValueError unless they are exactly `count`."""
+    b = np.asarray(data, np.uint8).astype(np.int64)
+    end = b < 128
+    if int(end.sum()) != count or (len(b) and not end[-1]):
+        raise ValueError(f"varint bytes hold {int(end.sum())} values, expected {count}")
+    if not count:
+        return np.zeros(0, np.int64)
+    value_of = np.cumsum(end) - end
+    starts = np.concatenate([[0], np.flatnonzero(end)[:-1] + 1])
+    shift = np.arange(len(b)) - starts[value_of]
+    if shift.max(initial=0) > 4:
+        raise ValueError("varint longer than 5 bytes")
+    return np.bincount(value_of, weights=(b & 127) << (7 * shift), minlength=count).astype(np.int64)
+
+
+def _compact_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Table:
+    """The topk_shard/2 table of top-k rows (checked as topk_shard/1's: _rows_table)."""
+    plain = _rows_table(rows, vocab_size, k, source)
+    n = len(plain)
+    ids = np.asarray(rows.ids, np.int64).reshape(n, k)
+    lp = np.clip(np.asarray(rows.logprobs, np.float32).reshape(n, k), F16_MIN, 0.0).astype(np.float64)
+    uniq, counts = np.unique(ids, return_counts=True)
+    dictionary = uniq[np.lexsort((uniq, -counts))]  # most frequent first, then by id
+    rank_of_uniq = np.empty(len(uniq), np.int64)
+    rank_of_uniq[np.searchsorted(uniq, dictionary)] = np.arange(len(uniq))
+    ranks = rank_of_uniq[np.searchsorted(uniq, ids)]
+    order = np.argsort(ranks, axis=1, kind="stable")
+    ranks, lp = np.take_along_axis(ranks, order, 1), np.take_along_axis(lp, order, 1)
+    top = lp.max(axis=1, initial=-np.inf) if n else np.zeros(0)
+    top_code = np.clip(np.round(-top / TOP_STEP), 0, 65535).astype(np.uint16)
+    top_value = -top_code.astype(np.float64) * TOP_STEP
+    codes = logp_codes(top_value[:, None] - lp)
+    data, offsets = varint_bytes(np.diff(ranks, axis=1, prepend=-1) - 1)
+    id_type = plain.schema.field("ids").type.value_type
+    dict_offsets = np.full(n + 1, len(dictionary), np.int32)
+    dict_offsets[0] = 0
+    return pa.Table.from_arrays(
+        [
+            plain.column("seq_id"),
+            plain.column("pos"),
+            pa.BinaryArray.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
+            pa.FixedSizeListArray.from_arrays(pa.array(codes.reshape(-1), pa.uint8()), k),
+            pa.array(top_code, pa.uint16()),
+            plain.column("tail"),
+            pa.ListArray.from_arrays(
+                pa.array(dict_offsets), pa.array(dictionary.astype(id_type.to_pandas_dtype()), id_type)
+            )
+            if n
+            else pa.array([], pa.list_(id_type)),
+        ],
+        schema=topk_compact_schema(vocab_size, k),
+    )
+
+
+def _compact_rows(table: pa.Table, k: int, path: Path) -> TopkRows:
+    """Decoded topk_shard/2 rows, as topk_shard/1 stores them: ids by descending log-prob (ties by dictionary rank),
+    log-probs float32 within the stated error (MAX_NEAR_ERROR, MAX_FAR_ERROR)."""
+    n = len(table)
+    dict_col = table.column("dictionary").combine_chunks()
+    dictionary = dict_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    blob = table.column("ids").combine_chunks()
+    bufs = blob.buffers()
+    offsets = np.frombuffer(bufs[1], np.int32)[blob.offset : blob.offset + n + 1] if n else np.zeros(1, np.int32)
+    data = np.frombuffer(bufs[2], np.uint8)[offsets[0] : offsets[-1]] if n else np.zeros(0, np.uint8)
+    try:
+        gaps = varint_values(data, n * k).reshape(n, k)
+    except ValueError as exc:
+        raise ShardError(f"corrupt shard {path}: ids: {exc}") from None
+    if n and (np.diff(offsets) < k).any():
+        raise ShardError(f"corrupt shard {path}: ids: a row holds fewer than {k} varints")
+    ranks = np.cumsum(gaps + 1, axis=1) - 1
+    if n and ranks.max() >= len(dictionary):
+        raise ShardError(f"corrupt shard {path}: ids past the shard's dictionary of {len(dictionary)}")
+    codes = table.column("codes").combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(n, k)
+    top = -table.column("top").to_numpy().astype(np.float32) * np.float32(TOP_STEP)
+    lp = top[:, None] - logp_deltas(codes)
+    order = np.argsort(-lp, axis=1, kind="stable")
+    return TopkRows(
+        seq_id=table.column("seq_id").to_numpy(),
+        pos=table.column("pos").to_numpy(),
+        ids=np.take_along_axis(dictionary[ranks], order, 1).astype(np.int32),
+        logprobs=np.take_along_axis(lp, order, 1),
+        tail=table.column("tail").to_numpy(),
+    )
+
+
+def shard_table(
+    plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int, source: str, topk_format: str = "plain"
+) -> pa.Table:
+    """The Arrow table of planned shard `plan` (write it with shard_options(topk_format, sampled): SHARD_OPTIONS for
+    plain top-k); raises ValueError naming `source` unless rows are the plan's trained positions, sorted, in range
+    and finite. Top-k rows with topk_format compact: topk_shard/2."""
+    compact = topk_format == "compact" and rows.counts is None
+    table = (_compact_table if compact else _rows_table)(rows, vocab_size, k, source)
     if len(table) != plan.n_positions:
         raise ValueError(f"{source}: {len(table)} rows, the plan counted {plan.n_positions} trained positions")
     seq = np.asarray(rows.seq_id)
@@ -352,19 +494,21 @@ def shard_table(plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int, sour
     return table
 
 
-def write_shard(out_dir: str | Path, plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int) -> ShardRecord:
+def write_shard(
+    out_dir: str | Path, plan: ShardRecord, rows: TopkRows, vocab_size: int, k: int, topk_format: str = "plain"
+) -> ShardRecord:
     """Write the rows of planned shard `plan` to out_dir/plan.file atomically; return its complete record.
 
     Rows must be the trained positions of sequences [seq_start, seq_end), sorted by (seq_id, pos), as many as
     the plan counted. Logprobs are stored as float16 (clamped to the float16 range), tail as float32; sampled rows
-    (counts given, k = samples) as sampled_schema.
+    (counts given, k = samples) as sampled_schema; top-k rows with topk_format compact as topk_shard/2.
     """
     path = Path(out_dir) / plan.file
-    table = shard_table(plan, rows, vocab_size, k, str(path))
+    table = shard_table(plan, rows, vocab_size, k, str(path), topk_format)
     for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by an interrupted writer of this shard
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
-    digest = _write_parquet_atomic(table, path, **(SHARD_OPTIONS if rows.counts is None else SAMPLED_OPTIONS))
+    digest = _write_parquet_atomic(table, path, **shard_options(topk_format, rows.counts is not None))
     return plan.model_copy(update={"sha256": digest, "complete": True})
 
 
@@ -407,6 +551,7 @@ def read_manifest(out_dir: str | Path) -> TeacherManifest | None:
             shard_schema=header["shard_schema"],
             seed=int(header["seed"]),
             eval_k=int(header["eval_k"]),
+            topk_format=header["topk_format"],
             k=int(header["k"]),
             temperature=float(header["temperature"]),
             vocab_size=int(header["vocab_size"]),
@@ -491,9 +636,11 @@ def record_shard(out_dir: str | Path, record: ShardRecord) -> TeacherManifest:
 # ---------------------------------------------------------------------------------------------- verifying
 
 
-def verify_shard(path: str | Path, record: ShardRecord, vocab_size: int, k: int, store: str = "topk") -> None:
-    """Raise ShardError ("corrupt shard <path>: ...") unless sha256, schema (of teacher store `store`) and row
-    count match the record."""
+def verify_shard(
+    path: str | Path, record: ShardRecord, vocab_size: int, k: int, store: str = "topk", topk_format: str = "plain"
+) -> None:
+    """Raise ShardError ("corrupt shard <path>: ...") unless sha256, schema (of teacher store `store`, top-k shards
+    coded as `topk_format`) and row count match the record."""
     path = Path(path)
     if not path.is_file():
         raise ShardError(f"missing shard {path}: file not found")
@@ -504,7 +651,7 @@ def verify_shard(path: str | Path, record: ShardRecord, vocab_size: int, k: int,
         raise ShardError(f"corrupt shard {path}: sha256 {digest}, manifest says {record.sha256}")
     try:
         pf = pq.ParquetFile(path)
-        validate_table(pf.schema_arrow, shard_schema(store, vocab_size, k), str(path))
+        validate_table(pf.schema_arrow, shard_schema(store, vocab_size, k, topk_format), str(path))
     except (pa.ArrowException, OSError, SchemaError) as exc:
         raise ShardError(f"corrupt shard {path}: {exc}") from None
     if pf.metadata.num_rows != record.n_positions:
@@ -522,7 +669,7 @@ def missing_shards(manifest: TeacherManifest, out_dir: str | Path) -> list[Shard
         if rec.complete:
             try:
                 k, store = manifest.k_of(rec.split), manifest.store_of(rec.split)
-                verify_shard(out / rec.file, rec, manifest.vocab_size, k, store)
+                verify_shard(out / rec.file, rec, manifest.vocab_size, k, store, manifest.format_of(rec.split))
                 continue
             except ShardError as exc:
                 log.warning("%s; it will be recomputed", exc)
@@ -564,14 +711,18 @@ class TopkReader:
             return self._cache[rec.shard]
         path = self.out_dir / rec.file
         k, vocab, store = self.manifest.k_of(rec.split), self.manifest.vocab_size, self.manifest.store_of(rec.split)
+        fmt = self.manifest.format_of(rec.split)
         if self.verify:
-            verify_shard(path, rec, vocab, k, store)
+            verify_shard(path, rec, vocab, k, store, fmt)
         try:
             table = pq.read_table(path)
         except (pa.ArrowException, OSError) as exc:
             raise ShardError(f"corrupt shard {path}: {exc}") from None
-        validate_table(table, shard_schema(store, vocab, k), str(path))
-        rows = _sampled_rows(table, k, path) if store == "sampled" else _topk_rows(table, k)
+        validate_table(table, shard_schema(store, vocab, k, fmt), str(path))
+        if fmt == "compact":
+            rows = _compact_rows(table, k, path)
+        else:
+            rows = _sampled_rows(table, k, path) if store == "sampled" else _topk_rows(table, k)
         if len(rows) and (rows.seq_id.min() < rec.seq_start or rows.seq_id.max() >= rec.seq_end):
             raise ShardError(f"corrupt shard {path}: seq_id outside [{rec.seq_start}, {rec.seq_end})")
         self._cache[rec.shard] = rows

@@ -201,6 +201,14 @@ class TeacherSection(Section):
     shard_tokens: int = Field(
         65536, ge=1, description="Target positions per top-k shard (a shard holds whole sequences)."
     )
+    topk_format: Literal["plain", "compact"] = Field(
+        "plain",
+        description="How top-k shards (teacher.store topk, and the eval split of either store) are coded: plain "
+        "(topk_shard/1: ids and float16 log-probs) or compact (topk_shard/2: ids as varint gaps of their ranks in "
+        "a per-shard dictionary, log-probs as uint8 codes below the row's top-1, max error 1/16 nat within 4 nats "
+        "of it and 1/4 nat further; about half the bytes; docs/architecture.md). Part of the teacher key when "
+        "compact. The Ray runner writes plain shards only.",
+    )
     backend: Literal["auto", "numpy", "gpu"] = Field(
         "auto",
         description="Where the teacher forward runs: gpu (wgpu kernels), numpy (BLAS; faster than a CPU "
@@ -572,6 +580,11 @@ class RunConfig(Section):
             raise ValueError(
                 f"loss.kind: {self.loss.kind} needs the teacher's top-k; teacher.store: sampled holds draws, which "
                 "estimate forward_kl only (set loss.kind: forward_kl or teacher.store: topk)"
+            )
+        if self.teacher.topk_format == "compact" and self.teacher.runner == "ray":
+            raise ValueError(
+                "teacher.runner: ray writes plain top-k shards only (set teacher.topk_format: plain or "
+                "teacher.runner: local)"
             )
         if self.loss.temperature != self.teacher.temperature:
             raise ValueError(

@@ -40,6 +40,7 @@ TOKEN_SHARD_SCHEMA = _schema(
 
 TOPK_SHARD, SAMPLED_SHARD = "topk_shard/1", "sampled_shard/1"  # the versioned shard schemas of teacher.store
 SHARD_SCHEMAS = {"topk": TOPK_SHARD, "sampled": SAMPLED_SHARD}
+TOPK_COMPACT_SHARD = "topk_shard/2"  # teacher.topk_format compact: top-k shards coded small (topk_compact_schema)
 
 
 def topk_id_type(vocab_size: int) -> pa.DataType:
@@ -93,10 +94,41 @@ def sampled_schema(vocab_size: int, n: int) -> pa.Schema:
     )
 
 
-def shard_schema(store: str, vocab_size: int, k: int) -> pa.Schema:
-    """The shard schema of teacher store `store` (topk: k ids per position; sampled: k = samples)."""
+def topk_compact_schema(vocab_size: int, k: int) -> pa.Schema:
+    """Compact top-k shard (topk_shard/2, Parquet zstd; data/topk.py codes and decodes it): the same k ids and
+    tail as topk_shard/1, the log-probs quantized.
+
+    ids: per row, the k ids as their ranks in the shard's `dictionary` (the shard's distinct ids, most frequent
+    first), ascending, as gaps (rank - previous rank - 1, the first from -1) in LEB128 varint bytes. codes: uint8
+    per id in that order, d = top - log-prob in nats coded as c = round(8 d) below 4 nats (c < 32), else
+    32 + round(2 (d - 4)), clipped at 255: decoded d = c / 8, or 4 + (c - 32) / 2. top: the row's top-1 log-prob
+    as uint16 round(-1024 top). tail: float32 as in /1. dictionary: a list in row 0 only (empty after).
+    Stated error: |log-prob| within 1/2048 nat at the top-1 and 1/2048 + 1/16 nat up to 4 nats below it, 1/2048
+    + 1/4 nat further (to 115.5 nats below; clipped beyond); the tail exact (float32).
+    """
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"k must be in [1, vocab_size={vocab_size}], got {k}")
+    return _schema(
+        TOPK_COMPACT_SHARD,
+        [
+            pa.field("seq_id", pa.int64(), nullable=False),
+            pa.field("pos", pa.int32(), nullable=False),
+            pa.field("ids", pa.binary(), nullable=False),
+            pa.field("codes", pa.list_(pa.uint8(), k), nullable=False),
+            pa.field("top", pa.uint16(), nullable=False),
+            pa.field("tail", pa.float32(), nullable=False),
+            pa.field("dictionary", pa.list_(topk_id_type(vocab_size)), nullable=False),
+        ],
+    )
+
+
+def shard_schema(store: str, vocab_size: int, k: int, topk_format: str = "plain") -> pa.Schema:
+    """The shard schema of teacher store `store` (topk: k ids per position; sampled: k = samples); top-k shards
+    of teacher.topk_format compact are topk_shard/2."""
     if store not in SHARD_SCHEMAS:
         raise ValueError(f"teacher.store {store!r}: expected one of {', '.join(SHARD_SCHEMAS)}")
+    if store == "topk" and topk_format == "compact":
+        return topk_compact_schema(vocab_size, k)
     return topk_schema(vocab_size, k) if store == "topk" else sampled_schema(vocab_size, k)
 
 

@@ -182,6 +182,7 @@ class TeacherManifest(Located):
         "shard_schema": "topk_shard/1",
         "seed": 0,
         "eval_k": 0,
+        "topk_format": "plain",
     }
 
     teacher_sha256: str = Field(pattern=SHA256)
@@ -198,11 +199,18 @@ class TeacherManifest(Located):
         description="> 0: the eval split's shards are top-k (topk_shard/1, with tail) of this width beside a sampled "
         "train split, so held-out metrics are exact and comparable across stores; 0: stored as the train split",
     )
+    topk_format: Literal["plain", "compact"] = Field(
+        "plain", description="how the top-k shards (either split) are coded: plain topk_shard/1, compact topk_shard/2"
+    )
     shards: tuple[ShardRecord, ...]
 
     @property
     def complete(self) -> bool:
         return all(s.complete for s in self.shards)
+
+    def format_of(self, split: str) -> Literal["plain", "compact"]:
+        """How split `split`'s shards are coded: topk_format for top-k shards, plain for sampled ones."""
+        return self.topk_format if self.store_of(split) == "topk" else "plain"
 
     def store_of(self, split: str) -> Literal["topk", "sampled"]:
         """The store of split `split`'s shards: `store`, except an eval split kept top-k (eval_k > 0)."""

@@ -29,7 +29,7 @@ from data.topk import (
 )
 from model.gguf import GGUFFile
 from schemas.config import RunConfig
-from schemas.files import SHARD_SCHEMAS
+from schemas.files import SHARD_SCHEMAS, TOPK_COMPACT_SHARD
 from schemas.manifests import ShardRecord, TeacherManifest, TokenizeManifest
 from stages.keys import StageKey, file_sha256
 from stages.layout import stage_dir, workdir
@@ -46,7 +46,11 @@ KEY = StageKey(
     config_fields=("teacher.top_k", "teacher.temperature", "teacher.shard_tokens"),
     # sampled: top_k folded in again (it already is above) so that sampled plans from before the eval split was
     # kept top-k get new keys; top-k keys are untouched
-    config_fields_when=(("teacher.store", "sampled", ("teacher.samples", "teacher.seed", "teacher.top_k")),),
+    # compact top-k shards (topk_shard/2) hold other bytes: the format is folded in only then (plain keys stay put)
+    config_fields_when=(
+        ("teacher.store", "sampled", ("teacher.samples", "teacher.seed", "teacher.top_k")),
+        ("teacher.topk_format", "compact", ("teacher.topk_format",)),
+    ),
     files=("model.teacher",),
     inputs=("tokens",),
 )
@@ -68,7 +72,10 @@ def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
     planned = TeacherManifest(
         teacher_sha256=file_sha256(cfg.model.teacher, root),
         store=cfg.teacher.store,
-        shard_schema=SHARD_SCHEMAS[cfg.teacher.store],
+        shard_schema=TOPK_COMPACT_SHARD
+        if cfg.teacher.store == "topk" and cfg.teacher.topk_format == "compact"
+        else SHARD_SCHEMAS[cfg.teacher.store],
+        topk_format=cfg.teacher.topk_format,
         seed=cfg.teacher.seed if cfg.teacher.store == "sampled" else 0,
         k=teacher_width(cfg),
         eval_k=cfg.teacher.top_k if cfg.teacher.store == "sampled" else 0,
@@ -91,7 +98,8 @@ def shard_problem(cfg: RunConfig, planned: TeacherManifest, record: ShardRecord)
         row = next((s for s in current.shards if s.shard == record.shard), None) if current else None
         if row is None:
             return f"{out / MANIFEST_NAME}: no row for shard {record.shard}"
-        verify_shard(out / row.file, row, planned.vocab_size, planned.k_of(row.split), planned.store_of(row.split))
+        fmt = planned.format_of(row.split)
+        verify_shard(out / row.file, row, planned.vocab_size, planned.k_of(row.split), planned.store_of(row.split), fmt)
     except (ShardError, ValueError) as exc:
         return str(exc)
     return None
@@ -107,7 +115,8 @@ def shard(
     row = next(s for s in current.shards if s.shard == record.shard)
     if row.complete:
         try:
-            verify_shard(out / row.file, row, planned.vocab_size, planned.k_of(row.split), planned.store_of(row.split))
+            k, store, fmt = planned.k_of(row.split), planned.store_of(row.split), planned.format_of(row.split)
+            verify_shard(out / row.file, row, planned.vocab_size, k, store, fmt)
             log.info("shard %d already complete and verified: kept", record.shard)
             return row
         except ShardError as exc:
@@ -120,7 +129,9 @@ def shard(
             rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call, lambda n: b.advance(n))
         except ValueError as exc:  # e.g. logits not finite: the teacher's weights are at fault, not the shard
             raise ValueError(f"model.teacher: {cfg.model.teacher}: shard {record.shard}: {exc}") from None
-    done = write_shard(out, record, rows, planned.vocab_size, planned.k_of(record.split))
+    done = write_shard(
+        out, record, rows, planned.vocab_size, planned.k_of(record.split), planned.format_of(record.split)
+    )
     record_shard(out, done)
     log.info("shard %d: %d positions, %d sequences -> %s", record.shard, record.n_positions, n_seq, out / record.file)
     return done
