@@ -50,6 +50,13 @@ def topk_id_type(vocab_size: int) -> pa.DataType:
     return pa.uint16() if vocab_size <= 65536 else pa.uint32()
 
 
+def _position_fields(k: int, vocab_size: int) -> list[pa.Field]:
+    """The key columns of a top-k shard row (seq_id, pos), after checking k against the vocabulary."""
+    if not 1 <= k <= vocab_size:
+        raise ValueError(f"k must be in [1, vocab_size={vocab_size}], got {k}")
+    return [pa.field("seq_id", pa.int64(), nullable=False), pa.field("pos", pa.int32(), nullable=False)]
+
+
 def topk_schema(vocab_size: int, k: int) -> pa.Schema:
     """Top-k shard (Parquet, zstd): one row per trained position, position-major.
 
@@ -59,13 +66,10 @@ def topk_schema(vocab_size: int, k: int) -> pa.Schema:
     outside the k ids, summed in f32 over the other ids' probabilities (not 1 - sum of the rounded
     logprobs, which loses small tails).
     """
-    if not 1 <= k <= vocab_size:
-        raise ValueError(f"k must be in [1, vocab_size={vocab_size}], got {k}")
     return _schema(
         TOPK_SHARD,
         [
-            pa.field("seq_id", pa.int64(), nullable=False),
-            pa.field("pos", pa.int32(), nullable=False),
+            *_position_fields(k, vocab_size),
             pa.field("ids", pa.list_(topk_id_type(vocab_size), k), nullable=False),
             pa.field("logprobs", pa.list_(pa.float16(), k), nullable=False),
             pa.field("tail", pa.float32(), nullable=False),
@@ -106,13 +110,10 @@ def topk_compact_schema(vocab_size: int, k: int) -> pa.Schema:
     Stated error: |log-prob| within 1/2048 nat at the top-1 and 1/2048 + 1/16 nat up to 4 nats below it, 1/2048
     + 1/4 nat further (to 115.5 nats below; clipped beyond); the tail exact (float32).
     """
-    if not 1 <= k <= vocab_size:
-        raise ValueError(f"k must be in [1, vocab_size={vocab_size}], got {k}")
     return _schema(
         TOPK_COMPACT_SHARD,
         [
-            pa.field("seq_id", pa.int64(), nullable=False),
-            pa.field("pos", pa.int32(), nullable=False),
+            *_position_fields(k, vocab_size),
             pa.field("ids", pa.binary(), nullable=False),
             pa.field("codes", pa.list_(pa.uint8(), k), nullable=False),
             pa.field("top", pa.uint16(), nullable=False),

@@ -38,6 +38,20 @@ def _shard_bytes(cfg: RunConfig, manifest: TeacherManifest) -> dict[str, bytes]:
     return {s.file: (out / s.file).read_bytes() for s in manifest.shards}
 
 
+def _spy_submissions(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The shards of every later Ray submission (appended per call); the fault hook off."""
+    submitted: list[list[int]] = []
+    real = stages.teacher_ray._run_on_ray
+
+    def spy(cfg: RunConfig, tokens: Any, planned: Any, todo: list[ShardRecord], *rest: Any) -> None:
+        submitted.append([s.shard for s in todo])
+        real(cfg, tokens, planned, todo, *rest)
+
+    monkeypatch.setattr(stages.teacher_ray, "_run_on_ray", spy)
+    monkeypatch.delenv(stages.teacher_ray.FAULT_ENV)
+    return submitted
+
+
 def test_ray_shards_are_byte_identical_with_a_worker_killed(
     local: tuple[RunConfig, TeacherManifest], ray_cluster: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -52,15 +66,7 @@ def test_ray_shards_are_byte_identical_with_a_worker_killed(
     assert ours.keys() == theirs.keys() and all(ours[f] == theirs[f] for f in ours)
 
     # complete shards are never resubmitted; a lost one is recomputed alone, to the same bytes
-    submitted: list[list[int]] = []
-    real = stages.teacher_ray._run_on_ray
-
-    def spy(cfg: RunConfig, tokens: Any, planned: Any, todo: list[ShardRecord], *rest: Any) -> None:
-        submitted.append([s.shard for s in todo])
-        real(cfg, tokens, planned, todo, *rest)
-
-    monkeypatch.setattr(stages.teacher_ray, "_run_on_ray", spy)
-    monkeypatch.delenv(stages.teacher_ray.FAULT_ENV)
+    submitted = _spy_submissions(monkeypatch)
     assert stages.teacher.run(cfg, stages.tokenize.run(cfg)) == manifest
     victim = manifest.shards[3]
     (out / victim.file).unlink()
@@ -113,15 +119,7 @@ def test_ray_writes_the_sampled_store_byte_identical_with_a_worker_killed(
         k, store = manifest.k_of(record.split), manifest.store_of(record.split)
         verify_shard(out / record.file, record, manifest.vocab_size, k, store)
 
-    submitted: list[list[int]] = []
-    real = stages.teacher_ray._run_on_ray
-
-    def spy(cfg: RunConfig, tokens: Any, planned: Any, todo: list[ShardRecord], *rest: Any) -> None:
-        submitted.append([s.shard for s in todo])
-        real(cfg, tokens, planned, todo, *rest)
-
-    monkeypatch.setattr(stages.teacher_ray, "_run_on_ray", spy)
-    monkeypatch.delenv(stages.teacher_ray.FAULT_ENV)
+    submitted = _spy_submissions(monkeypatch)
     (out / victim.file).unlink()
     assert stages.teacher.run(cfg, stages.tokenize.run(cfg)) == manifest
     assert submitted == [[victim.shard]]
