@@ -4,23 +4,6 @@
 // t' < Incl[w] walks its ids in order to the first with Incl[w - 1] + (running sum) > t' (sample_piece.wgsl: the
 // same additions as the scan's). Writes the draw's id and z / tau. No atomics: each threshold has one writer.
 
-struct Params {
-    T: u32,
-    nv: u32,
-    ldz: u32,
-    z_off: u32,
-    v0: u32,
-    piece: u32,
-    n_pieces: u32,
-    n: u32,
-    inv_tau: f32,
-    _p0: u32,
-    _p1: u32,
-    _p2: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> Z: array<f32>;
 @group(0) @binding(2) var<storage, read> Stats: array<vec2<f32>>;
 @group(0) @binding(3) var<storage, read> Base: array<f32>;
 @group(0) @binding(4) var<storage, read> Thr: array<f32>;

@@ -5,6 +5,25 @@
 // Incl[w - 1] + (its running segment sum), the same f32 additions that give Incl[w] at the segment's end: the
 // piece's CDF is monotone and ends exactly at Incl[WG - 1], the piece's sum, on every run and batching.
 
+// both passes' parameters and logits (their own bindings follow from 2)
+struct Params {
+    T: u32,
+    nv: u32,        // piece columns (<= PIECE)
+    ldz: u32,       // row stride of Z
+    z_off: u32,     // column of the piece's first logit inside a row of Z
+    v0: u32,        // vocab id of that column
+    piece: u32,     // index of the piece in the row
+    n_pieces: u32,
+    n: u32,         // draws per position
+    inv_tau: f32,
+    _p0: u32,
+    _p1: u32,
+    _p2: u32,
+};
+
+@group(0) @binding(0) var<uniform> prm: Params;
+@group(0) @binding(1) var<storage, read> Z: array<f32>;
+
 const WG: u32 = 256u;
 const PIECE: u32 = 4096u;
 const NEG_BIG: f32 = -3.0e38;
