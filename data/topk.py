@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from data import topk_codes as C
 from data.atomic import atomic_file
 from model.sampled import logp_code, logp_value
 from schemas.files import (
@@ -37,6 +38,7 @@ from schemas.files import (
     sampled_schema,
     shard_schema,
     topk_compact_schema,
+    topk_rank_width,
     topk_schema,
     validate_table,
 )
@@ -346,16 +348,9 @@ SHARD_OPTIONS: dict[str, object] = {
     "use_byte_stream_split": ["logprobs.list.element", "tail"],
 }
 SAMPLED_OPTIONS: dict[str, object] = {"compression": "zstd", "compression_level": ZSTD_LEVEL, "use_dictionary": False}
-# topk_shard/2 (teacher.topk_format compact): byte columns, zstd at its strongest (a shard is written once)
+# topk_shard/3 (teacher.topk_format compact): byte columns, zstd at its strongest (a shard is written once); its
+# codes and their stated error: data/topk_codes.py
 COMPACT_OPTIONS: dict[str, object] = {"compression": "zstd", "compression_level": 19, "use_dictionary": False}
-# The stated error of topk_shard/2 (schemas.files.topk_compact_schema), in nats of log-prob: the top-1 (uint16 code
-# of 1/1024 nat), then up to NEAR_NATS below it (steps of 1/8), then further (steps of 1/2; codes clip at 255).
-TOP_STEP, NEAR_STEP, FAR_STEP, NEAR_NATS = 1 / 1024, 1 / 8, 1 / 2, 4.0
-NEAR_CODES = round(NEAR_NATS / NEAR_STEP)
-MAX_TOP_ERROR = TOP_STEP / 2
-MAX_NEAR_ERROR = MAX_TOP_ERROR + NEAR_STEP / 2
-MAX_FAR_ERROR = MAX_TOP_ERROR + FAR_STEP / 2
-MAX_CODED_NATS = NEAR_NATS + (255 - NEAR_CODES) * FAR_STEP  # below the top-1: farther log-probs are clipped here
 
 
 def shard_options(topk_format: str = "plain", sampled: bool = False) -> dict[str, object]:
@@ -365,50 +360,8 @@ def shard_options(topk_format: str = "plain", sampled: bool = False) -> dict[str
     return COMPACT_OPTIONS if topk_format == "compact" else SHARD_OPTIONS
 
 
-def logp_codes(delta: np.ndarray) -> np.ndarray:
-    """uint8 codes of delta = top-1 log-prob - log-prob (>= 0, nats): 1/8-nat steps below NEAR_NATS, then 1/2."""
-    d = np.maximum(np.asarray(delta, np.float64), 0.0)
-    near = np.round(d / NEAR_STEP)
-    far = NEAR_CODES + np.round((d - NEAR_NATS) / FAR_STEP)
-    return np.clip(np.where(near < NEAR_CODES, near, np.maximum(far, NEAR_CODES)), 0, 255).astype(np.uint8)
-
-
-def logp_deltas(codes: np.ndarray) -> np.ndarray:
-    """The deltas (nats below the top-1, float32) of logp_codes' codes."""
-    c = np.asarray(codes).astype(np.float32)
-    return np.where(c < NEAR_CODES, c * NEAR_STEP, NEAR_NATS + (c - NEAR_CODES) * FAR_STEP).astype(np.float32)
-
-
-def varint_bytes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """LEB128 varint bytes of the rows of values [N, k] (non-negative, < 2**35): (uint8 data, int32 offsets [N+1])."""
-    v = np.asarray(values, np.int64)
-    n = len(v)
-    nb = 1 + sum((v >= (1 << (7 * j))).astype(np.int64) for j in range(1, 5))
-    j = np.arange(5)
-    parts = ((v[..., None] >> (7 * j)) & 127) | np.where(j < nb[..., None] - 1, 128, 0)
-    data = parts[j < nb[..., None]].astype(np.uint8)
-    offsets = np.concatenate([[0], np.cumsum(nb.reshape(n, -1).sum(axis=1))]).astype(np.int32)
-    return data, offsets
-
-
-def varint_values(data: np.ndarray, count: int) -> np.ndarray:
-    """The `count` values of LEB128 varint bytes `data` (int64); ValueError unless they are exactly `count`."""
-    b = np.asarray(data, np.uint8).astype(np.int64)
-    end = b < 128
-    if int(end.sum()) != count or (len(b) and not end[-1]):
-        raise ValueError(f"varint bytes hold {int(end.sum())} values, expected {count}")
-    if not count:
-        return np.zeros(0, np.int64)
-    value_of = np.cumsum(end) - end
-    starts = np.concatenate([[0], np.flatnonzero(end)[:-1] + 1])
-    shift = np.arange(len(b)) - starts[value_of]
-    if shift.max(initial=0) > 4:
-        raise ValueError("varint longer than 5 bytes")
-    return np.bincount(value_of, weights=(b & 127) << (7 * shift), minlength=count).astype(np.int64)
-
-
 def _compact_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.Table:
-    """The topk_shard/2 table of top-k rows (checked as topk_shard/1's: _rows_table)."""
+    """The topk_shard/3 table of top-k rows (checked as topk_shard/1's: _rows_table)."""
     plain = _rows_table(rows, vocab_size, k, source)
     n = len(plain)
     ids = np.asarray(rows.ids, np.int64).reshape(n, k)
@@ -420,22 +373,25 @@ def _compact_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.T
     ranks = rank_of_uniq[np.searchsorted(uniq, ids)]
     order = np.argsort(ranks, axis=1, kind="stable")
     ranks, lp = np.take_along_axis(ranks, order, 1), np.take_along_axis(lp, order, 1)
-    top = lp.max(axis=1, initial=-np.inf) if n else np.zeros(0)
-    top_code = np.clip(np.round(-top / TOP_STEP), 0, 65535).astype(np.uint16)
-    top_value = -top_code.astype(np.float64) * TOP_STEP
-    codes = logp_codes(top_value[:, None] - lp)
-    data, offsets = varint_bytes(np.diff(ranks, axis=1, prepend=-1) - 1)
+    top = C.top_codes(lp.max(axis=1, initial=-np.inf) if n else np.zeros(0))
+    codes = C.logp_codes(C.top_values(top)[:, None] - lp)
+    width = topk_rank_width(vocab_size)
+    planes = C.gap_planes(np.diff(ranks, axis=1, prepend=-1) - 1, width)
     id_type = plain.schema.field("ids").type.value_type
     dict_offsets = np.full(n + 1, len(dictionary), np.int32)
     dict_offsets[0] = 0
+
+    def fixed(data: np.ndarray, width: int) -> pa.Array:
+        return pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), n, [None, pa.py_buffer(data.tobytes())])
+
     return pa.Table.from_arrays(
         [
             plain.column("seq_id"),
             plain.column("pos"),
-            pa.BinaryArray.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)]),
-            pa.FixedSizeListArray.from_arrays(pa.array(codes.reshape(-1), pa.uint8()), k),
-            pa.array(top_code, pa.uint16()),
-            plain.column("tail"),
+            fixed(planes, width * k),
+            fixed(codes, k),
+            pa.array(top, pa.uint16()),
+            pa.array(C.tail_codes(plain.column("tail").to_numpy()), pa.uint16()),
             pa.ListArray.from_arrays(
                 pa.array(dict_offsets), pa.array(dictionary.astype(id_type.to_pandas_dtype()), id_type)
             )
@@ -446,35 +402,32 @@ def _compact_table(rows: TopkRows, vocab_size: int, k: int, source: str) -> pa.T
     )
 
 
+def _fixed_bytes(table: pa.Table, name: str, n: int) -> np.ndarray:
+    """Column `name` (fixed_size_binary) of `table` as uint8 [n, width]."""
+    col = table.column(name).combine_chunks()
+    width = col.type.byte_width
+    data = np.frombuffer(col.buffers()[1], np.uint8) if n else np.zeros(0, np.uint8)
+    return data[col.offset * width : (col.offset + n) * width].reshape(n, width)
+
+
 def _compact_rows(table: pa.Table, k: int, path: Path) -> TopkRows:
-    """Decoded topk_shard/2 rows, as topk_shard/1 stores them: ids by descending log-prob (ties by dictionary rank),
-    log-probs float32 within the stated error (MAX_NEAR_ERROR, MAX_FAR_ERROR)."""
+    """Decoded topk_shard/3 rows, as topk_shard/1 stores them: ids by descending log-prob (ties by dictionary rank),
+    log-probs float32 and the tail within the stated error (data/topk_codes.py)."""
     n = len(table)
-    dict_col = table.column("dictionary").combine_chunks()
-    dictionary = dict_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
-    blob = table.column("ids").combine_chunks()
-    bufs = blob.buffers()
-    offsets = np.frombuffer(bufs[1], np.int32)[blob.offset : blob.offset + n + 1] if n else np.zeros(1, np.int32)
-    data = np.frombuffer(bufs[2], np.uint8)[offsets[0] : offsets[-1]] if n else np.zeros(0, np.uint8)
-    try:
-        gaps = varint_values(data, n * k).reshape(n, k)
-    except ValueError as exc:
-        raise ShardError(f"corrupt shard {path}: ids: {exc}") from None
-    if n and (np.diff(offsets) < k).any():
-        raise ShardError(f"corrupt shard {path}: ids: a row holds fewer than {k} varints")
-    ranks = np.cumsum(gaps + 1, axis=1) - 1
+    dictionary = table.column("dictionary").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    planes = _fixed_bytes(table, "ids", n)
+    ranks = np.cumsum(C.plane_gaps(planes, planes.shape[1] // k) + 1, axis=1) - 1
     if n and ranks.max() >= len(dictionary):
         raise ShardError(f"corrupt shard {path}: ids past the shard's dictionary of {len(dictionary)}")
-    codes = table.column("codes").combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(n, k)
-    top = -table.column("top").to_numpy().astype(np.float32) * np.float32(TOP_STEP)
-    lp = top[:, None] - logp_deltas(codes)
+    top = C.top_values(table.column("top").to_numpy())
+    lp = (top[:, None] - C.logp_deltas(_fixed_bytes(table, "codes", n))).astype(np.float32)
     order = np.argsort(-lp, axis=1, kind="stable")
     return TopkRows(
         seq_id=table.column("seq_id").to_numpy(),
         pos=table.column("pos").to_numpy(),
-        ids=np.take_along_axis(dictionary[ranks], order, 1).astype(np.int32),
+        ids=np.take_along_axis(dictionary.astype(np.int64)[ranks], order, 1).astype(np.int32),
         logprobs=np.take_along_axis(lp, order, 1),
-        tail=table.column("tail").to_numpy(),
+        tail=C.tail_values(table.column("tail").to_numpy()),
     )
 
 
@@ -483,7 +436,7 @@ def shard_table(
 ) -> pa.Table:
     """The Arrow table of planned shard `plan` (write it with shard_options(topk_format, sampled): SHARD_OPTIONS for
     plain top-k); raises ValueError naming `source` unless rows are the plan's trained positions, sorted, in range
-    and finite. Top-k rows with topk_format compact: topk_shard/2."""
+    and finite. Top-k rows with topk_format compact: topk_shard/3."""
     compact = topk_format == "compact" and rows.counts is None
     table = (_compact_table if compact else _rows_table)(rows, vocab_size, k, source)
     if len(table) != plan.n_positions:
@@ -501,7 +454,7 @@ def write_shard(
 
     Rows must be the trained positions of sequences [seq_start, seq_end), sorted by (seq_id, pos), as many as
     the plan counted. Logprobs are stored as float16 (clamped to the float16 range), tail as float32; sampled rows
-    (counts given, k = samples) as sampled_schema; top-k rows with topk_format compact as topk_shard/2.
+    (counts given, k = samples) as sampled_schema; top-k rows with topk_format compact as topk_shard/3.
     """
     path = Path(out_dir) / plan.file
     table = shard_table(plan, rows, vocab_size, k, str(path), topk_format)

@@ -203,11 +203,11 @@ class TeacherSection(Section):
     )
     topk_format: Literal["plain", "compact"] = Field(
         "plain",
-        description="How top-k shards (teacher.store topk, and the eval split of either store) are coded: plain "
-        "(topk_shard/1: ids and float16 log-probs) or compact (topk_shard/2: ids as varint gaps of their ranks in "
-        "a per-shard dictionary, log-probs as uint8 codes below the row's top-1, max error 1/16 nat within 4 nats "
-        "of it and 1/4 nat further; about half the bytes; docs/architecture.md). Part of the teacher key when "
-        "compact. The Ray runner writes plain shards only.",
+        description="How the train split's top-k shards are coded: plain (topk_shard/1: ids and float16 log-probs) "
+        "or compact (topk_shard/3: ids as gaps of their ranks in a per-shard dictionary, log-probs as byte codes "
+        "below the row's top-1, max error 1/16 nat within 2 nats of it, 1/8 within 4, 1/4 within 7, 1/2 further; "
+        "about half the bytes; docs/architecture.md). The eval split stays plain, so held-out metrics are exact. "
+        "Part of the teacher key when compact. The Ray runner writes plain shards only.",
     )
     backend: Literal["auto", "numpy", "gpu"] = Field(
         "auto",

@@ -40,7 +40,7 @@ TOKEN_SHARD_SCHEMA = _schema(
 
 TOPK_SHARD, SAMPLED_SHARD = "topk_shard/1", "sampled_shard/1"  # the versioned shard schemas of teacher.store
 SHARD_SCHEMAS = {"topk": TOPK_SHARD, "sampled": SAMPLED_SHARD}
-TOPK_COMPACT_SHARD = "topk_shard/2"  # teacher.topk_format compact: top-k shards coded small (topk_compact_schema)
+TOPK_COMPACT_SHARD = "topk_shard/3"  # teacher.topk_format compact: top-k shards coded small (topk_compact_schema)
 
 
 def topk_id_type(vocab_size: int) -> pa.DataType:
@@ -48,6 +48,12 @@ def topk_id_type(vocab_size: int) -> pa.DataType:
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     return pa.uint16() if vocab_size <= 65536 else pa.uint32()
+
+
+def topk_rank_width(vocab_size: int) -> int:
+    """Bytes per id rank gap of topk_shard/3: enough for any rank below vocab_size (a shard's dictionary of
+    distinct ids is never larger)."""
+    return max(1, (max(vocab_size - 1, 1).bit_length() + 7) // 8)
 
 
 def _position_fields(k: int, vocab_size: int) -> list[pa.Field]:
@@ -99,25 +105,26 @@ def sampled_schema(vocab_size: int, n: int) -> pa.Schema:
 
 
 def topk_compact_schema(vocab_size: int, k: int) -> pa.Schema:
-    """Compact top-k shard (topk_shard/2, Parquet zstd; data/topk.py codes and decodes it): the same k ids and
-    tail as topk_shard/1, the log-probs quantized.
+    """Compact top-k shard (topk_shard/3, Parquet zstd; data/topk.py writes and reads it, data/topk_codes.py holds
+    the codes): the same k ids as topk_shard/1, the log-probs and the tail quantized.
 
     ids: per row, the k ids as their ranks in the shard's `dictionary` (the shard's distinct ids, most frequent
-    first), ascending, as gaps (rank - previous rank - 1, the first from -1) in LEB128 varint bytes. codes: uint8
-    per id in that order, d = top - log-prob in nats coded as c = round(8 d) below 4 nats (c < 32), else
-    32 + round(2 (d - 4)), clipped at 255: decoded d = c / 8, or 4 + (c - 32) / 2. top: the row's top-1 log-prob
-    as uint16 round(-1024 top). tail: float32 as in /1. dictionary: a list in row 0 only (empty after).
-    Stated error: |log-prob| within 1/2048 nat at the top-1 and 1/2048 + 1/16 nat up to 4 nats below it, 1/2048
-    + 1/4 nat further (to 115.5 nats below; clipped beyond); the tail exact (float32).
+    first), ascending, as gaps (rank - previous rank - 1, the first from -1) of w = topk_rank_width(vocab_size)
+    bytes, stored as byte planes (the k low bytes, then the k next, ...). codes: a byte per id in that order, d =
+    top - log-prob in nats in steps of 1/8 below 2 nats (codes 0-15), 1/4 below 4 (16-23), 1/2 below 7 (24-29),
+    then 1 (30-255; clipped at 232 nats). top: the row's top-1 log-prob as uint16 round(-256 top). tail: the tail
+    mass as uint16 round(-256 ln tail), 65535 for 0. dictionary: a list in row 0 only (empty after).
+    Stated error: |log-prob| within 1/512 nat at the top-1, plus half a step below it (1/16, 1/8, 1/4, 1/2 nat by
+    segment); the tail within a relative exp(1/512) - 1 (0.2 %).
     """
     return _schema(
         TOPK_COMPACT_SHARD,
         [
             *_position_fields(k, vocab_size),
-            pa.field("ids", pa.binary(), nullable=False),
-            pa.field("codes", pa.list_(pa.uint8(), k), nullable=False),
+            pa.field("ids", pa.binary(k * topk_rank_width(vocab_size)), nullable=False),
+            pa.field("codes", pa.binary(k), nullable=False),
             pa.field("top", pa.uint16(), nullable=False),
-            pa.field("tail", pa.float32(), nullable=False),
+            pa.field("tail", pa.uint16(), nullable=False),
             pa.field("dictionary", pa.list_(topk_id_type(vocab_size)), nullable=False),
         ],
     )

@@ -200,7 +200,9 @@ class TeacherManifest(Located):
         "train split, so held-out metrics are exact and comparable across stores; 0: stored as the train split",
     )
     topk_format: Literal["plain", "compact"] = Field(
-        "plain", description="how the top-k shards (either split) are coded: plain topk_shard/1, compact topk_shard/2"
+        "plain",
+        description="how the train split's top-k shards are coded: plain topk_shard/1, compact topk_shard/3 "
+        "(the eval split is plain: format_of)",
     )
     shards: tuple[ShardRecord, ...]
 
@@ -209,8 +211,9 @@ class TeacherManifest(Located):
         return all(s.complete for s in self.shards)
 
     def format_of(self, split: str) -> Literal["plain", "compact"]:
-        """How split `split`'s shards are coded: topk_format for top-k shards, plain for sampled ones."""
-        return self.topk_format if self.store_of(split) == "topk" else "plain"
+        """How split `split`'s shards are coded: topk_format for the train split's top-k shards; plain for sampled
+        ones and the eval split (held-out metrics exact whatever the train store)."""
+        return self.topk_format if split == "train" and self.store_of(split) == "topk" else "plain"
 
     def store_of(self, split: str) -> Literal["topk", "sampled"]:
         """The store of split `split`'s shards: `store`, except an eval split kept top-k (eval_k > 0)."""
