@@ -99,6 +99,23 @@ def test_upload_read_roundtrip_odd_sizes(dev: Device) -> None:
         np.testing.assert_array_equal(dev.read(buf, arr.dtype, arr.shape), arr)
 
 
+def test_uploads_wait_every_write_sync_bytes(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host writes outside a step wait for the GPU after every write_sync_bytes (so their staging is freed), and
+    a read (which waits anyway) starts the count again; the data arrives either way."""
+    monkeypatch.setattr(dev, "write_sync_bytes", 1000)
+    dev.sync()
+    before = dev.stats["write_syncs"]
+    arrays = [np.full(100, i, np.float32) for i in range(7)]  # 400 bytes each
+    bufs = [dev.upload(a, label="sync") for a in arrays]
+    assert dev.stats["write_syncs"] - before == 2  # after 1,200 and 2,400 bytes
+    np.testing.assert_array_equal(dev.read(bufs[-1], np.float32, 100), arrays[-1])
+    dev.upload(arrays[0], label="sync")
+    dev.upload(arrays[0], label="sync")  # 800 bytes since the read: no wait
+    assert dev.stats["write_syncs"] - before == 2
+    for buf, a in zip(bufs, arrays, strict=True):
+        np.testing.assert_array_equal(dev.read(buf, np.float32, 100), a)
+
+
 def test_pipeline_cache_hit_compiles_once(dev: Device) -> None:
     calls = []
 
