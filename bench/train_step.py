@@ -318,9 +318,21 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
     emit(what="own_memory", side=f"hf-{dtype_name}", own_peak_bytes=torch.cuda.max_memory_allocated())
 
 
+def _hf_config(cfg: Any) -> Any:
+    """The HF LlamaConfig of a random shape (model.config.ModelConfig)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        **cfg.hf_shape(),
+        max_position_embeddings=cfg.context_length,
+        rope_theta=cfg.rope_base,
+        initializer_range=INIT_STD,
+    )
+
+
 def _hf_model(args: argparse.Namespace, dtype: Any, device: str = "cuda") -> Any:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     if args.gguf:  # dequantized by transformers once, kept as float32 safetensors for the next side's process
         path = Path(args.gguf).resolve()
@@ -336,13 +348,7 @@ def _hf_model(args: argparse.Namespace, dtype: Any, device: str = "cuda") -> Any
         else:
             model = AutoModelForCausalLM.from_pretrained(str(cache), dtype=torch.float32)
         return model.to(device, dtype)
-    cfg = SHAPES[args.shape]
-    hf = LlamaConfig(
-        **cfg.hf_shape(),
-        max_position_embeddings=cfg.context_length,
-        rope_theta=cfg.rope_base,
-        initializer_range=INIT_STD,
-    )
+    hf = _hf_config(SHAPES[args.shape])
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # initialised in the target dtype (an 8B model in f32 is 32 GB)
     try:
@@ -354,32 +360,78 @@ def _hf_model(args: argparse.Namespace, dtype: Any, device: str = "cuda") -> Any
 
 def _hf_qlora_model(args: argparse.Namespace) -> Any:
     """QLoRA's base model: every decoder-layer Linear as bitsandbytes NF4 with double quantization (blocks of 64,
-    the absmax constants quantized again), bf16 compute; embeddings, norms and the head bf16. Built in bf16 on
-    the host and quantized one projection at a time as it moves to the GPU, so the GPU never holds the bf16
-    projections (peft's prepare_model_for_kbit_training is not applied: it would upcast the embeddings and the
-    head to fp32)."""
+    the absmax constants quantized again), bf16 compute; embeddings, norms and the head bf16. A random model is
+    built on the meta device and made real on the GPU one decoder layer at a time (drawn there in bf16, its
+    projections quantized, the bf16 freed), so neither the host nor the GPU ever holds the whole bf16 model (an 8B
+    model drawn on the host took minutes); a GGUF is loaded in bf16 on the host and quantized as it moves. peft's
+    prepare_model_for_kbit_training is not applied: it would upcast the embeddings and the head to fp32."""
     import bitsandbytes as bnb
     import torch
 
-    model = _hf_model(args, torch.bfloat16, device="cpu")
-    for layer in model.model.layers:
+    def quantized(lin: Any) -> Any:
+        q = bnb.nn.Linear4bit(
+            lin.in_features,
+            lin.out_features,
+            bias=lin.bias is not None,
+            compute_dtype=torch.bfloat16,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
+        q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4")
+        return q.to("cuda")
+
+    if args.gguf:
+        model = _hf_model(args, torch.bfloat16, device="cpu")
+        layers = model.model.layers
+    else:
+        model = _hf_meta_model(args, torch.bfloat16)
+        layers = model.model.layers
+        _materialize(model.model.embed_tokens, model.model.norm, model.lm_head, device="cuda")
+    for layer in layers:
+        if not args.gguf:
+            _materialize(layer, device="cuda")
         for parent in (layer.self_attn, layer.mlp):
             for name, lin in list(parent.named_children()):
-                if not isinstance(lin, torch.nn.Linear):
-                    continue
-                q = bnb.nn.Linear4bit(
-                    lin.in_features,
-                    lin.out_features,
-                    bias=lin.bias is not None,
-                    compute_dtype=torch.bfloat16,
-                    compress_statistics=True,
-                    quant_type="nf4",
-                )
-                q.weight = bnb.nn.Params4bit(
-                    lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4"
-                )
-                setattr(parent, name, q.to("cuda"))
-    return model.to("cuda")
+                if isinstance(lin, torch.nn.Linear):
+                    setattr(parent, name, quantized(lin))
+    model = model.to("cuda")
+    torch.cuda.empty_cache()
+    return model
+
+
+def _hf_meta_model(args: argparse.Namespace, dtype: Any, device: str = "cuda") -> Any:
+    """The random shape's HF model on the meta device (no memory), its rotary embedding real on `device`."""
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf = _hf_config(SHAPES[args.shape])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(hf)
+        with torch.device(device):  # its inv_freq is computed, not a parameter: made where it is used
+            model.model.rotary_emb = LlamaRotaryEmbedding(config=hf)
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def _materialize(*modules: Any, device: str) -> None:
+    """Give meta modules real storage on `device` with HF Llama's initialisation: RMSNorm weights one, every
+    other weight normal(0, INIT_STD)."""
+    import torch
+
+    for module in modules:
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.endswith("norm.weight") or name == "weight" and "Norm" in type(module).__name__:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, INIT_STD)
 
 
 # ---- one process per side, memory sampled from here ------------------------------------------------------------
