@@ -214,6 +214,7 @@ def bench_ours(args: argparse.Namespace) -> None:
         emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=16))
     st = None  # frees the student's buffers before the teacher's
     if args.no_teacher:
+        _emit_own_memory(dev)
         return
     teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision)
     secs = windows(lambda: teacher.topk(ids), args.steps, args.repeats, lambda: None)
@@ -222,6 +223,11 @@ def bench_ours(args: argparse.Namespace) -> None:
         with Profiler(dev) as prof:
             teacher.topk(ids)
         emit(what="profile", side="ours", of="teacher_topk", **prof.summary(1))
+    _emit_own_memory(dev)
+
+
+def _emit_own_memory(dev: Any) -> None:
+    """Our peak buffer bytes and the 24 largest labels' share of it."""
     top = sorted(dev.peak_by_label.items(), key=lambda kv: -kv[1])[:24]
     emit(what="own_memory", side="ours", own_peak_bytes=dev.peak_bytes, peak_by_label=dict(top))
 
