@@ -382,19 +382,16 @@ def _hf_qlora_model(args: argparse.Namespace) -> Any:
             compute_dtype=torch.bfloat16,
             compress_statistics=True,
             quant_type="nf4",
-            device="meta",
         )
         q.weight = bnb.nn.Params4bit(lin.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4")
         return q.to("cuda")
 
     if args.gguf:
         model = _hf_model(args, torch.bfloat16, device="cpu")
-        layers = model.model.layers
     else:
         model = _hf_meta_model(args, torch.bfloat16)
-        layers = model.model.layers
         _materialize(model.model.embed_tokens, model.model.norm, model.lm_head, device="cuda")
-    for layer in layers:
+    for layer in model.model.layers:
         if not args.gguf:
             _materialize(layer, device="cuda")
         for parent in (layer.self_attn, layer.mlp):

@@ -80,7 +80,7 @@ SUBGROUP_MATRIX = "chromium-experimental-subgroup-matrix"
 SUBMIT_EVERY = 256
 # Host writes outside a step (weight uploads) go through the queue's staging memory, which the runtime frees only
 # once a submit after them has completed: wait after this many bytes, so an 8B model's ~4.7 GB of weights do not
-# hold as much staging at once (measured on the H200: 9.6 GB peak while uploading 4.65 GB, staging freed late).
+# hold as much staging at once (the H200 peaked at 9.6 GB while uploading 4.65 GB of weights without it).
 WRITE_SYNC_BYTES = 256 << 20
 _DAWN_TOGGLES = ["allow_unsafe_apis", "vulkan_enable_f16_on_nvidia"]
 _dawn_instance_ready = False
