@@ -16,8 +16,10 @@ from gpu.codegen_tc import MATRIX, SubgroupTile
 
 MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
 # timing probes (bench/gemm_i8.py; "" for real kernels): without the MMAs, the staging after the first step, the
-# per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C
-PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write")
+# per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C; or
+# "direct": no staging at all, each subgroup loading its matrices straight from storage (results right when M and
+# N are multiples of the tile; no rows are clamped)
+PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write", "direct")
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ def _decls(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
     lines = [f"{ind}var acc_{i}_{j} = {d.zero};" for i, j in _pairs(c)]
     if v.chunked:
         lines += [f"{ind}var f_{i}_{j}: array<f32, 8>;" for i, j in _pairs(c)]
+    if c.probe == "direct":
+        return lines
     n_a = len(_units(c.bm * c.bk // 16, c.threads))
     n_b = len(_units(c.bn * c.bk // _b_unit_bytes(v.orient), c.threads))
     b_type = "vec4<u32>" if v.orient == "nt" else "array<vec4<u32>, 4>"
@@ -172,6 +176,23 @@ def _compute(c: I8Config, ind: str, d: _Dialect, buf: str) -> list[str]:
             b = d.load_b.format(off=f"{j * MATRIX * lds + kk * MMA_K}u", cm="true", stride="LDW * 4u")
             body.append(f"let b{j} = {b};")
             body += [f"acc_{i}_{j} = {d.mma.format(a=f'a{i}', b=f'b{j}', acc=f'acc_{i}_{j}')};" for i in range(tm)]
+        lines += [f"{ind}{{"] + [f"{ind}    {s}" for s in body] + [f"{ind}}}"]
+    return lines
+
+
+def _compute_direct(c: I8Config, ind: str) -> list[str]:
+    """Step t's matrix loads (straight from storage, offsets in codes) and multiply-accumulates: the "direct"
+    probe's main loop body."""
+    lines = []
+    for kk in range(c.bk // MMA_K):
+        body = []
+        for i in range(c.tm):
+            off = f"a_base + {i * MATRIX}u * lda_c + t * BK + {kk * MMA_K}u"
+            body.append(f"let a{i} = subgroupMatrixLoad<subgroup_matrix_left<i8, 32, 16>>(&A, {off}, false, lda_c);")
+        for j in range(c.tn):
+            off = f"w_base + {j * MATRIX}u * ldw_c + t * BK + {kk * MMA_K}u"
+            body.append(f"let b{j} = subgroupMatrixLoad<subgroup_matrix_right<i8, 16, 32>>(&W, {off}, true, ldw_c);")
+            body += [f"acc_{i}_{j} = subgroupMatrixMultiplyAccumulate(a{i}, b{j}, acc_{i}_{j});" for i in range(c.tm)]
         lines += [f"{ind}{{"] + [f"{ind}    {s}" for s in body] + [f"{ind}}}"]
     return lines
 
@@ -207,15 +228,20 @@ def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
     staged = "t == 0u" if c.probe == "no_stage" else "true"
     nxt = "false" if c.probe == "no_stage" else "t + 1u < steps"
     o = v.orient
-    lines = _staging(c, o, i1, "0u")
-    if c.stages == 1:
+    if c.probe == "direct":
+        lines = [f"{i1}let lda_c = prm.lda * 16u;", f"{i1}let ldw_c = prm.ldw * 16u;"]
+        lines += [f"{i1}let a_base = prm.a_off * 16u + (m0 + sg_m * TM * 16u) * lda_c;"]
+        lines += [f"{i1}let w_base = (n0 + sg_n * TN * 16u) * ldw_c;"]
+        lines += [f"{i1}for (var t = 0u; t < steps; t++) {{"] + _compute_direct(c, i2)
+    elif c.stages == 1:
+        lines = _staging(c, o, i1, "0u")
         lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}if ({staged}) {{"]
         lines += _staging(c, o, i3, None)
         lines += [f"{i2}}}", f"{i2}workgroupBarrier();", f"{i2}if ({nxt}) {{"]
         lines += _staging(c, o, i3, "t + 1u")
         lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "0u") + [f"{i2}}}", f"{i2}workgroupBarrier();"]
     else:
-        lines += _staging(c, o, i1, None, "0u") + [f"{i1}workgroupBarrier();"]
+        lines = _staging(c, o, i1, "0u") + _staging(c, o, i1, None, "0u") + [f"{i1}workgroupBarrier();"]
         lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}let cur = t & 1u;", f"{i2}if ({nxt}) {{"]
         lines += _staging(c, o, i3, "t + 1u")
         lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "cur") + [f"{i2}}}", f"{i2}if ({nxt}) {{"]
@@ -239,6 +265,10 @@ _LB = {
 }
 
 
+_STAGE_DECLS = """var<workgroup> As: array<array<i32, ${A_BLK}>, ${A_BLOCKS}>;   // [buffer * SG_M + subgroup row]
+var<workgroup> Bs: array<array<i32, ${B_BLK}>, ${B_BLOCKS}>;   // [buffer * SG_N + subgroup column block]"""
+
+
 def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     """Full WGSL of one integer GEMM variant (emulate=True: the same kernel without subgroup matrices)."""
     c = v.cfg
@@ -246,6 +276,9 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     c.validate(max_threads=1 << 16, max_workgroup_bytes=1 << 30)
     if v.orient not in ("nt", "nn") or (v.orient == "nn" and v.chunked):
         raise ValueError(f"I8Variant orient={v.orient!r} chunked={v.chunked}: expected 'nt', or 'nn' with one chunk")
+    direct = c.probe == "direct"
+    if direct and (emulate or v.orient != "nt"):
+        raise ValueError("the 'direct' probe needs subgroup matrices and orient 'nt'")
     if v.lora not in ("", "rows", "cols") or (v.lora and (v.orient != "nt" or v.chunked)):
         raise ValueError(f"I8Variant lora={v.lora!r} orient={v.orient!r} chunked={v.chunked}: '', 'rows' or 'cols', "
                          "with 'nt' and one chunk")  # fmt: skip
@@ -272,11 +305,13 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         GROUP_M=c.group_m,
         RASTER=kernel_text("matmul_raster.wgsl"),
         LDW=c.ldw,
-        A_BLK=c.bm // c.sg_m * c.ldw,
-        B_BLK=c.bn // c.sg_n * c.ldw,
-        B_STAGING=kernel_text(f"matmul_i8_b_{v.orient}.wgsl"),
-        A_BLOCKS=c.stages * c.sg_m,
-        B_BLOCKS=c.stages * c.sg_n,
+        OPERAND="i32" if direct else "vec4<u32>",
+        STAGE_DECLS="" if direct else fill(
+            _STAGE_DECLS, A_BLK=c.bm // c.sg_m * c.ldw, B_BLK=c.bn // c.sg_n * c.ldw, A_BLOCKS=c.stages * c.sg_m,
+            B_BLOCKS=c.stages * c.sg_n,
+        ),  # fmt: skip
+        A_STAGING="" if direct else kernel_text("matmul_i8_a.wgsl"),
+        B_STAGING="" if direct else kernel_text(f"matmul_i8_b_{v.orient}.wgsl"),
         CS_LEN=c.fm * MATRIX * MATRIX,
         STORE_EXPR=store,
         LORA_BINDINGS=fill(kernel_text("matmul_i8_lora.wgsl"), **_LB[v.lora]) if v.lora else "",

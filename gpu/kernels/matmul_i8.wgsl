@@ -14,6 +14,8 @@
 // i32 matrix starts again from zero. Rows past M or N are clamped on load and never written.
 // The LoRA variant adds s * T[m, :] . LB[n, :] to each value as it is written (matmul_i8_lora.wgsl): the forward's
 // LoRA expansion in the epilogue instead of a pass of its own over C.
+// The "direct" timing probe (gpu/codegen_i8.py) stages nothing: A and W bound as i32 words, each subgroup loads its
+// matrices straight from storage.
 // K must be a multiple of BK and of the chunk (gpu/ops/matmul_i8.py checks). Dollar-brace placeholders are
 // filled by gpu/codegen_i8.py, whose emulation mode swaps the subgroup-matrix builtins for plain WGSL
 // (matmul_i8_emulation.wgsl) to test the indexing on adapters without them.
@@ -39,8 +41,8 @@ struct I8Params {
 };
 
 @group(0) @binding(0) var<uniform> prm: I8Params;
-@group(0) @binding(1) var<storage, read> A: array<vec4<u32>>;
-@group(0) @binding(2) var<storage, read> W: array<vec4<u32>>;
+@group(0) @binding(1) var<storage, read> A: array<${OPERAND}>;
+@group(0) @binding(2) var<storage, read> W: array<${OPERAND}>;
 @group(0) @binding(3) var<storage, read> SA: array<f32>;
 @group(0) @binding(4) var<storage, read> SW: array<f32>;
 @group(0) @binding(5) var<storage, read_write> C: array<f32>;
@@ -61,26 +63,11 @@ const A_RB: u32 = BM / SG_M;        // rows per A block (one per subgroup row)
 const B_RB: u32 = BN / SG_N;        // rows of W per B block (one per subgroup column)
 const LDW: u32 = ${LDW}u;           // staged row stride in words (BK / 4 + padding)
 
-var<workgroup> As: array<array<i32, ${A_BLK}>, ${A_BLOCKS}>;   // [buffer * SG_M + subgroup row]
-var<workgroup> Bs: array<array<i32, ${B_BLK}>, ${B_BLOCKS}>;   // [buffer * SG_N + subgroup column block]
+${STAGE_DECLS}
 var<workgroup> Cs: array<array<i32, ${CS_LEN}>, NSG>;   // FM result matrices per subgroup (the scaling)
 ${EMULATION}
 
-fn ld_a(u: u32, m0: u32, t: u32) -> vec4<u32> {
-    let m = min(m0 + u / UPR, prm.M - 1u);
-    return A[prm.a_off + m * prm.lda + t * UPR + u % UPR];
-}
-
-fn put_a(u: u32, v: vec4<u32>, buf: u32) {
-    let row = u / UPR;
-    let o = (row % A_RB) * LDW + (u % UPR) * 4u;
-    let b = buf * SG_M + row / A_RB;
-    As[b][o] = bitcast<i32>(v.x);
-    As[b][o + 1u] = bitcast<i32>(v.y);
-    As[b][o + 2u] = bitcast<i32>(v.z);
-    As[b][o + 3u] = bitcast<i32>(v.w);
-}
-
+${A_STAGING}
 ${B_STAGING}
 ${RASTER}
 
