@@ -265,6 +265,14 @@ _LB = {
 }
 
 
+def _stage_decls(c: I8Config) -> str:
+    """The workgroup buffers the operands are staged in."""
+    return fill(
+        _STAGE_DECLS, A_BLK=c.bm // c.sg_m * c.ldw, B_BLK=c.bn // c.sg_n * c.ldw, A_BLOCKS=c.stages * c.sg_m,
+        B_BLOCKS=c.stages * c.sg_n,
+    )  # fmt: skip
+
+
 _STAGE_DECLS = """var<workgroup> As: array<array<i32, ${A_BLK}>, ${A_BLOCKS}>;   // [buffer * SG_M + subgroup row]
 var<workgroup> Bs: array<array<i32, ${B_BLK}>, ${B_BLOCKS}>;   // [buffer * SG_N + subgroup column block]"""
 
@@ -306,10 +314,7 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         RASTER=kernel_text("matmul_raster.wgsl"),
         LDW=c.ldw,
         OPERAND="i32" if direct else "vec4<u32>",
-        STAGE_DECLS="" if direct else fill(
-            _STAGE_DECLS, A_BLK=c.bm // c.sg_m * c.ldw, B_BLK=c.bn // c.sg_n * c.ldw, A_BLOCKS=c.stages * c.sg_m,
-            B_BLOCKS=c.stages * c.sg_n,
-        ),  # fmt: skip
+        STAGE_DECLS="" if direct else _stage_decls(c),
         A_STAGING="" if direct else kernel_text("matmul_i8_a.wgsl"),
         B_STAGING="" if direct else kernel_text(f"matmul_i8_b_{v.orient}.wgsl"),
         CS_LEN=c.fm * MATRIX * MATRIX,
