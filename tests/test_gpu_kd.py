@@ -146,10 +146,22 @@ def _topk_ref(z: np.ndarray, k: int, tau: float) -> tuple[np.ndarray, np.ndarray
     return ids, lp, np.maximum(0.0, 1.0 - np.exp(lp).sum(axis=1))
 
 
-@pytest.mark.parametrize("t,v,k,chunk,tau", [(4, 700, 16, 300, 2.0), (2, 700, 256, 700, 1.0), (3, 2500, 64, 2500, 1.0)])
-def test_topk_chunks(dev: Device, t: int, v: int, k: int, chunk: int, tau: float) -> None:
+@pytest.mark.parametrize(
+    "t,v,k,chunk,tau,order",
+    [
+        (4, 700, 16, 300, 2.0, "random"),
+        (2, 700, 256, 700, 1.0, "random"),
+        (3, 2500, 64, 2500, 1.0, "random"),
+        (2, 6000, 200, 6000, 1.0, "random"),  # one chunk, several sorts of its candidates
+        (2, 5000, 256, 2600, 1.0, "rising"),  # every logit beats the k-th: a sort every few steps
+        (3, 100, 64, 40, 1.0, "random"),  # chunks narrower than one step, the list not full after the first
+    ],
+)
+def test_topk_chunks(dev: Device, t: int, v: int, k: int, chunk: int, tau: float, order: str) -> None:
     rng = np.random.default_rng(v + k)
     z = (np.round(rng.standard_normal((t, v)) * 12.0) / 4.0).astype(np.float32)  # many ties
+    if order == "rising":
+        z = np.sort(z, axis=1)
     zb = up(dev, z)
     st = TopKState.build(dev, t, k)
 

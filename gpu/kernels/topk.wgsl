@@ -3,11 +3,12 @@
 // result does not depend on the chunking. Also folds the chunk into the row's online logsumexp of z / tau,
 // S[t] = (max, sum exp) (logsumexp.wgsl; the threads' states meet in workgroup_reduce.wgsl's fixed tree).
 // One workgroup per row (rows.wgsl): a bitonic sort in workgroup memory of the current list and the chunk's
-// logits that beat its k-th entry (after the first chunk of a row, few do), not of all NS pairs.
+// logits that beat its k-th entry (after the first chunk of a row, few do), not of all NS pairs; a chunk of any
+// length, sorted whenever the candidates might outgrow the NS pairs (and once at its end).
 
 struct Params {
     T: u32,
-    nv: u32,        // chunk columns (nv <= NS - k)
+    nv: u32,        // chunk columns
     ldz: u32,       // row stride of Z
     z_off: u32,     // column of the chunk's first logit inside a row of Z
     v0: u32,        // vocab id of that column
@@ -44,54 +45,9 @@ fn before(ka: f32, ia: u32, kb: f32, ib: u32) -> bool {
     return ka > kb || (ka == kb && ia < ib);
 }
 
-fn row_main(row: u32, lid: u32) {
-    let k = prm.k;
-    let zb = row * prm.ldz + prm.z_off;
-    // the row's current list (best first) in 0..k-1; its last entry is what a chunk logit must beat to enter
-    var last_key = NEG_BIG;
-    var last_id = NO_ID;
-    if (prm.first == 0u) {
-        last_key = Vals[row * k + k - 1u];
-        last_id = Ids[row * k + k - 1u];
-    }
-    if (lid == 0u) {
-        atomicStore(&n_candidates, 0u);
-    }
-    for (var u = lid; u < k; u += WG) {
-        var key = NEG_BIG;
-        var id = NO_ID;
-        if (prm.first == 0u) {
-            key = Vals[row * k + u];
-            id = Ids[row * k + u];
-        }
-        sk[u] = key;
-        si[u] = id;
-    }
-    workgroupBarrier();
-    // every chunk logit enters the logsumexp (thread lid takes units u = k + column, as the full sort did);
-    // only those that beat the current k-th go into the sort, after the list, in any order (the sort's
-    // total order makes the result independent of it); at most nv <= NS - k of them
-    var m = NEG_BIG;
-    var s = 0.0;
-    for (var u = lid; u < k + prm.nv; u += WG) {
-        if (u >= k) {
-            let key = Z[zb + u - k];
-            let id = prm.v0 + u - k;
-            let c = lse_merge(m, s, key * prm.inv_tau, 1.0);
-            m = c.x;
-            s = c.y;
-            if (before(key, id, last_key, last_id)) {
-                let at = k + atomicAdd(&n_candidates, 1u);
-                sk[at] = key;
-                si[at] = id;
-            }
-        }
-    }
-    workgroupBarrier();
-    if (lid == 0u) {
-        n_sorted = k + atomicLoad(&n_candidates);
-    }
-    let n = workgroupUniformLoad(&n_sorted);
+// bitonic sort of sk / si [0, n) best first (n padded to the next power of two with placeholders); ends with
+// a barrier
+fn sort_pairs(n: u32, lid: u32) {
     var size = 1u;
     while (size < n) {
         size <<= 1u;
@@ -100,7 +56,6 @@ fn row_main(row: u32, lid: u32) {
         sk[u] = NEG_BIG;
         si[u] = NO_ID;
     }
-    // bitonic sort of the list and the candidates (size: the next power of two, usually far below NS)
     for (var span = 2u; span <= size; span <<= 1u) {
         for (var stride = span >> 1u; stride > 0u; stride >>= 1u) {
             workgroupBarrier();
@@ -122,6 +77,63 @@ fn row_main(row: u32, lid: u32) {
         }
     }
     workgroupBarrier();
+}
+
+fn row_main(row: u32, lid: u32) {
+    let k = prm.k;
+    let zb = row * prm.ldz + prm.z_off;
+    // the row's current list (best first) in 0..k-1; its last entry is what a chunk logit must beat to enter
+    if (lid == 0u) {
+        atomicStore(&n_candidates, 0u);
+    }
+    for (var u = lid; u < k; u += WG) {
+        var key = NEG_BIG;
+        var id = NO_ID;
+        if (prm.first == 0u) {
+            key = Vals[row * k + u];
+            id = Ids[row * k + u];
+        }
+        sk[u] = key;
+        si[u] = id;
+    }
+    workgroupBarrier();
+    var last_key = sk[k - 1u];
+    var last_id = si[k - 1u];
+    // WG columns a step (column c on thread c % WG): every logit enters the logsumexp; those that beat the
+    // current k-th go after the list, in any order (the sort's total order makes the result independent of
+    // it). The list and the candidates are sorted (and the k-th updated) only when the next step might not
+    // fit, and at the end: a few sorts a chunk instead of one per NS - k columns
+    var m = NEG_BIG;
+    var s = 0.0;
+    for (var c0 = 0u; c0 < prm.nv; c0 += WG) {
+        let c = c0 + lid;
+        if (c < prm.nv) {
+            let key = Z[zb + c];
+            let id = prm.v0 + c;
+            let l = lse_merge(m, s, key * prm.inv_tau, 1.0);
+            m = l.x;
+            s = l.y;
+            if (before(key, id, last_key, last_id)) {
+                let at = k + atomicAdd(&n_candidates, 1u);
+                sk[at] = key;
+                si[at] = id;
+            }
+        }
+        workgroupBarrier();
+        if (lid == 0u) {
+            n_sorted = atomicLoad(&n_candidates);
+        }
+        let n = workgroupUniformLoad(&n_sorted);
+        if (n > 0u && (k + n + WG > NS || c0 + WG >= prm.nv)) {
+            sort_pairs(k + n, lid);
+            last_key = sk[k - 1u];
+            last_id = si[k - 1u];
+            if (lid == 0u) {
+                atomicStore(&n_candidates, 0u);
+            }
+            workgroupBarrier();
+        }
+    }
     for (var u = lid; u < k; u += WG) {
         Vals[row * k + u] = sk[u];
         Ids[row * k + u] = si[u];

@@ -13,6 +13,7 @@ from gpu.registry import TOPK_SORT_SIZES, pipeline
 
 MAX_SORT = max(TOPK_SORT_SIZES)  # (key, id) pairs sorted per workgroup
 MAX_K = 256
+TOPK_WG = 256  # threads per row (topk.wgsl WG): the columns a step takes
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,15 @@ def topk_chunk(
     ld: int | None = None,
     col_offset: int = 0,
 ) -> None:
-    """Fold logits [T, n_cols] (row stride ld, starting at column col_offset; vocab ids v0 ..) into the state.
-    first=True for the first chunk of a pass (resets the state)."""
+    """Fold logits [T, n_cols] (row stride ld, starting at column col_offset; vocab ids v0 ..) into the state,
+    one dispatch (topk.wgsl sorts as often as its NS pairs need). first=True for the first chunk of a pass
+    (resets the state)."""
     t, k = st.n_tokens, st.k
     ld = n_cols if ld is None else ld
     need(logits, (t - 1) * ld + col_offset + n_cols, "topk logits")
-    ns = _sort_size(k, n_cols)
-    sub = ns - k
-    pipe = pipeline(dev, "topk", ns=ns)
-    for c in range(0, n_cols, sub):
-        nv = min(sub, n_cols - c)
-        params = pack(t, nv, ld, col_offset + c, v0 + c, k, 1.0 / tau, first and c == 0)
-        dev.dispatch(pipe, [params, logits, st.vals, st.ids, st.lse], grid(t, 1))
+    ns = _sort_size(k, max(n_cols, TOPK_WG))  # room for the list and one step's candidates at least
+    params = pack(t, n_cols, ld, col_offset, v0, k, 1.0 / tau, first)
+    dev.dispatch(pipeline(dev, "topk", ns=ns), [params, logits, st.vals, st.ids, st.lse], grid(t, 1))
 
 
 def topk_finish(dev: Device, st: TopKState, logprobs: Any, tail: Any, tau: float) -> None:
