@@ -25,6 +25,7 @@ struct Params {
 
 const NS: u32 = ${NS}u;
 const WG: u32 = 256u;
+const STEP: u32 = 4u * WG;   // columns between two looks at the candidates' count (NS >= k + STEP)
 const NEG_BIG: f32 = -3.0e38;
 const NO_ID: u32 = 0xFFFFFFFFu;
 
@@ -99,15 +100,14 @@ fn row_main(row: u32, lid: u32) {
     workgroupBarrier();
     var last_key = sk[k - 1u];
     var last_id = si[k - 1u];
-    // WG columns a step (column c on thread c % WG): every logit enters the logsumexp; those that beat the
+    // STEP columns a step (column c on thread c % WG): every logit enters the logsumexp; those that beat the
     // current k-th go after the list, in any order (the sort's total order makes the result independent of
     // it). The list and the candidates are sorted (and the k-th updated) only when the next step might not
     // fit, and at the end: a few sorts a chunk instead of one per NS - k columns
     var m = NEG_BIG;
     var s = 0.0;
-    for (var c0 = 0u; c0 < prm.nv; c0 += WG) {
-        let c = c0 + lid;
-        if (c < prm.nv) {
+    for (var c0 = 0u; c0 < prm.nv; c0 += STEP) {
+        for (var c = c0 + lid; c < min(c0 + STEP, prm.nv); c += WG) {
             let key = Z[zb + c];
             let id = prm.v0 + c;
             let l = lse_merge(m, s, key * prm.inv_tau, 1.0);
@@ -124,7 +124,7 @@ fn row_main(row: u32, lid: u32) {
             n_sorted = atomicLoad(&n_candidates);
         }
         let n = workgroupUniformLoad(&n_sorted);
-        if (n > 0u && (k + n + WG > NS || c0 + WG >= prm.nv)) {
+        if (n > 0u && (k + n + STEP > NS || c0 + STEP >= prm.nv)) {
             sort_pairs(k + n, lid);
             last_key = sk[k - 1u];
             last_id = si[k - 1u];

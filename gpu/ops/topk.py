@@ -13,7 +13,7 @@ from gpu.registry import TOPK_SORT_SIZES, pipeline
 
 MAX_SORT = max(TOPK_SORT_SIZES)  # (key, id) pairs sorted per workgroup
 MAX_K = 256
-TOPK_WG = 256  # threads per row (topk.wgsl WG): the columns a step takes
+TOPK_STEP = 1024  # columns a step of topk.wgsl takes (its STEP): NS holds the list and one step's candidates
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def topk_chunk(
     t, k = st.n_tokens, st.k
     ld = n_cols if ld is None else ld
     need(logits, (t - 1) * ld + col_offset + n_cols, "topk logits")
-    ns = _sort_size(k, max(n_cols, TOPK_WG))  # room for the list and one step's candidates at least
+    ns = _sort_size(k, max(n_cols, TOPK_STEP))  # room for the list and one step's candidates at least
     params = pack(t, n_cols, ld, col_offset, v0, k, 1.0 / tau, first)
     dev.dispatch(pipeline(dev, "topk", ns=ns), [params, logits, st.vals, st.ids, st.lse], grid(t, 1))
 
