@@ -132,6 +132,7 @@ _ITEMS = ("threads",)  # one thread per item
 _ELEMENTWISE = (*_ITEMS, "elementwise")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
+_I8 = ("int8_pack", "int8_codes")  # activations' / weights' int8 codes, a row in registers
 
 KERNELS: dict[str, Kernel] = {
     # elementwise skeleton + body
@@ -164,10 +165,9 @@ KERNELS: dict[str, Kernel] = {
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
-    "quantize_i8": Kernel(("workgroup_reduce", "int8_codes", "quantize_i8"), {"scaled": BOOLS}, _quantize_i8_values),
-    "weight_i8": Kernel(
-        ("workgroup_reduce", "int8_codes", "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values
-    ),
+    "quantize_i8": Kernel(("workgroup_reduce", *_I8, "quantize_i8"), {"scaled": BOOLS}, _quantize_i8_values),
+    "weight_i8": Kernel(("workgroup_reduce", *_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
+    "weight_i8_q4_k": Kernel(("workgroup_reduce", "int8_pack", "weight_i8_q4_k")),
     "transpose_i8": Kernel(("transpose_i8",)),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),

@@ -177,6 +177,25 @@ def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k", [256, 4352, 16640])  # one, two and more than PER units per invocation
+def test_q4_k_codes_equal_the_generic_decode(dev: Device, k: int) -> None:
+    """weight_i8_q4_k (whole 16-byte pieces of the blocks) gives the generic weight_i8 decode's codes and scales,
+    bit for bit, on rows whose units fill one slot, two, and more than the registers hold."""
+    from gpu.ops.common import grid, pack
+    from gpu.registry import pipeline
+
+    rng = np.random.default_rng(k)
+    n = 3
+    w = upload_quant(dev, random_blocks(T.Q4_K, (n, k), rng), T.Q4_K, (n, k), name="w")
+    fast = weight_to_i8(dev, w)
+    generic = i8_buffers(dev, n, k, k, "generic")
+    bindings = [pack(n, k, 0, 0), w.binding, generic.codes, generic.scales]
+    dev.dispatch(pipeline(dev, "weight_i8", wtype="Q4_K"), bindings, grid(n, 1))
+    for a, b, dtype in ((fast.codes, generic.codes, np.uint8), (fast.scales, generic.scales, np.uint32)):
+        np.testing.assert_array_equal(dev.read(a, dtype), dev.read(b, dtype))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(68, 96), (128, 64), (4, 288)])
 def test_transpose_i8_is_exact(dev: Device, n: int, k: int) -> None:
     """W's codes transposed on the GPU (tiles of 64 x 64, partial at both edges) equal numpy's transpose byte for

@@ -37,16 +37,15 @@ def quantize_i8_gpu(
 
 def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None) -> Int8Matrix:
     """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
-    (gpu/kernels/weight_i8.wgsl) into `out` (n rows of k, one chunk) or new buffers; k must be a multiple of 32
-    (one integer multiply-accumulate step)."""
+    (gpu/kernels/weight_i8.wgsl; Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) into `out`
+    (n rows of k, one chunk) or new buffers; k must be a multiple of 32 (one integer multiply-accumulate step)."""
     n, k = w.shape
     if out is None:
         out = i8_buffers(dev, n, k, k, w.name)
     elif (out.rows, out.k, out.chunks) != (n, k, 1):
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
-    dev.dispatch(
-        pipeline(dev, "weight_i8", wtype=w.qtype.name), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1)
-    )
+    name, variant = ("weight_i8_q4_k", {}) if w.qtype.name == "Q4_K" else ("weight_i8", {"wtype": w.qtype.name})
+    dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
     return out
 
 

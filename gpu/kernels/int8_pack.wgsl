@@ -1,0 +1,22 @@
+// int8 codes (include of quantize_i8, weight_i8 and weight_i8_q4_k; model/int8.py is the twin): the absmax tree's
+// combine for workgroup_reduce.wgsl, and the codes of values for a scale: round(x / scale), ties to even,
+// clamped to +-127, one byte each (0 for scale 0: an all-zero row or chunk), four packed little-endian per word.
+alias Reduced = f32;
+
+fn combine(a: Reduced, b: Reduced) -> Reduced {
+    return max(a, b);
+}
+
+fn code(x: f32, scale: f32) -> u32 {
+    let q = select(0.0, clamp(round(x / scale), -127.0, 127.0), scale > 0.0);
+    return u32(i32(q)) & 0xffu;
+}
+
+fn pack4(v: vec4<f32>, scale: f32) -> u32 {
+    return code(v.x, scale) | (code(v.y, scale) << 8u) | (code(v.z, scale) << 16u) | (code(v.w, scale) << 24u);
+}
+
+fn absmax4(v: vec4<f32>) -> f32 {
+    let a = abs(v);
+    return max(max(a.x, a.y), max(a.z, a.w));
+}
