@@ -70,10 +70,19 @@ def _embedding_values(wtype: str) -> dict[str, str]:
     return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
 
 
-def _quantize_i8_values(scaled: bool) -> dict[str, str]:
-    """quantize_i8 with (scaled) or without a column scale multiplying X."""
-    binding = "@group(0) @binding(4) var<storage, read> CS: array<f32>;"
-    return {"CS_BINDING": binding if scaled else "", "CS_FACTOR": " * CS[k]" if scaled else ""}
+def _quantize_i8_values(scaled: bool, vec4: bool) -> dict[str, str]:
+    """quantize_i8 with (scaled) or without a column scale multiplying X, reading X (and CS) by vec4 or by f32."""
+    elem = "vec4<f32>" if vec4 else "f32"
+    binding = f"@group(0) @binding(4) var<storage, read> CS: array<{elem}>;"
+    if vec4:
+        group = "    return X[x0 / 4u + w]" + (" * CS[k0 / 4u + w]" if scaled else "") + ";"
+    else:
+        scale = " * vec4<f32>(CS[k], CS[k + 1u], CS[k + 2u], CS[k + 3u])" if scaled else ""
+        group = (
+            "    let i = x0 + 4u * w;\n    let k = k0 + 4u * w;\n"
+            f"    return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]){scale};"
+        )
+    return {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group}
 
 
 def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
@@ -165,7 +174,9 @@ KERNELS: dict[str, Kernel] = {
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
-    "quantize_i8": Kernel(("workgroup_reduce", *_I8, "quantize_i8"), {"scaled": BOOLS}, _quantize_i8_values),
+    "quantize_i8": Kernel(
+        ("workgroup_reduce", *_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS}, _quantize_i8_values
+    ),
     "weight_i8": Kernel(("workgroup_reduce", *_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "weight_i8_q4_k": Kernel(("workgroup_reduce", "int8_pack", "weight_i8_q4_k")),
     "transpose_i8": Kernel(("transpose_i8",)),

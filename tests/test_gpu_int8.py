@@ -71,16 +71,20 @@ def dev() -> Device:
 
 
 @pytest.mark.gpu
-def test_quantize_kernel_matches_the_twin(dev: Device) -> None:
+@pytest.mark.parametrize("off,scaled", [(3, False), (4, False), (3, True), (4, True)])
+def test_quantize_kernel_matches_the_twin(dev: Device, off: int, scaled: bool) -> None:
     """Codes of the kernel equal the twin's (a value at a rounding tie may land one code off: the GPU's f32
-    division is not correctly rounded); scales equal; rows read with a stride and an offset."""
+    division is not correctly rounded); scales equal; rows read with a stride and an offset (4: the vec4 loads),
+    optionally times per-column scales."""
     rng = np.random.default_rng(2)
-    rows, k, ldx, off = 9, 192, 200, 3
+    rows, k, ldx = 9, 192, 200
     full = (rng.standard_normal((rows, ldx)) * 3).astype(np.float32)
     full[4, off : off + 64] = 0.0
-    x = full[:, off : off + k]
+    cs = rng.uniform(0.5, 2.0, k).astype(np.float32) if scaled else None
+    x = full[:, off : off + k] * (cs if scaled else 1.0)
     out = i8_buffers(dev, rows, k, 64, "x")
-    quantize_i8_gpu(dev, dev.upload(full.ravel()), out, ldx=ldx, x_offset=off)
+    col_scales = dev.upload(cs) if scaled else None
+    quantize_i8_gpu(dev, dev.upload(full.ravel()), out, ldx=ldx, x_offset=off, col_scales=col_scales)
     codes_np, scales_np = quantize_i8(x, 64)
     codes = dev.read(out.codes, np.int8, (rows, k))
     scales = dev.read(out.scales, np.float32, (rows, 3))

@@ -2,7 +2,7 @@
 // `chunk` consecutive elements, S[r, c] = max |X[r, chunk c]| / 127 and Q[r, k] = round(X[r, k] / S[r, c])
 // (ties to even, |q| <= 127; an all-zero chunk gives S = 0 and codes 0), four codes per u32 word, little-endian.
 // A workgroup per (chunk, row): the chunk's values held in registers for its absmax (workgroup_reduce.wgsl) and
-// its codes (int8_codes.wgsl codes_of_row).
+// its codes (int8_codes.wgsl codes_of_row). VEC4: X (and CS) read as vec4 (offsets and strides multiples of 4).
 
 struct Params {
     k: u32,        // row length (codes per row of Q)
@@ -16,22 +16,16 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> X: array<f32>;
+@group(0) @binding(1) var<storage, read> X: array<${X_ELEM}>;
 @group(0) @binding(2) var<storage, read_write> Q: array<u32>;
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
 ${CS_BINDING}
-// element k of row r (first element x0 = X's index of the row's chunk c start)
-fn value(i: u32, k: u32) -> f32 {
-    return X[i]${CS_FACTOR};
-}
-
 var<private> x0: u32;   // X's index of this workgroup's chunk start
 var<private> k0: u32;   // its column
 
+// values 4w .. 4w + 3 of this workgroup's chunk (times CS when scaled)
 fn group4(w: u32) -> vec4<f32> {
-    let i = x0 + 4u * w;
-    let k = k0 + 4u * w;
-    return vec4<f32>(value(i, k), value(i + 1u, k + 1u), value(i + 2u, k + 2u), value(i + 3u, k + 3u));
+${GROUP4}
 }
 
 const WG: u32 = 256u;

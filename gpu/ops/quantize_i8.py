@@ -31,7 +31,10 @@ def quantize_i8_gpu(
         raise DeviceError(f"quantize_i8 of {out.name!r}: {out.rows} rows exceed the workgroups per dimension")
     prm = np.array([out.k, ldx, x_offset, out.chunk, out.chunks, 0, 0, 0], np.uint32)
     bindings = [prm, x, out.codes, out.scales] + ([] if col_scales is None else [col_scales])
-    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None)
+    # vec4 loads where every row's chunks start on a 16-byte boundary (and the bound views are whole vec4s)
+    vec4 = x_offset % 4 == 0 and ldx % 4 == 0 and nbytes(x) % 16 == 0
+    vec4 = vec4 and (col_scales is None or nbytes(col_scales) % 16 == 0)
+    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4)
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
