@@ -525,12 +525,6 @@ def main() -> None:
         help="int8: the integer GEMMs' staging stores in rotated order (I8Config.rotate; an A/B of the preset)",
     )
     p.add_argument(
-        "--tc-rotate",
-        choices=("on", "off"),
-        default="off",
-        help="the f16 tensor-core GEMMs' staging stores in rotated order (TCConfig.rotate; an A/B of the presets)",
-    )
-    p.add_argument(
         "--attention-rotate",
         choices=("on", "off"),
         default="off",
@@ -569,13 +563,6 @@ def main() -> None:
 
             matmul_i8.I8_TILE = replace(matmul_i8.I8_TILE, rotate=1)
             matmul_i8.I8_TILE_CHUNKED = replace(matmul_i8.I8_TILE_CHUNKED, rotate=1)
-        if args.tc_rotate == "on":
-            from dataclasses import replace
-
-            from gpu.ops import matmul_tc
-
-            for name in ("TC_TILE", "TC_TILE_NARROW"):
-                setattr(matmul_tc, name, replace(getattr(matmul_tc, name), rotate=True))
         from gpu.model import GPUModel
         from gpu.student import GPUStudent
 

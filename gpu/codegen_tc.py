@@ -68,7 +68,6 @@ class TCConfig(SubgroupTile):
     group_m: int = 8  # workgroup rows per raster group (L2 reuse of B), 0: row-major order
     direct: bool = True  # interior tiles store results straight to C (else always through the scratch)
     split: bool = True  # one workgroup array per subgroup row / column block: constant matrix-load offsets
-    rotate: bool = False  # vec 8: staging stores in per-row rotated order (bank-conflict-free at BK 32, pad 8)
     probe: str = ""  # timing probe (PROBES); "" for real kernels
 
     @property
@@ -131,8 +130,6 @@ class TCConfig(SubgroupTile):
             s += "_cs"
         if not self.split:
             s += "_flat"
-        if self.rotate:
-            s += "_rot"
         return s + (f"_{self.probe}" if self.probe else "")
 
 
@@ -428,7 +425,6 @@ def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
         A_NB=c.a_blocks,
         B_NB=c.b_blocks,
         LDA_S=c.bk + c.pad,
-        ROTATE="true" if c.rotate else "false",
         LDB_S=c.b_stride(v.orient),
         BU_ROW=(c.bk if v.orient == "nt" else c.bn) // c.vec,
         A_BLK=c.a_block,

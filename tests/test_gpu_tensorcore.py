@@ -147,7 +147,6 @@ EMU_TILES = [
     TCConfig(1, 2, 2, 1, 64, stages=1, vec=8, group_m=0),
     TCConfig(2, 1, 1, 2, 32, stages=2, vec=4, group_m=2, direct=False),
     TCConfig(2, 2, 1, 1, 32, stages=2, vec=8, split=False),
-    TCConfig(2, 1, 1, 2, 32, stages=1, vec=8, rotate=True),  # staging stores in rotated order
     TC_TILE_SMALL_M,
 ]
 
@@ -275,7 +274,6 @@ TC_TILES = [
     TCConfig(4, 4, 2, 2, 32, stages=0, vec=4),
     TCConfig(2, 2, 4, 4, 64, stages=1, vec=8, group_m=0),
     TCConfig(4, 2, 2, 4, 32, stages=2, vec=4, direct=False),
-    TCConfig(4, 2, 4, 4, 32, stages=1, vec=8, rotate=True),  # the preset, staging stores rotated
 ]
 
 

@@ -44,7 +44,6 @@ const NSG: u32 = ${NSG}u;           // subgroups per workgroup
 const GROUP_M: u32 = ${GROUP_M}u;   // workgroup rows per raster group (L2 reuse), 0: plain order
 const A_NB: u32 = ${A_NB}u;         // blocks (arrays) of the A tile per buffer
 const A_RB: u32 = BM / A_NB;        // rows per A block
-const ROTATE: bool = ${ROTATE};   // staging stores in rotated order (matmul_tc_stage_v8.wgsl)
 const LDA_S: u32 = ${LDA_S}u;       // row stride of a staged A block [A_RB][BK] (padded)
 const B_NB: u32 = ${B_NB}u;         // blocks of the B tile per buffer
 const B_RB: u32 = BN / B_NB;        // output columns per B block

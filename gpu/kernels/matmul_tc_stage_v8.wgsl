@@ -1,6 +1,4 @@
-// Staging units of V = 8 consecutive elements (one row of a tile). ROTATE (TCConfig.rotate): put_a / put_b_nt
-// store a unit's four half pairs starting at pair (row + row / 8) % 4, so that at BK 32 and pad 8 (rows of 20
-// words, 4 units each) a warp's 16-bit stores hit 32 distinct banks (in order: 8, 4-way conflicts). `u` numbers the units of a tile row
+// Staging units of V = 8 consecutive elements (one row of a tile). `u` numbers the units of a tile row
 // by row; ld_* read one from memory (as f16), put_* store it into workgroup buffer `buf`, whose tile is
 // split in blocks (one array each; see matmul_tc.wgsl): A by rows, B by output columns.
 // The plain loaders read a full reduction step (no reduction-index checks); the _edge loaders check every
@@ -27,16 +25,6 @@ fn put_a(u: u32, buf: u32, v: H8) {
     let row = u / AU_ROW;
     let blk = buf * A_NB + row / A_RB;
     let o = (row % A_RB) * LDA_S + (u % AU_ROW) * 8u;
-    if (ROTATE) {   // half pair (c + row + row / 8) % 4 at store pair c: a warp's stores hit 32 banks
-        let s = row + row / 8u;
-        for (var c = 0u; c < 4u; c++) {
-            let w = (c + s) & 3u;
-            let p = select(select(v.lo.xy, v.lo.zw, w == 1u), select(v.hi.xy, v.hi.zw, w == 3u), w >= 2u);
-            As[blk][o + 2u * w] = p.x;
-            As[blk][o + 2u * w + 1u] = p.y;
-        }
-        return;
-    }
     As[blk][o] = v.lo.x;
     As[blk][o + 1u] = v.lo.y;
     As[blk][o + 2u] = v.lo.z;
@@ -76,16 +64,6 @@ fn put_b_nt(u: u32, buf: u32, v: H8) {
     let row = u / BU_ROW;
     let blk = buf * B_NB + row / B_RB;
     let o = (row % B_RB) * LDB_S + (u % BU_ROW) * 8u;
-    if (ROTATE) {   // half pair (c + row + row / 8) % 4 at store pair c: a warp's stores hit 32 banks
-        let s = row + row / 8u;
-        for (var c = 0u; c < 4u; c++) {
-            let w = (c + s) & 3u;
-            let p = select(select(v.lo.xy, v.lo.zw, w == 1u), select(v.hi.xy, v.hi.zw, w == 3u), w >= 2u);
-            Bs[blk][o + 2u * w] = p.x;
-            Bs[blk][o + 2u * w + 1u] = p.y;
-        }
-        return;
-    }
     Bs[blk][o] = v.lo.x;
     Bs[blk][o + 1u] = v.lo.y;
     Bs[blk][o + 2u] = v.lo.z;
