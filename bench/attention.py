@@ -29,7 +29,6 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.device import BufferView, Device  # noqa: E402
-from gpu.ops import attention_tc  # noqa: E402
 from gpu.ops.attention import attention_backward, attention_forward  # noqa: E402
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc  # noqa: E402
 from gpu.ops.matmul_tc import tensor_core_problem  # noqa: E402
@@ -72,11 +71,9 @@ def timing_row(
 
 
 def ours(dev: Device, kind: str, b: int, t: int, hq: int, hkv: int, d: int, seconds: float) -> list[dict[str, Any]]:
-    """Forward and forward + backward over b sequences with our `kind` kernels ("tc", "tc_rotated": the staging
-    stores in rotated order, or "f32")."""
+    """Forward and forward + backward over b sequences with our `kind` kernels ("tc" or "f32")."""
     rng = np.random.default_rng(0)
-    tc = kind.startswith("tc")
-    attention_tc.ROTATE_STAGING = kind == "tc_rotated"
+    tc = kind == "tc"
     fwd, bwd = (attention_forward_tc, attention_backward_tc) if tc else (attention_forward, attention_backward)
     q = rng.standard_normal((b, t, hq, d), dtype=np.float32)
     k = rng.standard_normal((b, t, hkv, d), dtype=np.float32)
@@ -202,15 +199,13 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.5, help="target length of one timing window")
     ap.add_argument("--no-f32", action="store_true", help="skip our f32 kernels")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--rotated", action="store_true", help="also the tensor-core kernels with rotated staging stores")
     args = ap.parse_args()
     dev = Device()
     problem = tensor_core_problem(dev)
     print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend, "tensor_cores": problem or "yes"}))
     for t in (int(x) for x in args.seq.split(",")):
         shape = (args.batch, t, args.heads, args.kv_heads, args.head_dim)
-        tcs = ["tc", "tc_rotated"] if args.rotated else ["tc"]
-        kinds = (tcs if problem is None else []) + ([] if args.no_f32 else ["f32"])
+        kinds = (["tc"] if problem is None else []) + ([] if args.no_f32 else ["f32"])
         for kind in kinds:
             for res in ours(dev, kind, *shape, args.seconds):
                 print(json.dumps(res))

@@ -524,12 +524,6 @@ def main() -> None:
         default="off",
         help="int8: the integer GEMMs' staging stores in rotated order (I8Config.rotate; an A/B of the preset)",
     )
-    p.add_argument(
-        "--attention-rotate",
-        choices=("on", "off"),
-        default="off",
-        help="tensor-core attention's staging stores in rotated order (gpu/ops/attention_tc.py ROTATE_STAGING)",
-    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -553,9 +547,6 @@ def main() -> None:
         from gpu.ops import head
 
         head.INT8_HEAD = args.int8_head == "on"
-        from gpu.ops import attention_tc
-
-        attention_tc.ROTATE_STAGING = args.attention_rotate == "on"
         if args.int8_rotate == "on":
             from dataclasses import replace
 

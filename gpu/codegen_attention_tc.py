@@ -113,14 +113,12 @@ def _store_rows(accs: list[tuple[str, str]], nd: int, live: str) -> str:
     return _ind(lines, 4)
 
 
-def _staging_fns(stage: list[tuple[str, str]], units: list[tuple[str, str]], rotate: bool = False) -> str:
+def _staging_fns(stage: list[tuple[str, str]], units: list[tuple[str, str]]) -> str:
     """The staging functions of a kernel: fn load_<src>(row0, head, heads, u) reads staging unit u (8 halves:
     row u / (D / 8), columns 8 (u % (D / 8)) ..) of a BC-row tile of head `head` of the packed operand `src`
     ([T_pad, heads, D] as 8-half units); fn put_<dst>(u, x) writes it to the 16-row blocks of `dst`; for each
     (dst, src) of `stage`, fn stage_<dst>_<src>(row0, head, heads, lid) moves a whole tile (the left matrices'
-    one-off staging). `units` names the (dst, src) pairs a kernel prefetches through registers (_prefetch).
-    rotate: put_<dst> stores the unit's four words (half pairs) starting at word (u / 8) % 4, so that a warp's
-    16-bit stores hit 32 distinct banks (in order they hit 8: 4-way conflicts at D = 64 and 128)."""
+    one-off staging). `units` names the (dst, src) pairs a kernel prefetches through registers (_prefetch)."""
     pairs = stage + units
     dsts, srcs = dict.fromkeys(d for d, _ in pairs), dict.fromkeys(s for _, s in pairs)
     fns = [
@@ -131,23 +129,17 @@ fn load_{src}(row0: u32, head: u32, heads: u32, u: u32) -> vec4<u32> {{
         for src in srcs
     ]
     for dst in dsts:
-        if rotate:
-            body = f"""    for (var c = 0u; c < 4u; c++) {{
-        let w = (c + u / 8u) & 3u;
-        let pair = bitcast<vec2<f16>>(x[w]);
-        {dst}[row / 16u][o + 2u * w] = pair.x;
-        {dst}[row / 16u][o + 2u * w + 1u] = pair.y;
-    }}"""
-        else:
-            body = "    let lo = bitcast<vec4<f16>>(x.xy);\n    let hi = bitcast<vec4<f16>>(x.zw);\n" + "\n".join(
-                f"    {dst}[row / 16u][o + {e}u] = {half}.{c};"
-                for e, (half, c) in enumerate((h, c) for h in ("lo", "hi") for c in "xyzw")
-            )
+        stores = "\n".join(
+            f"    {dst}[row / 16u][o + {e}u] = {half}.{c};"
+            for e, (half, c) in enumerate((h, c) for h in ("lo", "hi") for c in "xyzw")
+        )
         fns.append(f"""
 fn put_{dst}(u: u32, x: vec4<u32>) {{
     let row = u / (D / 8u);
     let o = (row % 16u) * LDH + (u % (D / 8u)) * 8u;
-{body}
+    let lo = bitcast<vec4<f16>>(x.xy);
+    let hi = bitcast<vec4<f16>>(x.zw);
+{stores}
 }}""")
     fns += [
         f"""
@@ -293,14 +285,14 @@ def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
     return {"P_ROWS": _ind(p_rows, 8), "DS_ROWS": _ind(ds_rows, 8)}
 
 
-def forward_source(head_dim: int, rotate: bool = False) -> str:
+def forward_source(head_dim: int) -> str:
     """attention_tc_forward for one head dim."""
     nd, nc = _blocks("forward", head_dim)
     store = [f"O[ob + {2 * m}u] = vec2<f32>(ov[{2 * m}u], ov[{2 * m + 1}u]) * inv;" for m in range(head_dim // 4)]
     return _source(
         "forward",
         head_dim,
-        STAGE_FNS=_staging_fns([("Ks", "Q16"), ("Vs", "Q16")], [("Ks", "K16"), ("Vs", "V16")], rotate),
+        STAGE_FNS=_staging_fns([("Ks", "Q16"), ("Vs", "Q16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
         SOFTMAX=_ind(_softmax_rows(nc * MATRIX), 8),
@@ -310,15 +302,13 @@ def forward_source(head_dim: int, rotate: bool = False) -> str:
     )
 
 
-def backward_dq_source(head_dim: int, rotate: bool = False) -> str:
+def backward_dq_source(head_dim: int) -> str:
     """attention_tc_backward_dq for one head dim."""
     nd, nc = _blocks("dq", head_dim)
     return _source(
         "dq",
         head_dim,
-        STAGE_FNS=_staging_fns(
-            [(a, b) for a in ("Ks", "Vs") for b in ("Q16", "dO16")], [("Ks", "K16"), ("Vs", "V16")], rotate
-        ),
+        STAGE_FNS=_staging_fns([(a, b) for a in ("Ks", "Vs") for b in ("Q16", "dO16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
@@ -331,14 +321,14 @@ def backward_dq_source(head_dim: int, rotate: bool = False) -> str:
     )
 
 
-def backward_dkv_source(head_dim: int, rotate: bool = False) -> str:
+def backward_dkv_source(head_dim: int) -> str:
     """attention_tc_backward_dkv for one head dim."""
     nd, nc = _blocks("dkv", head_dim)
     return _source(
         "dkv",
         head_dim,
         STAGE_FNS=_staging_fns(
-            [(a, b) for a in ("Qs", "dOs") for b in ("K16", "V16")], [("Qs", "Q16"), ("dOs", "dO16")], rotate
+            [(a, b) for a in ("Qs", "dOs") for b in ("K16", "V16")], [("Qs", "Q16"), ("dOs", "dO16")]
         ),
         K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),

@@ -221,14 +221,13 @@ class GeneratedKernel:
 
 
 _TC_HEAD_DIM = {"head_dim": attention_tc.ATTENTION_TC_HEAD_DIMS}
-_TC_STAGED = {**_TC_HEAD_DIM, "rotate": BOOLS}  # the streamed tiles' staging stores in order or rotated
 # Tensor-core op kernels (Dawn only: subgroup matrices / subgroups): gpu/ops/attention_tc.py, gpu/ops/half.py.
 TC_KERNELS: dict[str, GeneratedKernel] = {
     "pack_f16": GeneratedKernel(attention_tc.pack_source, {"scaled": BOOLS}),
     "attention_tc_delta": GeneratedKernel(attention_tc.delta_source, _TC_HEAD_DIM),
-    "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_STAGED),
-    "attention_tc_backward_dq": GeneratedKernel(attention_tc.backward_dq_source, _TC_STAGED),
-    "attention_tc_backward_dkv": GeneratedKernel(attention_tc.backward_dkv_source, _TC_STAGED),
+    "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_HEAD_DIM),
+    "attention_tc_backward_dq": GeneratedKernel(attention_tc.backward_dq_source, _TC_HEAD_DIM),
+    "attention_tc_backward_dkv": GeneratedKernel(attention_tc.backward_dkv_source, _TC_HEAD_DIM),
     "attention_tc_reduce": GeneratedKernel(attention_tc.reduce_source),
 }
 

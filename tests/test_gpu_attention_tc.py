@@ -132,22 +132,6 @@ def test_attention_tc_bitwise_reproducible(tc_dev: Device) -> None:
         np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32), err_msg=name)
 
 
-@pytest.mark.tensorcore
-@pytest.mark.parametrize("d", [64, 128])
-def test_attention_tc_rotated_staging_is_bitwise_the_same(tc_dev: Device, d: int, monkeypatch) -> None:
-    """The staging stores in rotated order (ROTATE_STAGING) only reorder writes: every output bit is the same."""
-    from gpu.ops import attention_tc
-
-    rng = np.random.default_rng(d)
-    q, do = rng.standard_normal((2, 200, 8, d)).astype(np.float32)
-    k, v = rng.standard_normal((2, 200, 2, d)).astype(np.float32)
-    a = _run(tc_dev, q, k, v, do)
-    monkeypatch.setattr(attention_tc, "ROTATE_STAGING", True)
-    b = _run(tc_dev, q, k, v, do)
-    for name in a:
-        np.testing.assert_array_equal(a[name].view(np.uint32), b[name].view(np.uint32), err_msg=name)
-
-
 @pytest.mark.gpu
 def test_attention_tc_refuses_without_tensor_cores() -> None:
     dev = device_or_skip()

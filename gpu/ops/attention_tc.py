@@ -30,9 +30,6 @@ from gpu.ops.common import grid, need, pack
 from gpu.ops.matmul_tc import tensor_core_problem
 from gpu.registry import pipeline
 
-# the kernels' staging stores in rotated order (gpu/codegen_attention_tc.py _staging_fns: conflict-free banks);
-# off until measured on tensor cores (bench/attention.py --rotate)
-ROTATE_STAGING = False
 PAD_ROWS = 64  # packed operands carry this many zero rows past T rounded up to 16 (the widest tile)
 
 
@@ -150,7 +147,7 @@ def attention_forward_tc(
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, q=q, k=k, v=v, out=out)
     s = scratch_for(dev, t, hq, hkv, d, b)
     _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
-    pipe = pipeline(dev, "attention_tc_forward", head_dim=d, rotate=ROTATE_STAGING)
+    pipe = pipeline(dev, "attention_tc_forward", head_dim=d)
     grid_rows = (math.ceil(t / workgroup_rows()), hq, b)
     dev.dispatch(pipe, [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, out, lse], grid_rows)
 
@@ -189,8 +186,8 @@ def attention_backward_tc(
     _pack(dev, dout, s.do16, t, hq, d, b, stats=s.stats)
     operands = [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, s.do16, lse, s.stats]
     rows = (math.ceil(t / workgroup_rows()), hq, b)
-    dev.dispatch(pipeline(dev, "attention_tc_backward_dq", head_dim=d, rotate=ROTATE_STAGING), [*operands, dq], rows)
-    dkv = pipeline(dev, "attention_tc_backward_dkv", head_dim=d, rotate=ROTATE_STAGING)
+    dev.dispatch(pipeline(dev, "attention_tc_backward_dq", head_dim=d), [*operands, dq], rows)
+    dkv = pipeline(dev, "attention_tc_backward_dkv", head_dim=d)
     if hq == hkv:
         dev.dispatch(dkv, [*operands, dk, dv], rows)
         return
