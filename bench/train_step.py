@@ -518,12 +518,6 @@ def main() -> None:
         default="transposed",
         help="int8: the input gradients on the forward's GEMM over W's transposed codes, the 'nn' GEMM, or f16",
     )
-    p.add_argument(
-        "--int8-rotate",
-        choices=("on", "off"),
-        default="off",
-        help="int8: the integer GEMMs' staging stores in rotated order (I8Config.rotate; an A/B of the preset)",
-    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -547,13 +541,6 @@ def main() -> None:
         from gpu.ops import head
 
         head.INT8_HEAD = args.int8_head == "on"
-        if args.int8_rotate == "on":
-            from dataclasses import replace
-
-            from gpu.ops import matmul_i8
-
-            matmul_i8.I8_TILE = replace(matmul_i8.I8_TILE, rotate=1)
-            matmul_i8.I8_TILE_CHUNKED = replace(matmul_i8.I8_TILE_CHUNKED, rotate=1)
         from gpu.model import GPUModel
         from gpu.student import GPUStudent
 

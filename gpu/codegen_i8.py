@@ -31,9 +31,6 @@ class I8Config(SubgroupTile):
     pad: int = 4  # words of padding per staged row
     stages: int = 1  # 1: register prefetch, one buffer; 2: register prefetch, two buffers (one barrier a step)
     group_m: int = 8  # workgroup rows per raster group (L2 reuse), 0: row-major
-    # 1: each thread stores a staged vec4's four words starting at word (row + row / 8) % 4, so that a warp's
-    # scalar stores into workgroup memory hit 32 distinct banks (4-way conflicts in order, at BK 64 and pad 4)
-    rotate: int = 0
     probe: str = ""
 
     @property
@@ -70,8 +67,6 @@ class I8Config(SubgroupTile):
             s += f"_s{self.stages}"
         if self.group_m != 8:
             s += f"_g{self.group_m}"
-        if self.rotate:
-            s += "_rot"
         return s + (f"_{self.probe}" if self.probe else "")
 
 
@@ -318,7 +313,6 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         GROUP_M=c.group_m,
         RASTER=kernel_text("matmul_raster.wgsl"),
         LDW=c.ldw,
-        ROTATE="true" if c.rotate else "false",
         OPERAND="i32" if direct else "vec4<u32>",
         STAGE_DECLS="" if direct else _stage_decls(c),
         A_STAGING="" if direct else kernel_text("matmul_i8_a.wgsl"),

@@ -253,8 +253,6 @@ EMU_CASES = [  # (m, n, k, chunk, tile): edges in M and N, one and several chunk
     (70, 50, 128, 64, I8Config(2, 1, 1, 2, 32, 1)),
     (33, 40, 192, 64, I8Config(1, 2, 2, 1, 64, 2, stages=2)),
     (16, 16, 64, 32, I8Config(2, 2, 1, 1, 32, 1, pad=0, stages=2)),
-    (70, 50, 128, 64, I8Config(2, 1, 1, 2, 64, 1, rotate=1)),  # rotated staging stores, one and two buffers
-    (33, 40, 192, 64, I8Config(1, 2, 2, 1, 32, 2, stages=2, rotate=1)),
 ]
 
 
@@ -329,7 +327,6 @@ TC_CASES = [  # the preset and candidate tiles, per-row and chunked scales, edge
     (300, 200, 512, 256, I8Config(4, 2, 4, 2, 32, 2, stages=2)),
     (300, 200, 512, 128, I8_TILE_CHUNKED),
     (300, 200, 512, 512, I8Config(4, 2, 4, 4, 32, 1, stages=2)),
-    (300, 200, 512, 512, I8Config(4, 2, 4, 4, 64, 1, rotate=1)),
 ]
 
 

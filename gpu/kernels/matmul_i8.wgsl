@@ -62,7 +62,6 @@ const UPR: u32 = BK / 16u;          // staged vec4 units per row
 const A_RB: u32 = BM / SG_M;        // rows per A block (one per subgroup row)
 const B_RB: u32 = BN / SG_N;        // rows of W per B block (one per subgroup column)
 const LDW: u32 = ${LDW}u;           // staged row stride in words (BK / 4 + padding)
-const ROTATE: bool = ${ROTATE};     // staging stores in a per-row rotated order (I8Config.rotate)
 
 ${STAGE_DECLS}
 var<workgroup> Cs: array<array<i32, ${CS_LEN}>, NSG>;   // FM result matrices per subgroup (the scaling)

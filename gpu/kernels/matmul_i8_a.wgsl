@@ -10,16 +10,8 @@ fn put_a(u: u32, v: vec4<u32>, buf: u32) {
     let row = u / UPR;
     let o = (row % A_RB) * LDW + (u % UPR) * 4u;
     let b = buf * SG_M + row / A_RB;
-    if (ROTATE) {   // word (c + row + row / 8) % 4 at store c: a warp's scalar stores hit 32 banks (BK 64, pad 4)
-        let s = row + row / 8u;
-        for (var c = 0u; c < 4u; c++) {
-            let e = (c + s) & 3u;
-            As[b][o + e] = bitcast<i32>(v[e]);
-        }
-    } else {
-        As[b][o] = bitcast<i32>(v.x);
-        As[b][o + 1u] = bitcast<i32>(v.y);
-        As[b][o + 2u] = bitcast<i32>(v.z);
-        As[b][o + 3u] = bitcast<i32>(v.w);
-    }
+    As[b][o] = bitcast<i32>(v.x);
+    As[b][o + 1u] = bitcast<i32>(v.y);
+    As[b][o + 2u] = bitcast<i32>(v.z);
+    As[b][o + 3u] = bitcast<i32>(v.w);
 }

@@ -10,16 +10,8 @@ fn put_b(u: u32, v: vec4<u32>, buf: u32) {
     let row = u / UPR;
     let o = (row % B_RB) * LDW + (u % UPR) * 4u;
     let b = buf * SG_N + row / B_RB;
-    if (ROTATE) {   // word (c + row + row / 8) % 4 at store c: a warp's scalar stores hit 32 banks (BK 64, pad 4)
-        let s = row + row / 8u;
-        for (var c = 0u; c < 4u; c++) {
-            let e = (c + s) & 3u;
-            Bs[b][o + e] = bitcast<i32>(v[e]);
-        }
-    } else {
-        Bs[b][o] = bitcast<i32>(v.x);
-        Bs[b][o + 1u] = bitcast<i32>(v.y);
-        Bs[b][o + 2u] = bitcast<i32>(v.z);
-        Bs[b][o + 3u] = bitcast<i32>(v.w);
-    }
+    Bs[b][o] = bitcast<i32>(v.x);
+    Bs[b][o + 1u] = bitcast<i32>(v.y);
+    Bs[b][o + 2u] = bitcast<i32>(v.z);
+    Bs[b][o + 3u] = bitcast<i32>(v.w);
 }
