@@ -26,9 +26,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from data.atomic import atomic_write_bytes
 from model.chat import tokenize_chat
@@ -36,6 +36,8 @@ from schemas.files import TOKEN_SHARD_SCHEMA, check_token_shard
 from schemas.manifests import FileRef, TokenizeManifest, TokenSplit
 
 if TYPE_CHECKING:
+    import datasets
+
     from model.tokenizer import GGUFTokenizer
     from schemas.config import DataSection
 
@@ -150,6 +152,8 @@ def _to_dataset(
     digest = hashlib.sha256(split.encode())
     for arr in (ids, mask, doc_id, seq_id):
         digest.update(np.ascontiguousarray(arr).tobytes())
+    import datasets
+
     info = datasets.DatasetInfo(description=json.dumps({"split": split, "n_documents": n_docs}))
     return datasets.Dataset(table, info=info, fingerprint=digest.hexdigest()[:16])
 
@@ -227,6 +231,8 @@ def tokenize_dataset(
 
 @contextlib.contextmanager
 def _quiet_datasets() -> Iterator[None]:
+    import datasets
+
     was_disabled = datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:
@@ -341,16 +347,9 @@ def read_tokenize_manifest(out_dir: str | Path) -> TokenizeManifest:
         raise DataError(f"{path}: invalid token manifest ({exc})") from None
 
 
-def read_token_split(
-    out_dir: str | Path,
-    split: str,
-    manifest: TokenizeManifest | None = None,
-    root: str | Path | None = None,
-) -> datasets.Dataset:
-    """Load one split written by write_token_shards and check it against TOKEN_SHARD_SCHEMA.
-
-    With a manifest: the .arrow files must match its sha256s (and rows its seq_len).
-    """
+def _split_dir(out_dir: str | Path, split: str, manifest: TokenizeManifest | None, root: str | Path | None) -> Path:
+    """The directory of one split written by write_token_shards, its .arrow files checked against the manifest's
+    sha256s when one is given."""
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
     path = Path(out_dir) / split
@@ -366,6 +365,29 @@ def read_token_split(
                 ref.verify(root)
             except ValueError as exc:
                 raise DataError(f"{path}: {exc}") from None
+    return path
+
+
+def _check_table(table: pa.Table, path: Path, manifest: TokenizeManifest | None) -> None:
+    if manifest is not None:
+        _check_split(table, str(path), manifest.seq_len, manifest.vocab_size)
+    else:
+        check_token_shard(table, str(path))
+
+
+def read_token_split(
+    out_dir: str | Path,
+    split: str,
+    manifest: TokenizeManifest | None = None,
+    root: str | Path | None = None,
+) -> datasets.Dataset:
+    """Load one split written by write_token_shards and check it against TOKEN_SHARD_SCHEMA.
+
+    With a manifest: the .arrow files must match its sha256s (and rows its seq_len).
+    """
+    import datasets
+
+    path = _split_dir(out_dir, split, manifest, root)
     with _quiet_datasets():
         try:
             ds = datasets.load_from_disk(str(path))
@@ -373,11 +395,40 @@ def read_token_split(
             raise DataError(f"{path}: not a readable token split ({exc})") from None
     if not isinstance(ds, datasets.Dataset):
         raise DataError(f"{path}: expected one dataset, found a DatasetDict")
-    if manifest is not None:
-        _check_split(ds.data.table, str(path), manifest.seq_len, manifest.vocab_size)
-    else:
-        check_token_shard(ds.data.table, str(path))
+    _check_table(ds.data.table, path, manifest)
     return ds
+
+
+def read_token_table(
+    out_dir: str | Path,
+    split: str,
+    manifest: TokenizeManifest | None = None,
+    root: str | Path | None = None,
+) -> pa.Table:
+    """read_token_split's rows as one Arrow table, read with pyarrow alone (the .arrow files are Arrow IPC
+    streams, in file order): for readers that want arrays, not a `datasets.Dataset` (training, evaluation)."""
+    path = _split_dir(out_dir, split, manifest, root)
+    files = sorted(path.glob("*.arrow"))
+    if not files:
+        raise DataError(f"{path}: not a readable token split (no .arrow files)")
+    try:
+        tables = [pa.ipc.open_stream(pa.memory_map(str(f))).read_all() for f in files]
+        table = pa.concat_tables(tables)
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DataError(f"{path}: not a readable token split ({exc})") from None
+    _check_table(table, path, manifest)
+    return table
+
+
+def token_rows(table: pa.Table, name: str, seq_len: int, dtype: type) -> np.ndarray:
+    """A list column of equal-length rows as a [rows, length] array ([0, seq_len] without rows)."""
+    if not table.num_rows:
+        return np.zeros((0, seq_len), dtype)
+    col = table.column(name).combine_chunks()
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+    if (lengths != lengths[0]).any():
+        raise DataError(f"token split: column {name!r} has rows of {sorted(set(lengths.tolist()))} tokens")
+    return np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype).reshape(len(lengths), int(lengths[0]))
 
 
 def tokenize_from_config(

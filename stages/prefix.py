@@ -24,7 +24,7 @@ from data.prefix import (
     write_manifest,
     write_shard,
 )
-from data.tokens import read_token_split
+from data.tokens import read_token_table, token_rows
 from schemas.config import RunConfig
 from schemas.manifests import PrefixManifest, PrefixShard, StudentManifest, TokenizeManifest
 from stages.keys import StageKey
@@ -85,8 +85,8 @@ def run(
     out = folder(cfg, student, tokens)
     out.mkdir(parents=True, exist_ok=True)
     token_dir = tokens.path_in(root)
-    splits = {name: read_token_split(token_dir, name, tokens, root).with_format("numpy") for name in ("train", "eval")}
-    seq_ids = {name: np.asarray(ds["seq_id"], np.int64) for name, ds in splits.items()}
+    splits = {name: read_token_table(token_dir, name, tokens, root) for name in ("train", "eval")}
+    seq_ids = {name: table.column("seq_id").to_numpy().astype(np.int64) for name, table in splits.items()}
     fn = prefix_fn(cfg, student.path_in(root), start, tokens.seq_len)
     header = PrefixManifest(
         layer=start,
@@ -107,7 +107,7 @@ def run(
                 shards.append(kept[(split, begin, end)])
                 continue
             if split not in ids_of:
-                ids_of[split] = np.stack(splits[split]["input_ids"]).astype(np.int64)
+                ids_of[split] = token_rows(splits[split], "input_ids", tokens.seq_len, np.int64)
             first = int(seq_ids[split][0])
             ids = ids_of[split][begin - first : end - first]
             per_call = max(1, fn.rows_per_call // tokens.seq_len)

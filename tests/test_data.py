@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import pytest
 from data.records import DataError, Document, dataset_fingerprint, load_records
 from data.tokens import (
     read_token_split,
+    read_token_table,
     read_tokenize_manifest,
     tokenize_dataset,
     tokenize_from_config,
@@ -270,6 +273,8 @@ def test_token_shards_schema_manifest_and_tamper(tmp_path: Path, tok: GGUFTokeni
     assert back.data.table.column("input_ids").type == pa.list_(pa.int32())
     assert back.data.table.column("loss_mask").type == pa.list_(pa.uint8())
     assert back["input_ids"] == train["input_ids"] and back["seq_id"] == train["seq_id"]
+    table = read_token_table(out, "train", manifest)  # pyarrow alone: the same rows
+    assert table.equals(back.data.table.select(table.column_names))
     assert not list(out.glob(".*tmp*"))
 
     # Rewriting replaces the split in place.
@@ -282,15 +287,28 @@ def test_token_shards_schema_manifest_and_tamper(tmp_path: Path, tok: GGUFTokeni
     arrow.write_bytes(bytes(raw))
     with pytest.raises(DataError, match="sha256"):
         read_token_split(out, "eval", manifest)
+    with pytest.raises(DataError, match="sha256"):
+        read_token_table(out, "eval", manifest)
 
 
-def test_read_token_split_rejects_wrong_schema(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reader", [read_token_split, read_token_table])
+def test_read_token_split_rejects_wrong_schema(tmp_path: Path, reader) -> None:
     bad = datasets.Dataset.from_dict(
         {"input_ids": [[1, 2]], "loss_mask": [[1, 0]], "doc_id": [0], "seq_id": [0]}
     )  # loss_mask inferred as int64 (datasets itself stores input_ids as int32)
     bad.save_to_disk(str(tmp_path / "train"))
     with pytest.raises(SchemaError, match=r"train: column 'loss_mask' has type list<item: int64>, expected"):
-        read_token_split(tmp_path, "train")
+        reader(tmp_path, "train")
+
+
+def test_training_and_evaluation_import_without_datasets() -> None:
+    """The train and evaluate stages read token shards with pyarrow alone: a GPU worker needs no `datasets`."""
+    code = (
+        "import sys; sys.modules['datasets'] = None\n"
+        "import stages.train, stages.evaluate, stages.prefix, training.loop, training.evaluation\n"
+        "assert 'datasets' not in [m for m in sys.modules if sys.modules[m] is not None]"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 def test_dataset_fingerprint_tracks_bytes_and_fields(tmp_path: Path) -> None:

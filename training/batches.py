@@ -10,7 +10,7 @@ import numpy as np
 
 from data.prefix import PrefixReader
 from data.records import DataError
-from data.tokens import read_token_split, read_tokenize_manifest
+from data.tokens import read_token_table, read_tokenize_manifest, token_rows
 from data.topk import TopkReader
 from model.engine_spec import KdBatch
 
@@ -30,12 +30,12 @@ class Split:
 def read_split(token_dir: Path, split: str) -> Split:
     """Split `split` of the token shards in token_dir, its seq_len from the tokenize manifest next to them."""
     seq_len = read_tokenize_manifest(token_dir).seq_len
-    ds = read_token_split(token_dir, split).with_format("numpy")
-    ids = np.stack(ds["input_ids"]) if len(ds) else np.zeros((0, seq_len), np.int64)
-    mask = np.stack(ds["loss_mask"]) if len(ds) else np.zeros((0, seq_len), np.uint8)
+    table = read_token_table(token_dir, split)
+    ids = token_rows(table, "input_ids", seq_len, np.int64)
+    mask = token_rows(table, "loss_mask", seq_len, np.uint8)
     if ids.shape[1] != seq_len:
         raise DataError(f"{token_dir}/{split}: rows of {ids.shape[1]} tokens, the tokenize manifest says {seq_len}")
-    return Split(np.asarray(ds["seq_id"]), ids.astype(np.int64), mask.astype(np.uint8), seq_len)
+    return Split(table.column("seq_id").to_numpy().astype(np.int64), ids, mask, seq_len)
 
 
 def kd_batch(split: Split, rows: np.ndarray, batch: int, reader: TopkReader, k: int) -> KdBatch:
