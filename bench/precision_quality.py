@@ -73,7 +73,22 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config overrides")
     ap.add_argument("--until", choices=("teacher", "evaluate"), default="evaluate", help="teacher: prepare only")
     ap.add_argument("--prepared", default=None, help="a prepared.json to read instead of running the first stages")
+    ap.add_argument(
+        "--int8-lora-epilogue", choices=("on", "off"), default=None, help="int8: LoRA expansions in the GEMM epilogues"
+    )
+    ap.add_argument(
+        "--int8-input-grads", choices=("transposed", "nn", "f16"), default=None, help="int8: the input gradients' GEMM"
+    )
     args = ap.parse_args()
+    if args.int8_lora_epilogue or args.int8_input_grads:  # the engine's class defaults, for an A/B of int8's paths
+        from gpu.model import GPUModel
+        from gpu.student import GPUStudent
+
+        if args.int8_lora_epilogue:
+            GPUModel.lora_in_gemm_i8 = args.int8_lora_epilogue == "on"
+        if args.int8_input_grads:
+            GPUStudent.int8_input_grads = args.int8_input_grads != "f16"
+            GPUStudent.transposed_input_grads = args.int8_input_grads == "transposed"
     cfg = load_config(args.config, args.set)
     t0 = time.perf_counter()
     m = prepare(cfg, args.prepared)

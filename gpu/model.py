@@ -242,7 +242,9 @@ class GPUModel:
 
     keeps_block_inputs = True  # every block's input stays in xs (a backward recomputes from them)
     saves_lora_t = False  # one t = x A^T per adapted projection, kept for a backward (GPUStudent)
-    lora_in_gemm_i8 = True  # int8: a projection's LoRA expansion s t B^T added in its integer GEMM's epilogue
+    # int8: a projection's LoRA expansion s t B^T added in its integer GEMM's epilogue (off: its own pass; on the
+    # H200 the epilogue made the Llama-3-8B step 4 % slower, 5,095 vs 5,320 tokens/s, docs/benchmarks.md)
+    lora_in_gemm_i8 = False
 
     def __init__(
         self,

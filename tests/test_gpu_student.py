@@ -434,16 +434,18 @@ def test_int8_engine_logic_with_emulated_integer_gemms() -> None:
         for key, g in nn.get_grads().items():
             np.testing.assert_array_equal(g.A, grads[key].A)
             np.testing.assert_array_equal(g.B, grads[key].B)
-        # the LoRA expansion as a pass of its own instead of in the integer GEMM's epilogue: the same sums in
-        # another f32 order (which can move an 8-bit rounding downstream: far below INT8_REL, O(1) if misplaced)
+        # the LoRA expansion in the integer GEMM's epilogue instead of a pass of its own (the default): the same
+        # sums in another f32 order (which can move an 8-bit rounding downstream: far below INT8_REL, O(1) if
+        # misplaced)
+        assert not st.lora_in_gemm_i8
         split = _precision_student(dev, weights, "int8", loss_cfg, vocab_chunk=256)
-        split.lora_in_gemm_i8 = False
+        split.lora_in_gemm_i8 = True
         split.set_adapter(lora)
         split.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         split_loss = split.loss_and_grads()
         assert abs(split_loss - loss) < 1e-4 * abs(loss)
         split_worst = max(max(_rel(g.A, grads[key].A), _rel(g.B, grads[key].B)) for key, g in split.get_grads().items())
-        print(f"LoRA in the GEMM's epilogue vs its own pass: worst grad {split_worst:.1e}")
+        print(f"LoRA in its own pass vs the GEMM's epilogue: worst grad {split_worst:.1e}")
         assert split_worst < 1e-2
     for target, slot in st._w8_slots.items():
         fresh = weight_to_i8(dev, weights.proj[(0, target)])
