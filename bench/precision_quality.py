@@ -79,7 +79,14 @@ def main() -> None:
     ap.add_argument(
         "--int8-input-grads", choices=("transposed", "nn", "f16"), default=None, help="int8: the input gradients' GEMM"
     )
+    ap.add_argument(
+        "--int8-head", choices=("on", "off"), default=None, help="int8: the student's LM head on the integer GEMM"
+    )
     args = ap.parse_args()
+    if args.int8_head:
+        from gpu.ops import head
+
+        head.INT8_STUDENT_HEAD = args.int8_head == "on"
     if args.int8_lora_epilogue or args.int8_input_grads:  # the engine's class defaults, for an A/B of int8's paths
         from gpu.model import GPUModel
         from gpu.student import GPUStudent

@@ -504,12 +504,15 @@ def main() -> None:
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
     p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer GEMMs) or auto")
     p.add_argument(
-        "--int8-head", choices=("on", "off"), default="on", help="int8: the LM head on the integer GEMM too (off: f16)"
+        "--int8-head", choices=("on", "off"), default="off", help="int8: the student's LM head on the integer GEMM"
+    )
+    p.add_argument(
+        "--int8-teacher-head", choices=("on", "off"), default="on", help="int8: the teacher's LM head on integer GEMMs"
     )
     p.add_argument(
         "--int8-lora-epilogue",
         choices=("on", "off"),
-        default="on",
+        default="off",
         help="int8: the LoRA expansions (forward s t B^T, backward dt A) in the integer GEMMs' epilogues (off: passes)",
     )
     p.add_argument(
@@ -540,7 +543,8 @@ def main() -> None:
     if args.side == "ours":
         from gpu.ops import head
 
-        head.INT8_HEAD = args.int8_head == "on"
+        head.INT8_HEAD = args.int8_teacher_head == "on"
+        head.INT8_STUDENT_HEAD = args.int8_head == "on"
         from gpu.model import GPUModel
         from gpu.student import GPUStudent
 

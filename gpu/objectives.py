@@ -137,7 +137,7 @@ class GpuKd:
             b(name, n)
         dev = st.dev
         chunk, tc_head = min(st.spec.vocab_chunk, st.cfg.vocab), st.cfg.hidden if st._pack_inputs else None
-        int8_head = st.cfg.hidden if st.precision == "int8" and head.INT8_HEAD else None
+        int8_head = st.cfg.hidden if st.precision == "int8" and head.INT8_STUDENT_HEAD else None
         # tc_head: its backward on TCs; int8_head: the head on the integer GEMM
         self.scratch = KdScratch.build(dev, rows, top_k, chunk, hidden=tc_head, int8_hidden=int8_head)
         self.top1 = TopKState.build(dev, rows, 1)

@@ -390,18 +390,21 @@ def test_tensorcore_teacher_topk_close() -> None:
     assert np.mean(got[0][..., 0] == want[0][..., 0]) > 0.95
 
 
-def test_int8_engine_logic_with_emulated_integer_gemms() -> None:
+def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
     """The int8 path on lavapipe, its integer GEMMs emulated and its other GEMMs f32 (int8_emulation): the step's
     loss and LoRA gradients within INT8_REL of the float64 reference (the 8-bit rounding of the projections' and
     the LM head's inputs, weights and input gradients; a stale or mis-indexed block of codes is an O(1) error);
     a replayed step
     (its tape decodes what it needs) bitwise the recorded one; the input gradients over W's transposed codes
-    (the default) bitwise those of the "nn" GEMM over W's codes; the LoRA expansion in the GEMM's epilogue (the
-    default) close to its own pass; and after a step the shared slots hold exactly the
-    codes weight_to_i8 gives the lowest block's weights (one block's projections are decoded at a time)."""
+    (the default) bitwise those of the "nn" GEMM over W's codes; the LoRA expansion in the GEMM's epilogue (opt-in)
+    close to its own pass (the default); and after a step the shared slots hold exactly the
+    codes weight_to_i8 gives the lowest block's weights (one block's projections are decoded at a time). The
+    student's LM head runs on the integer GEMM here (INT8_STUDENT_HEAD, off by default) so its code is held too."""
+    from gpu.ops import head
     from gpu.ops.matmul_i8 import int8_emulation
     from gpu.ops.quantize_i8 import weight_to_i8
 
+    monkeypatch.setattr(head, "INT8_STUDENT_HEAD", True)
     dev = device_or_skip()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
