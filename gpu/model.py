@@ -262,8 +262,6 @@ class GPUModel:
     ) -> None:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
-        if cfg.post_norms and precision == "auto":  # gemma3: auto keeps f32 until its tensor-core step is measured
-            precision = "f32"
         self.precision = _resolve_precision(dev, precision)
         # f16 tensor cores: tensorcore, and int8 beside its integer GEMMs (f32 where those run emulated, in tests)
         self.tensor_cores = self.precision == "tensorcore" or (self.precision == "int8" and not int8_emulated(dev))
