@@ -1,0 +1,112 @@
+"""What 8-bit projections do to a real student's held-out KL, per choice of activation scale, as JSON (numpy).
+
+    python bench/precision_quality.py configs/demo.yaml --until teacher     # the demo's workdir, once
+    python bench/int8_activation_kl.py configs/demo.yaml --prepared runs/demo/prepared.json
+
+The integer path rounds each projection's input to 8 bits of a scale and its weight to 8 bits of its row's max
+(gpu/ops/matmul_i8.py; model/int8.py is the twin). This evaluates the untrained student (the baseline of
+bench/precision_quality.py: no adapter) on the held-out split with the numpy engine, every projection's product
+x W^T replaced by the product of the rounded operands (the LM head stays exact, as on the GPU), per variant:
+- `exact`: no rounding (the f32 baseline);
+- `row`: x per row, W per row (what the GPU does);
+- `chunkN`: x per row and chunk of (at most) N inputs (the GEMM's chunked variant), W per row;
+- `smoothA`: x / s and W * s per input channel before the per-row rounding, s_j = max|x_j|^A / max|W_j|^(1 - A)
+  (SmoothQuant), the channel maxima of x from the batch itself (an upper bound on a calibrated s);
+  `smoothA:chunkN` both;
+- `weights`: W rounded, x exact; `inputs`: x per row, W exact.
+Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to `exact`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import reference  # noqa: E402
+from model.int8 import dequantize_i8, quantize_i8  # noqa: E402
+from schemas.config import load_config  # noqa: E402
+from schemas.manifests import StudentManifest, TeacherManifest, TokenizeManifest  # noqa: E402
+from stages.layout import workdir  # noqa: E402
+from training.evaluation import evaluate  # noqa: E402
+
+Linear = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+def rounded(x: np.ndarray, chunk: int = 0) -> np.ndarray:
+    """x [rows, k] rounded to 8 bits of each row's (or row chunk's) max |value|: chunks of the largest multiple
+    of 32 up to `chunk` that divides k."""
+    x = np.asarray(x, np.float32)
+    k = x.shape[1]
+    size = max((c for c in range(32, min(chunk, k) + 1, 32) if k % c == 0), default=k) if chunk else k
+    return dequantize_i8(*quantize_i8(x, size))
+
+
+def variant_linear(name: str, vocab: int, exact: Linear) -> Linear:
+    """The projection product for variant `name` (the LM head, W with `vocab` rows, stays exact)."""
+
+    def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        if name == "exact" or w.shape[0] == vocab or x.shape[1] % 32:
+            return exact(x, w)
+        if name == "weights":
+            return exact(x, rounded(w))
+        if name == "inputs":
+            return exact(rounded(x), w)
+        if name == "row":
+            return exact(rounded(x), rounded(w))
+        if name.startswith("chunk"):
+            return exact(rounded(x, int(name[5:])), rounded(w))
+        if name.startswith("smooth"):
+            alpha, _, chunk = name[6:].partition(":chunk")
+            xm = np.maximum(np.abs(x).max(axis=0), 1e-8)
+            wm = np.maximum(np.abs(w).max(axis=0), 1e-8)
+            s = (xm ** float(alpha) / wm ** (1.0 - float(alpha))).astype(np.float32)
+            return exact(rounded(x / s, int(chunk or 0)), rounded(w * s))
+        raise SystemExit(f"bench/int8_activation_kl.py: unknown variant {name!r}")
+
+    return linear
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config", help="the run config (e.g. configs/demo.yaml)")
+    ap.add_argument("--prepared", required=True, help="prepared.json of bench/precision_quality.py --until teacher")
+    ap.add_argument("--variants", default="exact,row,inputs,weights,chunk128,chunk64,chunk32,smooth0.5,smooth0.8")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config overrides")
+    args = ap.parse_args()
+    cfg = load_config(args.config, [*args.set, "train.backend=numpy"])
+    data = json.loads(Path(args.prepared).read_text())
+    tokens = TokenizeManifest.model_validate(data["tokens"])
+    student = StudentManifest.model_validate(data["student"])
+    teacher = TeacherManifest.model_validate(data["teacher"])
+    root = workdir(cfg)
+    exact = reference.linear_forward
+    first = None
+    for name in (v for v in args.variants.split(",") if v):
+        reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
+        t0 = time.perf_counter()
+        try:
+            m = evaluate(
+                cfg,
+                student_gguf=student.path_in(root),
+                token_dir=tokens.path_in(root),
+                topk_dir=teacher.path_in(root),
+                checkpoint=None,
+            )
+        finally:
+            reference.linear_forward = exact
+        first = first if first is not None else float(m["kl"])
+        row = {k: m.get(k) for k in ("kl", "top1", "ce")}
+        print(json.dumps({"variant": name, **row, "kl_vs_first": round(float(m["kl"]) / first - 1, 4),
+                          "seconds": round(time.perf_counter() - t0, 1)}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
