@@ -30,10 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.precision_quality import prepare  # noqa: E402
 from model import reference  # noqa: E402
 from model.int8 import dequantize_i8, quantize_i8  # noqa: E402
 from schemas.config import load_config  # noqa: E402
-from schemas.manifests import StudentManifest, TeacherManifest, TokenizeManifest  # noqa: E402
 from stages.layout import workdir  # noqa: E402
 from training.evaluation import evaluate  # noqa: E402
 
@@ -82,24 +82,17 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config overrides")
     args = ap.parse_args()
     cfg = load_config(args.config, [*args.set, "train.backend=numpy"])
-    data = json.loads(Path(args.prepared).read_text())
-    tokens = TokenizeManifest.model_validate(data["tokens"])
-    student = StudentManifest.model_validate(data["student"])
-    teacher = TeacherManifest.model_validate(data["teacher"])
+    m = prepare(cfg, args.prepared)
+    tokens, student, teacher = m["tokens"], m["student"], m["teacher"]
     root = workdir(cfg)
+    where = {"student_gguf": student.path_in(root), "token_dir": tokens.path_in(root), "topk_dir": teacher.path_in(root)}
     exact = reference.linear_forward
     first = None
     for name in (v for v in args.variants.split(",") if v):
         reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
         t0 = time.perf_counter()
         try:
-            m = evaluate(
-                cfg,
-                student_gguf=student.path_in(root),
-                token_dir=tokens.path_in(root),
-                topk_dir=teacher.path_in(root),
-                checkpoint=None,
-            )
+            m = evaluate(cfg, **where, checkpoint=None)
         finally:
             reference.linear_forward = exact
         first = first if first is not None else float(m["kl"])

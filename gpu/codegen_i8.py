@@ -265,6 +265,16 @@ _LB = {
 }
 
 
+def _row_staging(op: str) -> str:
+    """ld_<op> / put_<op> of a row-major operand: A (op "a"), or W as B = W^T ("b", the "nt" orientation)."""
+    a = op == "a"
+    return fill(
+        kernel_text("matmul_i8_rows.wgsl"), op=op, OP="A" if a else "W", OP_S="As" if a else "Bs",
+        OP_ROWS="M" if a else "N", OP_LD="lda" if a else "ldw", OP_OFF="prm.a_off + " if a else "",
+        OP_RB="A_RB" if a else "B_RB", OP_SG="SG_M" if a else "SG_N",
+    )  # fmt: skip
+
+
 def _stage_decls(c: I8Config) -> str:
     """The workgroup buffers the operands are staged in."""
     return fill(
@@ -315,8 +325,8 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         LDW=c.ldw,
         OPERAND="i32" if direct else "vec4<u32>",
         STAGE_DECLS="" if direct else _stage_decls(c),
-        A_STAGING="" if direct else kernel_text("matmul_i8_a.wgsl"),
-        B_STAGING="" if direct else kernel_text(f"matmul_i8_b_{v.orient}.wgsl"),
+        A_STAGING="" if direct else _row_staging("a"),
+        B_STAGING="" if direct else _row_staging("b") if v.orient == "nt" else kernel_text("matmul_i8_b_nn.wgsl"),
         CS_LEN=c.fm * MATRIX * MATRIX,
         STORE_EXPR=store,
         LORA_BINDINGS=fill(kernel_text("matmul_i8_lora.wgsl"), **_LB[v.lora]) if v.lora else "",

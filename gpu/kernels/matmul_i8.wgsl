@@ -1,6 +1,6 @@
 // Integer tensor-core GEMM through Dawn's subgroup matrices: int8 operands, i32 accumulation (16 x 16 x 32).
 //   C[M, N] (+)= alpha * sum_c SA[m, c] * SW[n, c] * sum_{k in chunk c} A[m, k] * B[k, n]
-// with B = W^T for a weight W [N, K] (orientation "nt", the forward: matmul_i8_b_nt.wgsl stages W's rows) or
+// with B = W^T for a weight W [N, K] (orientation "nt", the forward: matmul_i8_rows.wgsl stages W's rows as A's) or
 // B = W for W [K, N] (orientation "nn", the input gradient: matmul_i8_b_nn.wgsl; one chunk, SW a column scale).
 // A [M, K] and W are int8 codes packed four per u32 word (little-endian), read 16 at a time (vec4<u32>); SA
 // [M, K / chunk] and SW [N, K / chunk] their f32 scales (model/int8.py is the numpy twin).
