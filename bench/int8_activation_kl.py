@@ -85,7 +85,8 @@ def main() -> None:
     m = prepare(cfg, args.prepared)
     tokens, student, teacher = m["tokens"], m["student"], m["teacher"]
     root = workdir(cfg)
-    where = {"student_gguf": student.path_in(root), "token_dir": tokens.path_in(root), "topk_dir": teacher.path_in(root)}
+    where = {"student_gguf": student.path_in(root), "token_dir": tokens.path_in(root)}
+    where["topk_dir"] = teacher.path_in(root)
     exact = reference.linear_forward
     first = None
     for name in (v for v in args.variants.split(",") if v):
