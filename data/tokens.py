@@ -406,7 +406,8 @@ def read_token_table(
     root: str | Path | None = None,
 ) -> pa.Table:
     """read_token_split's rows as one Arrow table, read with pyarrow alone (the .arrow files are Arrow IPC
-    streams, in file order): for readers that want arrays, not a `datasets.Dataset` (training, evaluation)."""
+    streams, in file order): what the stages read (no `datasets` on a GPU or Ray worker); read_token_split is
+    the same split as a `datasets.Dataset`."""
     path = _split_dir(out_dir, split, manifest, root)
     files = sorted(path.glob("*.arrow"))
     if not files:

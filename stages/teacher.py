@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from data.tokens import read_token_split
+from data.tokens import read_token_table
 from data.topk import (
     MANIFEST_NAME,
     ShardError,
@@ -67,8 +67,8 @@ def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
         check_vocab(teacher_tokens, list(s.metadata.get("tokenizer.ggml.tokens") or []), t.path, s.path)
     root = workdir(cfg)
     token_dir = tokens.path_in(root)
-    train = read_token_split(token_dir, "train", tokens, root)
-    held_out = read_token_split(token_dir, "eval", tokens, root)
+    train = read_token_table(token_dir, "train", tokens, root)
+    held_out = read_token_table(token_dir, "eval", tokens, root)
     planned = TeacherManifest(
         teacher_sha256=file_sha256(cfg.model.teacher, root),
         store=cfg.teacher.store,
@@ -121,7 +121,7 @@ def shard(
             return row
         except ShardError as exc:
             log.warning("%s: recomputing", exc)
-    split = read_token_split(tokens.path_in(root), record.split)
+    split = read_token_table(tokens.path_in(root), record.split)
     n_seq = record.seq_end - record.seq_start
     teacher = teacher_fn(cfg, planned.store_of(record.split))
     with bar(f"teacher shard {record.shard}", n_seq) as b:

@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from data.tokens import read_token_split
+from data.tokens import read_token_table
 from data.topk import (
     SAMPLED_OPTIONS,
     SHARD_OPTIONS,
@@ -165,7 +165,7 @@ def compute_shard(
     planned = TeacherManifest.model_validate_json(plan_json)
     record = ShardRecord.model_validate_json(record_json)
     _injected_fault(fault, record.shard, out_uri)
-    split = read_token_split(tokens.path_in(workdir(cfg)), record.split)
+    split = read_token_table(tokens.path_in(workdir(cfg)), record.split)
     teacher = teacher_fn(cfg, planned.store_of(record.split))
     try:
         rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call)

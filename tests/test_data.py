@@ -305,7 +305,7 @@ def test_training_and_evaluation_import_without_datasets() -> None:
     """The train and evaluate stages read token shards with pyarrow alone: a GPU worker needs no `datasets`."""
     code = (
         "import sys; sys.modules['datasets'] = None\n"
-        "import stages.train, stages.evaluate, stages.prefix, training.loop, training.evaluation\n"
+        "import stages.train, stages.evaluate, stages.prefix, stages.teacher, training.loop, training.evaluation\n"
         "assert 'datasets' not in [m for m in sys.modules if sys.modules[m] is not None]"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
