@@ -13,6 +13,11 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
 - `smoothA`: x / s and W * s per input channel before the per-row rounding, s_j = max|x_j|^A / max|W_j|^(1 - A)
   (SmoothQuant), the channel maxima of x from the batch itself (an upper bound on a calibrated s);
   `smoothA:chunkN` both;
+- `hadamardN`: x and W rotated along the reduction axis, (x R)(W R)^T = x W^T, before the per-row rounding, R the
+  GPU's rotation (model/int8.py hadamard_rows: pseudo-random signs, then the orthonormal Walsh-Hadamard matrix of
+  size N in diagonal blocks; QuaRot's idea: a rotation spreads an outlier channel over N inputs, so one row scale
+  fits all of them); `hadamardN:chunkM` both; `hadamardN:weights` /
+  `hadamardN:inputs` one operand rounded;
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to `exact`.
 """
@@ -32,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.precision_quality import prepare  # noqa: E402
 from model import reference  # noqa: E402
-from model.int8 import dequantize_i8, quantize_i8  # noqa: E402
+from model.int8 import dequantize_i8, hadamard_rows, quantize_i8  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 from stages.layout import workdir  # noqa: E402
 from training.evaluation import evaluate  # noqa: E402
@@ -63,6 +68,13 @@ def variant_linear(name: str, vocab: int, exact: Linear) -> Linear:
             return exact(rounded(x), rounded(w))
         if name.startswith("chunk"):
             return exact(rounded(x, int(name[5:])), rounded(w))
+        if name.startswith("hadamard"):
+            size, _, rest = name[8:].partition(":")
+            size = min(int(size), x.shape[1] & -x.shape[1])
+            xr, wr = hadamard_rows(x, size), hadamard_rows(w, size)
+            if rest in ("weights", "inputs"):
+                return exact(xr, rounded(wr)) if rest == "weights" else exact(rounded(xr), wr)
+            return exact(rounded(xr, int(rest.removeprefix("chunk") or 0)), rounded(wr))
         if name.startswith("smooth"):
             alpha, _, chunk = name[6:].partition(":chunk")
             xm = np.maximum(np.abs(x).max(axis=0), 1e-8)

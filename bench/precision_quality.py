@@ -82,15 +82,20 @@ def main() -> None:
     ap.add_argument(
         "--int8-head", choices=("on", "off"), default=None, help="int8: the student's LM head on the integer GEMM"
     )
+    ap.add_argument(
+        "--int8-rotation", choices=("on", "off"), default=None, help="int8: GEMM operands in Walsh-Hadamard blocks"
+    )
     args = ap.parse_args()
     if args.int8_head:
         from gpu.ops import head
 
         head.INT8_STUDENT_HEAD = args.int8_head == "on"
-    if args.int8_lora_epilogue or args.int8_input_grads:  # the engine's class defaults, for an A/B of int8's paths
+    if args.int8_lora_epilogue or args.int8_input_grads or args.int8_rotation:  # the engine's class defaults (A/B)
         from gpu.model import GPUModel
         from gpu.student import GPUStudent
 
+        if args.int8_rotation:
+            GPUModel.int8_rotation = args.int8_rotation == "on"
         if args.int8_lora_epilogue:
             GPUModel.lora_in_gemm_i8 = args.int8_lora_epilogue == "on"
         if args.int8_input_grads:

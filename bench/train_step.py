@@ -516,6 +516,12 @@ def main() -> None:
         help="int8: the LoRA expansions (forward s t B^T, backward dt A) in the integer GEMMs' epilogues (off: passes)",
     )
     p.add_argument(
+        "--int8-rotation",
+        choices=("on", "off"),
+        default="on",
+        help="int8: both GEMM operands rotated in Walsh-Hadamard blocks along the inputs (off: plain per-row scales)",
+    )
+    p.add_argument(
         "--int8-input-grads",
         choices=("transposed", "nn", "f16"),
         default="transposed",
@@ -549,6 +555,7 @@ def main() -> None:
         from gpu.student import GPUStudent
 
         GPUModel.lora_in_gemm_i8 = args.int8_lora_epilogue == "on"
+        GPUModel.int8_rotation = args.int8_rotation == "on"
         GPUStudent.int8_input_grads = args.int8_input_grads != "f16"
         GPUStudent.transposed_input_grads = args.int8_input_grads == "transposed"
         if args.lora_path != "default":

@@ -41,6 +41,7 @@ from gpu.ops.rope import RopeTable, rope_forward
 from gpu.weights import QuantTensor, upload_quant
 from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
 from model.engine_spec import PRECISIONS
+from model.int8 import rotation_block
 from model.lora_layout import LoraLayout, aligned_floats
 from model.reference import LoraPair
 from schemas.config import lora_scale
@@ -223,7 +224,7 @@ class _Buffers:
 def _resolve_precision(dev: Device, precision: str) -> str:
     """f32 (portable, strict parity), tensorcore (f16 operands, f32 accumulation), int8 (tensorcore with the
     frozen projections' forward on the integer tensor cores: int8 activations and weights with per-row scales,
-    opt-in), or auto (tensorcore when the device has subgroup matrices)."""
+    rotated in Walsh-Hadamard blocks; opt-in), or auto (tensorcore when the device has subgroup matrices)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if precision == "auto":
@@ -245,6 +246,10 @@ class GPUModel:
     # int8: a projection's LoRA expansion s t B^T added in its integer GEMM's epilogue (off: its own pass; on the
     # H200 the epilogue made the Llama-3-8B step 4 % slower, 5,095 vs 5,320 tokens/s, docs/benchmarks.md)
     lora_in_gemm_i8 = False
+    # int8: both operands of the projections' integer GEMMs rotated along their inputs in Walsh-Hadamard blocks
+    # (model/int8.py rotation_block): an outlier input spreads over its block, so per-row 8-bit scales fit
+    # (bench/int8_activation_kl.py: the demo student's held-out KL +16.8 % per row, +1.8 % rotated)
+    int8_rotation = True
 
     def __init__(
         self,
@@ -446,8 +451,12 @@ class GPUModel:
         if not self._w8_slots or width % MMA_K:
             return self._gemm_input(x, width)
         a = Int8Matrix(*self.a8, self.rows, width, width, "gemm input")
-        quantize_i8_gpu(self.dev, x, a)
+        quantize_i8_gpu(self.dev, x, a, rot=self._rotation(width))
         return a, {"int8": True}
+
+    def _rotation(self, width: int) -> int:
+        """The Walsh-Hadamard block of the integer GEMMs over inputs of `width` (0: not rotated)."""
+        return rotation_block(width) if self.int8_rotation else 0
 
     def _gradient_widths(self) -> dict[str, int]:
         """Per-row widths of the backward's scratch buffers (none for a forward-only model)."""
@@ -493,7 +502,7 @@ class GPUModel:
         slot = self._w8_slots.get(target)
         if slot is not None and self._w8_block != layer:
             for other, out in self._w8_slots.items():
-                weight_to_i8(self.dev, self.w.proj[(layer, other)], out)
+                weight_to_i8(self.dev, self.w.proj[(layer, other)], out, rot=self._rotation(out.k))
             self._w8_block = layer
         return slot
 

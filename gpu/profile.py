@@ -50,7 +50,7 @@ def kernel_class(label: str, scope: str | None = None) -> str:
     if "matmul_tc" in low:
         plain = "wtype='f16'" in low or "wtype='f32'" in low
         return "tc gemm" if plain else "fused-quant gemm"
-    if any(s in low for s in ("matmul_i8", "quantize_i8", "weight_i8", "transpose_i8")):
+    if any(s in low for s in ("matmul_i8", "quantize_i8", "weight_i8", "transpose_i8", "hadamard_rows")):
         return "int8 gemm"
     if "strided_matmul" in low:
         return "lora"

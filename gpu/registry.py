@@ -31,6 +31,7 @@ from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
 from gpu.ops.matmul_i8 import all_i8_variants
 from gpu.ops.matmul_tc import TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M, all_variants
+from model.int8 import ROTATIONS
 from model.kd import KINDS
 
 BOOLS = (False, True)
@@ -70,8 +71,9 @@ def _embedding_values(wtype: str) -> dict[str, str]:
     return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
 
 
-def _quantize_i8_values(scaled: bool, vec4: bool) -> dict[str, str]:
-    """quantize_i8 with (scaled) or without a column scale multiplying X, reading X (and CS) by vec4 or by f32."""
+def _quantize_i8_values(scaled: bool, vec4: bool, rot: int) -> dict[str, object]:
+    """quantize_i8 with (scaled) or without a column scale multiplying X, reading X (and CS) by vec4 or by f32,
+    rotated in blocks of rot (hadamard.wgsl; 0: not)."""
     elem = "vec4<f32>" if vec4 else "f32"
     binding = f"@group(0) @binding(4) var<storage, read> CS: array<{elem}>;"
     if vec4:
@@ -82,7 +84,25 @@ def _quantize_i8_values(scaled: bool, vec4: bool) -> dict[str, str]:
             "    let i = x0 + 4u * w;\n    let k = k0 + 4u * w;\n"
             f"    return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]){scale};"
         )
-    return {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group}
+    return {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group, "ROT": rot}
+
+
+def _weight_i8_values(wtype: str, rot: int) -> dict[str, object]:
+    return {**_embedding_values(wtype), "ROT": rot}
+
+
+def _hadamard_rows_values(rot: int, acc: bool) -> dict[str, object]:
+    """hadamard_rows: in place (Y is X) or accumulating into Y from X."""
+    if acc:
+        bindings = (
+            "@group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;\n"
+            "@group(0) @binding(2) var<storage, read_write> Y: array<vec4<f32>>;"
+        )
+        store = "Y[base + w] += v[j];"
+    else:
+        bindings = "@group(0) @binding(1) var<storage, read_write> X: array<vec4<f32>>;"
+        store = "X[base + w] = v[j];"
+    return {"ROT": rot, "BINDINGS": bindings, "STORE": store}
 
 
 def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
@@ -141,7 +161,8 @@ _ITEMS = ("threads",)  # one thread per item
 _ELEMENTWISE = (*_ITEMS, "elementwise")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
-_I8 = ("int8_pack", "int8_codes")  # activations' / weights' int8 codes, a row in registers
+_I8 = ("int8_pack", "hadamard", "int8_codes")  # activations' / weights' int8 codes, a row in registers
+_ROT = {"rot": ROTATIONS}
 
 KERNELS: dict[str, Kernel] = {
     # elementwise skeleton + body
@@ -175,9 +196,12 @@ KERNELS: dict[str, Kernel] = {
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
     "quantize_i8": Kernel(
-        ("workgroup_reduce", *_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS}, _quantize_i8_values
+        ("workgroup_reduce", *_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS, **_ROT}, _quantize_i8_values
     ),
-    "weight_i8": Kernel(("workgroup_reduce", *_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
+    "weight_i8": Kernel(
+        ("workgroup_reduce", *_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT}, _weight_i8_values
+    ),
+    "hadamard_rows": Kernel(("hadamard", "hadamard_rows"), {"rot": ROTATIONS[1:], "acc": BOOLS}, _hadamard_rows_values),
     "weight_i8_q4_k": Kernel(("workgroup_reduce", "int8_pack", "weight_i8_q4_k")),
     "transpose_i8": Kernel(("transpose_i8",)),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),

@@ -28,10 +28,11 @@ from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
+from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, transpose_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, transpose_i8
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
@@ -96,6 +97,7 @@ class GPUStudent(GPUModel):
         w8_bytes = max((w.rows * w.k for w in self._w8_slots.values()), default=0)
         if w8_bytes and self.int8_input_grads and self.transposed_input_grads:  # one projection's codes at a time
             self.w8t = dev.buffer(w8_bytes, label="int8 weight transposed")
+        self._dx_rotated: Any = None  # see _rotated_dx
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
         self.applied_steps = 0
         self.skipped_steps = 0
@@ -162,24 +164,38 @@ class GPUStudent(GPUModel):
         ab = self._lora(layer, target, self.params)
         int8 = w8 is not None and d_out % MMA_K == 0 and d_in % 16 == 0
         # int8 over W's transposed codes: dx += dt A in the GEMM's epilogue, so the LoRA products come first
+        rot = self._rotation(d_in) if int8 else 0
         in_gemm = int8 and self.transposed_input_grads and self.lora_in_gemm_i8 and self.layout.r % 4 == 0
+        in_gemm = in_gemm and rot == 0  # the epilogue's dt A is not rotated
         if ab is not None and in_gemm:
             self._lora_back(dy, x, layer, target, ab, None)
         if int8:
-            # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding
+            # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding; over
+            # rotated codes (W R) the GEMM gives dX R, rotated back (R^T) in place or from a scratch added to dx
             a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
             quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
+            out, acc = (self._rotated_dx(d_in), False) if rot and accumulate else (dx, accumulate)
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
                 term = LoraTerm(self.dt, ab[0], self.layout.r, 1.0, "cols") if ab is not None and in_gemm else None
-                gemm_i8(self.dev, a, wt, dx, accumulate=accumulate, lora=term)
+                gemm_i8(self.dev, a, wt, out, accumulate=acc, lora=term)
             else:
-                gemm_i8(self.dev, a, w8, dx, orient="nn", col_scales=self.ones, accumulate=accumulate)
+                gemm_i8(self.dev, a, w8, out, orient="nn", col_scales=self.ones, accumulate=acc)
+            if rot:
+                rotate_rows(self.dev, out, self.rows, d_in, rot, out=dx if out is not dx else None)
         else:
             a, kw = self._gemm_input(dy, d_out)
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
         if ab is not None and not in_gemm:
             self._lora_back(dy, x, layer, target, ab, dx)
+
+    def _rotated_dx(self, d_in: int) -> Any:
+        """Scratch for an accumulated input gradient dX R of rows x d_in before its rotation back (allocated on
+        first use: rows x the widest such input)."""
+        need = 4 * self.rows * d_in
+        if self._dx_rotated is None or nbytes(self._dx_rotated) < need:
+            self._dx_rotated = self.dev.buffer(need, label="int8 input gradient, rotated")
+        return self._dx_rotated
 
     def _lora_back(self, dy: Any, x: Any, layer: int, target: str, ab: tuple[Any, Any], dx: Any) -> None:
         """The LoRA gradients of (layer, target) and dt = s dY B into self.dt; dx += dt A unless dx is None."""

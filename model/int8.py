@@ -15,6 +15,10 @@ from __future__ import annotations
 import numpy as np
 
 QMAX = 127
+# Walsh-Hadamard block sizes of the rotated integer GEMM (0: none): a projection of input width k rotates in blocks
+# of rotation_block(k) (the kernels hold a row of at most ROTATED_MAX values in registers).
+ROTATIONS = (0, 32, 64, 128)
+ROTATED_MAX = 16384
 
 
 def check_chunk(k: int, chunk: int, *, what: str = "rows") -> int:
@@ -60,3 +64,39 @@ def pack_i8(codes: np.ndarray) -> np.ndarray:
     """int8 [rows, k] (k % 4 == 0) as little-endian uint32 words, four codes each (the kernels' layout)."""
     codes = np.ascontiguousarray(codes, np.int8)
     return codes.view(np.uint32).reshape(codes.shape[0], -1) if codes.ndim == 2 else codes.view(np.uint32)
+
+
+def rotation_block(k: int) -> int:
+    """The rotation block of rows of length k: the largest of ROTATIONS dividing k (0 when none does, or when k is
+    longer than ROTATED_MAX)."""
+    return max((b for b in ROTATIONS if b and k % b == 0), default=0) if k <= ROTATED_MAX else 0
+
+
+def rotation_signs(k: int, col0: int = 0) -> np.ndarray:
+    """The rotation's pseudo-random signs of columns col0 .. col0 + k - 1: bit 13 of col * 0x9E3779B1 (mod 2^32)
+    set gives -1 (the kernels' hadamard.wgsl rotation_signs)."""
+    col = np.arange(col0, col0 + k, dtype=np.uint64)
+    return (1.0 - 2.0 * (((col * np.uint64(0x9E3779B1)) >> np.uint64(13)) & np.uint64(1))).astype(np.float32)
+
+
+def hadamard_rows(x: np.ndarray, block: int, *, back: bool = False) -> np.ndarray:
+    """x [rows, k] R (back: x R^T, which undoes it), R = S H_b: S the diagonal of rotation_signs(k), H_b
+    block-diagonal, each block the orthonormal Walsh-Hadamard matrix H / sqrt(block) (Sylvester order, H[i, j] =
+    (-1)^popcount(i & j), symmetric), so R R^T = I. The signs keep a block's mean out of one coefficient (the
+    plain Hadamard's first row is all ones; activations have means). float64 from float32 x; block 0: x itself."""
+    x = np.asarray(x, np.float32)
+    if block == 0:
+        return x.copy()
+    rows, k = x.shape
+    if block & (block - 1) or k % block:
+        raise ValueError(f"hadamard block {block} for rows of {k}: must be a power of two dividing {k}")
+    signs = rotation_signs(k).astype(np.float64)
+    y = (x.astype(np.float64) * (1.0 if back else signs)).reshape(rows * (k // block), block)
+    h = 1
+    while h < block:
+        y = y.reshape(-1, block // (2 * h), 2, h)
+        a, b = y[:, :, 0, :].copy(), y[:, :, 1, :].copy()
+        y[:, :, 0, :], y[:, :, 1, :] = a + b, a - b
+        h *= 2
+    y = y.reshape(rows, k) / np.sqrt(block)
+    return (y * signs if back else y).astype(np.float32)

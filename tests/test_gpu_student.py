@@ -403,6 +403,7 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
     from gpu.ops import head
     from gpu.ops.matmul_i8 import int8_emulation
     from gpu.ops.quantize_i8 import weight_to_i8
+    from model.int8 import rotation_block
 
     monkeypatch.setattr(head, "INT8_STUDENT_HEAD", True)
     dev = device_or_skip()
@@ -451,7 +452,7 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
         print(f"LoRA in its own pass vs the GEMM's epilogue: worst grad {split_worst:.1e}")
         assert split_worst < 1e-2
     for target, slot in st._w8_slots.items():
-        fresh = weight_to_i8(dev, weights.proj[(0, target)])
+        fresh = weight_to_i8(dev, weights.proj[(0, target)], rot=rotation_block(slot.k))
         for got, wanted, n in (
             (slot.codes, fresh.codes, slot.rows * slot.k),
             (slot.scales, fresh.scales, 4 * slot.rows),

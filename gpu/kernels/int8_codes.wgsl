@@ -1,19 +1,24 @@
-// int8 codes of one row held in registers (include after int8_pack.wgsl).
-// One row (or chunk) of `units` groups of four values to codes at Q[q0 ..], returning its scale: the values stay
-// in registers between the absmax and the packing (PER groups per invocation; a longer row reads the rest twice).
+// int8 codes of one row held in registers (include after int8_pack.wgsl and hadamard.wgsl).
+// One row (or chunk; its first column col0) of `units` groups of four values to codes at Q[q0 ..], returning its
+// scale: the values stay
+// in registers between the absmax and the packing (PER groups per invocation; a longer row reads the rest twice,
+// and cannot be rotated: the host keeps rotated rows within PER * WG groups), rotated first when ROT > 0.
 // The kernel defines WG, Q (array<u32>) and fn group4(w: u32) -> vec4<f32> (values 4w .. 4w + 3 of the row).
-// Call from uniform control flow (workgroup_reduce).
+// Call from uniform control flow (workgroup_reduce, rotate_row).
 const PER: u32 = 16u;
 
-fn codes_of_row(lid: u32, units: u32, q0: u32) -> f32 {
+fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     var v: array<vec4<f32>, PER>;
-    var m = 0.0;
     for (var j = 0u; j < PER; j++) {
         let w = lid + j * WG;
         if (w < units) {
             v[j] = group4(w);
-            m = max(m, absmax4(v[j]));
         }
+    }
+    rotate_row(lid, &v, units, col0, false);
+    var m = 0.0;
+    for (var j = 0u; j < PER; j++) {
+        m = max(m, absmax4(v[j]));
     }
     for (var w = lid + PER * WG; w < units; w += WG) {
         m = max(m, absmax4(group4(w)));

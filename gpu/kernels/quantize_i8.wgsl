@@ -35,7 +35,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let r = wid.y;
     x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
     k0 = c * prm.chunk;
-    let scale = codes_of_row(lid, prm.chunk / 4u, (r * prm.k + c * prm.chunk) / 4u);
+    let scale = codes_of_row(lid, prm.chunk / 4u, (r * prm.k + c * prm.chunk) / 4u, k0);
     if (lid == 0u) {
         S[r * prm.chunks + c] = scale;
     }

@@ -29,7 +29,7 @@ const WG: u32 = 256u;
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     row_n = min(wid.x + wid.y * nwg.x, prm.N - 1u);   // extra workgroups of the grid redo the last row
-    let scale = codes_of_row(lid, prm.K / 4u, row_n * (prm.K / 4u));
+    let scale = codes_of_row(lid, prm.K / 4u, row_n * (prm.K / 4u), 0u);
     if (lid == 0u) {
         S[row_n] = scale;
     }

@@ -1,7 +1,8 @@
 """int8 operands of the integer GEMM: activations to codes with per-(row, chunk) scales (gpu/kernels/quantize_i8.wgsl)
 and frozen weights to codes with per-row scales, decoded from their GGML type (gpu/kernels/weight_i8.wgsl); the
-numpy twin of both is model/int8.py quantize_i8. Weight codes transposed (gpu/kernels/transpose_i8.wgsl) for the
-input gradient on the forward's GEMM."""
+numpy twin of both is model/int8.py quantize_i8. Either may rotate its rows first in Walsh-Hadamard blocks of rot
+(model/int8.py hadamard_rows; both operands of a GEMM alike), and rotate_rows turns a GEMM's rotated result back.
+Weight codes transposed (gpu/kernels/transpose_i8.wgsl) for the input gradient on the forward's GEMM."""
 
 from __future__ import annotations
 
@@ -14,14 +15,29 @@ from gpu.ops.common import grid, nbytes, pack
 from gpu.ops.matmul_i8 import Int8Matrix, i8_buffers
 from gpu.registry import pipeline
 from gpu.weights import QuantTensor
+from model.int8 import ROTATED_MAX, ROTATIONS
+
+
+def check_rotation(rot: int, k: int, what: str) -> None:
+    """rot must be one of ROTATIONS dividing k, and a rotated row hold at most ROTATED_MAX values."""
+    if rot not in ROTATIONS or (rot and (k % rot or k > ROTATED_MAX)):
+        raise DeviceError(f"{what}: rotation {rot} for rows of {k} (one of {ROTATIONS} dividing k <= {ROTATED_MAX})")
 
 
 def quantize_i8_gpu(
-    dev: Device, x: Any, out: Int8Matrix, *, ldx: int | None = None, x_offset: int = 0, col_scales: Any = None
+    dev: Device,
+    x: Any,
+    out: Int8Matrix,
+    *,
+    ldx: int | None = None,
+    x_offset: int = 0,
+    col_scales: Any = None,
+    rot: int = 0,
 ) -> None:
     """out <- int8 codes and scales of the f32 rows x[out.rows, out.k] (row stride ldx, default k), each element
-    first multiplied by col_scales[k] when given (f32, out.k values)."""
+    first multiplied by col_scales[k] when given (f32, out.k values), each chunk rotated in blocks of rot."""
     ldx = out.k if ldx is None else ldx
+    check_rotation(rot, out.chunk, f"quantize_i8 of {out.name!r}")
     need = 4 * (x_offset + (out.rows - 1) * ldx + out.k)
     if out.rows > 0 and nbytes(x) < need:
         raise DeviceError(f"quantize_i8 of {out.name!r}: input has {nbytes(x)} bytes, needs {need}")
@@ -34,20 +50,23 @@ def quantize_i8_gpu(
     # vec4 loads where every row's chunks start on a 16-byte boundary (and the bound views are whole vec4s)
     vec4 = x_offset % 4 == 0 and ldx % 4 == 0 and nbytes(x) % 16 == 0
     vec4 = vec4 and (col_scales is None or nbytes(col_scales) % 16 == 0)
-    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4)
+    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4, rot=rot)
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
-def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None) -> Int8Matrix:
+def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0) -> Int8Matrix:
     """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
-    (gpu/kernels/weight_i8.wgsl; Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) into `out`
-    (n rows of k, one chunk) or new buffers; k must be a multiple of 32 (one integer multiply-accumulate step)."""
+    (gpu/kernels/weight_i8.wgsl; unrotated Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) and
+    rotated in blocks of rot into `out` (n rows of k, one chunk) or new buffers; k must be a multiple of 32 (one
+    integer multiply-accumulate step)."""
     n, k = w.shape
+    check_rotation(rot, k, f"weight_to_i8 {w.name!r}")
     if out is None:
         out = i8_buffers(dev, n, k, k, w.name)
     elif (out.rows, out.k, out.chunks) != (n, k, 1):
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
-    name, variant = ("weight_i8_q4_k", {}) if w.qtype.name == "Q4_K" else ("weight_i8", {"wtype": w.qtype.name})
+    q4_k = w.qtype.name == "Q4_K" and rot == 0
+    name, variant = ("weight_i8_q4_k", {}) if q4_k else ("weight_i8", {"wtype": w.qtype.name, "rot": rot})
     dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
     return out
 
@@ -63,3 +82,18 @@ def transpose_i8(dev: Device, w: Int8Matrix, codes: Any, scales: Any, name: str 
         raise DeviceError(f"transpose_i8 {w.name!r}: output holds fewer than {k} rows of {n} codes and scales")
     dev.dispatch(pipeline(dev, "transpose_i8"), [pack(n, k, 0, 0), w.codes, codes], (-(-k // 64), -(-n // 64), 1))
     return Int8Matrix(codes, scales, k, n, n, name or f"{w.name} transposed")
+
+
+def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = None) -> None:
+    """x[rows, k] <- x R^T in place, or out += x R^T (f32, row-major): R the operands' rotation in blocks of rot
+    (R R^T = I; model/int8.py hadamard_rows back=True), for the input gradient dX = (dY . W R) R^T of a GEMM over
+    rotated weight codes."""
+    check_rotation(rot, k, "rotate_rows")
+    if rot == 0 or k % 4:
+        raise DeviceError(f"rotate_rows: rotation {rot} for rows of {k}: needs a rotation and k % 4 == 0")
+    if nbytes(x) < 4 * rows * k or (out is not None and nbytes(out) < 4 * rows * k):
+        raise DeviceError(f"rotate_rows: buffers hold fewer than {rows} rows of {k}")
+    if rows <= 0:
+        return
+    bindings = [pack(rows, k, 0, 0), x] + ([] if out is None else [out])
+    dev.dispatch(pipeline(dev, "hadamard_rows", rot=rot, acc=out is not None), bindings, grid(rows, 1))

@@ -1,0 +1,42 @@
+// Y[r, :] (+)= X[r, :] R^T for the rows of X: R the rotation of hadamard.wgsl (blocks of ROT). The integer GEMM's
+// input gradient over rotated weight codes gives dX R (R R^T = I): this turns it back.
+// A workgroup per row (2-D grid), the row in registers (PER groups of four per invocation: rows up to 4 PER WG
+// values). In place (acc false): Y is X, one binding (each invocation stores the groups it loaded); acc: Y += .
+
+struct Params {
+    rows: u32,
+    k: u32,   // row length, a multiple of ROT
+    _pad0: u32,
+    _pad1: u32,
+};
+
+@group(0) @binding(0) var<uniform> prm: Params;
+${BINDINGS}
+
+const WG: u32 = 256u;
+const PER: u32 = 16u;
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= prm.rows) {
+        return;
+    }
+    let units = prm.k / 4u;
+    let base = r * units;
+    var v: array<vec4<f32>, PER>;
+    for (var j = 0u; j < PER; j++) {
+        let w = lid + j * WG;
+        if (w < units) {
+            v[j] = X[base + w];
+        }
+    }
+    rotate_row(lid, &v, units, 0u, true);
+    for (var j = 0u; j < PER; j++) {
+        let w = lid + j * WG;
+        if (w < units) {
+            ${STORE}
+        }
+    }
+}
