@@ -9,7 +9,8 @@ and their manifests are written to <workdir>/prepared.json; `--until teacher` st
 (the GPU one) `--prepared <workdir>/prepared.json` reads them instead, so only the workdir's student GGUF, token
 and teacher shards travel (not the model files the keys hash), and that machine needs neither `datasets` nor
 the tokenizer. Train and evaluate run per precision
-(train.precision is in both stages' keys: each precision has its own checkpoints and evaluations).
+(train.precision is in both stages' keys: each precision has its own checkpoints and evaluations; the int8
+engine knobs below are not, so with any of them each precision's checkpoints are deleted and trained afresh).
 Rows: per precision the baseline's and each epoch's held-out KL, top-1 agreement and CE, and the best epoch;
 last, each precision's best KL relative to the first precision's (`kl_vs_first`: the gate is |x| <= 0.02).
 No Prefect or MLflow: the stage functions alone.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -109,8 +111,12 @@ def main() -> None:
     if args.until == "teacher":
         return
     best: dict[str, float] = {}
+    # the engine knobs are not part of the train stage's key: with any of them, each precision trains afresh
+    knobs = any((args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation))
     for precision in [p for p in args.precisions.split(",") if p]:
         pcfg = with_precision(cfg, precision)
+        if knobs:
+            shutil.rmtree(stages.train.checkpoint_root(pcfg, student, tokens, teacher), ignore_errors=True)
         t0 = time.perf_counter()
         checkpoints = stages.train.run(pcfg, student, tokens, teacher)
         trained = time.perf_counter() - t0

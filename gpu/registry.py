@@ -71,9 +71,14 @@ def _embedding_values(wtype: str) -> dict[str, str]:
     return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
 
 
-def _quantize_i8_values(scaled: bool, vec4: bool, rot: int) -> dict[str, object]:
+def _subgroups(tint: bool) -> dict[str, str]:
+    """subgroups_directive.wgsl: Tint (Dawn) wants `enable subgroups;`, naga (wgpu-native) refuses it."""
+    return {"ENABLE_SUBGROUPS": "enable subgroups;" if tint else ""}
+
+
+def _quantize_i8_values(scaled: bool, vec4: bool, rot: int, tint: bool) -> dict[str, object]:
     """quantize_i8 with (scaled) or without a column scale multiplying X, reading X (and CS) by vec4 or by f32,
-    rotated in blocks of rot (hadamard.wgsl; 0: not)."""
+    rotated in blocks of rot (hadamard.wgsl; 0: not), for Tint or naga."""
     elem = "vec4<f32>" if vec4 else "f32"
     binding = f"@group(0) @binding(4) var<storage, read> CS: array<{elem}>;"
     if vec4:
@@ -84,14 +89,18 @@ def _quantize_i8_values(scaled: bool, vec4: bool, rot: int) -> dict[str, object]
             "    let i = x0 + 4u * w;\n    let k = k0 + 4u * w;\n"
             f"    return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]){scale};"
         )
-    return {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group, "ROT": rot}
+    return {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group, "ROT": rot, **_subgroups(tint)}
 
 
-def _weight_i8_values(wtype: str, rot: int) -> dict[str, object]:
-    return {**_embedding_values(wtype), "ROT": rot}
+def _weight_i8_values(wtype: str, rot: int, tint: bool) -> dict[str, object]:
+    return {**_embedding_values(wtype), "ROT": rot, **_subgroups(tint)}
 
 
-def _hadamard_rows_values(rot: int, acc: bool) -> dict[str, object]:
+def _weight_q4_k_values(rot: int, tint: bool) -> dict[str, object]:
+    return {"ROT": rot, **_subgroups(tint)}
+
+
+def _hadamard_rows_values(rot: int, acc: bool, tint: bool) -> dict[str, object]:
     """hadamard_rows: in place (Y is X) or accumulating into Y from X."""
     if acc:
         bindings = (
@@ -102,7 +111,7 @@ def _hadamard_rows_values(rot: int, acc: bool) -> dict[str, object]:
     else:
         bindings = "@group(0) @binding(1) var<storage, read_write> X: array<vec4<f32>>;"
         store = "X[base + w] = v[j];"
-    return {"ROT": rot, "BINDINGS": bindings, "STORE": store}
+    return {"ROT": rot, "BINDINGS": bindings, "STORE": store, **_subgroups(tint)}
 
 
 def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
@@ -161,8 +170,8 @@ _ITEMS = ("threads",)  # one thread per item
 _ELEMENTWISE = (*_ITEMS, "elementwise")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
-_I8 = ("int8_pack", "hadamard", "int8_codes")  # activations' / weights' int8 codes, a row in registers
-_ROT = {"rot": ROTATIONS}
+_I8 = ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "int8_codes")  # int8 codes of a row
+_ROT = {"rot": ROTATIONS, "tint": BOOLS}  # the rotation's block, and the compiler (gpu/ops/quantize_i8.py)
 
 KERNELS: dict[str, Kernel] = {
     # elementwise skeleton + body
@@ -195,14 +204,18 @@ KERNELS: dict[str, Kernel] = {
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
-    "quantize_i8": Kernel(
-        ("workgroup_reduce", *_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS, **_ROT}, _quantize_i8_values
+    "quantize_i8": Kernel((*_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS, **_ROT}, _quantize_i8_values),
+    "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT}, _weight_i8_values),
+    "hadamard_rows": Kernel(
+        ("subgroups_directive", "hadamard", "hadamard_rows"),
+        {"rot": ROTATIONS[1:], "acc": BOOLS, "tint": BOOLS},
+        _hadamard_rows_values,
     ),
-    "weight_i8": Kernel(
-        ("workgroup_reduce", *_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT}, _weight_i8_values
+    "weight_i8_q4_k": Kernel(
+        ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "weight_i8_q4_k"),
+        _ROT,
+        _weight_q4_k_values,
     ),
-    "hadamard_rows": Kernel(("hadamard", "hadamard_rows"), {"rot": ROTATIONS[1:], "acc": BOOLS}, _hadamard_rows_values),
-    "weight_i8_q4_k": Kernel(("workgroup_reduce", "int8_pack", "weight_i8_q4_k")),
     "transpose_i8": Kernel(("transpose_i8",)),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),
@@ -305,22 +318,22 @@ class Entry:
 
     key: tuple
     source: Callable[[], str]
-    tensor_cores: bool = False  # needs Dawn's subgroup matrices (compiled by Tint only)
+    compiler: str = "any"  # "tint": Dawn's only (subgroup matrices, or Tint's directives); "naga": wgpu-native's
 
 
 def entries() -> list[Entry]:
     """Every (kernel, variant) the model can dispatch: op kernels, f32 matmuls and tensor-core matmuls."""
     out = [
-        Entry(kernel_key(name, v), partial(kernel.source, **v))
+        Entry(kernel_key(name, v), partial(kernel.source, **v), {True: "tint", False: "naga"}.get(v.get("tint"), "any"))
         for name, kernel in KERNELS.items()
         for v in kernel.variants()
     ]
     out += [Entry(v.key, partial(matmul_source, v)) for v in matmul_variants()]
     tc = {v for cfg in TC_TILES for v in all_variants(cfg, list(WEIGHT_TYPES))}
-    out += [Entry((*v.key, False), partial(matmul_tc_source, v), True) for v in sorted(tc, key=str)]
-    out += [Entry((*v.key, False), partial(matmul_i8_source, v), True) for v in all_i8_variants()]
+    out += [Entry((*v.key, False), partial(matmul_tc_source, v), "tint") for v in sorted(tc, key=str)]
+    out += [Entry((*v.key, False), partial(matmul_i8_source, v), "tint") for v in all_i8_variants()]
     out += [
-        Entry(kernel_key(name, v), partial(kernel.source, **v), True)
+        Entry(kernel_key(name, v), partial(kernel.source, **v), "tint")
         for name, kernel in TC_KERNELS.items()
         for v in kernel.variants()
     ]

@@ -19,7 +19,7 @@ from gguf.quants import dequantize
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, LoraTerm, gemm_i8, i8_buffers, upload_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, transpose_i8, weight_to_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, tint, transpose_i8, weight_to_i8
 from gpu.weights import random_blocks, upload_quant
 from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
@@ -181,20 +181,23 @@ def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k", [256, 4352, 16640])  # one, two and more than PER units per invocation
-def test_q4_k_codes_equal_the_generic_decode(dev: Device, k: int) -> None:
+@pytest.mark.parametrize(
+    "k,rot", [(256, 0), (4352, 0), (16640, 0), (256, 128), (4352, 128), (14336, 128)]
+)  # one, two and more than PER units per invocation; rotated: up to the 4 units an invocation holds
+def test_q4_k_codes_equal_the_generic_decode(dev: Device, k: int, rot: int) -> None:
     """weight_i8_q4_k (whole 16-byte pieces of the blocks) gives the generic weight_i8 decode's codes and scales,
-    bit for bit, on rows whose units fill one slot, two, and more than the registers hold."""
+    bit for bit, on rows whose units fill one slot, two, and more than the registers hold; rotated too (the same
+    butterflies in the same order, in units of 16 instead of groups of 4)."""
     from gpu.ops.common import grid, pack
     from gpu.registry import pipeline
 
     rng = np.random.default_rng(k)
     n = 3
     w = upload_quant(dev, random_blocks(T.Q4_K, (n, k), rng), T.Q4_K, (n, k), name="w")
-    fast = weight_to_i8(dev, w)
+    fast = weight_to_i8(dev, w, rot=rot)
     generic = i8_buffers(dev, n, k, k, "generic")
     bindings = [pack(n, k, 0, 0), w.binding, generic.codes, generic.scales]
-    dev.dispatch(pipeline(dev, "weight_i8", wtype="Q4_K", rot=0), bindings, grid(n, 1))
+    dev.dispatch(pipeline(dev, "weight_i8", wtype="Q4_K", rot=rot, tint=tint(dev)), bindings, grid(n, 1))
     for a, b, dtype in ((fast.codes, generic.codes, np.uint8), (fast.scales, generic.scales, np.uint32)):
         np.testing.assert_array_equal(dev.read(a, dtype), dev.read(b, dtype))
 

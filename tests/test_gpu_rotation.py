@@ -1,7 +1,7 @@
 """The rotated integer GEMM's Walsh-Hadamard rotation (model/int8.py hadamard_rows; gpu/kernels/hadamard.wgsl).
 
 The twin against the explicit matrix; the kernels (activation quantizer, weight decode, rotate_rows) against the
-twin on lavapipe (marker gpu). Tolerances: the rotation is a sum of `block` signed f32 values scaled by
+twin on lavapipe (marker gpu) and on Dawn (marker tensorcore). Tolerances: the rotation is a sum of `block` signed f32 values scaled by
 1/sqrt(block), so the kernels' f32 results differ from the float64 twin by ~log2(block) ulps of the row's
 magnitude: 1e-5 of the row's max holds it (a wrong sign or partner is O(1)); codes may land one off at a
 rounding tie, as the unrotated quantizer's (test_gpu_int8.py).
@@ -19,7 +19,7 @@ from gpu.ops.matmul_i8 import i8_buffers
 from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, weight_to_i8
 from gpu.weights import random_blocks, upload_quant
 from model.int8 import ROTATED_MAX, hadamard_rows, quantize_i8, rotation_block, rotation_signs
-from tests.gpu_fixtures import device_or_skip
+from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 
 
 def sylvester(n: int) -> np.ndarray:
@@ -71,9 +71,11 @@ def test_rotation_spreads_an_outlier_and_keeps_the_product() -> None:
     assert err(xr) < err(x) / 4
 
 
-@pytest.fixture
-def dev() -> Device:
-    return device_or_skip()
+@pytest.fixture(params=[pytest.param("any", marks=pytest.mark.gpu), pytest.param("dawn", marks=pytest.mark.tensorcore)])
+def dev(request: pytest.FixtureRequest) -> Device:
+    """lavapipe in CI (subgroups of 8: blocks of 32 exchange through shuffles, larger ones through workgroup
+    memory), and Dawn on the H200 (subgroups of 32: every exchange a shuffle)."""
+    return device_or_skip() if request.param == "any" else tensor_core_device_or_skip()
 
 
 def _check_codes(dev: Device, out, x_rot: np.ndarray) -> None:
@@ -85,7 +87,6 @@ def _check_codes(dev: Device, out, x_rot: np.ndarray) -> None:
     assert diff.max() <= 1 and (diff > 0).mean() < 2e-2
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("k,rot,chunk", [(576, 64, 576), (1536, 128, 1536), (256, 32, 128), (4224, 128, 4224)])
 def test_quantizer_rotates_like_the_twin(dev: Device, k: int, rot: int, chunk: int) -> None:
     """Activation codes of rotated rows (per row, or per chunk of a multiple of the block): the twin's codes of
@@ -98,7 +99,6 @@ def test_quantizer_rotates_like_the_twin(dev: Device, k: int, rot: int, chunk: i
     _check_codes(dev, out, hadamard_rows(x, rot))
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.F16], ids=lambda t: t.name)
 def test_weight_decode_rotates_like_the_twin(dev: Device, qtype: T) -> None:
     rng = np.random.default_rng(int(qtype))
@@ -108,7 +108,6 @@ def test_weight_decode_rotates_like_the_twin(dev: Device, qtype: T) -> None:
     _check_codes(dev, out, hadamard_rows(dequantize(raw, qtype).reshape(n, k).astype(np.float32), 128))
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("acc", [False, True])
 def test_rotate_rows_in_place_and_accumulating(dev: Device, acc: bool) -> None:
     rng = np.random.default_rng(5)
@@ -122,7 +121,6 @@ def test_rotate_rows_in_place_and_accumulating(dev: Device, acc: bool) -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.gpu
 def test_rotation_refuses_what_it_cannot_hold(dev: Device) -> None:
     out = i8_buffers(dev, 2, 96, 96, "x")
     with pytest.raises(DeviceError, match="rotation 64"):

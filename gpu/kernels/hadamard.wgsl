@@ -6,11 +6,16 @@
 // spreads over its block and one row scale fits the rest better (QuaRot); the signs keep a block's mean out of
 // one coefficient. The butterflies in index order h = 1, 2, 4, ...: h = 1, 2 within an invocation's vec4, the
 // rest through workgroup memory between invocations lid and lid ^ (h / 4). The kernel defines WG and PER and
-// holds values 4 (lid + j WG) .. + 3 (columns col0 + those) in v[j]; every invocation calls rotate_row from
-// uniform control flow (barriers).
+// holds values 4 (lid + j WG) .. + 3 (columns col0 + those) in v[j], sets rot_subgroup to its subgroup size
+// (@builtin(subgroup_size)) and lists subgroups_directive.wgsl first; every invocation calls rotate_row from uniform
+// control flow (barriers). Where a block's ROT / 4 invocations share a subgroup (lanes lid % subgroup size, as
+// Vulkan drivers lay out a 1-D workgroup), the exchanges are subgroup shuffles; elsewhere workgroup memory.
 const ROT: u32 = ${ROT}u;
 
-var<workgroup> rot_xchg: array<vec4<f32>, WG>;
+var<workgroup> rot_xchg: array<array<vec4<f32>, WG>, 2>;   // ping-pong: one barrier per butterfly stage
+var<workgroup> rot_width: u32;
+var<private> rot_subgroup: u32;
+var<private> rot_buf: u32;   // the ping-pong buffer the next exchange writes
 
 fn butterfly4(v: vec4<f32>) -> vec4<f32> {
     let a = vec4<f32>(v.x + v.y, v.x - v.y, v.z + v.w, v.z - v.w);
@@ -23,22 +28,67 @@ fn rotation_signs(c: u32) -> vec4<f32> {
     return vec4<f32>(1.0) - 2.0 * vec4<f32>(bits);
 }
 
+// whether the exchanges go through subgroup shuffles: a block's lanes (invocations) within one subgroup (uniform)
+fn rotation_shuffled(lid: u32, lanes: u32) -> bool {
+    if (lid == 0u) {
+        rot_width = rot_subgroup;
+    }
+    return workgroupUniformLoad(&rot_width) >= lanes;
+}
+
+// invocation lid ^ d's x (every invocation calls it with the same d)
+fn exchange(lid: u32, x: vec4<f32>, d: u32, shuffled: bool) -> vec4<f32> {
+    if (shuffled) {
+        return subgroupShuffleXor(x, d);
+    }
+    rot_xchg[rot_buf][lid] = x;
+    workgroupBarrier();
+    let p = rot_xchg[rot_buf][lid ^ d];
+    rot_buf ^= 1u;   // the next exchange writes the other buffer: no barrier before it
+    return p;
+}
+
+// the butterfly of invocation lid with its partner's p at distance d: the lower one a + b, the upper a - b
+fn butterfly(lid: u32, x: vec4<f32>, p: vec4<f32>, d: u32) -> vec4<f32> {
+    return select(x + p, p - x, (lid & d) != 0u);
+}
+
 // rotate the first ceil(units / WG) of v's groups (units: the row's groups of four, a multiple of ROT / 4)
 fn rotate_row(lid: u32, v: ptr<function, array<vec4<f32>, PER>>, units: u32, col0: u32, back: bool) {
     if (ROT == 0u) {
         return;
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));   // (ROT 0 never gets here, but the constant is folded)
+    let shuffled = rotation_shuffled(lid, ROT / 4u);
     for (var j = 0u; j < PER && j * WG < units; j++) {
         let signs = rotation_signs(col0 + 4u * (lid + j * WG));
         var x = butterfly4(select((*v)[j] * signs, (*v)[j], back));
         for (var d = 1u; d < ROT / 4u; d <<= 1u) {
-            rot_xchg[lid] = x;
-            workgroupBarrier();
-            let p = rot_xchg[lid ^ d];
-            workgroupBarrier();
-            x = select(x + p, p - x, (lid & d) != 0u);
+            x = butterfly(lid, x, exchange(lid, x, d, shuffled), d);
         }
         (*v)[j] = select(x * norm, x * norm * signs, back);
+    }
+}
+
+// forward-rotate one invocation's unit of 16 consecutive values (columns col0 ..; units of invocations lid and
+// lid ^ d adjacent in the row: ROT >= 16); shuffled = rotation_shuffled(lid, ROT / 16)
+fn rotate_unit(lid: u32, v: ptr<function, array<vec4<f32>, 4>>, col0: u32, shuffled: bool) {
+    var a: array<vec4<f32>, 4>;
+    for (var i = 0u; i < 4u; i++) {
+        a[i] = butterfly4((*v)[i] * rotation_signs(col0 + 4u * i));
+    }
+    let b0 = a[0] + a[1];   // h = 4 between the vec4s i and i ^ 1, h = 8 between i and i ^ 2
+    let b1 = a[0] - a[1];
+    let b2 = a[2] + a[3];
+    let b3 = a[2] - a[3];
+    a = array<vec4<f32>, 4>(b0 + b2, b1 + b3, b0 - b2, b1 - b3);
+    for (var d = 1u; d < ROT / 16u; d <<= 1u) {
+        for (var i = 0u; i < 4u; i++) {
+            a[i] = butterfly(lid, a[i], exchange(lid, a[i], d, shuffled), d);
+        }
+    }
+    let norm = inverseSqrt(f32(max(ROT, 1u)));
+    for (var i = 0u; i < 4u; i++) {
+        (*v)[i] = a[i] * norm;
     }
 }

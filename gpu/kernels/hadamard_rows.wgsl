@@ -18,7 +18,8 @@ const PER: u32 = 16u;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
+        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) sg: u32) {
+    rot_subgroup = sg;
     let r = wid.x + wid.y * nwg.x;
     if (r >= prm.rows) {
         return;

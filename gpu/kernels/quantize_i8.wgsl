@@ -30,7 +30,9 @@ ${GROUP4}
 
 const WG: u32 = 256u;
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
+        @builtin(subgroup_size) sg: u32) {
+    rot_subgroup = sg;
     let c = wid.x;
     let r = wid.y;
     x0 = prm.x_off + r * prm.ldx + c * prm.chunk;

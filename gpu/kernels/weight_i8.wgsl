@@ -27,7 +27,8 @@ fn group4(w: u32) -> vec4<f32> {
 const WG: u32 = 256u;
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
+        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) sg: u32) {
+    rot_subgroup = sg;
     row_n = min(wid.x + wid.y * nwg.x, prm.N - 1u);   // extra workgroups of the grid redo the last row
     let scale = codes_of_row(lid, prm.K / 4u, row_n * (prm.K / 4u), 0u);
     if (lid == 0u) {

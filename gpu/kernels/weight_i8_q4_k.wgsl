@@ -5,7 +5,8 @@
 // min); words 1 .. 8 = qs[128]. Sub-block s (32 weights) has scale sc[s], min m[s]; weight j of sub-block s is the
 // nibble (qs[32 (s / 2) + j] >> 4 (s % 2)) & 15; w = d sc[s] q - dmin m[s]. A unit is 16 weights (half a
 // sub-block: one vec4 of qs). A workgroup per row; each invocation keeps PER units in registers between the
-// absmax and the packing (a longer row decodes the rest twice).
+// absmax and the packing (a longer row decodes the rest twice), rotated first when ROT > 0 (hadamard.wgsl
+// rotate_unit; ROT >= 16, rows of at most 4 WG units).
 
 struct Params {
     N: u32,   // rows
@@ -68,34 +69,45 @@ fn pack16(v: array<vec4<f32>, 4>, scale: f32) -> vec4<u32> {
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
+        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) sg: u32) {
+    rot_subgroup = sg;
     let n = min(wid.x + wid.y * nwg.x, prm.N - 1u);   // extra workgroups of the grid redo the last row
     let units = prm.K / 16u;
     var v0: array<vec4<f32>, 4>;
     var v1: array<vec4<f32>, 4>;
     var v2: array<vec4<f32>, 4>;
     var v3: array<vec4<f32>, 4>;
-    var m = 0.0;
     if (lid < units) {
         v0 = unit_values(n, lid);
-        m = max(m, absmax16(v0));
     }
     if (lid + WG < units) {
         v1 = unit_values(n, lid + WG);
-        m = max(m, absmax16(v1));
     }
     if (lid + 2u * WG < units) {
         v2 = unit_values(n, lid + 2u * WG);
-        m = max(m, absmax16(v2));
     }
     if (lid + 3u * WG < units) {
         v3 = unit_values(n, lid + 3u * WG);
-        m = max(m, absmax16(v3));
     }
+    if (ROT > 0u) {   // rows of at most 4 WG units (the host's check): all in registers
+        let shuffled = rotation_shuffled(lid, ROT / 16u);
+        rotate_unit(lid, &v0, 16u * lid, shuffled);
+        if (WG < units) {
+            rotate_unit(lid, &v1, 16u * (lid + WG), shuffled);
+        }
+        if (2u * WG < units) {
+            rotate_unit(lid, &v2, 16u * (lid + 2u * WG), shuffled);
+        }
+        if (3u * WG < units) {
+            rotate_unit(lid, &v3, 16u * (lid + 3u * WG), shuffled);
+        }
+    }
+    let m = max(max(absmax16(v0), absmax16(v1)), max(absmax16(v2), absmax16(v3)));
+    var mr = m;
     for (var u = lid + PER * WG; u < units; u += WG) {
-        m = max(m, absmax16(unit_values(n, u)));
+        mr = max(mr, absmax16(unit_values(n, u)));
     }
-    let scale = workgroup_reduce(lid, m) / 127.0;
+    let scale = workgroup_reduce(lid, mr) / 127.0;
     let q0 = n * units;
     if (lid < units) {
         Q[q0 + lid] = pack16(v0, scale);

@@ -18,6 +18,11 @@ from gpu.weights import QuantTensor
 from model.int8 import ROTATED_MAX, ROTATIONS
 
 
+def tint(dev: Device) -> bool:
+    """Whether dev compiles WGSL with Tint (Dawn), whose subgroup builtins need `enable subgroups;`."""
+    return dev.backend == "dawn"
+
+
 def check_rotation(rot: int, k: int, what: str) -> None:
     """rot must be one of ROTATIONS dividing k, and a rotated row hold at most ROTATED_MAX values."""
     if rot not in ROTATIONS or (rot and (k % rot or k > ROTATED_MAX)):
@@ -50,13 +55,13 @@ def quantize_i8_gpu(
     # vec4 loads where every row's chunks start on a 16-byte boundary (and the bound views are whole vec4s)
     vec4 = x_offset % 4 == 0 and ldx % 4 == 0 and nbytes(x) % 16 == 0
     vec4 = vec4 and (col_scales is None or nbytes(col_scales) % 16 == 0)
-    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4, rot=rot)
+    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4, rot=rot, tint=tint(dev))
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
 def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0) -> Int8Matrix:
     """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
-    (gpu/kernels/weight_i8.wgsl; unrotated Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) and
+    (gpu/kernels/weight_i8.wgsl; Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) and
     rotated in blocks of rot into `out` (n rows of k, one chunk) or new buffers; k must be a multiple of 32 (one
     integer multiply-accumulate step)."""
     n, k = w.shape
@@ -65,8 +70,9 @@ def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot
         out = i8_buffers(dev, n, k, k, w.name)
     elif (out.rows, out.k, out.chunks) != (n, k, 1):
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
-    q4_k = w.qtype.name == "Q4_K" and rot == 0
-    name, variant = ("weight_i8_q4_k", {}) if q4_k else ("weight_i8", {"wtype": w.qtype.name, "rot": rot})
+    variant = {"rot": rot, "tint": tint(dev)}
+    name = "weight_i8_q4_k" if w.qtype.name == "Q4_K" else "weight_i8"
+    variant |= {} if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
     dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
     return out
 
@@ -96,4 +102,5 @@ def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = Non
     if rows <= 0:
         return
     bindings = [pack(rows, k, 0, 0), x] + ([] if out is None else [out])
-    dev.dispatch(pipeline(dev, "hadamard_rows", rot=rot, acc=out is not None), bindings, grid(rows, 1))
+    pipe = pipeline(dev, "hadamard_rows", rot=rot, acc=out is not None, tint=tint(dev))
+    dev.dispatch(pipe, bindings, grid(rows, 1))
