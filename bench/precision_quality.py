@@ -82,7 +82,10 @@ def main() -> None:
         "--int8-input-grads", choices=("transposed", "nn", "f16"), default=None, help="int8: the input gradients' GEMM"
     )
     ap.add_argument(
-        "--int8-head", choices=("on", "off"), default=None, help="int8: the student's LM head on the integer GEMM"
+        "--int8-head",
+        choices=("on", "logits", "off"),
+        default=None,
+        help="int8: the student's LM head on the integer GEMM (logits: its logits only, the backward on f16)",
     )
     ap.add_argument(
         "--int8-rotation", choices=("on", "off"), default=None, help="int8: GEMM operands in Walsh-Hadamard blocks"
@@ -92,6 +95,7 @@ def main() -> None:
         from gpu.ops import head
 
         head.INT8_STUDENT_HEAD = args.int8_head == "on"
+        head.INT8_STUDENT_LOGITS = args.int8_head == "logits"
     if args.int8_lora_epilogue or args.int8_input_grads or args.int8_rotation:  # the engine's class defaults (A/B)
         from gpu.model import GPUModel
         from gpu.student import GPUStudent

@@ -504,7 +504,10 @@ def main() -> None:
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
     p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer GEMMs) or auto")
     p.add_argument(
-        "--int8-head", choices=("on", "off"), default="off", help="int8: the student's LM head on the integer GEMM"
+        "--int8-head",
+        choices=("on", "logits", "off"),
+        default="off",
+        help="int8: the student's LM head on the integer GEMM (logits: its logits only, the backward on f16)",
     )
     p.add_argument(
         "--int8-teacher-head", choices=("on", "off"), default="on", help="int8: the teacher's LM head on integer GEMMs"
@@ -551,6 +554,7 @@ def main() -> None:
 
         head.INT8_HEAD = args.int8_teacher_head == "on"
         head.INT8_STUDENT_HEAD = args.int8_head == "on"
+        head.INT8_STUDENT_LOGITS = args.int8_head == "logits"
         from gpu.model import GPUModel
         from gpu.student import GPUStudent
 

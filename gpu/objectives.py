@@ -137,9 +137,19 @@ class GpuKd:
             b(name, n)
         dev = st.dev
         chunk, tc_head = min(st.spec.vocab_chunk, st.cfg.vocab), st.cfg.hidden if st._pack_inputs else None
-        int8_head = st.cfg.hidden if st.precision == "int8" and head.INT8_STUDENT_HEAD else None
-        # tc_head: its backward on TCs; int8_head: the head on the integer GEMM
-        self.scratch = KdScratch.build(dev, rows, top_k, chunk, hidden=tc_head, int8_hidden=int8_head)
+        int8 = st.precision == "int8" and (head.INT8_STUDENT_HEAD or head.INT8_STUDENT_LOGITS)
+        int8_head = st.cfg.hidden if int8 else None
+        # tc_head: its backward on TCs; int8_head: the head's logits (and its backward) on the integer GEMM
+        self.scratch = KdScratch.build(
+            dev,
+            rows,
+            top_k,
+            chunk,
+            hidden=tc_head,
+            int8_hidden=int8_head,
+            int8_backward=head.INT8_STUDENT_HEAD,
+            int8_rot=st._rotation(st.cfg.hidden),
+        )
         self.top1 = TopKState.build(dev, rows, 1)
         self.top1_lp = dev.buffer(4 * rows, label="student top-1 logprob")
         self.top1_tail = dev.buffer(4 * rows, label="student top-1 tail")

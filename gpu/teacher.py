@@ -41,7 +41,9 @@ class GPUTeacher(GPUModel):
         self.logits = dev.buffer(4 * self.rows * self.chunk, label="teacher logits chunk")
         self._sampled: SampledState | None = None
         self.int8_head = (
-            Int8Head.build(dev, self.rows, self.cfg.hidden, self.chunk, backward=False)
+            Int8Head.build(
+                dev, self.rows, self.cfg.hidden, self.chunk, backward=False, rot=self._rotation(self.cfg.hidden)
+            )
             if self.precision == "int8" and head.INT8_HEAD
             else None
         )

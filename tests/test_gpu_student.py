@@ -460,6 +460,33 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
+def test_int8_student_logits_alone_with_emulated_integer_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """INT8_STUDENT_LOGITS: the student's logits on the integer GEMM (rotated), its backward dlogits . W on the
+    other path: the step within INT8_REL of the float64 reference, and its KD scratch without the integer
+    backward's buffers (lavapipe, integer GEMMs emulated)."""
+    from gpu.ops import head
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    monkeypatch.setattr(head, "INT8_STUDENT_LOGITS", True)
+    dev = device_or_skip()
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    with int8_emulation(dev):
+        st = _precision_student(dev, ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0), "int8", loss_cfg, vocab_chunk=256)
+        i8 = st.objective.scratch.int8
+        assert i8 is not None and i8.dz is None and i8.rot == 32
+        st.set_adapter(lora)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+        loss = st.loss_and_grads()
+        got = st.get_grads()
+    want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, 2.0)
+    worst = max(max(_rel(got[k].A, da), _rel(got[k].B, db)) for k, (da, db) in want.items())
+    print(f"emulated int8 logits: loss rel err {abs(loss - want_loss) / abs(want_loss):.2e}, worst grad {worst:.2e}")
+    assert abs(loss - want_loss) / abs(want_loss) < INT8_REL
+    assert worst < INT8_REL
+
+
 def _int8_teacher_vs_f32(dev) -> tuple[float, float]:
     """(worst top-k log-prob error relative to the max, top-1 agreement) of the int8 teacher against the f32 one
     on the same weights; vocab chunks of 256 put the first chunk on the integer head, the last (44) on the other."""

@@ -15,7 +15,7 @@ from gpu.device import Device
 from gpu.ops.matmul import linear
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers
 from gpu.ops.matmul_tc import linear_tc
-from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, weight_to_i8
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
 from gpu.weights import QuantTensor, row_slice
 
@@ -26,6 +26,8 @@ INT8_HEAD = True
 # 0.256 -> 0.155 with the head on f16): per-row 8-bit dlogits keep the few top entries and drop the rest of the
 # softmax's mass (bench/train_step.py and bench/precision_quality.py --int8-head on|off).
 INT8_STUDENT_HEAD = False
+# ... or only the student's logits (both KD passes) on the integer GEMM, the backward's dlogits . W on f16.
+INT8_STUDENT_LOGITS = False
 
 
 @dataclass(frozen=True)
@@ -39,19 +41,24 @@ class Int8Head:
     rows: Int8Matrix
     dz: Int8Matrix | None
     ones: Any  # hidden f32 ones: the backward's column scales (W's row scales are in dz)
+    rot: int = 0  # h and W rotated in Walsh-Hadamard blocks of rot (model/int8.py hadamard_rows), 0: not
+    dh_rot: Any = None  # [T, hidden] f32: a rotated chunk's dh R before its rotation back (backward with rot)
 
     @classmethod
-    def build(cls, dev: Device, n_tokens: int, hidden: int, chunk: int, backward: bool) -> Int8Head | None:
+    def build(
+        cls, dev: Device, n_tokens: int, hidden: int, chunk: int, backward: bool, rot: int = 0
+    ) -> Int8Head | None:
         """The buffers for n_tokens rows and vocab chunks of `chunk`; None when hidden is no multiple of 32."""
         if hidden % MMA_K or chunk % MMA_K:
             return None
         dz = i8_buffers(dev, n_tokens, chunk, chunk, "dlogits") if backward else None
         ones = dev.upload(np.ones(hidden, np.float32), label="int8 head column scales")
+        dh_rot = dev.buffer(4 * n_tokens * hidden, label="int8 head dh, rotated") if backward and rot else None
         return cls(i8_buffers(dev, n_tokens, hidden, hidden, "head input"), i8_buffers(dev, chunk, hidden, hidden,
-                   "lm_head chunk"), dz, ones)  # fmt: skip
+                   "lm_head chunk"), dz, ones, rot, dh_rot)  # fmt: skip
 
     def quantize(self, dev: Device, h: Any) -> None:
-        quantize_i8_gpu(dev, h, self.h)
+        quantize_i8_gpu(dev, h, self.h, rot=self.rot)
 
     def covers(self, w: Any, nv: int) -> bool:
         return isinstance(w, QuantTensor) and nv % MMA_K == 0
@@ -64,16 +71,20 @@ class Int8Head:
     def logits(self, dev: Device, w: QuantTensor, out: Any, c0: int, nv: int, ldc: int) -> None:
         """out [T, ldc] columns 0..nv-1 = h . W[c0:c0+nv]^T over the codes (the chunk's rows decoded first)."""
         rows = self.chunk_rows(nv)
-        weight_to_i8(dev, row_slice(w, c0, nv), rows)
+        weight_to_i8(dev, row_slice(w, c0, nv), rows, rot=self.rot)
         gemm_i8(dev, self.h, rows, out, ldc=ldc)
 
     def input_grad(self, dev: Device, dz: Any, ldz: int, nv: int, dh: Any, accumulate: bool) -> None:
         """dh [T, hidden] (+)= dz [T, nv] (row stride ldz) . W_c for the chunk logits() decoded last: dz times
-        W's row scales rounded to 8 bits per row, then the "nn" integer GEMM."""
+        W's row scales rounded to 8 bits per row, then the "nn" integer GEMM (over rotated rows: dh R, rotated
+        back into dh)."""
         rows = self.chunk_rows(nv)
         codes = Int8Matrix(self.dz.codes, self.dz.scales, self.h.rows, nv, nv, "dlogits")
         quantize_i8_gpu(dev, dz, codes, ldx=ldz, col_scales=rows.scales)
-        gemm_i8(dev, codes, rows, dh, orient="nn", col_scales=self.ones, accumulate=accumulate)
+        out, acc = (self.dh_rot, False) if self.rot and accumulate else (dh, accumulate)
+        gemm_i8(dev, codes, rows, out, orient="nn", col_scales=self.ones, accumulate=acc)
+        if self.rot:
+            rotate_rows(dev, out, self.h.rows, self.h.k, self.rot, out=dh if out is not dh else None)
 
 
 def logits_chunk(

@@ -54,10 +54,20 @@ class KdScratch:
 
     @classmethod
     def build(
-        cls, dev: Device, n_tokens: int, k: int, chunk: int, hidden: int | None = None, int8_hidden: int | None = None
+        cls,
+        dev: Device,
+        n_tokens: int,
+        k: int,
+        chunk: int,
+        hidden: int | None = None,
+        int8_hidden: int | None = None,
+        *,
+        int8_backward: bool = True,
+        int8_rot: int = 0,
     ) -> KdScratch:
         """hidden: also the buffers of the tensor-core backward (for a caller passing h16); int8_hidden: those of
-        the integer head (gpu/ops/head.py Int8Head) for rows of int8_hidden."""
+        the integer head (gpu/ops/head.py Int8Head) for rows of int8_hidden, its backward too unless
+        int8_backward is False (the logits only), rotated in blocks of int8_rot."""
         t = n_tokens
 
         def buf(n: int, label: str) -> Any:
@@ -77,7 +87,9 @@ class KdScratch:
             buf(t * chunk // 2, "dlogits f16") if tc else None,
             buf(4, "dlogits scale") if tc else None,
             buf(t * hidden, "dh part") if tc else None,
-            None if int8_hidden is None else Int8Head.build(dev, t, int8_hidden, chunk, backward=True),
+            None
+            if int8_hidden is None
+            else Int8Head.build(dev, t, int8_hidden, chunk, backward=int8_backward, rot=int8_rot),
         )
 
 
@@ -167,7 +179,7 @@ def kd_head_forward_backward(
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
         dev.dispatch(grad_pipe, bind, grid(t, 1))
         acc = accumulate_dh or i > 0
-        if i8 is not None and i8.covers(w, nv):  # the integer GEMM, on the chunk's rows logits_chunk decoded
+        if i8 is not None and i8.dz is not None and i8.covers(w, nv):  # the integer GEMM, on the rows just decoded
             i8.input_grad(dev, sc.logits, chunk, nv, dh, acc)
             continue
         if quant and h16 is not None and sc.dz16 is not None:  # tensor cores, dZ_c scaled into f16's range
