@@ -2,9 +2,9 @@
 
 The twin against the explicit matrix; the kernels (activation quantizer, weight decode, rotate_rows) against the
 twin on lavapipe (marker gpu) and on Dawn (marker tensorcore). Tolerances: the rotation is a sum of `block` signed
-f32 values scaled by 1/sqrt(block), so the kernels' f32 results differ from the float64 twin by ~log2(block) ulps of the row's
-magnitude: 1e-5 of the row's max holds it (a wrong sign or partner is O(1)); codes may land one off at a
-rounding tie, as the unrotated quantizer's (test_gpu_int8.py).
+f32 values scaled by 1/sqrt(block), so the kernels' f32 results differ from the float64 twin by ~log2(block) ulps
+of the row's magnitude: 1e-5 of the row's max holds it (a wrong sign or partner is O(1)); codes may land one off
+at a rounding tie, as the unrotated quantizer's (test_gpu_int8.py).
 """
 
 from __future__ import annotations
