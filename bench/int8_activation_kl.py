@@ -19,13 +19,16 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
   fits all of them); `hadamardN:chunkM` both; `hadamardN:weights` /
   `hadamardN:inputs` one operand rounded;
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
-Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to `exact`.
+Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
+variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
+adapter is evaluated: bench/precision_quality.py's gate on a CPU, for the forward's rounding alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import stages.train  # noqa: E402
 from bench.precision_quality import prepare  # noqa: E402
 from model import reference  # noqa: E402
 from model.int8 import dequantize_i8, hadamard_rows, quantize_i8  # noqa: E402
@@ -92,6 +96,12 @@ def main() -> None:
     ap.add_argument("--prepared", required=True, help="prepared.json of bench/precision_quality.py --until teacher")
     ap.add_argument("--variants", default="exact,row,inputs,weights,chunk128,chunk64,chunk32,smooth0.5,smooth0.8")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="config overrides")
+    ap.add_argument(
+        "--train",
+        action="store_true",
+        help="train the demo through each variant first (numpy engine: its forward rounded, its gradients exact), "
+        "then evaluate the trained adapter (the GPU gate's question with f32 input gradients; minutes a variant)",
+    )
     args = ap.parse_args()
     cfg = load_config(args.config, [*args.set, "train.backend=numpy"])
     m = prepare(cfg, args.prepared)
@@ -105,7 +115,12 @@ def main() -> None:
         reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
         t0 = time.perf_counter()
         try:
-            m = evaluate(cfg, **where, checkpoint=None)
+            if args.train:  # the train stage's key has no variant: its checkpoints are deleted and trained afresh
+                shutil.rmtree(stages.train.checkpoint_root(cfg, student, tokens, teacher), ignore_errors=True)
+                trained = stages.train.run(cfg, student, tokens, teacher)[-1]
+                m = evaluate(cfg, **where, checkpoint=trained.path_in(root))
+            else:
+                m = evaluate(cfg, **where, checkpoint=None)
         finally:
             reference.linear_forward = exact
         first = first if first is not None else float(m["kl"])

@@ -60,13 +60,15 @@ fn rotate_row(lid: u32, v: ptr<function, array<vec4<f32>, PER>>, units: u32, col
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));   // (ROT 0 never gets here, but the constant is folded)
     let shuffled = rotation_shuffled(lid, ROT / 4u);
-    for (var j = 0u; j < PER && j * WG < units; j++) {
-        let signs = rotation_signs(col0 + 4u * (lid + j * WG));
-        var x = butterfly4(select((*v)[j] * signs, (*v)[j], back));
-        for (var d = 1u; d < ROT / 4u; d <<= 1u) {
-            x = butterfly(lid, x, exchange(lid, x, d, shuffled), d);
+    for (var j = 0u; j < PER; j++) {   // a constant trip count: unrolled, v stays in registers
+        if (j * WG < units) {
+            let signs = rotation_signs(col0 + 4u * (lid + j * WG));
+            var x = butterfly4(select((*v)[j] * signs, (*v)[j], back));
+            for (var d = 1u; d < ROT / 4u; d <<= 1u) {
+                x = butterfly(lid, x, exchange(lid, x, d, shuffled), d);
+            }
+            (*v)[j] = select(x * norm, x * norm * signs, back);
         }
-        (*v)[j] = select(x * norm, x * norm * signs, back);
     }
 }
 
