@@ -17,7 +17,10 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
   GPU's rotation (model/int8.py hadamard_rows: pseudo-random signs, then the orthonormal Walsh-Hadamard matrix of
   size N in diagonal blocks; QuaRot's idea: a rotation spreads an outlier channel over N inputs, so one row scale
   fits all of them); `hadamardN:chunkM` both; `hadamardN:weights` /
-  `hadamardN:inputs` one operand rounded;
+  `hadamardN:inputs` one operand rounded; `orthogonal`: a dense random orthogonal rotation of the whole input
+  instead (what a rotation can do at best); `hadamardN:residual`: x as two 8-bit terms (its codes,
+  then those of what they miss: two integer GEMMs); any variant `:onlyW` / `:shapeOxI`: only the projections with
+  inputs of width W / weights of that shape;
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
 variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
@@ -27,6 +30,7 @@ adapter is evaluated: bench/precision_quality.py's gate on a CPU, for the forwar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
@@ -58,11 +62,21 @@ def rounded(x: np.ndarray, chunk: int = 0) -> np.ndarray:
     return dequantize_i8(*quantize_i8(x, size))
 
 
-def variant_linear(name: str, vocab: int, exact: Linear) -> Linear:
-    """The projection product for variant `name` (the LM head, W with `vocab` rows, stays exact)."""
+@functools.cache
+def _orthogonal(k: int) -> np.ndarray:
+    q, r = np.linalg.qr(np.random.default_rng(k).standard_normal((k, k)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+def variant_linear(variant: str, vocab: int, exact: Linear) -> Linear:
+    """The projection product for `variant` (the LM head, W with `vocab` rows, stays exact)."""
+    name, _, only = variant.partition(":only")  # only the projections with inputs of this width rounded
+    name, _, shape = name.partition(":shape")  # only the projections of this OUTxIN weight shape rounded
 
     def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        if name == "exact" or w.shape[0] == vocab or x.shape[1] % 32:
+        if name == "exact" or w.shape[0] == vocab or x.shape[1] % 32 or (only and x.shape[1] != int(only)):
+            return exact(x, w)
+        if shape and "x".join(map(str, w.shape)) != shape:
             return exact(x, w)
         if name == "weights":
             return exact(x, rounded(w))
@@ -72,8 +86,16 @@ def variant_linear(name: str, vocab: int, exact: Linear) -> Linear:
             return exact(rounded(x), rounded(w))
         if name.startswith("chunk"):
             return exact(rounded(x, int(name[5:])), rounded(w))
+        if name == "orthogonal":  # a dense random orthogonal rotation of the whole input (an upper bound on rotations)
+            r = _orthogonal(x.shape[1])
+            return exact(rounded(x @ r), rounded(w @ r))
         if name.startswith("hadamard"):
             size, _, rest = name[8:].partition(":")
+            if rest == "residual":  # x as two 8-bit terms (codes of x, then of what they miss), W rounded
+                size = min(int(size), x.shape[1] & -x.shape[1])
+                xr = hadamard_rows(x, size)
+                first = rounded(xr)
+                return exact(first + rounded(xr - first), rounded(hadamard_rows(w, size)))
             size = min(int(size), x.shape[1] & -x.shape[1])
             xr, wr = hadamard_rows(x, size), hadamard_rows(w, size)
             if rest in ("weights", "inputs"):
