@@ -107,10 +107,10 @@ def _hadamard_rows_values(rot: int, acc: bool, tint: bool) -> dict[str, object]:
             "@group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;\n"
             "@group(0) @binding(2) var<storage, read_write> Y: array<vec4<f32>>;"
         )
-        store = "Y[base + w] += v[j];"
+        store = "Y[base + w] += y;"
     else:
         bindings = "@group(0) @binding(1) var<storage, read_write> X: array<vec4<f32>>;"
-        store = "X[base + w] = v[j];"
+        store = "X[base + w] = y;"
     return {"ROT": rot, "BINDINGS": bindings, "STORE": store, **_subgroups(tint)}
 
 

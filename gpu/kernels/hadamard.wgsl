@@ -5,11 +5,11 @@
 // The integer GEMM rotates both operands along the reduction axis, (x R)(W R)^T = x W^T, so an outlier input
 // spreads over its block and one row scale fits the rest better (QuaRot); the signs keep a block's mean out of
 // one coefficient. The butterflies in index order h = 1, 2, 4, ...: h = 1, 2 within an invocation's vec4, the
-// rest through workgroup memory between invocations lid and lid ^ (h / 4). The kernel defines WG and PER and
-// holds values 4 (lid + j WG) .. + 3 (columns col0 + those) in v[j], sets rot_subgroup to its subgroup size
-// (@builtin(subgroup_size)) and lists subgroups_directive.wgsl first; every invocation calls rotate_row from uniform
-// control flow (barriers). Where a block's ROT / 4 invocations share a subgroup (lanes lid % subgroup size, as
-// Vulkan drivers lay out a 1-D workgroup), the exchanges are subgroup shuffles; elsewhere workgroup memory.
+// rest between invocations lid and lid ^ (h / 4): subgroup shuffles where a block's ROT / 4 invocations share a
+// subgroup (lanes lid % subgroup size, as Vulkan drivers lay out a 1-D workgroup), else workgroup memory. The
+// kernel defines WG, sets rot_subgroup to its subgroup size (@builtin(subgroup_size)) and lists
+// subgroups_directive.wgsl first; every invocation calls the rotations from uniform control flow (barriers), one
+// group (or unit) at a time: no array indexed by a loop that holds barriers (such an array leaves the registers).
 const ROT: u32 = ${ROT}u;
 
 var<workgroup> rot_xchg: array<array<vec4<f32>, WG>, 2>;   // ping-pong: one barrier per butterfly stage
@@ -53,23 +53,16 @@ fn butterfly(lid: u32, x: vec4<f32>, p: vec4<f32>, d: u32) -> vec4<f32> {
     return select(x + p, p - x, (lid & d) != 0u);
 }
 
-// rotate the first ceil(units / WG) of v's groups (units: the row's groups of four, a multiple of ROT / 4)
-fn rotate_row(lid: u32, v: ptr<function, array<vec4<f32>, PER>>, units: u32, col0: u32, back: bool) {
-    if (ROT == 0u) {
-        return;
+// the rotation (back: its transpose) of an invocation's group of four values, columns col .. col + 3; every
+// invocation calls it with a group of the same j (lid + j WG), shuffled = rotation_shuffled(lid, ROT / 4)
+fn rotate_group(lid: u32, v: vec4<f32>, col: u32, back: bool, shuffled: bool) -> vec4<f32> {
+    let signs = rotation_signs(col);
+    var x = butterfly4(select(v * signs, v, back));
+    for (var d = 1u; d < ROT / 4u; d <<= 1u) {
+        x = butterfly(lid, x, exchange(lid, x, d, shuffled), d);
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));   // (ROT 0 never gets here, but the constant is folded)
-    let shuffled = rotation_shuffled(lid, ROT / 4u);
-    for (var j = 0u; j < PER; j++) {   // a constant trip count: unrolled, v stays in registers
-        if (j * WG < units) {
-            let signs = rotation_signs(col0 + 4u * (lid + j * WG));
-            var x = butterfly4(select((*v)[j] * signs, (*v)[j], back));
-            for (var d = 1u; d < ROT / 4u; d <<= 1u) {
-                x = butterfly(lid, x, exchange(lid, x, d, shuffled), d);
-            }
-            (*v)[j] = select(x * norm, x * norm * signs, back);
-        }
-    }
+    return select(x * norm, x * norm * signs, back);
 }
 
 // forward-rotate one invocation's unit of 16 consecutive values (columns col0 ..; units of invocations lid and

@@ -1,7 +1,7 @@
 // Y[r, :] (+)= X[r, :] R^T for the rows of X: R the rotation of hadamard.wgsl (blocks of ROT). The integer GEMM's
 // input gradient over rotated weight codes gives dX R (R R^T = I): this turns it back.
-// A workgroup per row (2-D grid), the row in registers (PER groups of four per invocation: rows up to 4 PER WG
-// values). In place (acc false): Y is X, one binding (each invocation stores the groups it loaded); acc: Y += .
+// A workgroup per row (2-D grid), PER groups of four per invocation (rows up to 4 PER WG values), each rotated as
+// it is loaded. In place (acc false): Y is X, one binding (each invocation stores the groups it loaded); acc: Y +=.
 
 struct Params {
     rows: u32,
@@ -26,18 +26,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     }
     let units = prm.k / 4u;
     let base = r * units;
-    var v: array<vec4<f32>, PER>;
-    for (var j = 0u; j < PER; j++) {
+    let shuffled = rotation_shuffled(lid, ROT / 4u);
+    for (var j = 0u; j < PER; j++) {   // each invocation stores only the groups it loaded: in place is safe
         let w = lid + j * WG;
-        if (w < units) {
-            v[j] = X[base + w];
-        }
-    }
-    rotate_row(lid, &v, units, 0u, true);
-    for (var j = 0u; j < PER; j++) {
-        let w = lid + j * WG;
-        if (w < units) {
-            ${STORE}
+        if (j * WG < units) {   // uniform
+            var x = vec4<f32>();
+            if (w < units) {
+                x = X[base + w];
+            }
+            let y = rotate_group(lid, x, 4u * w, true, shuffled);
+            if (w < units) {
+                ${STORE}
+            }
         }
     }
 }

@@ -4,18 +4,23 @@
 // in registers between the absmax and the packing (PER groups per invocation; a longer row reads the rest twice,
 // and cannot be rotated: the host keeps rotated rows within PER * WG groups), rotated first when ROT > 0.
 // The kernel defines WG, Q (array<u32>) and fn group4(w: u32) -> vec4<f32> (values 4w .. 4w + 3 of the row).
-// Call from uniform control flow (workgroup_reduce, rotate_row).
+// Call from uniform control flow (workgroup_reduce, rotate_group).
 const PER: u32 = 16u;
 
 fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     var v: array<vec4<f32>, PER>;
+    let shuffled = rotation_shuffled(lid, ROT / 4u);
     for (var j = 0u; j < PER; j++) {
         let w = lid + j * WG;
+        var x = vec4<f32>();
         if (w < units) {
-            v[j] = group4(w);
+            x = group4(w);
         }
+        if (ROT > 0u && j * WG < units) {   // uniform: the whole block's groups are in (units % (ROT / 4) == 0)
+            x = rotate_group(lid, x, col0 + 4u * w, false, shuffled);
+        }
+        v[j] = x;
     }
-    rotate_row(lid, &v, units, col0, false);
     var m = 0.0;
     for (var j = 0u; j < PER; j++) {
         m = max(m, absmax4(v[j]));
