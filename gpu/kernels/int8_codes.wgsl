@@ -1,8 +1,8 @@
 // int8 codes of one row held in registers (include after int8_pack.wgsl and hadamard.wgsl).
 // One row (or chunk; its first column col0) of `units` groups of four values to codes at Q[q0 ..], returning its
-// scale: the values stay
-// in registers between the absmax and the packing (PER groups per invocation; a longer row reads the rest twice,
-// and cannot be rotated: the host keeps rotated rows within PER * WG groups), rotated first when ROT > 0.
+// scale: the values stay in registers between the absmax and the packing (PER groups per invocation; a longer row
+// reads the rest twice, and cannot be rotated: the host keeps rotated rows within PER * WG groups), each group
+// rotated as it is loaded when ROT > 0.
 // The kernel defines WG, Q (array<u32>) and fn group4(w: u32) -> vec4<f32> (values 4w .. 4w + 3 of the row).
 // Call from uniform control flow (workgroup_reduce, rotate_group).
 const PER: u32 = 16u;
