@@ -36,11 +36,8 @@ fn rotation_shuffled(lid: u32, lanes: u32) -> bool {
     return workgroupUniformLoad(&rot_width) >= lanes;
 }
 
-// invocation lid ^ d's x (every invocation calls it with the same d)
-fn exchange(lid: u32, x: vec4<f32>, d: u32, shuffled: bool) -> vec4<f32> {
-    if (shuffled) {
-        return subgroupShuffleXor(x, d);
-    }
+// invocation lid ^ d's x through workgroup memory (every invocation calls it with the same d)
+fn exchange_shared(lid: u32, x: vec4<f32>, d: u32) -> vec4<f32> {
     rot_xchg[rot_buf][lid] = x;
     workgroupBarrier();
     let p = rot_xchg[rot_buf][lid ^ d];
@@ -53,37 +50,57 @@ fn butterfly(lid: u32, x: vec4<f32>, p: vec4<f32>, d: u32) -> vec4<f32> {
     return select(x + p, p - x, (lid & d) != 0u);
 }
 
-// the rotation (back: its transpose) of an invocation's group of four values, columns col .. col + 3; every
-// invocation calls it with a group of the same j (lid + j WG), shuffled = rotation_shuffled(lid, ROT / 4)
-fn rotate_group(lid: u32, v: vec4<f32>, col: u32, back: bool, shuffled: bool) -> vec4<f32> {
+// The rotation (back: its transpose) of an invocation's group of four values, columns col .. col + 3; every
+// invocation calls it with a group of the same j (lid + j WG). Two functions, so that a loop over an
+// invocation's groups through the shuffled one holds no barrier (and is unrolled, its array in registers).
+fn rotate_group_shuffled(lid: u32, v: vec4<f32>, col: u32, back: bool) -> vec4<f32> {
     let signs = rotation_signs(col);
     var x = butterfly4(select(v * signs, v, back));
     for (var d = 1u; d < ROT / 4u; d <<= 1u) {
-        x = butterfly(lid, x, exchange(lid, x, d, shuffled), d);
+        x = butterfly(lid, x, subgroupShuffleXor(x, d), d);
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));   // (ROT 0 never gets here, but the constant is folded)
+    return select(x * norm, x * norm * signs, back);
+}
+
+fn rotate_group_shared(lid: u32, v: vec4<f32>, col: u32, back: bool) -> vec4<f32> {
+    let signs = rotation_signs(col);
+    var x = butterfly4(select(v * signs, v, back));
+    for (var d = 1u; d < ROT / 4u; d <<= 1u) {
+        x = butterfly(lid, x, exchange_shared(lid, x, d), d);
+    }
+    let norm = inverseSqrt(f32(max(ROT, 1u)));
     return select(x * norm, x * norm * signs, back);
 }
 
 // forward-rotate one invocation's unit of 16 consecutive values (columns col0 ..; units of invocations lid and
 // lid ^ d adjacent in the row: ROT >= 16); shuffled = rotation_shuffled(lid, ROT / 16)
 fn rotate_unit(lid: u32, v: ptr<function, array<vec4<f32>, 4>>, col0: u32, shuffled: bool) {
-    var a: array<vec4<f32>, 4>;
-    for (var i = 0u; i < 4u; i++) {
-        a[i] = butterfly4((*v)[i] * rotation_signs(col0 + 4u * i));
-    }
-    let b0 = a[0] + a[1];   // h = 4 between the vec4s i and i ^ 1, h = 8 between i and i ^ 2
-    let b1 = a[0] - a[1];
-    let b2 = a[2] + a[3];
-    let b3 = a[2] - a[3];
-    a = array<vec4<f32>, 4>(b0 + b2, b1 + b3, b0 - b2, b1 - b3);
-    for (var d = 1u; d < ROT / 16u; d <<= 1u) {
-        for (var i = 0u; i < 4u; i++) {
-            a[i] = butterfly(lid, a[i], exchange(lid, a[i], d, shuffled), d);
+    var a0 = butterfly4((*v)[0] * rotation_signs(col0));
+    var a1 = butterfly4((*v)[1] * rotation_signs(col0 + 4u));
+    var a2 = butterfly4((*v)[2] * rotation_signs(col0 + 8u));
+    var a3 = butterfly4((*v)[3] * rotation_signs(col0 + 12u));
+    let b0 = a0 + a1;   // h = 4 between the vec4s i and i ^ 1, h = 8 between i and i ^ 2
+    let b1 = a0 - a1;
+    let b2 = a2 + a3;
+    let b3 = a2 - a3;
+    a0 = b0 + b2;
+    a1 = b1 + b3;
+    a2 = b0 - b2;
+    a3 = b1 - b3;
+    for (var d = 1u; d < ROT / 16u; d <<= 1u) {   // no array: plain values whether or not this loop is unrolled
+        if (shuffled) {
+            a0 = butterfly(lid, a0, subgroupShuffleXor(a0, d), d);
+            a1 = butterfly(lid, a1, subgroupShuffleXor(a1, d), d);
+            a2 = butterfly(lid, a2, subgroupShuffleXor(a2, d), d);
+            a3 = butterfly(lid, a3, subgroupShuffleXor(a3, d), d);
+        } else {
+            a0 = butterfly(lid, a0, exchange_shared(lid, a0, d), d);
+            a1 = butterfly(lid, a1, exchange_shared(lid, a1, d), d);
+            a2 = butterfly(lid, a2, exchange_shared(lid, a2, d), d);
+            a3 = butterfly(lid, a3, exchange_shared(lid, a3, d), d);
         }
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));
-    for (var i = 0u; i < 4u; i++) {
-        (*v)[i] = a[i] * norm;
-    }
+    *v = array<vec4<f32>, 4>(a0 * norm, a1 * norm, a2 * norm, a3 * norm);
 }

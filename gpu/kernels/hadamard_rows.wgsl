@@ -34,7 +34,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             if (w < units) {
                 x = X[base + w];
             }
-            let y = rotate_group(lid, x, 4u * w, true, shuffled);
+            var y: vec4<f32>;
+            if (shuffled) {
+                y = rotate_group_shuffled(lid, x, 4u * w, true);
+            } else {
+                y = rotate_group_shared(lid, x, 4u * w, true);
+            }
             if (w < units) {
                 ${STORE}
             }

@@ -7,19 +7,32 @@
 // Call from uniform control flow (workgroup_reduce, rotate_group).
 const PER: u32 = 16u;
 
+// group w of the row (zeros past its end)
+fn loaded_group(w: u32, units: u32) -> vec4<f32> {
+    if (w < units) {
+        return group4(w);
+    }
+    return vec4<f32>();
+}
+
 fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     var v: array<vec4<f32>, PER>;
-    let shuffled = rotation_shuffled(lid, ROT / 4u);
-    for (var j = 0u; j < PER; j++) {
-        let w = lid + j * WG;
-        var x = vec4<f32>();
-        if (w < units) {
-            x = group4(w);
+    if (ROT == 0u || rotation_shuffled(lid, ROT / 4u)) {   // no barrier in the loop: unrolled, v in registers
+        for (var j = 0u; j < PER; j++) {
+            var x = loaded_group(lid + j * WG, units);
+            if (ROT > 0u && j * WG < units) {   // uniform: a block's groups are all in (units % (ROT / 4) == 0)
+                x = rotate_group_shuffled(lid, x, col0 + 4u * (lid + j * WG), false);
+            }
+            v[j] = x;
         }
-        if (ROT > 0u && j * WG < units) {   // uniform: the whole block's groups are in (units % (ROT / 4) == 0)
-            x = rotate_group(lid, x, col0 + 4u * w, false, shuffled);
+    } else {   // subgroups narrower than a block: exchanges through workgroup memory
+        for (var j = 0u; j < PER; j++) {
+            var x = loaded_group(lid + j * WG, units);
+            if (j * WG < units) {
+                x = rotate_group_shared(lid, x, col0 + 4u * (lid + j * WG), false);
+            }
+            v[j] = x;
         }
-        v[j] = x;
     }
     var m = 0.0;
     for (var j = 0u; j < PER; j++) {
