@@ -32,7 +32,7 @@ from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, transpose_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotated_back, transpose_i8
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
@@ -174,15 +174,18 @@ class GPUStudent(GPUModel):
             # rotated codes (W R) the GEMM gives dX R, rotated back (R^T) in place or from a scratch added to dx
             a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
             quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
-            out, acc = (self._rotated_dx(d_in), False) if rot and accumulate else (dx, accumulate)
+            wt = term = None
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
                 term = LoraTerm(self.dt, ab[0], self.layout.r, 1.0, "cols") if ab is not None and in_gemm else None
-                gemm_i8(self.dev, a, wt, out, accumulate=acc, lora=term)
-            else:
-                gemm_i8(self.dev, a, w8, out, orient="nn", col_scales=self.ones, accumulate=acc)
-            if rot:
-                rotate_rows(self.dev, out, self.rows, d_in, rot, out=dx if out is not dx else None)
+
+            def gemm(out: Any, acc: bool) -> None:
+                if wt is not None:
+                    gemm_i8(self.dev, a, wt, out, accumulate=acc, lora=term)
+                else:
+                    gemm_i8(self.dev, a, w8, out, orient="nn", col_scales=self.ones, accumulate=acc)
+
+            rotated_back(self.dev, gemm, dx, self.rows, d_in, rot, accumulate, lambda: self._rotated_dx(d_in))
         else:
             a, kw = self._gemm_input(dy, d_out)
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)

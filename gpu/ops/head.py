@@ -15,7 +15,7 @@ from gpu.device import Device
 from gpu.ops.matmul import linear
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers
 from gpu.ops.matmul_tc import linear_tc
-from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, weight_to_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotated_back, weight_to_i8
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
 from gpu.weights import QuantTensor, row_slice
 
@@ -81,10 +81,11 @@ class Int8Head:
         rows = self.chunk_rows(nv)
         codes = Int8Matrix(self.dz.codes, self.dz.scales, self.h.rows, nv, nv, "dlogits")
         quantize_i8_gpu(dev, dz, codes, ldx=ldz, col_scales=rows.scales)
-        out, acc = (self.dh_rot, False) if self.rot and accumulate else (dh, accumulate)
-        gemm_i8(dev, codes, rows, out, orient="nn", col_scales=self.ones, accumulate=acc)
-        if self.rot:
-            rotate_rows(dev, out, self.h.rows, self.h.k, self.rot, out=dh if out is not dh else None)
+
+        def gemm(out: Any, acc: bool) -> None:
+            gemm_i8(dev, codes, rows, out, orient="nn", col_scales=self.ones, accumulate=acc)
+
+        rotated_back(dev, gemm, dh, self.h.rows, self.h.k, self.rot, accumulate, lambda: self.dh_rot)
 
 
 def logits_chunk(

@@ -6,6 +6,7 @@ Weight codes transposed (gpu/kernels/transpose_i8.wgsl) for the input gradient o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -104,3 +105,24 @@ def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = Non
     bindings = [pack(rows, k, 0, 0), x] + ([] if out is None else [out])
     pipe = pipeline(dev, "hadamard_rows", rot=rot, acc=out is not None, tint=tint(dev))
     dev.dispatch(pipe, bindings, grid(rows, 1))
+
+
+def rotated_back(
+    dev: Device,
+    gemm: Callable[[Any, bool], None],
+    dx: Any,
+    rows: int,
+    k: int,
+    rot: int,
+    accumulate: bool,
+    scratch: Callable[[], Any],
+) -> None:
+    """dx (+)= a GEMM's result over operands rotated in blocks of rot, turned back: gemm(out, accumulate) writes
+    it into dx (rotated back in place) or, to be added to dx, into scratch() (rows x k f32); rot 0: gemm(dx,
+    accumulate) alone."""
+    if rot == 0:
+        gemm(dx, accumulate)
+        return
+    out = scratch() if accumulate else dx
+    gemm(out, False)
+    rotate_rows(dev, out, rows, k, rot, out=dx if accumulate else None)
