@@ -368,7 +368,8 @@ class TrainSection(Section):
         "auto",
         description="Matmul path: f32 (portable, strict parity with the reference); tensorcore (f16 operands "
         "in subgroup matrices, f32 accumulation); int8 (opt-in: the frozen projections' GEMMs on integer "
-        "subgroup matrices, 8-bit activations and weights with per-row scales; README Numerics); auto: "
+        "subgroup matrices, 8-bit activations and weights with per-row scales after a Walsh-Hadamard rotation; "
+        "the demo's held-out KL ends ~2 % above tensorcore's; README Numerics); auto: "
         "tensorcore where the adapter supports it, else f32.",
     )
     backend: Literal["auto", "gpu", "numpy"] = Field(
