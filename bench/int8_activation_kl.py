@@ -91,13 +91,11 @@ def variant_linear(variant: str, vocab: int, exact: Linear) -> Linear:
             return exact(rounded(x @ r), rounded(w @ r))
         if name.startswith("hadamard"):
             size, _, rest = name[8:].partition(":")
-            if rest == "residual":  # x as two 8-bit terms (codes of x, then of what they miss), W rounded
-                size = min(int(size), x.shape[1] & -x.shape[1])
-                xr = hadamard_rows(x, size)
-                first = rounded(xr)
-                return exact(first + rounded(xr - first), rounded(hadamard_rows(w, size)))
             size = min(int(size), x.shape[1] & -x.shape[1])
             xr, wr = hadamard_rows(x, size), hadamard_rows(w, size)
+            if rest == "residual":  # x as two 8-bit terms (codes of x, then of what they miss), W rounded
+                first = rounded(xr)
+                return exact(first + rounded(xr - first), rounded(wr))
             if rest in ("weights", "inputs"):
                 return exact(xr, rounded(wr)) if rest == "weights" else exact(rounded(xr), wr)
             return exact(rounded(xr, int(rest.removeprefix("chunk") or 0)), rounded(wr))

@@ -247,8 +247,8 @@ class GPUModel:
     # H200 the epilogue made the Llama-3-8B step 4 % slower, 5,095 vs 5,320 tokens/s, docs/benchmarks.md)
     lora_in_gemm_i8 = False
     # int8: both operands of the projections' integer GEMMs rotated along their inputs in Walsh-Hadamard blocks
-    # (model/int8.py rotation_block): an outlier input spreads over its block, so per-row 8-bit scales fit
-    # (bench/int8_activation_kl.py: the demo student's held-out KL +16.8 % per row, +1.8 % rotated)
+    # (model/int8.py rotation_block): an outlier input spreads over its block, so per-row 8-bit scales fit (the
+    # demo trained through int8: held-out KL +22 % over tensorcore's per row, +2.4 % rotated; docs/benchmarks.md)
     int8_rotation = True
 
     def __init__(
