@@ -12,7 +12,8 @@ one step; gpu_tops: timestamp queries, median of 5), max_rel_err against model/i
 the same codes over 8 sampled rows. quantize rows: the activation quantizer (gpu/kernels/quantize_i8.wgsl)
 on M x K f32, in GB/s of f32 read. --orient nn times the input-gradient GEMM instead: C[M, N] = A[M, K] . W[K, N]
 with W's codes stored [K, N] (a weight read by columns) and one f32 scale per column of C.
---sweep tiles: 'sg_m,sg_n,tm,tn,bk,fm[,pad,group_m]'.
+--sweep tiles: 'sg_m,sg_n,tm,tn,bk,fm[,pad,group_m]'. --lora 16 adds a rank-16 LoRA term t . B^T in the GEMM's
+epilogue ("nt", one chunk; rows "lora": 16, checked against float64 on its f16 operands) beside the plain rows.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gemm_tc import gpu_time, parse_shapes, time_calls, torch_tflops  # noqa: E402
 from gpu.codegen_i8 import PROBES, I8Config  # noqa: E402
 from gpu.device import Device  # noqa: E402
+from gpu.ops.lora import lora_rank16, lora_term  # noqa: E402
 from gpu.ops.matmul_i8 import (  # noqa: E402
     I8_TILE,
     Int8Matrix,
@@ -74,6 +76,7 @@ def time_gemm_i8(
     rng: np.random.Generator,
     check: bool = True,
     orient: str = "nt",
+    lora: int = 0,
 ) -> dict[str, Any]:
     chunk = chunk or k
     a, (ac, asc) = random_i8(dev, m, k, chunk, rng)
@@ -85,9 +88,16 @@ def time_gemm_i8(
         wsc = (rng.uniform(0.5, 1.5, size=n) / 127).astype(np.float32)
         col = dev.upload(wsc)
     c = dev.buffer(4 * m * n)
+    term, lora_ref = None, 0.0
+    if lora:  # t [m, r], B [n, r], scale 2: packed once, as the engine does per projection
+        t, b = (rng.standard_normal((rows, lora), dtype=np.float32) * 0.1 for rows in (m, n))
+        lr = lora_rank16(lora)
+        term = lora_term(dev, dev.upload(t), dev.upload(b), m, n, lora, 2.0, "rows", dev.buffer(2 * m * lr),
+                         dev.buffer(2 * n * lr))  # fmt: skip
+        lora_ref = (2 * t).astype(np.float16).astype(np.float64) @ b.astype(np.float16).astype(np.float64).T
 
     def call() -> None:
-        gemm_i8(dev, a, w, c, orient=orient, col_scales=col, cfg=cfg)
+        gemm_i8(dev, a, w, c, orient=orient, col_scales=col, cfg=cfg, lora=term)
 
     timing = time_calls(dev, call, 0.25)
     ops = 2.0 * m * n * k
@@ -98,6 +108,7 @@ def time_gemm_i8(
         "chunk": chunk,
         "orient": orient,
         "cfg": cfg.label,
+        "lora": lora,
         "ms": round(timing["seconds"] * 1e3, 4),
         "tops": round(ops / timing["seconds"] / 1e12, 1),
         **{key: timing[key] for key in ("reps", "spread", "first_call_s")},
@@ -109,7 +120,7 @@ def time_gemm_i8(
         rows = np.sort(rng.choice(m, size=min(8, m), replace=False))
         got = np.stack([dev.read(c, np.float32, (n,), offset=int(i) * n * 4) for i in rows]).astype(np.float64)
         if orient == "nt":
-            ref = gemm_i8_reference(ac[rows], asc[rows], wc, wsc)
+            ref = gemm_i8_reference(ac[rows], asc[rows], wc, wsc) + (lora_ref[rows] if lora else 0.0)
         else:
             ref = (ac[rows].astype(np.float64) * asc[rows]) @ wc.astype(np.float64) * wsc.astype(np.float64)
         row["max_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
@@ -138,6 +149,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="tiles 'sg_m,sg_n,tm,tn,bk,fm;...' (default: the preset)")
     ap.add_argument("--probes", action="store_true", help="also the preset without MMAs / staging / scaling")
     ap.add_argument("--orient", default="nt", choices=("nt", "nn"), help="forward (nt) or input-gradient (nn) GEMM")
+    ap.add_argument("--lora", type=int, default=0, help="also each shape with a LoRA term of this rank in the epilogue")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     dev = Device("dawn")
@@ -152,10 +164,12 @@ def main() -> None:
     for m, n, k in shapes:
         for chunk in chunks:
             for cfg in cfgs:
-                try:
-                    emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng, orient=args.orient))
-                except Exception as e:  # noqa: BLE001 - one tile's failure leaves the others' figures
-                    emit(m=m, n=n, k=k, chunk=chunk, cfg=cfg.label, error=str(e)[-400:])
+                ranks = [0, args.lora] if args.lora and not chunk and args.orient == "nt" else [0]
+                for r in ranks:
+                    try:
+                        emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng, orient=args.orient, lora=r))
+                    except Exception as e:  # noqa: BLE001 - one tile's failure leaves the others' figures
+                        emit(m=m, n=n, k=k, chunk=chunk, cfg=cfg.label, lora=r, error=str(e)[-400:])
             if args.probes:
                 for probe in PROBES[1:]:
                     cfg = I8Config(**{**I8_TILE.__dict__, "probe": probe})

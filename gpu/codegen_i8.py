@@ -38,10 +38,12 @@ class I8Config(SubgroupTile):
         """Staged row stride in words."""
         return self.bk // 4 + self.pad
 
-    def workgroup_bytes(self) -> int:
-        return 4 * (self.stages * (self.bm + self.bn) * self.ldw + self.subgroups * self.fm * MATRIX * MATRIX)
+    def workgroup_bytes(self, lora: bool = False) -> int:
+        """Staging buffers and the epilogue's scratch (twice with a LoRA term: its f32 blocks beside Cs)."""
+        scratch = self.subgroups * self.fm * MATRIX * MATRIX * (2 if lora else 1)
+        return 4 * (self.stages * (self.bm + self.bn) * self.ldw + scratch)
 
-    def validate(self, max_threads: int = 1024, max_workgroup_bytes: int = 49152) -> None:
+    def validate(self, max_threads: int = 1024, max_workgroup_bytes: int = 49152, lora: bool = False) -> None:
         """Raise ValueError when the tile cannot be generated or exceeds the given device limits."""
         for name in ("sg_m", "sg_n", "tm", "tn", "bk", "fm"):
             if getattr(self, name) <= 0:
@@ -56,7 +58,7 @@ class I8Config(SubgroupTile):
             raise ValueError(f"I8Config.fm={self.fm} must divide tm * tn = {self.tm * self.tn}")
         if self.probe not in PROBES:
             raise ValueError(f"I8Config.probe={self.probe!r}: expected one of {PROBES}")
-        self.check_fit(f"I8Config {self.label}", self.workgroup_bytes(), max_threads, max_workgroup_bytes)
+        self.check_fit(f"I8Config {self.label}", self.workgroup_bytes(lora), max_threads, max_workgroup_bytes)
 
     @property
     def label(self) -> str:
@@ -205,9 +207,20 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     lines += [f"{i2}let sa{i} = sa8(ms + {i * MATRIX}u, c);" for i in range(c.tm)]
     lines += [f"{i2}let sw{j} = SW[min(ns + {j * MATRIX}u, prm.N - 1u) * prm.chunks + c];" for j in range(c.tn)]
     pairs = _pairs(c)
+    emulated = d is _EMU
+    if final and v.lora and not emulated:
+        lines += _lora_operands(c, v.lora, i2)
     for g in range(0, len(pairs), c.fm):
         group = pairs[g : g + c.fm]
         lines += [f"{i2}{d.store_cs.format(off=f'{f * 256}u', acc=f'acc_{i}_{j}')};" for f, (i, j) in enumerate(group)]
+        if final and v.lora:  # each block's LoRA term beside it (blocks past M or N are never written)
+            for f, (i, j) in enumerate(group):
+                if emulated:
+                    mb, nb = f"ms - row + {i * MATRIX}u", f"ns - col + {j * MATRIX}u"
+                    call = f"if ({mb} < prm.M && {nb} < prm.N) {{ lora_block(sg, {f}u, {mb}, {nb}, lane); }}"
+                else:
+                    call = f"lora_block(sg, {f}u, lmb{i}, lnb{j}, lt{i}, ll{j});"
+                lines.append(i2 + call)
         barrier = [] if final and c.probe == "no_ebar" else [f"{i2}workgroupBarrier();"]
         lines += barrier
         for f, (i, j) in enumerate(group):
@@ -216,7 +229,8 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
                 lines.append(f"{i2}f_{i}_{j} = add8(f_{i}_{j}, {part});")
             else:
                 val = f"add8(f_{i}_{j}, {part})" if v.chunked else part
-                lines.append(f"{i2}write8(ms + {i * MATRIX}u, ns + {j * MATRIX}u, {val});")
+                lo = f", lora8(sg, {f}u, lane)" if v.lora else ""
+                lines.append(f"{i2}write8(ms + {i * MATRIX}u, ns + {j * MATRIX}u, {val}{lo});")
         lines += barrier
     if not final:
         lines += [f"{i2}acc_{i}_{j} = {d.zero};" for i, j in pairs]
@@ -254,15 +268,61 @@ def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
     return lines + [f"{i1}}}"]
 
 
-# the LoRA variants' binding of L and its vec4 for ranks 4q .. 4q + 3 of column n (matmul_i8_lora.wgsl)
-_LB = {
-    "rows": {"LB_ELEM": "vec4<f32>", "LB_LOAD": "LB[n * prm.lr4 + q]"},
-    "cols": {
-        "LB_ELEM": "f32",
-        "LB_LOAD": "vec4<f32>(LB[4u * q * prm.N + n], LB[(4u * q + 1u) * prm.N + n], LB[(4u * q + 2u) * prm.N + n], "
-        "LB[(4u * q + 3u) * prm.N + n])",
-    },
+# the LoRA variants' right matrix of L16 for ranks q .. q + 15 of columns nb .. nb + 15: (offset, col_major, stride)
+# of the subgroup-matrix load, and L's element (rank k, column nb + col) for the emulation (matmul_i8_lora.wgsl)
+_L16 = {
+    "rows": ("{nb} * prm.lr + {q}", "true", "prm.lr", "(nb + col) * prm.lr + k"),
+    "cols": ("{q} * prm.N + {nb}", "false", "prm.N", "k * prm.N + nb + col"),
 }
+
+
+_T16_LEFT = "subgroup_matrix_left<f16, 16, 16>"
+_L16_RIGHT = "subgroup_matrix_right<f16, 16, 16>"
+
+
+def _l16_load(layout: str, q: str, nb: str) -> str:
+    off, cm, stride, _ = _L16[layout]
+    return f"subgroupMatrixLoad<{_L16_RIGHT}>(&L16, {off.format(q=q, nb=nb)}, {cm}, {stride})"
+
+
+def _lora_block(layout: str, emulate: bool) -> str:
+    """lora_block (matmul_i8_lora.wgsl) for one layout of L16: per element (emulated), or on subgroup matrices from
+    the first 16 ranks' operands the epilogue loaded up front (t0, l0), the rest (ranks past 16) loaded here."""
+    if emulate:
+        elem = _L16[layout][3]
+        return f"""fn lora_block(sg: u32, f: u32, mb: u32, nb: u32, lane: u32) {{
+    for (var e = 0u; e < 8u; e++) {{
+        let row = (lane * 8u + e) / 16u;
+        let col = (lane * 8u + e) % 16u;
+        var s = 0.0;
+        for (var k = 0u; k < prm.lr; k++) {{
+            s += f32(T16[(mb + row) * prm.lr + k]) * f32(L16[{elem}]);
+        }}
+        Ls[sg][f * 256u + lane * 8u + e] = s;
+    }}
+}}"""
+    return f"""fn lora_block(sg: u32, f: u32, mb: u32, nb: u32, t0: {_T16_LEFT}, l0: {_L16_RIGHT}) {{
+    var l = subgroupMatrixMultiplyAccumulate(t0, l0, subgroup_matrix_result<f32, 16, 16>());
+    for (var q = 16u; q < prm.lr; q += 16u) {{
+        let tq = subgroupMatrixLoad<{_T16_LEFT}>(&T16, mb * prm.lr + q, false, prm.lr);
+        l = subgroupMatrixMultiplyAccumulate(tq, {_l16_load(layout, "q", "nb")}, l);
+    }}
+    subgroupMatrixStore(&Ls[sg], f * 256u, l, false, 16u);
+}}"""
+
+
+def _lora_operands(c: I8Config, layout: str, ind: str) -> list[str]:
+    """The epilogue's LoRA operands of the first 16 ranks, loaded once up front (storage loads of subgroup matrices
+    are slow: one latency instead of one per block): this subgroup's TM left blocks of T16 and TN right blocks of
+    L16, at blocks clamped inside M and N (a clamped block's term is never written)."""
+    lines = []
+    for i in range(c.tm):
+        lines.append(f"{ind}let lmb{i} = min(ms - row + {i * MATRIX}u, prm.M - 16u);")
+        lines.append(f"{ind}let lt{i} = subgroupMatrixLoad<{_T16_LEFT}>(&T16, lmb{i} * prm.lr, false, prm.lr);")
+    for j in range(c.tn):
+        lines.append(f"{ind}let lnb{j} = min(ns - col + {j * MATRIX}u, prm.N - 16u);")
+        lines.append(f"{ind}let ll{j} = {_l16_load(layout, '0u', f'lnb{j}')};")
+    return lines
 
 
 def _row_staging(op: str) -> str:
@@ -300,14 +360,14 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     if v.lora not in ("", "rows", "cols") or (v.lora and (v.orient != "nt" or v.chunked)):
         raise ValueError(f"I8Variant lora={v.lora!r} orient={v.orient!r} chunked={v.chunked}: '', 'rows' or 'cols', "
                          "with 'nt' and one chunk")  # fmt: skip
-    out = "C[i]"
-    value = "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
+    out, value = "C[i]", "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
     store = f"{out} = {out} + ({value});" if v.accumulate else f"{out} = {value};"
     if c.probe == "no_write":  # the values stay live, the stores (practically) never happen
         store = f"if (v[e] == 1.2345e-30) {{ {store} }}"
     return fill(
         kernel_text("matmul_i8.wgsl"),
-        DIRECTIVES=d.directives,
+        DIRECTIVES=("enable f16;\n" if v.lora else "") + d.directives,
+        WRITE8_LORA=", lo: array<f32, 8>" if v.lora else "",
         EMULATION=kernel_text("matmul_i8_emulation.wgsl") if emulate else "",
         SG_PARAM=d.sg_param,
         SG_LET=d.sg_let,
@@ -329,8 +389,11 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         B_STAGING="" if direct else _row_staging("b") if v.orient == "nt" else kernel_text("matmul_i8_b_nn.wgsl"),
         CS_LEN=c.fm * MATRIX * MATRIX,
         STORE_EXPR=store,
-        LORA_BINDINGS=fill(kernel_text("matmul_i8_lora.wgsl"), **_LB[v.lora]) if v.lora else "",
-        LORA_PRE="let lo = lora8(m, n);" if v.lora else "",
+        LORA_BINDINGS=fill(
+            kernel_text("matmul_i8_lora.wgsl"), LORA_BLOCK=_lora_block(v.lora, emulate), LS_LEN=c.fm * MATRIX * MATRIX
+        )
+        if v.lora
+        else "",
         DECLS="\n".join(_decls(c, v, d)),
         MAIN_LOOP="\n".join(_main_loop(c, v, d)),
         EPILOGUE="\n".join(_scale_pass(c, v, d, " " * 4, "prm.chunks - 1u", final=True)),

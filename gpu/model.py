@@ -31,9 +31,9 @@ from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
-from gpu.ops.lora import lora_expand, lora_forward, lora_project
+from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_rank16, lora_term
 from gpu.ops.matmul import linear, linear_input_grad
-from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers, int8_emulated, int8_problem
+from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
 from gpu.ops.rmsnorm import rmsnorm_forward
@@ -243,9 +243,10 @@ class GPUModel:
 
     keeps_block_inputs = True  # every block's input stays in xs (a backward recomputes from them)
     saves_lora_t = False  # one t = x A^T per adapted projection, kept for a backward (GPUStudent)
-    # int8: a projection's LoRA expansion s t B^T added in its integer GEMM's epilogue (off: its own pass; on the
-    # H200 the epilogue made the Llama-3-8B step 4 % slower, 5,095 vs 5,320 tokens/s, docs/benchmarks.md)
-    lora_in_gemm_i8 = False
+    # int8: a projection's LoRA term (s t B^T forward, dt A R input gradient) in its integer GEMM's epilogue, on the
+    # f16 tensor cores (off: passes of their own over y and dx; the Llama-3-8B step on an H100 4,702 vs 4,591
+    # tokens/s, docs/benchmarks.md)
+    lora_in_gemm_i8 = True
     # int8: both operands of the projections' integer GEMMs rotated along their inputs in Walsh-Hadamard blocks
     # (model/int8.py rotation_block): an outlier input spreads over its block, so per-row 8-bit scales fit (the
     # demo trained through int8: held-out KL +22 % over tensorcore's per row, +2.4 % rotated; docs/benchmarks.md)
@@ -416,6 +417,9 @@ class GPUModel:
             # gradients' column scales (ones: W's row scales are folded into dY)
             self.a8 = b("gemm input int8", -(-rows * max(h, f, qd) // 4)), b("gemm input int8 scales", rows)
             self.ones = self.dev.upload(np.ones(max(h, f, qd), np.float32), label="int8 column scales")
+            if r:  # the LoRA terms of the integer GEMMs' epilogues, one at a time (f16, rank padded to 16)
+                lr = lora_rank16(r)
+                self.lora16 = b("int8 lora t16", rows * lr // 2), b("int8 lora L16", max(h, f, qd, kvd) * lr // 2)
 
     def _gemm_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand for a projection GEMM over x [rows, width] and the GEMM's extra arguments: x itself
@@ -453,6 +457,11 @@ class GPUModel:
         a = Int8Matrix(*self.a8, self.rows, width, width, "gemm input")
         quantize_i8_gpu(self.dev, x, a, rot=self._rotation(width))
         return a, {"int8": True}
+
+    def _lora_in_gemm(self, cols: int) -> bool:
+        """Whether an integer GEMM with `cols` output columns takes its LoRA term in the epilogue (lora_in_gemm_i8,
+        and C in whole 16 x 16 blocks)."""
+        return self.lora_in_gemm_i8 and self.rows % 16 == 0 and cols % 16 == 0
 
     def _rotation(self, width: int) -> int:
         """The Walsh-Hadamard block of the integer GEMMs over inputs of `width` (0: not rotated)."""
@@ -515,10 +524,10 @@ class GPUModel:
         t, r = (self._lora_t(layer, target), self.layout.r) if ab is not None else (None, 0)
         fused = None
         if kw.get("int8"):  # every projection whose input _forward_input quantizes has an int8 slot
-            if ab is not None and self.lora_in_gemm_i8 and r % 4 == 0:  # s t B^T added in the GEMM's epilogue
+            if ab is not None and self._lora_in_gemm(d_out):  # s t B^T written in the GEMM's epilogue
                 if not self._replay_lora_t:
                     lora_project(self.dev, x, ab[0], t, self.rows, d_in, r)
-                fused = LoraTerm(t, ab[1], r, self.scale)
+                fused = lora_term(self.dev, t, ab[1], self.rows, d_out, r, self.scale, "rows", *self.lora16)
             gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused)
         else:
             self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)

@@ -100,18 +100,19 @@ def _weight_q4_k_values(rot: int, tint: bool) -> dict[str, object]:
     return {"ROT": rot, **_subgroups(tint)}
 
 
-def _hadamard_rows_values(rot: int, acc: bool, tint: bool) -> dict[str, object]:
-    """hadamard_rows: in place (Y is X) or accumulating into Y from X."""
-    if acc:
+def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
+    """hadamard_rows: X R^T in place ("back"), Y += X R^T ("back_add"), or Y = X R ("forward")."""
+    if mode == "back":
+        bindings = "@group(0) @binding(1) var<storage, read_write> X: array<vec4<f32>>;"
+        store = "X[base + w] = y;"
+    else:
         bindings = (
             "@group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;\n"
             "@group(0) @binding(2) var<storage, read_write> Y: array<vec4<f32>>;"
         )
-        store = "Y[base + w] += y;"
-    else:
-        bindings = "@group(0) @binding(1) var<storage, read_write> X: array<vec4<f32>>;"
-        store = "X[base + w] = y;"
-    return {"ROT": rot, "BINDINGS": bindings, "STORE": store, **_subgroups(tint)}
+        store = "Y[base + w] += y;" if mode == "back_add" else "Y[base + w] = y;"
+    back = "false" if mode == "forward" else "true"
+    return {"ROT": rot, "BINDINGS": bindings, "STORE": store, "BACK": back, **_subgroups(tint)}
 
 
 def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
@@ -183,6 +184,7 @@ KERNELS: dict[str, Kernel] = {
     "from_bf16": Kernel((*_ELEMENTWISE, "from_bf16")),
     "scale": Kernel((*_ELEMENTWISE, "scale")),
     "lora_group_sum": Kernel((*_ELEMENTWISE, "lora_group_sum"), {"acc": BOOLS}),
+    "lora_pack": Kernel(("lora_pack", *_ITEMS)),
     "swiglu_forward": Kernel(("glu_forward", *_ELEMENTWISE), {"half": BOOLS}, partial(_glu_values, "g * sigmoid(g)")),
     "swiglu_backward": Kernel((*_ELEMENTWISE, "swiglu_backward")),
     "geglu_forward": Kernel(
@@ -208,7 +210,7 @@ KERNELS: dict[str, Kernel] = {
     "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT}, _weight_i8_values),
     "hadamard_rows": Kernel(
         ("subgroups_directive", "hadamard", "hadamard_rows"),
-        {"rot": ROTATIONS[1:], "acc": BOOLS, "tint": BOOLS},
+        {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
         _hadamard_rows_values,
     ),
     "weight_i8_q4_k": Kernel(

@@ -30,11 +30,12 @@ from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
 from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
-from gpu.ops.lora import lora_backward
+from gpu.ops.lora import lora_backward, lora_term
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, rotated_back, transpose_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, rotated_back, transpose_i8
 from gpu.ops.rmsnorm import rmsnorm_backward
 from gpu.ops.rope import rope_backward
+from model.config import LORA_TARGETS
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
 from model.reference import LoraPair, check_group_constant
 
@@ -98,6 +99,8 @@ class GPUStudent(GPUModel):
         if w8_bytes and self.int8_input_grads and self.transposed_input_grads:  # one projection's codes at a time
             self.w8t = dev.buffer(w8_bytes, label="int8 weight transposed")
         self._dx_rotated: Any = None  # see _rotated_dx
+        self._a_rotated: Any = None  # see _lora_term_back
+        self._widest_input = max((self.cfg.target_shape(t)[1] for t in LORA_TARGETS), default=0)
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
         self.applied_steps = 0
         self.skipped_steps = 0
@@ -163,10 +166,10 @@ class GPUStudent(GPUModel):
         w8 = self._int8_weight(layer, target) if self.int8_input_grads else None
         ab = self._lora(layer, target, self.params)
         int8 = w8 is not None and d_out % MMA_K == 0 and d_in % 16 == 0
-        # int8 over W's transposed codes: dx += dt A in the GEMM's epilogue, so the LoRA products come first
+        # int8 over W's transposed codes: dx += dt A in the GEMM's epilogue, so the LoRA products come first; over
+        # rotated codes the GEMM gives dX R, so the term is dt (A R), turned back with it
         rot = self._rotation(d_in) if int8 else 0
-        in_gemm = int8 and self.transposed_input_grads and self.lora_in_gemm_i8 and self.layout.r % 4 == 0
-        in_gemm = in_gemm and rot == 0  # the epilogue's dt A is not rotated
+        in_gemm = int8 and self.transposed_input_grads and self._lora_in_gemm(d_in)
         if ab is not None and in_gemm:
             self._lora_back(dy, x, layer, target, ab, None)
         if int8:
@@ -177,7 +180,8 @@ class GPUStudent(GPUModel):
             wt = term = None
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
-                term = LoraTerm(self.dt, ab[0], self.layout.r, 1.0, "cols") if ab is not None and in_gemm else None
+                if ab is not None and in_gemm:
+                    term = self._lora_term_back(ab[0], d_in, rot)
 
             def gemm(out: Any, acc: bool) -> None:
                 if wt is not None:
@@ -191,6 +195,17 @@ class GPUStudent(GPUModel):
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
         if ab is not None and not in_gemm:
             self._lora_back(dy, x, layer, target, ab, dx)
+
+    def _lora_term_back(self, a: Any, d_in: int, rot: int) -> LoraTerm:
+        """The input gradient's LoRA term dt . A for the integer GEMM's epilogue (dt = s dY B, from _lora_back), with
+        A rotated like the weight codes (A R, into a scratch) when they are."""
+        r = self.layout.r
+        if rot:
+            if self._a_rotated is None:
+                self._a_rotated = self.dev.buffer(4 * r * self._widest_input, label="lora A rotated")
+            rotate_rows(self.dev, a, r, d_in, rot, out=self._a_rotated, forward=True)
+            a = self._a_rotated
+        return lora_term(self.dev, self.dt, a, self.rows, d_in, r, 1.0, "cols", *self.lora16)
 
     def _rotated_dx(self, d_in: int) -> Any:
         """Scratch for an accumulated input gradient dX R of rows x d_in before its rotation back (allocated on

@@ -18,6 +18,7 @@ from gguf.quants import dequantize
 
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
+from gpu.ops.lora import lora_rank16, lora_term
 from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, LoraTerm, gemm_i8, i8_buffers, upload_i8
 from gpu.ops.quantize_i8 import quantize_i8_gpu, tint, transpose_i8, weight_to_i8
 from gpu.weights import random_blocks, upload_quant
@@ -97,8 +98,9 @@ def test_quantize_kernel_matches_the_twin(dev: Device, off: int, scaled: bool) -
 def _check_gemm_lora(
     dev: Device, m: int, n: int, k: int, r: int, cfg: I8Config | None, layout: str = "rows", **kw
 ) -> float:
-    """C (+)= alpha A . W^T + s t . L in one GEMM (the LoRA term in the epilogue; L given as L^T [n, r] or L [r, n]
-    by layout) against float64 on the same codes; C's other columns and elements before c_offset untouched."""
+    """C (+)= alpha A . W^T + s t . L in one GEMM (the LoRA term packed to f16 by lora_term, written on the f16
+    tensor cores in the epilogue; L given as L^T [n, r] or L [r, n] by layout) against float64 on the same codes
+    and the same f16 roundings; C's other columns and elements before c_offset untouched."""
     rng = np.random.default_rng(m + n + k + r)
     x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
     t, lo = rng.standard_normal((m, r)).astype(np.float32), rng.standard_normal((r, n)).astype(np.float32)
@@ -106,39 +108,52 @@ def _check_gemm_lora(
     wq, a = upload_i8(dev, w, k, "w"), i8_buffers(dev, m, k, k, "x")
     quantize_i8_gpu(dev, dev.upload(x), a)
     ac, asc = dev.read(a.codes, np.int8, (m, k)), dev.read(a.scales, np.float32, (m, 1))
-    lora_ref = scale * (t.astype(np.float64) @ lo.astype(np.float64))
+    t16, lo16 = (scale * t).astype(np.float16), lo.astype(np.float16)
+    lora_ref = t16.astype(np.float64) @ lo16.astype(np.float64)
     ref = gemm_i8_reference(ac, asc, *quantize_i8(w, k)) + lora_ref / alpha
     stored = np.ascontiguousarray(lo.T if layout == "rows" else lo)
-    term = LoraTerm(dev.upload(t), dev.upload(stored), r, scale, layout)
+    lr = lora_rank16(r)
+    bufs = dev.buffer(2 * m * lr), dev.buffer(2 * n * lr)
+    term = lora_term(dev, dev.upload(t), dev.upload(stored), m, n, r, scale, layout, *bufs)
+    packed = dev.read(term.t16, np.float16, (m, lr))
+    assert np.array_equal(packed[:, :r], t16) and not packed[:, r:].any(), "t16: f16(s t), zero padded"
     return _run_into_c(dev, rng, ref, lambda c: gemm_i8(dev, a, wq, c, cfg=cfg, lora=term, **kw), **kw)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["rows", "cols"])
-@pytest.mark.parametrize("m,n,k,r", [(70, 50, 128, 16), (33, 40, 64, 4), (16, 16, 64, 64)])
+@pytest.mark.parametrize("m,n,k,r", [(80, 48, 128, 16), (32, 48, 64, 4), (16, 16, 64, 40)])
 def test_gemm_lora_epilogue_emulated(dev: Device, m: int, n: int, k: int, r: int, layout: str) -> None:
-    """The LoRA variants (L stored transposed or not; edges in M and N, ranks 4 / 16 / 64, alpha != 1, C with a
-    stride and an offset, accumulating or not) within TOL of float64; a LoRA term with several chunks, "nn",
-    r % 4 != 0 or another layout is refused."""
+    """The LoRA variants (L stored transposed or not; tiles past M and N, ranks 4 / 16 / 40 padded to 16 / 16 / 48,
+    alpha != 1, C with a stride and an offset, accumulating or not) within TOL of float64; a LoRA term with several
+    chunks, "nn", rows or columns of C not multiples of 16, another layout or short operands is refused."""
     cfg = I8Config(2, 1, 1, 2, 32, 1)
     for acc in (False, True):
         kw = {"alpha": 0.5, "ldc": n + 6, "c_offset": 3, "accumulate": acc}
         assert _check_gemm_lora(dev, m, n, k, r, cfg, layout, emulate=True, **kw) < TOL
     a, w = i8_buffers(dev, 16, 64, 64, "x"), upload_i8(dev, np.ones((16, 64), np.float32), 64, "w")
-    term = LoraTerm(dev.buffer(4 * 16 * 4), dev.buffer(4 * 16 * 4), 4, 1.0, layout)
-    with pytest.raises(DeviceError, match="a LoRA term needs"):
-        gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, lora=LoraTerm(term.t, term.b, 3, 1.0, layout))
+    term = LoraTerm(dev.buffer(2 * 16 * 16), dev.buffer(2 * 16 * 16), 16, layout)
+    c = dev.buffer(4 * 256)
+    with pytest.raises(DeviceError, match="multiples of 16"):
+        gemm_i8(dev, i8_buffers(dev, 8, 64, 64, "x"), w, c, emulate=True, lora=term)
     with pytest.raises(DeviceError, match="LoRA layout 'diag'"):
-        gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, lora=LoraTerm(term.t, term.b, 4, 1.0, "diag"))
-    with pytest.raises(DeviceError, match="fewer than 16 or 16 rows of 8"):
-        gemm_i8(dev, a, w, dev.buffer(4 * 256), emulate=True, lora=LoraTerm(term.t, term.b, 8, 1.0, layout))
+        gemm_i8(dev, a, w, c, emulate=True, lora=LoraTerm(term.t16, term.l16, 16, "diag"))
+    with pytest.raises(DeviceError, match="row length 8 is not a multiple of 16"):
+        gemm_i8(dev, a, w, c, emulate=True, lora=LoraTerm(term.t16, term.l16, 8, layout))
+    with pytest.raises(DeviceError, match="fewer than 16 or 16 rows of 32"):
+        gemm_i8(dev, a, w, c, emulate=True, lora=LoraTerm(term.t16, term.l16, 32, layout))
+    with pytest.raises(DeviceError, match="lora_term: layout 'diag'"):
+        lora_term(dev, c, c, 16, 16, 4, 1.0, "diag", term.t16, term.l16)
 
 
 @pytest.mark.tensorcore
 @pytest.mark.parametrize("layout", ["rows", "cols"])
-def test_gemm_lora_epilogue_on_tensor_cores(layout: str) -> None:
-    """The LoRA variants with the preset tile on the integer tensor cores (H200 only)."""
-    assert _check_gemm_lora(tensor_core_device_or_skip(), 300, 272, 256, 16, None, layout) < TOL
+@pytest.mark.parametrize("acc,r", [(False, 16), (True, 16), (False, 40)])
+def test_gemm_lora_epilogue_on_tensor_cores(layout: str, acc: bool, r: int) -> None:
+    """The LoRA variants with the preset tile on the integer tensor cores, the term on the f16 ones (tiles past M
+    and N, ranks past the first 16; Dawn only)."""
+    kw = {"accumulate": acc, "ldc": 280, "c_offset": 5}
+    assert _check_gemm_lora(tensor_core_device_or_skip(), 304, 272, 256, r, None, layout, **kw) < TOL
 
 
 @pytest.mark.gpu

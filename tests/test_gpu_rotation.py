@@ -108,16 +108,21 @@ def test_weight_decode_rotates_like_the_twin(dev: Device, qtype: T) -> None:
     _check_codes(dev, out, hadamard_rows(dequantize(raw, qtype).reshape(n, k).astype(np.float32), 128))
 
 
-@pytest.mark.parametrize("acc", [False, True])
-def test_rotate_rows_in_place_and_accumulating(dev: Device, acc: bool) -> None:
+@pytest.mark.parametrize("mode", ["back", "back_add", "forward"])
+def test_rotate_rows_in_place_accumulating_and_forward(dev: Device, mode: str) -> None:
+    """x R^T in place, y += x R^T, and y = x R (the LoRA A of the input gradient's epilogue term) against the twin."""
     rng = np.random.default_rng(5)
     rows, k = 7, 1536
     x = rng.standard_normal((rows, k)).astype(np.float32)
     y = rng.standard_normal((rows, k)).astype(np.float32)
     xb, yb = dev.upload(x), dev.upload(y)
-    rotate_rows(dev, xb, rows, k, 128, out=yb if acc else None)
-    got = dev.read(yb if acc else xb, np.float32, (rows, k))
-    want = hadamard_rows(x, 128, back=True) + (y if acc else 0.0)
+    rotate_rows(dev, xb, rows, k, 128, out=None if mode == "back" else yb, forward=mode == "forward")
+    got = dev.read(xb if mode == "back" else yb, np.float32, (rows, k))
+    if mode == "forward":
+        want = hadamard_rows(x, 128)
+        np.testing.assert_array_equal(dev.read(xb, np.float32, (rows, k)), x)
+    else:
+        want = hadamard_rows(x, 128, back=True) + (y if mode == "back_add" else 0.0)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -127,3 +132,5 @@ def test_rotation_refuses_what_it_cannot_hold(dev: Device) -> None:
         quantize_i8_gpu(dev, dev.upload(np.zeros((2, 96), np.float32)), out, rot=64)
     with pytest.raises(DeviceError, match="rotate_rows"):
         rotate_rows(dev, dev.upload(np.zeros(2 * 96, np.float32)), 2, 96, 0)
+    with pytest.raises(DeviceError, match="forward=True writes into `out`"):
+        rotate_rows(dev, dev.upload(np.zeros(2 * 128, np.float32)), 2, 128, 128, forward=True)

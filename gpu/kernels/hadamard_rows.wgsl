@@ -1,7 +1,9 @@
 // Y[r, :] (+)= X[r, :] R^T for the rows of X: R the rotation of hadamard.wgsl (blocks of ROT). The integer GEMM's
-// input gradient over rotated weight codes gives dX R (R R^T = I): this turns it back.
+// input gradient over rotated weight codes gives dX R (R R^T = I): this turns it back. Mode "forward" writes
+// Y = X R instead (a LoRA A rotated like the codes, for the term that GEMM adds in its epilogue).
 // A workgroup per row (2-D grid), PER groups of four per invocation (rows up to 4 PER WG values), each rotated as
-// it is loaded. In place (acc false): Y is X, one binding (each invocation stores the groups it loaded); acc: Y +=.
+// it is loaded. In place (mode "back"): Y is X, one binding (each invocation stores the groups it loaded); else Y
+// another binding, added to ("back_add") or written ("forward").
 
 struct Params {
     rows: u32,
@@ -36,9 +38,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             }
             var y: vec4<f32>;
             if (shuffled) {
-                y = rotate_group_shuffled(lid, x, 4u * w, true);
+                y = rotate_group_shuffled(lid, x, 4u * w, ${BACK});
             } else {
-                y = rotate_group_shared(lid, x, 4u * w, true);
+                y = rotate_group_shared(lid, x, 4u * w, ${BACK});
             }
             if (w < units) {
                 ${STORE}

@@ -12,8 +12,9 @@
 // at the end (one chunk: per-row scales) each result matrix goes through the subgroup's scratch Cs, FM at a
 // time; each invocation scales its 8 elements (one column, every other row) by SA * SW into f32 registers, and the
 // i32 matrix starts again from zero. Rows past M or N are clamped on load and never written.
-// The LoRA variant adds s * T[m, :] . LB[n, :] to each value as it is written (matmul_i8_lora.wgsl): the forward's
-// LoRA expansion in the epilogue instead of a pass of its own over C.
+// The LoRA variant adds s * T . L to each value as it is written, computed per result matrix on the f16 tensor cores
+// (matmul_i8_lora.wgsl): the forward's LoRA expansion (and the input gradient's) in the epilogue instead of a pass
+// of its own over C.
 // The "direct" timing probe (gpu/codegen_i8.py) stages nothing: A and W bound as i32 words, each subgroup loads its
 // matrices straight from storage.
 // K must be a multiple of BK and of the chunk (gpu/ops/matmul_i8.py checks). Dollar-brace placeholders are
@@ -33,11 +34,11 @@ struct I8Params {
     alpha: f32,
     chunks: u32,   // scales per row: K / chunk
     spc: u32,      // staged steps per chunk: chunk / BK
-    lr4: u32,      // LoRA variant: the rank / 4 (T and LB rows of vec4)
-    ls: f32,       // LoRA variant: its scale s
+    lr: u32,       // LoRA variant: T16's row length (the rank rounded up to 16)
     _pad0: u32,
     _pad1: u32,
     _pad2: u32,
+    _pad3: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: I8Params;
@@ -99,11 +100,10 @@ fn add8(a: array<f32, 8>, b: array<f32, 8>) -> array<f32, 8> {
 }
 
 // rows m, m + 2, ..., m + 14 of column n of C (bounds-checked)
-fn write8(m: u32, n: u32, v: array<f32, 8>) {
+fn write8(m: u32, n: u32, v: array<f32, 8>${WRITE8_LORA}) {
     if (n >= prm.N) {
         return;
     }
-    ${LORA_PRE}
     for (var e = 0u; e < 8u; e++) {
         let row = m + 2u * e;
         if (row < prm.M) {

@@ -1,20 +1,21 @@
-// LoRA term of the integer GEMM's epilogue (include of matmul_i8.wgsl, its LoRA variants): T [M, r] as rows of r / 4
-// vec4 (r a multiple of 4) and L [r, N], stored as LB = L^T [N, r] ("rows": the forward's B) or as L itself
-// ("cols": the input gradient's A; ${LB_LOAD} reads either); each written value gets s * T[m, :] . L[:, n].
-@group(0) @binding(6) var<storage, read> T: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read> LB: array<${LB_ELEM}>;
+// LoRA term of the integer GEMM's epilogue (include of matmul_i8.wgsl, its LoRA variants): each result matrix's
+// block of T16 . L is computed on the f16 tensor cores into the subgroup's scratch Ls, beside the integer block in
+// Cs, and each invocation adds its 8 values to the scaled integer ones as they are written (M and N multiples of
+// 16; gpu/ops/lora.py lora_term packs the operands). T16 [M, LR] f16 row-major (the LoRA scale folded in, ranks
+// past r zero: LR = r rounded up to 16); L16 holds L [LR, N] as L^T [N, LR] ("rows": the forward's B) or as L
+// itself ("cols": the input gradient's A).
+@group(0) @binding(6) var<storage, read> T16: array<f16>;
+@group(0) @binding(7) var<storage, read> L16: array<f16>;
+var<workgroup> Ls: array<array<f32, ${LS_LEN}>, NSG>;   // FM LoRA blocks per subgroup, laid out as Cs
 
-// s * T[row] . L[:, n] for this invocation's rows m, m + 2, ..., m + 14 (clamped) of column n (< N)
-fn lora8(m: u32, n: u32) -> array<f32, 8> {
-    var s: array<f32, 8>;
-    for (var q = 0u; q < prm.lr4; q++) {
-        let b = ${LB_LOAD};
-        for (var e = 0u; e < 8u; e++) {
-            s[e] += dot(T[min(m + 2u * e, prm.M - 1u) * prm.lr4 + q], b);
-        }
-    }
+// Ls[sg][f 256 ..] = T16[mb .. mb + 16, :] . L[:, nb .. nb + 16] (one subgroup; uniform mb, nb inside M, N)
+${LORA_BLOCK}
+
+// this invocation's 8 values of the subgroup's LoRA block f (as scaled8 reads Cs)
+fn lora8(sg: u32, f: u32, lane: u32) -> array<f32, 8> {
+    var v: array<f32, 8>;
     for (var e = 0u; e < 8u; e++) {
-        s[e] *= prm.ls;
+        v[e] = Ls[sg][f * 256u + e * 32u + lane];
     }
-    return s;
+    return v;
 }

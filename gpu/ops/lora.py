@@ -14,7 +14,8 @@ H200 (2026-12-04, docs/benchmarks.md) the fused kernels made the TinyLlama-shape
 54.0 ms per step, 11,487 vs 12,038 tokens/s; `bench/train_step.py --lora-path fused|split`): fewer dispatches,
 but the fused forward took 89 us at d 2048 x 2048 against 35 + 9 + 35 for the split one's three.
 lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute);
-lora_project its first alone, for the integer GEMM that adds the second in its epilogue.
+lora_project its first alone, for the integer GEMM that adds the second in its epilogue; lora_term packs that
+epilogue's f16 operands (gpu/ops/matmul_i8.py LoraTerm).
 lora_group_sum is a mergeable adapter's projection of dA (model/reference.py lora_group_project)."""
 
 from __future__ import annotations
@@ -25,11 +26,37 @@ from gpu.device import Device, DeviceError
 from gpu.ops.common import grid, need, pack
 from gpu.ops.lora_fused import covers, lora_fused
 from gpu.ops.lora_matmul import lora_matmul
+from gpu.ops.matmul_i8 import LoraTerm
 from gpu.ops.strided_matmul import row_major, transposed
 from gpu.profile import scope
 from gpu.registry import pipeline
 
 FUSED = False  # the default path of lora_forward / lora_backward (where covers(T, r))
+
+
+def lora_rank16(r: int) -> int:
+    """The rank rounded up to the f16 MMA's K (16): a LoRA term's packed row length."""
+    return -(-r // 16) * 16
+
+
+def lora_term(
+    dev: Device, t: Any, lo: Any, rows: int, cols: int, r: int, scale: float, layout: str, t16: Any, l16: Any
+) -> LoraTerm:
+    """Pack a LoRA term for gemm_i8 (gpu/kernels/lora_pack.wgsl, one dispatch): t16 = f16(scale * t) for t [rows, r]
+    (f32), l16 = f16(L) for L (lo) stored as L^T [cols, r] ("rows") or L [r, cols] ("cols"); both zero padded to the
+    rank rounded up to 16. Values past f16's range become inf (LoRA products are far inside it)."""
+    if layout not in ("rows", "cols"):
+        raise DeviceError(f"lora_term: layout {layout!r}, expected 'rows' or 'cols'")
+    lr = lora_rank16(r)
+    need(t, rows * r, "lora_term t")
+    need(lo, cols * r, "lora_term L")
+    need(t16, rows * lr, "lora_term t16", elem_bytes=2)
+    need(l16, cols * lr, "lora_term l16", elem_bytes=2)
+    l_shape = (cols, r, lr, cols) if layout == "rows" else (r, cols, cols, lr)  # rows1, cols1, cols1_p, rows1_p
+    n0, n1 = rows * lr, l_shape[3] * l_shape[2]
+    prm = pack(n0, rows, r, lr, float(scale), n1, l_shape[0], l_shape[1], l_shape[2], 1.0, 0, 0)
+    dev.dispatch(pipeline(dev, "lora_pack"), [prm, t, lo, t16, l16], grid(n0 + n1, 256))
+    return LoraTerm(t16, l16, lr, layout)
 
 
 def _fused(fused: bool | None, n_tokens: int, r: int) -> bool:

@@ -34,14 +34,14 @@ EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
 
 @dataclass(frozen=True)
 class LoraTerm:
-    """A LoRA's contribution to an "nt" GEMM's output, scale * t . L, added in the integer GEMM's epilogue: t
-    [rows, r] (f32, row-major; r a multiple of 4) and L [r, cols] stored as b = L^T [cols, r] (layout "rows": the
-    forward's t = x A^T and B) or as L itself (layout "cols": the input gradient's dt = s dY B and A)."""
+    """A LoRA's contribution to an "nt" GEMM's output, t . L, written to C on the f16 tensor cores in the integer
+    GEMM's epilogue before the scaled integer products are added: t16 [rows, lr] f16 (the LoRA scale folded in)
+    and l16, L [lr, cols] in f16 stored as L^T [cols, lr] (layout "rows": the forward's B) or as L itself ("cols":
+    the input gradient's A), lr the rank rounded up to 16 (zero padded). gpu/ops/lora.py lora_term packs them."""
 
-    t: Any
-    b: Any
-    r: int
-    scale: float
+    t16: Any
+    l16: Any
+    lr: int
     layout: str = "rows"
 
 
@@ -129,6 +129,21 @@ def all_i8_variants() -> list[I8Variant]:
     ]
 
 
+def _check_lora(lora: LoraTerm, name: str, orient: str, chunks: int, m: int, p: int) -> None:
+    """A LoRA term fits the GEMM: "nt", one chunk, whole 16 x 16 blocks of C, operands large enough."""
+    if orient != "nt" or chunks != 1 or m % 16 or p % 16:
+        raise DeviceError(
+            f"gemm_i8 with {name!r}: a LoRA term needs 'nt', one chunk and C's rows and columns multiples of 16 "
+            f"(got {orient!r}, {chunks} chunks, {m} x {p})"
+        )
+    if lora.layout not in ("rows", "cols"):
+        raise DeviceError(f"gemm_i8 with {name!r}: LoRA layout {lora.layout!r}, expected 'rows' or 'cols'")
+    if lora.lr <= 0 or lora.lr % 16:
+        raise DeviceError(f"gemm_i8 with {name!r}: the LoRA term's row length {lora.lr} is not a multiple of 16")
+    if nbytes(lora.t16) < 2 * m * lora.lr or nbytes(lora.l16) < 2 * p * lora.lr:
+        raise DeviceError(f"gemm_i8 with {name!r}: the LoRA t16 or L16 hold fewer than {m} or {p} rows of {lora.lr}")
+
+
 def gemm_i8(
     dev: Device,
     a: Int8Matrix,
@@ -149,8 +164,8 @@ def gemm_i8(
     and W with the same k and chunks; "nn" (the input gradient) B = W, P = w.k (a multiple of 16), A's k =
     w.rows, one chunk each, and col_scales (f32, P values) scale C's columns in place of W's row scales (which
     the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
-    matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk): C also gets lora.scale * t . L, added as
-    C is written (with accumulate: C + (alpha * A . B + lora))."""
+    matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk, m and P multiples of 16): C also gets t . L
+    (lora_term), written first on the f16 tensor cores (with accumulate: C + t . L + alpha * A . B)."""
     name = w.name or "int8 weight"
     emulate = emulate or dev in _emulated
     if not emulate and (problem := int8_problem(dev)) is not None:
@@ -173,12 +188,8 @@ def gemm_i8(
         raise DeviceError(f"gemm_i8 with {name!r}: A's codes or scales hold fewer than {m} rows of {r}")
     if orient == "nn" and nbytes(col_scales) < 4 * p:
         raise DeviceError(f"gemm_i8 with {name!r}: col_scales hold fewer than {p} values")
-    if lora is not None and (orient != "nt" or a.chunks != 1 or lora.r % 4 or lora.r <= 0):
-        raise DeviceError(f"gemm_i8 with {name!r}: a LoRA term needs 'nt', one chunk and r % 4 == 0")
-    if lora is not None and lora.layout not in ("rows", "cols"):
-        raise DeviceError(f"gemm_i8 with {name!r}: LoRA layout {lora.layout!r}, expected 'rows' or 'cols'")
-    if lora is not None and (nbytes(lora.t) < 4 * m * lora.r or nbytes(lora.b) < 4 * p * lora.r):
-        raise DeviceError(f"gemm_i8 with {name!r}: the LoRA t or B hold fewer than {m} or {p} rows of {lora.r}")
+    if lora is not None:
+        _check_lora(lora, name, orient, a.chunks, m, p)
     if m <= 0 or p <= 0:
         return
     cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk))
@@ -187,6 +198,7 @@ def gemm_i8(
     cfg.validate(
         max_threads=int(dev.limits["max-compute-invocations-per-workgroup"]),
         max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
+        lora=lora is not None,
     )
     variant = I8Variant(
         cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient, lora=lora.layout if lora is not None else ""
@@ -195,9 +207,9 @@ def gemm_i8(
     grid = (-(-p // cfg.bn), -(-m // cfg.bm))
     alpha_bits = int(np.float32(alpha).view(np.uint32))
     ldw = r // 16 if orient == "nt" else p // 16
-    lr4, ls = (lora.r // 4, lora.scale) if lora is not None else (0, 0.0)
-    head = [m, p, r, r // 16, ldw, 0, ldc, c_offset, alpha_bits, a.chunks, a.chunk // cfg.bk, lr4]
-    prm = np.array([*head, int(np.float32(ls).view(np.uint32)), 0, 0, 0], np.uint32)
+    lr = lora.lr if lora is not None else 0
+    head = [m, p, r, r // 16, ldw, 0, ldc, c_offset, alpha_bits, a.chunks, a.chunk // cfg.bk, lr]
+    prm = np.array([*head, 0, 0, 0, 0], np.uint32)
     sw = w.scales if orient == "nt" else col_scales
-    extra = [lora.t, lora.b] if lora is not None else []
+    extra = [lora.t16, lora.l16] if lora is not None else []
     dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, sw, c, *extra], grid)

@@ -91,20 +91,22 @@ def transpose_i8(dev: Device, w: Int8Matrix, codes: Any, scales: Any, name: str 
     return Int8Matrix(codes, scales, k, n, n, name or f"{w.name} transposed")
 
 
-def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = None) -> None:
+def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = None, *, forward: bool = False) -> None:
     """x[rows, k] <- x R^T in place, or out += x R^T (f32, row-major): R the operands' rotation in blocks of rot
     (R R^T = I; model/int8.py hadamard_rows back=True), for the input gradient dX = (dY . W R) R^T of a GEMM over
-    rotated weight codes."""
+    rotated weight codes. forward=True: out = x R (out required), e.g. a LoRA A rotated like the weight codes."""
     check_rotation(rot, k, "rotate_rows")
     if rot == 0 or k % 4:
         raise DeviceError(f"rotate_rows: rotation {rot} for rows of {k}: needs a rotation and k % 4 == 0")
+    if forward and out is None:
+        raise DeviceError("rotate_rows: forward=True writes into `out`, none given")
     if nbytes(x) < 4 * rows * k or (out is not None and nbytes(out) < 4 * rows * k):
         raise DeviceError(f"rotate_rows: buffers hold fewer than {rows} rows of {k}")
     if rows <= 0:
         return
     bindings = [pack(rows, k, 0, 0), x] + ([] if out is None else [out])
-    pipe = pipeline(dev, "hadamard_rows", rot=rot, acc=out is not None, tint=tint(dev))
-    dev.dispatch(pipe, bindings, grid(rows, 1))
+    mode = "forward" if forward else "back" if out is None else "back_add"
+    dev.dispatch(pipeline(dev, "hadamard_rows", rot=rot, mode=mode, tint=tint(dev)), bindings, grid(rows, 1))
 
 
 def rotated_back(
