@@ -515,8 +515,9 @@ def main() -> None:
     p.add_argument(
         "--int8-lora-epilogue",
         choices=("on", "off"),
-        default="off",
-        help="int8: the LoRA expansions (forward s t B^T, backward dt A) in the integer GEMMs' epilogues (off: passes)",
+        default="on",
+        help="int8: the LoRA terms (forward s t B^T, backward dt A) in the integer GEMMs' epilogues, the engine's "
+        "default (off: passes of their own)",
     )
     p.add_argument(
         "--int8-rotation",

@@ -208,36 +208,44 @@ def _source(kernel: str, head_dim: int, **values: str) -> str:
     return _common(kernel, head_dim) + "\n" + fill(kernel_text(_FILES[kernel]), **values)
 
 
-def _pv_rescaled(nc: int, nd: int) -> list[str]:
-    """The forward's O = O * alpha + P V for one key tile: P V of as many column blocks as a row of Ss holds
-    (BC / 16) into fresh result matrices, stored to this subgroup's Ss and added by each lane to its f32 share
-    ov of the row (column pairs 4 m + 2 half + {0, 1} of block n at ov[8 n ..]); then the next blocks."""
+def _pv_accumulate(nc: int, nd: int) -> list[str]:
+    """The forward's O += P V for one key tile, straight into the result matrices o0 .. (P from this subgroup's Ps,
+    V's blocks from the staged tile)."""
+    lines = ["{"]
+    for kk in range(nc):
+        lines.append(f"    let a{kk} = {_load(LEFT, 'Ps[sg]', f'{kk * MATRIX}u', False, 'LDP')};")
+        for n in range(nd):
+            lines.append(f"    {_mma(f'a{kk}', _load(RIGHT, f'Vs[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'o{n}')}")
+    return lines + ["}"]
+
+
+def _o_rescaled(nc: int, nd: int) -> list[str]:
+    """O's result matrices times alpha row by row: as many as a row of Ss holds (BC / 16) stored, each lane
+    scaling its share of its row (8 BC / 16 columns from 8 BC / 16 * half), loaded back."""
+    share = 8 * nc
     lines: list[str] = []
     for n0 in range(0, nd, nc):
         chunk = range(n0, min(nd, n0 + nc))
-        if n0:
-            lines.append("workgroupBarrier();")
-        lines += ["{", *(f"    var x{n} = {RESULT}();" for n in chunk)]
-        for kk in range(nc):
-            lines.append(f"    let a{kk} = {_load(LEFT, 'Ps[sg]', f'{kk * MATRIX}u', False, 'LDP')};")
-            for n in chunk:
-                b = _load(RIGHT, f"Vs[{kk}]", f"{n * MATRIX}u", False, "LDH")
-                lines.append(f"    {_mma(f'a{kk}', b, f'x{n}')}")
-        lines += [f"    subgroupMatrixStore(&Ss[sg], {(n - n0) * MATRIX}u, x{n}, false, LDS);" for n in chunk]
-        lines += ["}", "workgroupBarrier();"]
-        for n in chunk:
-            for k in range(8):
-                col, idx = (n - n0) * MATRIX + 4 * (k >> 1) + (k & 1), 8 * n + k
-                lines.append(f"ov[{idx}u] = ov[{idx}u] * alpha + Ss[sg][xb + {col}u];")
+        lines += [f"subgroupMatrixStore(&Ss[sg], {(n - n0) * MATRIX}u, o{n}, false, LDS);" for n in chunk]
+        lines += [
+            "workgroupBarrier();",
+            f"for (var c = 0u; c < {share}u; c++) {{",
+            f"    Ss[sg][r * LDS + half * {share}u + c] *= alpha;",
+            "}",
+            "workgroupBarrier();",
+        ]
+        lines += [f"o{n} = {_load(RESULT, 'Ss[sg]', f'{(n - n0) * MATRIX}u', False, 'LDS')};" for n in chunk]
+        lines.append("workgroupBarrier();")
     return lines
 
 
-def _softmax_rows(bc: int) -> list[str]:
-    """The forward's online-softmax step for one key tile, unrolled: this lane's BC / 2 scores of row i (column
-    pairs 4 m + 2 half + {0, 1}) read from Ss once into registers, masked (key j0 + c > i) and scaled; their
-    max with the other half's and the running m gives mn; P = exp(s - mn) to Ps (f16), its sum into part."""
+def _softmax_rows(bc: int) -> tuple[list[str], list[str]]:
+    """The forward's online-softmax step for one key tile, unrolled, in two parts. SOFTMAX_MAX: this lane's BC / 2
+    scores of row i (column pairs 4 m + 2 half + {0, 1}) read from Ss once into registers, masked (key j0 + c > i)
+    and scaled; the row's tile max tmax_row (with the other half's). SOFTMAX_P (after the reference max mn is
+    chosen): P = exp(s - mn) to Ps (f16), its sum into part."""
     cols = _lane_columns(bc)
-    lines = [
+    first = [
         f"let s{k} = select(NEG_BIG, Ss[sg][xb + {c}u] * prm.scale, j0 + 2u * half + {c}u <= i);"
         for k, c in enumerate(cols)
     ]
@@ -245,20 +253,19 @@ def _softmax_rows(bc: int) -> list[str]:
     for k in range(1, len(cols)):
         tmax = f"max({tmax}, s{k})" if k % 8 else f"max(tmax{k // 8 - 1}, s{k})"
         if k % 8 == 7:
-            lines.append(f"let tmax{k // 8} = {tmax};")
-    lines += [
+            first.append(f"let tmax{k // 8} = {tmax};")
+    first += [
         f"let tmax = tmax{len(cols) // 8 - 1};",
-        "let mn = max(m, max(tmax, subgroupShuffleXor(tmax, 16u)));",
-        "let alpha = exp(m - mn);",
-        "var part = 0.0;",
+        "let tmax_row = max(tmax, subgroupShuffleXor(tmax, 16u));",
     ]
+    second = ["var part = 0.0;"]
     for k, c in enumerate(cols):
-        lines += [
+        second += [
             f"let p{k} = select(0.0, exp(s{k} - mn), j0 + 2u * half + {c}u <= i);",
             f"part += p{k};",
             f"Ps[sg][r * LDP + 2u * half + {c}u] = f16(p{k});",
         ]
-    return lines
+    return first, second
 
 
 def _lane_columns(bc: int) -> list[int]:
@@ -288,16 +295,20 @@ def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
 def forward_source(head_dim: int) -> str:
     """attention_tc_forward for one head dim."""
     nd, nc = _blocks("forward", head_dim)
-    store = [f"O[ob + {2 * m}u] = vec2<f32>(ov[{2 * m}u], ov[{2 * m + 1}u]) * inv;" for m in range(head_dim // 4)]
+    soft_max, soft_p = _softmax_rows(nc * MATRIX)
     return _source(
         "forward",
         head_dim,
         STAGE_FNS=_staging_fns([("Ks", "Q16"), ("Vs", "Q16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
+        O_DECL=_decl([f"o{n}" for n in range(nd)]),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
-        SOFTMAX=_ind(_softmax_rows(nc * MATRIX), 8),
-        PV_MMA=_ind(_pv_rescaled(nc, nd), 8),
-        O_STORE=_ind(store, 8),
+        SOFTMAX_MAX=_ind(soft_max, 8),
+        ANY_GROW="(" + " | ".join(f"grow[{k}]" for k in range(SUBGROUPS)) + ") != 0u",
+        SOFTMAX_P=_ind(soft_p, 8),
+        O_RESCALE=_ind(_o_rescaled(nc, nd), 12),
+        PV_MMA=_ind(_pv_accumulate(nc, nd), 8),
+        O_STORE=_store_rows([("o", "O")], nd, "i < prm.T"),
         **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
     )
 

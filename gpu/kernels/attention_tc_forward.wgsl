@@ -1,25 +1,31 @@
 // Causal GQA attention forward on tensor cores, flash style in one pass over the key tiles of BC, and the
 // row logsumexp L[h, i] saved for the backward (as attention_forward). Workgroup = BR query rows of head h
 // (reads kv head h / (HQ / HKV)) of sequence z; subgroup sg owns 16 of them and keeps their D/16 left
-// matrices of Q in registers. Per key tile: S = Q K^T (f32) to this subgroup's Ss, where the lanes mask it
-// and move the row max m (f32); P = exp(S * scale - m) (f16, <= 1) to Ps; the tile's P V into fresh result
-// matrices, which go out through Ss to the lanes' f32 accumulators O = O * exp(m_old - m) + P V. (Result
-// matrices are opaque, so a row can be rescaled only outside them; the lane-held O replaces computing S
-// twice.) At the end O / l and L = m + log l. Workgroups run the longest rows (most key tiles) first.
-// Q16, K16, V16: packed f16 [B TP, heads, D] as 8-half units; O: f32 [B T, HQ, D] as column pairs;
+// matrices of Q and D/16 result matrices of O in registers. Per key tile: S = Q K^T (f32) to this subgroup's
+// Ss, where the lanes mask it and take each row's tile max; P = exp(S * scale - m) (f16) to Ps, its row sums
+// into l; then O += P V straight into the result matrices. The reference max m is lazy: it moves only when some
+// row's tile max exceeds it by more than GROW (so P <= e^GROW stays far inside f16, and O, l in f32 are
+// consistent with it), which a workgroup decides together (a flag per subgroup, read back uniformly) since the
+// rescaling of O runs through Ss (result matrices are opaque: stored, each row times exp(m_old - m) by its
+// lanes, loaded back). The first tile only sets m. At the end O / l leaves through Ss, L = m + log l. Workgroups
+// run the longest rows (most key tiles) first.
+// Q16, K16, V16: packed f16 [B TP, heads, D] as 8-half units; O: f32 [B T, HQ, D] as vec4s;
 // L: f32, [HQ, T] per sequence at z LS.
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Q16: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> K16: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> V16: array<vec4<u32>>;
-@group(0) @binding(4) var<storage, read_write> O: array<vec2<f32>>;
+@group(0) @binding(4) var<storage, read_write> O: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> L: array<f32>;
 
 var<workgroup> Ks: array<array<f16, 16 * LDH>, NB>;    // key tile, blocks of 16 keys
 var<workgroup> Vs: array<array<f16, 16 * LDH>, NB>;
-var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // per subgroup: scores, then P V blocks on their way out
+var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // per subgroup: scores, O blocks being rescaled or stored
 var<workgroup> Ps: array<array<f16, 16 * LDP>, NSG>;   // per subgroup: probabilities
+var<workgroup> Grow: array<u32, NSG>;                  // per subgroup: some row's tile max passed m + GROW
+
+const GROW: f32 = 8.0;   // the reference max moves when a row's tile max passes it by more (P <= e^8 in f16)
 ${STAGE_FNS}
 
 @compute @workgroup_size(THREADS)
@@ -41,10 +47,9 @@ fn main(
     let i = i0 + r;
     let xb = r * LDS + 2u * half;   // this lane's first column pair of a row of Ss
 ${Q_LOAD}
-    // this lane's share of row i of O: columns 4 m + 2 half + {0, 1} at ov[2 m], ov[2 m + 1]
-    var ov: array<f32, D / 2u>;
-    var m = NEG_BIG;
-    var l = 0.0;   // this lane's share of the row sum of exp(S * scale - m)
+${O_DECL}
+    var m = NEG_BIG;   // the row's reference max (lazy: see above)
+    var l = 0.0;       // this lane's share of the row sum of exp(S * scale - m)
     let n_keys = min(w0 + BR, prm.T);
     let n_tiles = (n_keys + BC - 1u) / BC;
     // the key tile's K and V go through registers: the next tile's loads are in flight during this tile's work
@@ -59,19 +64,29 @@ ${PREFETCH_NEXT}
         }
 ${S_MMA}
         workgroupBarrier();
-${SOFTMAX}
+${SOFTMAX_MAX}
+        let up = subgroupAny(tmax_row > m + GROW);
+        if (lane == 0u) {
+            Grow[sg] = select(0u, 1u, up);
+        }
+        let grow = workgroupUniformLoad(&Grow);
+        let moved = ${ANY_GROW};
+        let mn = select(m, max(m, tmax_row), moved);
+        let alpha = exp(m - mn);
+${SOFTMAX_P}
         l = l * alpha + part;
         m = mn;
         workgroupBarrier();
+        if (moved && t > 0u) {   // uniform: O times alpha, row by row, through Ss
+${O_RESCALE}
+        }
 ${PV_MMA}
     }
     let lt = l + subgroupShuffleXor(l, 16u);
     let inv = 1.0 / lt;
-    let ob = (((z * prm.T + i) * prm.HQ + h) * D) / 2u + half;
-    if (i < prm.T) {
+    let ob = (((z * prm.T + i) * prm.HQ + h) * D + half * 8u) / 4u;
 ${O_STORE}
-        if (half == 0u) {
-            L[z * prm.LS + h * prm.T + i] = m + log(lt);
-        }
+    if (i < prm.T && half == 0u) {
+        L[z * prm.LS + h * prm.T + i] = m + log(lt);
     }
 }
