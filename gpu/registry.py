@@ -96,9 +96,8 @@ def _weight_i8_values(wtype: str, rot: int, tint: bool) -> dict[str, object]:
     return {**_embedding_values(wtype), "ROT": rot, **_subgroups(tint)}
 
 
-def _weight_q4_k_values(rot: int, tint: bool, narrow: bool) -> dict[str, object]:
-    """weight_i8_q4_k: narrow forces the workgroup-per-row path (for subgroups narrower than a rotation block)."""
-    return {"ROT": rot, "NARROW": "true" if narrow else "false", **_subgroups(tint)}
+def _weight_q4_k_values(rot: int, tint: bool) -> dict[str, object]:
+    return {"ROT": rot, **_subgroups(tint)}
 
 
 def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
@@ -216,7 +215,7 @@ KERNELS: dict[str, Kernel] = {
     ),
     "weight_i8_q4_k": Kernel(
         ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "weight_i8_q4_k"),
-        {**_ROT, "narrow": BOOLS},
+        _ROT,
         _weight_q4_k_values,
     ),
     "transpose_i8": Kernel(("transpose_i8",)),

@@ -196,22 +196,19 @@ def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("narrow", [False, True])
 @pytest.mark.parametrize(
     "k,rot,n", [(256, 0, 3), (4352, 0, 11), (16640, 0, 3), (256, 128, 11), (4352, 128, 3), (14336, 128, 17)]
 )  # one, two and more than PER units per invocation; rotated: up to the 4 units an invocation holds
-def test_q4_k_codes_equal_the_generic_decode(dev: Device, k: int, rot: int, n: int, narrow: bool) -> None:
+def test_q4_k_codes_equal_the_generic_decode(dev: Device, k: int, rot: int, n: int) -> None:
     """weight_i8_q4_k (whole 16-byte pieces of the blocks) gives the generic weight_i8 decode's codes and scales,
-    bit for bit, on both its paths (a subgroup per row: one unit per lane at a time, decoded twice; narrow, a
-    workgroup per row: units that fill one register slot, two, and more than the registers hold), rotated too
-    (the same butterflies in the same order, in units of 16 instead of groups of 4), over one workgroup's 8 rows
-    and more (the last block's rows past n redo the last row)."""
+    bit for bit, on rows whose units fill one slot, two, and more than the registers hold; rotated too (the same
+    butterflies in the same order, in units of 16 instead of groups of 4)."""
     from gpu.ops.common import grid, pack
     from gpu.registry import pipeline
 
     rng = np.random.default_rng(k)
     w = upload_quant(dev, random_blocks(T.Q4_K, (n, k), rng), T.Q4_K, (n, k), name="w")
-    fast = weight_to_i8(dev, w, rot=rot, narrow=narrow)
+    fast = weight_to_i8(dev, w, rot=rot)
     generic = i8_buffers(dev, n, k, k, "generic")
     bindings = [pack(n, k, 0, 0), w.binding, generic.codes, generic.scales]
     dev.dispatch(pipeline(dev, "weight_i8", wtype="Q4_K", rot=rot, tint=tint(dev)), bindings, grid(n, 1))

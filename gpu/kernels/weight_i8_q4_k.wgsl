@@ -4,12 +4,9 @@
 // Q4_K: 256 weights in 144 bytes = 9 vec4 words: word 0 = d, dmin (f16) and scales[12] (8 x 6-bit scale + 6-bit
 // min); words 1 .. 8 = qs[128]. Sub-block s (32 weights) has scale sc[s], min m[s]; weight j of sub-block s is the
 // nibble (qs[32 (s / 2) + j] >> 4 (s % 2)) & 15; w = d sc[s] q - dmin m[s]. A unit is 16 weights (half a
-// sub-block: one vec4 of qs), rotated first when ROT > 0 (hadamard.wgsl rotate_unit).
-// A workgroup takes ROWS rows, a subgroup per row: its lanes hold units lane, lane + subgroup size, ..., one at a
-// time, decoded and rotated twice (the row max by subgroupMax, then the codes): no barrier, no workgroup memory,
-// any row length. Where a subgroup is narrower than a rotation block's ROT / 16 units (the shuffles cannot reach
-// a partner), the workgroup takes its rows one at a time instead, each invocation holding up to PER units
-// between the absmax and the packing (a longer row decodes the rest twice), exchanges through workgroup memory.
+// sub-block: one vec4 of qs). A workgroup per row; each invocation keeps PER units in registers between the
+// absmax and the packing (a longer row decodes the rest twice), rotated first when ROT > 0 (hadamard.wgsl
+// rotate_unit; ROT >= 16, rows of at most 4 WG units).
 
 struct Params {
     N: u32,   // rows
@@ -25,8 +22,6 @@ struct Params {
 
 const WG: u32 = 256u;
 const PER: u32 = 4u;
-const ROWS: u32 = 8u;   // rows per workgroup
-const NARROW: bool = ${NARROW};   // the workgroup-per-row path whatever the subgroup size (its tests)
 
 // byte i (0 .. 11) of a block's scales (bytes 4 .. 15 of its first word)
 fn scale_byte(h: vec4<u32>, i: u32) -> u32 {
@@ -72,8 +67,11 @@ fn pack16(v: array<vec4<f32>, 4>, scale: f32) -> vec4<u32> {
     return vec4<u32>(pack4(v[0], scale), pack4(v[1], scale), pack4(v[2], scale), pack4(v[3], scale));
 }
 
-// the codes and scale of row n by the whole workgroup (subgroups narrower than ROT / 16 lanes)
-fn row_by_workgroup(n: u32, lid: u32) {
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) sg: u32) {
+    rot_subgroup = sg;
+    let n = min(wid.x + wid.y * nwg.x, prm.N - 1u);   // extra workgroups of the grid redo the last row
     let units = prm.K / 16u;
     var v0: array<vec4<f32>, 4>;
     var v1: array<vec4<f32>, 4>;
@@ -92,7 +90,7 @@ fn row_by_workgroup(n: u32, lid: u32) {
         v3 = unit_values(n, lid + 3u * WG);
     }
     if (ROT > 0u) {   // rows of at most 4 WG units (the host's check): all in registers
-        let shuffled = false;   // this path's reason: the subgroups are narrower than a block's lanes
+        let shuffled = rotation_shuffled(lid, ROT / 16u);
         rotate_unit(lid, &v0, 16u * lid, shuffled);
         if (WG < units) {
             rotate_unit(lid, &v1, 16u * (lid + WG), shuffled);
@@ -128,56 +126,5 @@ fn row_by_workgroup(n: u32, lid: u32) {
     }
     if (lid == 0u) {
         S[n] = scale;
-    }
-}
-
-// this subgroup's row n: unit u = lane + j size (its rotation partners lane ^ d, d < ROT / 16 <= size, share j)
-fn unit_rotated(n: u32, u: u32, units: u32, lane: u32) -> array<vec4<f32>, 4> {
-    var v: array<vec4<f32>, 4>;
-    if (u < units) {
-        v = unit_values(n, u);
-    }
-    if (ROT > 0u) {
-        rotate_unit(lane, &v, 16u * u, true);
-    }
-    return v;
-}
-
-fn row_by_subgroup(n: u32, lane: u32, size: u32) {
-    let units = prm.K / 16u;
-    let steps = (units + size - 1u) / size;
-    var mx = 0.0;
-    for (var j = 0u; j < steps; j++) {
-        mx = max(mx, absmax16(unit_rotated(n, lane + j * size, units, lane)));
-    }
-    let scale = subgroupMax(mx) / 127.0;
-    for (var j = 0u; j < steps; j++) {
-        let u = lane + j * size;
-        let v = unit_rotated(n, u, units, lane);
-        if (u < units) {
-            Q[n * units + u] = pack16(v, scale);
-        }
-    }
-    if (lane == 0u) {
-        S[n] = scale;
-    }
-}
-
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) sg: u32) {
-    rot_subgroup = sg;
-    let row0 = (wid.x + wid.y * nwg.x) * ROWS;   // rows past N: the last row again (the same values)
-    if (!NARROW && (ROT == 0u || rotation_shuffled(lid, ROT / 16u))) {
-        let per = WG / sg;   // subgroups (lanes lid % sg, as Vulkan drivers lay out a 1-D workgroup)
-        for (var it = 0u; it < (ROWS + per - 1u) / per; it++) {
-            let r = min(lid / sg + it * per, ROWS - 1u);
-            row_by_subgroup(min(row0 + r, prm.N - 1u), lid % sg, sg);
-        }
-    } else {
-        for (var r = 0u; r < ROWS; r++) {
-            workgroupBarrier();   // the last row's reduction has been read everywhere
-            row_by_workgroup(min(row0 + r, prm.N - 1u), lid);
-        }
     }
 }

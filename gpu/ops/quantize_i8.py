@@ -60,17 +60,11 @@ def quantize_i8_gpu(
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
-Q4_K_ROWS = 8  # rows per workgroup of weight_i8_q4_k.wgsl (a subgroup per row)
-
-
-def weight_to_i8(
-    dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0, *, narrow: bool = False
-) -> Int8Matrix:
+def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0) -> Int8Matrix:
     """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
     (gpu/kernels/weight_i8.wgsl; Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) and
     rotated in blocks of rot into `out` (n rows of k, one chunk) or new buffers; k must be a multiple of 32 (one
-    integer multiply-accumulate step). narrow=True runs Q4_K's workgroup-per-row path, which the kernel takes by
-    itself where subgroups are narrower than a rotation block (tests)."""
+    integer multiply-accumulate step)."""
     n, k = w.shape
     check_rotation(rot, k, f"weight_to_i8 {w.name!r}")
     if out is None:
@@ -78,11 +72,9 @@ def weight_to_i8(
     elif (out.rows, out.k, out.chunks) != (n, k, 1):
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
     variant = {"rot": rot, "tint": tint(dev)}
-    q4_k = w.qtype.name == "Q4_K"
-    name, rows = ("weight_i8_q4_k", Q4_K_ROWS) if q4_k else ("weight_i8", 1)
-    variant |= {"narrow": narrow} if q4_k else {"wtype": w.qtype.name}
-    bindings = [pack(n, k, 0, 0), w.binding, out.codes, out.scales]
-    dev.dispatch(pipeline(dev, name, **variant), bindings, grid(n, rows))
+    name = "weight_i8_q4_k" if w.qtype.name == "Q4_K" else "weight_i8"
+    variant |= {} if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
+    dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
     return out
 
 
