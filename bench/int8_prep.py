@@ -1,0 +1,82 @@
+"""The integer path's operand preparation, timed alone, as JSON lines: the weights' int8 decode (weight_to_i8: Q4_K's
+fast kernel, Q6_K through the generic one), the activations' quantizer (quantize_i8_gpu: plain, times column
+scales as the input gradients', rotated) and the rotation back (rotate_rows), each rotated in blocks of 128 and
+not, at the Llama-3-8B shapes of a B4 x T1024 step.
+
+    python bench/int8_prep.py
+    python bench/int8_prep.py --shapes 4096x4096,4096x14336
+
+GB/s counts the bytes each kernel must move once (the weights' GGML bytes read + a code byte written per weight;
+an activation's f32 read + a code byte written; rotate_rows' f32 read + write): against the GPU's memory
+bandwidth (H100 SXM ~3.35 TB/s, H200 ~4.8) they say how far these passes are from streaming. Times: wall
+(median of 3 windows, bench/gemm_tc.py time_calls) and GPU (timestamp queries, median of 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gemm_tc import gpu_time, time_calls  # noqa: E402
+from gpu.device import Device  # noqa: E402
+from gpu.ops.matmul_i8 import i8_buffers  # noqa: E402
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, weight_to_i8  # noqa: E402
+from gpu.weights import random_blocks, upload_quant  # noqa: E402
+from model.quant import row_bytes  # noqa: E402
+
+# (rows, width): weights [out, in] of q/o, gate/up, down, k/v; activations [tokens, width] alike
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
+
+
+def emit(**row: Any) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def timed(dev: Device, op: str, call: Callable[[], None], n_bytes: int, **fields: Any) -> dict[str, Any]:
+    t = time_calls(dev, call, 0.2)
+    row = {"op": op, **fields, "us": round(t["seconds"] * 1e6, 1), "gbs": round(n_bytes / t["seconds"] / 1e9, 1)}
+    g = gpu_time(dev, call)
+    if "gpu_us" in g:
+        row |= {"gpu_us": g["gpu_us"], "gpu_gbs": round(n_bytes / (g["gpu_us"] * 1e-6) / 1e9, 1)}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(f"{r}x{k}" for r, k in SHAPES), help="ROWSxWIDTH,...")
+    ap.add_argument("--backend", default="dawn", help="wgpu or dawn")
+    args = ap.parse_args()
+    dev = Device(args.backend)
+    rng = np.random.default_rng(0)
+    emit(device=dev.adapter.summary)
+    for text in args.shapes.split(","):
+        rows, k = (int(x) for x in text.split("x"))
+        for qtype in (T.Q4_K, T.Q6_K):
+            w = upload_quant(dev, random_blocks(qtype, (rows, k), rng), qtype, (rows, k), name="w")
+            out = i8_buffers(dev, rows, k, k, "w")
+            n_bytes = rows * row_bytes(qtype, k) + rows * k
+            for rot in (0, 128):
+                call = partial(weight_to_i8, dev, w, out, rot=rot)
+                emit(**timed(dev, "weight_to_i8", call, n_bytes, wtype=qtype.name, rows=rows, k=k, rot=rot))
+        x = dev.upload(rng.standard_normal((rows, k), dtype=np.float32))
+        cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32))
+        a = i8_buffers(dev, rows, k, k, "x")
+        for rot, scaled in ((0, False), (128, False), (0, True)):
+            call = partial(quantize_i8_gpu, dev, x, a, col_scales=cs if scaled else None, rot=rot)
+            emit(**timed(dev, "quantize_i8", call, 5 * rows * k, rows=rows, k=k, rot=rot, scaled=scaled))
+        call = partial(rotate_rows, dev, x, rows, k, 128)
+        emit(**timed(dev, "rotate_rows", call, 8 * rows * k, rows=rows, k=k))
+
+
+if __name__ == "__main__":
+    main()
