@@ -66,9 +66,9 @@ def _decl(names: list[str]) -> str:
     return _ind([f"var {n} = {RESULT}();" for n in names], 4)
 
 
-def _scores(left: str, tile: str, nc: int, nd: int, dst: str = "Ss") -> list[str]:
+def _scores(left: str, tile: str, nc: int, nd: int) -> list[str]:
     """X_c = sum_kk left_kk . tile_c^T for each 16-row block c of a staged tile (read col-major), stored to
-    this subgroup's block of `dst` (Ss, or the backward's Ds) at column 16 c."""
+    this subgroup's Ss at column 16 c."""
     lines = ["{"]
     for c in range(nc):
         lines.append(f"    var x{c} = {RESULT}();")
@@ -76,7 +76,7 @@ def _scores(left: str, tile: str, nc: int, nd: int, dst: str = "Ss") -> list[str
             lines.append(
                 f"    {_mma(f'{left}{kk}', _load(RIGHT, f'{tile}[{c}]', f'{kk * MATRIX}u', True, 'LDH'), f'x{c}')}"
             )
-        lines.append(f"    subgroupMatrixStore(&{dst}[sg], {c * MATRIX}u, x{c}, false, LDS);")
+        lines.append(f"    subgroupMatrixStore(&Ss[sg], {c * MATRIX}u, x{c}, false, LDS);")
     return lines + ["}"]
 
 
@@ -273,11 +273,10 @@ def _lane_columns(bc: int) -> list[int]:
     return [4 * (k >> 1) + (k & 1) for k in range(bc // 2)]
 
 
-def _backward_rows(kernel: str, bc: int, merged: bool) -> tuple[list[str], list[str]]:
-    """The per-lane rows of the dQ (kernel "dq") or dK/dV ("dkv") pass, unrolled over this lane's BC / 2 columns of
-    its row: P = exp(S * scale - L) from Ss (masked, rounded to f16; to Ps, and kept in registers), then dS = P (dP -
-    delta) * scale from them (to Ps in the dQ pass, dSs in the dK/dV pass). merged: dP is in Ds beside S, one pass
-    (the dQ pass then stores only dS); else dP comes later into Ss: (P part, dS part)."""
+def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
+    """P_ROWS / DS_ROWS of the dQ (kernel "dq") or dK/dV ("dkv") pass, unrolled over this lane's BC / 2 columns
+    of its row: P = exp(S * scale - L) (masked, rounded to f16) to Ps and kept in registers, then dS = P (dP -
+    delta) * scale from them and dP in Ss (the same values as re-reading P from Ps)."""
     p_rows, ds_rows = [], []
     for k, c in enumerate(_lane_columns(bc)):
         col = f"2u * half + {c}u"
@@ -285,38 +284,12 @@ def _backward_rows(kernel: str, bc: int, merged: bool) -> tuple[list[str], list[
             lse, live, delta, ds_out = "lse", f"j0 + {col} <= i", "delta", "Ps"
         else:
             lse, live, delta, ds_out = f"Lc[{col}]", f"i0 + {col} >= j && i0 + {col} < prm.T", f"Dc[{col}]", "dSs"
-        p_rows.append(f"let p{k} = f16(select(0.0, exp(Ss[sg][xb + {c}u] * prm.scale - {lse}), {live}));")
-        if kernel != "dq" or not merged:
-            p_rows.append(f"Ps[sg][r * LDP + {col}] = p{k};")
-        dp = "Ds" if merged else "Ss"
-        ds_rows.append(f"{ds_out}[sg][r * LDP + {col}] = f16(f32(p{k}) * ({dp}[sg][xb + {c}u] - {delta}) * prm.scale);")
-    return p_rows, ds_rows
-
-
-def _tile_products(kernel: str, nc: int, nd: int, s_mma: tuple[str, str], dp_mma: tuple[str, str]) -> dict[str, str]:
-    """A backward pass's S and dP products and rows for one tile (TILE_PRODUCTS) and the Ds declaration (DS_DECL).
-    Both products stored before one barrier (dP into Ds) where workgroup memory holds Ds beside the rest (48 KiB),
-    else S, its rows, dP into Ss, its rows, a barrier after each (the dQ pass at head dim 64, whose tiles are 64
-    keys wide)."""
-    merged = _backward_bytes(kernel, nd * MATRIX, nc * MATRIX, with_ds=True) <= 48 * 1024
-    p_rows, ds_rows = _backward_rows(kernel, nc * MATRIX, merged)
-    s_lines = _scores(*s_mma, nc, nd)
-    bar = ["workgroupBarrier();"]
-    if merged:
-        body = s_lines + _scores(*dp_mma, nc, nd, "Ds") + bar + p_rows + ds_rows + bar
-    else:
-        body = s_lines + bar + p_rows + bar + _scores(*dp_mma, nc, nd) + bar + ds_rows + bar
-    decl = "var<workgroup> Ds: array<array<f32, 16 * LDS>, NSG>;   // dP (beside S)" if merged else ""
-    return {"TILE_PRODUCTS": _ind(body, 8), "DS_DECL": decl}
-
-
-def _backward_bytes(kernel: str, d: int, bc: int, with_ds: bool) -> int:
-    """Workgroup memory of a backward pass: two staged tiles, the f32 blocks (Ss, Ds), the f16 ones (Ps, and dSs and
-    the tile's L and delta in the dK/dV pass)."""
-    staged = 2 * (bc // MATRIX) * MATRIX * (d + 8) * 2
-    f32_blocks = (2 if with_ds else 1) * SUBGROUPS * MATRIX * (bc + 4) * 4
-    f16_blocks = (2 if kernel == "dkv" else 1) * SUBGROUPS * MATRIX * (bc + 8) * 2
-    return staged + f32_blocks + f16_blocks + (2 * bc * 4 if kernel == "dkv" else 0)
+        p_rows += [
+            f"let p{k} = f16(select(0.0, exp(Ss[sg][xb + {c}u] * prm.scale - {lse}), {live}));",
+            f"Ps[sg][r * LDP + {col}] = p{k};",
+        ]
+        ds_rows.append(f"{ds_out}[sg][r * LDP + {col}] = f16(f32(p{k}) * (Ss[sg][xb + {c}u] - {delta}) * prm.scale);")
+    return {"P_ROWS": _ind(p_rows, 8), "DS_ROWS": _ind(ds_rows, 8)}
 
 
 def forward_source(head_dim: int) -> str:
@@ -350,9 +323,11 @@ def backward_dq_source(head_dim: int) -> str:
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
+        S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
+        DP_MMA=_ind(_scores("go", "Vs", nc, nd), 8),
         DQ_MMA=_ind(_accumulate([("Ps", "Ks", "dq")], nc, nd), 8),
         DQ_STORE=_store_rows([("dq", "dQ")], nd, "i < prm.T"),
-        **_tile_products("dq", nc, nd, ("q", "Ks"), ("go", "Vs")),
+        **_backward_rows("dq", nc * MATRIX),
         **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
     )
 
@@ -369,9 +344,11 @@ def backward_dkv_source(head_dim: int) -> str:
         K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         DKV_DECL=_decl([f"dk{n}" for n in range(nd)] + [f"dv{n}" for n in range(nd)]),
+        ST_MMA=_ind(_scores("kl", "Qs", nc, nd), 8),
+        DPT_MMA=_ind(_scores("vl", "dOs", nc, nd), 8),
         DKV_MMA=_ind(_accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd), 8),
         DKV_STORE=_store_rows([("dk", "dK"), ("dv", "dV")], nd, "j < prm.T"),
-        **_tile_products("dkv", nc, nd, ("kl", "Qs"), ("vl", "dOs")),
+        **_backward_rows("dkv", nc * MATRIX),
         **_prefetch(
             [("Qs", "Q16", "qr"), ("dOs", "dO16", "dor")],
             "h",

@@ -2,9 +2,8 @@
 // of kv head g, paired with query head h (wid.y), of sequence z (wid.z); subgroup sg owns 16 keys with their
 // left matrices of K and V in registers. Per query tile of BC (from the workgroup's first key; Q, dO, L, delta staged), with rows =
 // keys and columns = queries:
-//   S^T = K Q^T (f32, Ss) and dP^T = V dO^T (f32, Ds), both stored before one barrier; then per lane
-//   P^T = exp(S^T * scale - L) (masked, f16, Ps) and dS^T = P^T (dP^T - delta) * scale (f16, dSs);
-//   dV += P^T dO,   dK += dS^T Q   (f32 result matrices). Where Ds does not fit, dP^T follows S^T into Ss.
+//   S^T = K Q^T -> P^T = exp(S^T * scale - L) (masked, f16, Ps);  dP^T = V dO^T (f32, Ss);
+//   dS^T = P^T (dP^T - delta) * scale (f16, dSs);   dV += P^T dO,   dK += dS^T Q   (f32 result matrices).
 // The results are per query head, [T, HQ, D] (attention_tc_reduce.wgsl sums each kv head's group in a fixed
 // order; with HQ = HKV they are dK, dV themselves), unscaled by sigma like dQ.
 
@@ -25,8 +24,7 @@ struct Stats {
 
 var<workgroup> Qs: array<array<f16, 16 * LDH>, NB>;    // query tile, blocks of 16 queries
 var<workgroup> dOs: array<array<f16, 16 * LDH>, NB>;
-var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // S^T (and dP^T where there is no Ds), then dK / dV blocks
-${DS_DECL}
+var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // S^T, then dP^T, then dK / dV blocks on their way out
 var<workgroup> Ps: array<array<f16, 16 * LDP>, NSG>;   // P^T
 var<workgroup> dSs: array<array<f16, 16 * LDP>, NSG>;  // dS^T * scale
 var<workgroup> Lc: array<f32, BC>;                     // L of this tile's queries
@@ -70,7 +68,14 @@ ${PREFETCH_STORE}
         if (t + 1u < n_tiles) {
 ${PREFETCH_NEXT}
         }
-${TILE_PRODUCTS}
+${ST_MMA}
+        workgroupBarrier();
+${P_ROWS}
+        workgroupBarrier();
+${DPT_MMA}
+        workgroupBarrier();
+${DS_ROWS}
+        workgroupBarrier();
 ${DKV_MMA}
     }
     let inv = 1.0 / sigma;

@@ -1,9 +1,8 @@
 // Causal GQA attention backward on tensor cores, pass 1: dQ. Workgroup = BR query rows of head h of sequence
 // z (wid.z; Params says where each sequence lies); subgroup
 // sg owns 16 of them with their left matrices of Q and dO in registers. Per key tile (K, V staged):
-//   S = Q K^T (f32, Ss) and dP = dO V^T (f32, Ds), both stored before one barrier; then per lane
-//   P = exp(S * scale - L) (masked, f16) and dS = P (dP - delta) * scale (f16, this subgroup's Ps);
-//   dQ += dS K   (f32 result matrices). Where Ds does not fit (gpu/codegen_attention_tc.py), dP follows S into Ss.
+//   S = Q K^T -> P = exp(S * scale - L) (masked, f16, this subgroup's Ps);  dP = dO V^T (f32, Ss);
+//   dS = P (dP - delta) * scale (f16, over P);   dQ += dS K   (f32 result matrices).
 // dO16 holds dO * sigma (pack_f16.wgsl, SCALED) and delta is scaled alike; dQ is unscaled at the end.
 
 @group(0) @binding(0) var<uniform> prm: Params;
@@ -22,9 +21,8 @@ struct Stats {
 
 var<workgroup> Ks: array<array<f16, 16 * LDH>, NB>;
 var<workgroup> Vs: array<array<f16, 16 * LDH>, NB>;
-var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // S (and dP where there is no Ds), then dQ blocks
-${DS_DECL}
-var<workgroup> Ps: array<array<f16, 16 * LDP>, NSG>;   // (P, then) dS * scale
+var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // S, then dP, then dQ blocks on their way out
+var<workgroup> Ps: array<array<f16, 16 * LDP>, NSG>;   // P, then dS * scale
 ${STAGE_FNS}
 
 @compute @workgroup_size(THREADS)
@@ -64,7 +62,14 @@ ${PREFETCH_STORE}
         if (t + 1u < n_tiles) {
 ${PREFETCH_NEXT}
         }
-${TILE_PRODUCTS}
+${S_MMA}
+        workgroupBarrier();
+${P_ROWS}
+        workgroupBarrier();
+${DP_MMA}
+        workgroupBarrier();
+${DS_ROWS}
+        workgroupBarrier();
 ${DQ_MMA}
     }
     let inv = 1.0 / sigma;
