@@ -249,7 +249,8 @@ class GPUModel:
     lora_in_gemm_i8 = True
     # int8: both operands of the projections' integer GEMMs rotated along their inputs in Walsh-Hadamard blocks
     # (model/int8.py rotation_block): an outlier input spreads over its block, so per-row 8-bit scales fit (the
-    # demo trained through int8: held-out KL +22 % over tensorcore's per row, +2.4 % rotated; docs/benchmarks.md)
+    # demo trained through int8: held-out KL +22 % over tensorcore's per row, +1.9 .. 2.7 % rotated;
+    # docs/benchmarks.md)
     int8_rotation = True
 
     def __init__(

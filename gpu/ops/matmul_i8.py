@@ -34,10 +34,11 @@ EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
 
 @dataclass(frozen=True)
 class LoraTerm:
-    """A LoRA's contribution to an "nt" GEMM's output, t . L, written to C on the f16 tensor cores in the integer
-    GEMM's epilogue before the scaled integer products are added: t16 [rows, lr] f16 (the LoRA scale folded in)
-    and l16, L [lr, cols] in f16 stored as L^T [cols, lr] (layout "rows": the forward's B) or as L itself ("cols":
-    the input gradient's A), lr the rank rounded up to 16 (zero padded). gpu/ops/lora.py lora_term packs them."""
+    """A LoRA's contribution to an "nt" GEMM's output, t . L, added in the integer GEMM's epilogue (each result
+    matrix's block of it multiplied on the f16 tensor cores beside the integer block, added as C is written): t16
+    [rows, lr] f16 (the LoRA scale folded in) and l16, L [lr, cols] in f16 stored as L^T [cols, lr] (layout "rows":
+    the forward's B) or as L itself ("cols": the input gradient's A), lr the rank rounded up to 16 (zero padded).
+    gpu/ops/lora.py lora_term packs them."""
 
     t16: Any
     l16: Any
@@ -165,7 +166,8 @@ def gemm_i8(
     w.rows, one chunk each, and col_scales (f32, P values) scale C's columns in place of W's row scales (which
     the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
     matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk, m and P multiples of 16): C also gets t . L
-    (lora_term), written first on the f16 tensor cores (with accumulate: C + t . L + alpha * A . B)."""
+    (lora_term; its products on the f16 tensor cores), added as C is written (with accumulate: C + (alpha * A . B
+    + t . L))."""
     name = w.name or "int8 weight"
     emulate = emulate or dev in _emulated
     if not emulate and (problem := int8_problem(dev)) is not None:
