@@ -5,6 +5,7 @@ not, at the Llama-3-8B shapes of a B4 x T1024 step.
 
     python bench/int8_prep.py
     python bench/int8_prep.py --shapes 4096x4096,4096x14336
+    python bench/int8_prep.py --row-wg 64,256     # rows of <= 4096 on 64 or 256 invocations (quantize_i8.py)
 
 GB/s counts the bytes each kernel must move once (the weights' GGML bytes read + a code byte written per weight;
 an activation's f32 read + a code byte written; rotate_rows' f32 read + write): against the GPU's memory
@@ -27,10 +28,11 @@ from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import gpu.ops.quantize_i8 as quantize_ops  # noqa: E402
 from bench.gemm_tc import gpu_time, time_calls  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops.matmul_i8 import i8_buffers  # noqa: E402
-from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, weight_to_i8  # noqa: E402
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, row_workgroup, weight_to_i8  # noqa: E402
 from gpu.weights import random_blocks, upload_quant  # noqa: E402
 from model.quant import row_bytes  # noqa: E402
 
@@ -55,11 +57,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(f"{r}x{k}" for r, k in SHAPES), help="ROWSxWIDTH,...")
     ap.add_argument("--backend", default="dawn", help="wgpu or dawn")
+    ap.add_argument("--row-wg", default="", help="invocations a row for rows of <= 4096 (64, 256), comma-separated")
     args = ap.parse_args()
     dev = Device(args.backend)
-    rng = np.random.default_rng(0)
     emit(device=dev.adapter.summary)
-    for text in args.shapes.split(","):
+    for wg in [int(x) for x in args.row_wg.split(",") if x] or [quantize_ops.SHORT_ROW_WORKGROUP]:
+        quantize_ops.SHORT_ROW_WORKGROUP = wg
+        run_shapes(dev, args.shapes)
+
+
+def run_shapes(dev: Device, shapes: str) -> None:
+    """Every op at every shape, as JSON lines (each with the workgroup size its rows ran on)."""
+    rng = np.random.default_rng(0)
+    for text in shapes.split(","):
         rows, k = (int(x) for x in text.split("x"))
         for qtype in (T.Q4_K, T.Q6_K):
             w = upload_quant(dev, random_blocks(qtype, (rows, k), rng), qtype, (rows, k), name="w")
@@ -67,13 +77,15 @@ def main() -> None:
             n_bytes = rows * row_bytes(qtype, k) + rows * k
             for rot in (0, 128):
                 call = partial(weight_to_i8, dev, w, out, rot=rot)
-                emit(**timed(dev, "weight_to_i8", call, n_bytes, wtype=qtype.name, rows=rows, k=k, rot=rot))
+                wg = row_workgroup(k) if qtype == T.Q4_K else 256
+                emit(**timed(dev, "weight_to_i8", call, n_bytes, wtype=qtype.name, rows=rows, k=k, rot=rot, wg=wg))
         x = dev.upload(rng.standard_normal((rows, k), dtype=np.float32))
         cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32))
         a = i8_buffers(dev, rows, k, k, "x")
         for rot, scaled in ((0, False), (128, False), (0, True)):
             call = partial(quantize_i8_gpu, dev, x, a, col_scales=cs if scaled else None, rot=rot)
-            emit(**timed(dev, "quantize_i8", call, 5 * rows * k, rows=rows, k=k, rot=rot, scaled=scaled))
+            fields = {"rows": rows, "k": k, "rot": rot, "scaled": scaled, "wg": row_workgroup(k)}
+            emit(**timed(dev, "quantize_i8", call, 5 * rows * k, **fields))
         call = partial(rotate_rows, dev, x, rows, k, 128)
         emit(**timed(dev, "rotate_rows", call, 8 * rows * k, rows=rows, k=k))
 

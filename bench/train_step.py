@@ -531,6 +531,13 @@ def main() -> None:
         default="transposed",
         help="int8: the input gradients on the forward's GEMM over W's transposed codes, the 'nn' GEMM, or f16",
     )
+    p.add_argument(
+        "--int8-row-wg",
+        type=int,
+        choices=(64, 256),
+        default=None,
+        help="int8: invocations a row of the quantizer and Q4_K decode for rows of <= 4096 (default: the engine's)",
+    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -560,6 +567,10 @@ def main() -> None:
         from gpu.student import GPUStudent
 
         GPUModel.lora_in_gemm_i8 = args.int8_lora_epilogue == "on"
+        if args.int8_row_wg:
+            from gpu.ops import quantize_i8
+
+            quantize_i8.SHORT_ROW_WORKGROUP = args.int8_row_wg
         GPUModel.int8_rotation = args.int8_rotation == "on"
         GPUStudent.int8_input_grads = args.int8_input_grads != "f16"
         GPUStudent.transposed_input_grads = args.int8_input_grads == "transposed"

@@ -31,7 +31,7 @@ from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
 from gpu.ops.matmul_i8 import all_i8_variants
 from gpu.ops.matmul_tc import TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M, all_variants
-from model.int8 import ROTATIONS
+from model.int8 import ROTATIONS, ROW_WORKGROUPS
 from model.kd import KINDS
 
 BOOLS = (False, True)
@@ -76,9 +76,9 @@ def _subgroups(tint: bool) -> dict[str, str]:
     return {"ENABLE_SUBGROUPS": "enable subgroups;" if tint else ""}
 
 
-def _quantize_i8_values(scaled: bool, vec4: bool, rot: int, tint: bool) -> dict[str, object]:
+def _quantize_i8_values(scaled: bool, vec4: bool, rot: int, tint: bool, wg: int) -> dict[str, object]:
     """quantize_i8 with (scaled) or without a column scale multiplying X, reading X (and CS) by vec4 or by f32,
-    rotated in blocks of rot (hadamard.wgsl; 0: not), for Tint or naga."""
+    rotated in blocks of rot (hadamard.wgsl; 0: not), for Tint or naga, wg invocations a row."""
     elem = "vec4<f32>" if vec4 else "f32"
     binding = f"@group(0) @binding(4) var<storage, read> CS: array<{elem}>;"
     if vec4:
@@ -89,15 +89,16 @@ def _quantize_i8_values(scaled: bool, vec4: bool, rot: int, tint: bool) -> dict[
             "    let i = x0 + 4u * w;\n    let k = k0 + 4u * w;\n"
             f"    return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]){scale};"
         )
-    return {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group, "ROT": rot, **_subgroups(tint)}
+    values = {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group, "ROT": rot, "WG": wg}
+    return values | _subgroups(tint)
 
 
 def _weight_i8_values(wtype: str, rot: int, tint: bool) -> dict[str, object]:
     return {**_embedding_values(wtype), "ROT": rot, **_subgroups(tint)}
 
 
-def _weight_q4_k_values(rot: int, tint: bool) -> dict[str, object]:
-    return {"ROT": rot, **_subgroups(tint)}
+def _weight_q4_k_values(rot: int, tint: bool, wg: int) -> dict[str, object]:
+    return {"ROT": rot, "WG": wg, **_subgroups(tint)}
 
 
 def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
@@ -206,7 +207,9 @@ KERNELS: dict[str, Kernel] = {
     # other workgroup reductions
     "reduce_sum": Kernel((*_SUM, "reduce_sum", "reduce_term_value")),
     "absmax": Kernel(("workgroup_reduce", "absmax")),
-    "quantize_i8": Kernel((*_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS, **_ROT}, _quantize_i8_values),
+    "quantize_i8": Kernel(
+        (*_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS, **_ROT, "wg": ROW_WORKGROUPS}, _quantize_i8_values
+    ),
     "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT}, _weight_i8_values),
     "hadamard_rows": Kernel(
         ("subgroups_directive", "hadamard", "hadamard_rows"),
@@ -215,7 +218,7 @@ KERNELS: dict[str, Kernel] = {
     ),
     "weight_i8_q4_k": Kernel(
         ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "weight_i8_q4_k"),
-        _ROT,
+        {**_ROT, "wg": ROW_WORKGROUPS},
         _weight_q4_k_values,
     ),
     "transpose_i8": Kernel(("transpose_i8",)),

@@ -19,6 +19,10 @@ QMAX = 127
 # of rotation_block(k) (the kernels hold a row of at most ROTATED_MAX values in registers).
 ROTATIONS = (0, 32, 64, 128)
 ROTATED_MAX = 16384
+# Invocations a row of the GPU's per-row int8 kernels (activation quantizer, Q4_K decode): 256, or 64 for rows of
+# at most SHORT_ROW values (a quarter of the registers' reach: more rows in flight per multiprocessor).
+ROW_WORKGROUPS = (64, 256)
+SHORT_ROW = 4096
 
 
 def check_chunk(k: int, chunk: int, *, what: str = "rows") -> int:

@@ -16,6 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+import gpu.ops.quantize_i8 as quantize_ops
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_rank16, lora_term
@@ -72,11 +73,15 @@ def dev() -> Device:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("row_wg", [256, 64])
 @pytest.mark.parametrize("off,scaled", [(3, False), (4, False), (3, True), (4, True)])
-def test_quantize_kernel_matches_the_twin(dev: Device, off: int, scaled: bool) -> None:
+def test_quantize_kernel_matches_the_twin(
+    dev: Device, off: int, scaled: bool, row_wg: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Codes of the kernel equal the twin's (a value at a rounding tie may land one code off: the GPU's f32
     division is not correctly rounded); scales equal; rows read with a stride and an offset (4: the vec4 loads),
-    optionally times per-column scales."""
+    optionally times per-column scales; on 256 or 64 invocations a row (quantize_i8.SHORT_ROW_WORKGROUP)."""
+    monkeypatch.setattr(quantize_ops, "SHORT_ROW_WORKGROUP", row_wg)
     rng = np.random.default_rng(2)
     rows, k, ldx = 9, 192, 200
     full = (rng.standard_normal((rows, ldx)) * 3).astype(np.float32)
@@ -197,12 +202,18 @@ def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "k,rot,n", [(256, 0, 3), (4352, 0, 11), (16640, 0, 3), (256, 128, 11), (4352, 128, 3), (14336, 128, 17)]
-)  # one, two and more than PER units per invocation; rotated: up to the 4 units an invocation holds
-def test_q4_k_codes_equal_the_generic_decode(dev: Device, k: int, rot: int, n: int) -> None:
+    "k,rot,n,row_wg",
+    [(256, 0, 3, 256), (4352, 0, 11, 256), (16640, 0, 3, 256), (256, 128, 11, 256), (4352, 128, 3, 256),
+     (14336, 128, 17, 256), (2048, 0, 5, 64), (4096, 128, 5, 64)],
+)  # fmt: skip
+def test_q4_k_codes_equal_the_generic_decode(
+    dev: Device, k: int, rot: int, n: int, row_wg: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """weight_i8_q4_k (whole 16-byte pieces of the blocks) gives the generic weight_i8 decode's codes and scales,
     bit for bit, on rows whose units fill one slot, two, and more than the registers hold; rotated too (the same
-    butterflies in the same order, in units of 16 instead of groups of 4)."""
+    butterflies in the same order, in units of 16 instead of groups of 4); rows of at most 4096 on 64 invocations
+    too (quantize_i8.SHORT_ROW_WORKGROUP: 2 and 4 units each)."""
+    monkeypatch.setattr(quantize_ops, "SHORT_ROW_WORKGROUP", row_wg)
     from gpu.ops.common import grid, pack
     from gpu.registry import pipeline
 

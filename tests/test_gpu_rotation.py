@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+import gpu.ops.quantize_i8 as quantize_ops
 from gpu.device import Device, DeviceError
 from gpu.ops.matmul_i8 import i8_buffers
 from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, weight_to_i8
@@ -87,10 +88,15 @@ def _check_codes(dev: Device, out, x_rot: np.ndarray) -> None:
     assert diff.max() <= 1 and (diff > 0).mean() < 2e-2
 
 
+@pytest.mark.parametrize("row_wg", [256, 64])
 @pytest.mark.parametrize("k,rot,chunk", [(576, 64, 576), (1536, 128, 1536), (256, 32, 128), (4224, 128, 4224)])
-def test_quantizer_rotates_like_the_twin(dev: Device, k: int, rot: int, chunk: int) -> None:
+def test_quantizer_rotates_like_the_twin(
+    dev: Device, k: int, rot: int, chunk: int, row_wg: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Activation codes of rotated rows (per row, or per chunk of a multiple of the block): the twin's codes of
-    hadamard_rows(x). k 4224: an invocation holds 5 groups of four (more than one slot of the registers)."""
+    hadamard_rows(x). k 4224: an invocation holds 5 groups of four (more than one slot of the registers); rows of
+    at most 4096 also on 64 invocations a row (quantize_i8.SHORT_ROW_WORKGROUP), where 1536 holds 6 groups each."""
+    monkeypatch.setattr(quantize_ops, "SHORT_ROW_WORKGROUP", row_wg)
     rng = np.random.default_rng(k)
     x = rng.standard_normal((5, k)).astype(np.float32)
     x[:, 3] *= 50.0
@@ -99,8 +105,13 @@ def test_quantizer_rotates_like_the_twin(dev: Device, k: int, rot: int, chunk: i
     _check_codes(dev, out, hadamard_rows(x, rot))
 
 
+@pytest.mark.parametrize("row_wg", [256, 64])
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.F16], ids=lambda t: t.name)
-def test_weight_decode_rotates_like_the_twin(dev: Device, qtype: T) -> None:
+def test_weight_decode_rotates_like_the_twin(
+    dev: Device, qtype: T, row_wg: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every type's rotated int8 decode against the twin (Q4_K's kernel also on 64 invocations a row)."""
+    monkeypatch.setattr(quantize_ops, "SHORT_ROW_WORKGROUP", row_wg)
     rng = np.random.default_rng(int(qtype))
     n, k = 4, 512
     raw = random_blocks(qtype, (n, k), rng)

@@ -28,7 +28,7 @@ fn group4(w: u32) -> vec4<f32> {
 ${GROUP4}
 }
 
-const WG: u32 = 256u;
+const WG: u32 = ${WG}u;   // invocations a row (256, or 64 for rows of <= 4096: gpu/ops/quantize_i8.py)
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
         @builtin(subgroup_size) sg: u32) {

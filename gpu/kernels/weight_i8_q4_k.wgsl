@@ -20,7 +20,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> Q: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
 
-const WG: u32 = 256u;
+const WG: u32 = ${WG}u;   // invocations a row (256, or 64 for rows of <= 4096: gpu/ops/quantize_i8.py)
 const PER: u32 = 4u;
 
 // byte i (0 .. 11) of a block's scales (bytes 4 .. 15 of its first word)

@@ -16,12 +16,22 @@ from gpu.ops.common import grid, nbytes, pack
 from gpu.ops.matmul_i8 import Int8Matrix, i8_buffers
 from gpu.registry import pipeline
 from gpu.weights import QuantTensor
-from model.int8 import ROTATED_MAX, ROTATIONS
+from model.int8 import ROTATED_MAX, ROTATIONS, SHORT_ROW
 
 
 def tint(dev: Device) -> bool:
     """Whether dev compiles WGSL with Tint (Dawn), whose subgroup builtins need `enable subgroups;`."""
     return dev.backend == "dawn"
+
+
+# Invocations a row of the quantizer and the Q4_K decode for rows of at most SHORT_ROW values: 256 (measured), or 64
+# (more rows in flight per multiprocessor; not yet measured: bench/int8_prep.py --row-wg 64,256); longer rows 256.
+SHORT_ROW_WORKGROUP = 256
+
+
+def row_workgroup(k: int) -> int:
+    """The workgroup size a row of k values runs with in quantize_i8 / weight_i8_q4_k."""
+    return SHORT_ROW_WORKGROUP if k <= SHORT_ROW else 256
 
 
 def check_rotation(rot: int, k: int, what: str) -> None:
@@ -56,7 +66,8 @@ def quantize_i8_gpu(
     # vec4 loads where every row's chunks start on a 16-byte boundary (and the bound views are whole vec4s)
     vec4 = x_offset % 4 == 0 and ldx % 4 == 0 and nbytes(x) % 16 == 0
     vec4 = vec4 and (col_scales is None or nbytes(col_scales) % 16 == 0)
-    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4, rot=rot, tint=tint(dev))
+    wg = row_workgroup(out.chunk)
+    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4, rot=rot, tint=tint(dev), wg=wg)
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
@@ -73,7 +84,7 @@ def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
     variant = {"rot": rot, "tint": tint(dev)}
     name = "weight_i8_q4_k" if w.qtype.name == "Q4_K" else "weight_i8"
-    variant |= {} if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
+    variant |= {"wg": row_workgroup(k)} if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
     dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
     return out
 
