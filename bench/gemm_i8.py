@@ -88,13 +88,13 @@ def time_gemm_i8(
         wsc = (rng.uniform(0.5, 1.5, size=n) / 127).astype(np.float32)
         col = dev.upload(wsc)
     c = dev.buffer(4 * m * n)
-    term, lora_ref = None, 0.0
+    term = t16 = b16 = None
     if lora:  # t [m, r], B [n, r], scale 2: packed once, as the engine does per projection
-        t, b = (rng.standard_normal((rows, lora), dtype=np.float32) * 0.1 for rows in (m, n))
+        t, b = (rng.standard_normal((size, lora), dtype=np.float32) * 0.1 for size in (m, n))
         lr = lora_rank16(lora)
         term = lora_term(dev, dev.upload(t), dev.upload(b), m, n, lora, 2.0, "rows", dev.buffer(2 * m * lr),
                          dev.buffer(2 * n * lr))  # fmt: skip
-        lora_ref = (2 * t).astype(np.float16).astype(np.float64) @ b.astype(np.float16).astype(np.float64).T
+        t16, b16 = ((2 * t).astype(np.float16).astype(np.float64), b.astype(np.float16).astype(np.float64))
 
     def call() -> None:
         gemm_i8(dev, a, w, c, orient=orient, col_scales=col, cfg=cfg, lora=term)
@@ -120,7 +120,7 @@ def time_gemm_i8(
         rows = np.sort(rng.choice(m, size=min(8, m), replace=False))
         got = np.stack([dev.read(c, np.float32, (n,), offset=int(i) * n * 4) for i in rows]).astype(np.float64)
         if orient == "nt":
-            ref = gemm_i8_reference(ac[rows], asc[rows], wc, wsc) + (lora_ref[rows] if lora else 0.0)
+            ref = gemm_i8_reference(ac[rows], asc[rows], wc, wsc) + (t16[rows] @ b16.T if lora else 0.0)
         else:
             ref = (ac[rows].astype(np.float64) * asc[rows]) @ wc.astype(np.float64) * wsc.astype(np.float64)
         row["max_rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
