@@ -163,7 +163,8 @@ def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.
     spec = EngineSpec(
         cfg, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, precision=args.precision
     )
-    st = GPUStudent(dev, weights, spec, GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k))
+    kept = args.kept_blocks if args.kept_blocks == "auto" else int(args.kept_blocks)
+    st = GPUStudent(dev, weights, spec, GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k), kept_blocks=kept)
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
     ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
@@ -206,6 +207,9 @@ def bench_ours(args: argparse.Namespace) -> None:
         applied_steps=st.applied_steps,
         skipped_steps=st.skipped_steps,
         own_peak_bytes=dev.peak_bytes,
+        kept_blocks=st.kept_blocks,
+        kept_bytes=st.kept_blocks * st.kept_block_bytes(),
+        device_memory_bytes=dev.memory_bytes(),
     )
     if args.profile:
         with Profiler(dev) as prof:
@@ -266,7 +270,8 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
     emit(what="upload", side=f"hf-{dtype_name}", seconds=round(time.perf_counter() - t0, 2))
     b, t, k = args.batch, args.seq, args.top_k
     torch.cuda.reset_peak_memory_stats()
-    model.gradient_checkpointing_enable()
+    if args.hf_checkpointing == "on":
+        model.gradient_checkpointing_enable()
     model.enable_input_require_grads()
     model = get_peft_model(
         model,
@@ -307,6 +312,7 @@ def bench_torch(args: argparse.Namespace, dtype_name: str) -> None:
         dtype=str(dtype),
         **_step_row(args, secs, losses),
         own_peak_bytes=torch.cuda.max_memory_allocated(),
+        gradient_checkpointing=args.hf_checkpointing == "on",
     )
     if args.no_teacher or f"hf-{dtype_name}" not in args.teacher_sides.split(","):
         return
@@ -538,6 +544,18 @@ def main() -> None:
         default=None,
         help="int8: invocations a row of the quantizer and Q4_K decode for rows of <= 4096 (default: the engine's)",
     )
+    p.add_argument(
+        "--kept-blocks",
+        default="0",
+        help="ours: blocks whose intermediates the forward keeps for the backward instead of recomputing them (a "
+        "number, or auto: as many as fit, as train.kept_blocks); 0 recomputes every block, like --hf-checkpointing on",
+    )
+    p.add_argument(
+        "--hf-checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="HF sides: gradient checkpointing (on: each block recomputed in the backward, as ours at --kept-blocks 0)",
+    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -557,6 +575,8 @@ def main() -> None:
     args = p.parse_args(argv)
     if args.gguf and not Path(args.gguf).is_file():
         p.error(f"--gguf {args.gguf}: no such file")
+    if args.kept_blocks != "auto" and not args.kept_blocks.isdigit():
+        p.error(f"--kept-blocks {args.kept_blocks}: expected a number of blocks >= 0 or auto")
     if args.side == "ours":
         from gpu.ops import head
 

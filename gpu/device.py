@@ -253,6 +253,17 @@ class Device:
         """Whether tensor cores are reachable (Dawn's subgroup-matrix feature was granted)."""
         return SUBGROUP_MATRIX in self.features
 
+    def memory_bytes(self) -> int | None:
+        """The GPU's own memory, its largest device-local heap, where the backend reports it (Dawn with the
+        adapter-properties-memory-heaps feature); None elsewhere (wgpu-native, a CPU adapter)."""
+        if self.backend != "dawn" or self.is_cpu or "adapter-properties-memory-heaps" not in self.adapter.features:
+            return None
+        from wgpudawn.backends.dawn import extras
+
+        heaps = extras.get_adapter_properties(self.adapter).get("memory_heaps", [])
+        sizes = [int(h["size"]) for h in heaps if "device-local" in h["properties"]]
+        return max(sizes) if sizes else None
+
     # ---- description ----------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:
         """Backend, adapter, limits and features (for `distillery doctor` and run logs)."""
@@ -263,6 +274,7 @@ class Device:
             "adapter_info": info,
             "is_cpu": self.is_cpu,
             "subgroup_matrix": SUBGROUP_MATRIX in self.features,
+            "memory_bytes": self.memory_bytes(),
             "limits": {k: int(self.limits[k]) for k in _MAX_LIMITS if k in self.limits},
             "features": sorted(self.features),
         }

@@ -3,9 +3,10 @@ RMSNorm; NORM or NEOX RoPE, Llama 3 frequency factors), shared by the student (t
 (top-k, gpu/teacher.py): the weights uploaded still in their GGML types, and GPUModel, the forward over `batch`
 sequences of `seq_len` tokens with optional LoRA on the 7 projections (parameters laid out by model/lora_layout.py).
 
-Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it;
-rows are `batch * seq_len` tokens; only attention works per sequence (the tensor-core kernels take the whole
-batch in one dispatch, the sequence in grid z; the f32 kernels one sequence at a time).
+Memory: each block's input is kept ([L+1, rows, H]) so a backward can recompute one block at a time from it
+(or, for the blocks a GPUStudent keeps, read their intermediates from buffers of their own: `_use_block`); rows
+are `batch * seq_len` tokens; only attention works per sequence (the tensor-core kernels take the whole batch in
+one dispatch, the sequence in grid z; the f32 kernels one sequence at a time).
 Names: `seq_len` is one sequence's tokens, `rows` all of the batch's; `target` a projection (q, k, ..., down);
 `t` only LoRA's intermediate x Aᵀ [rows, r]; `k` only the key projection.
 """
@@ -401,7 +402,12 @@ class GPUModel:
         if not self.direct_attention:
             for name, kind in _SLOT_KIND.items():
                 self.a[name] = b(name, self.batch * (self.seq_q if kind == "q" else self.seq_kv))
-        self.lse = b("lse", self.batch * self.seq_lse)
+        self.a["lse"] = b("lse", self.batch * self.seq_lse)
+        # the scratch above serves every block; a block that keeps its intermediates for the backward has its own
+        # buffers in place of some (GPUStudent kept_blocks, gpu/kept_blocks.py), and self.a points at the set of
+        # the block being worked on (_use_block)
+        self._scratch = self.a
+        self._kept: dict[int, dict[str, Any]] = {}
         self.delta = b("attention delta", cfg.n_heads * self.seq_len)
         r = self.layout.r
         if self.saves_lora_t:  # the forward's t of every adapted (layer, target), for the backward
@@ -593,7 +599,16 @@ class GPUModel:
         cfg, seq_len = self.cfg, self.seq_len
         if self.batched_attention:
             self._attention_fwd(
-                self.dev, q, k, v, out, self.lse, seq_len, *self._heads(), n_seqs=self.batch, lse_stride=self.seq_lse
+                self.dev,
+                q,
+                k,
+                v,
+                out,
+                self.a["lse"],
+                seq_len,
+                *self._heads(),
+                n_seqs=self.batch,
+                lse_stride=self.seq_lse,
             )
             return
         ins = ((q, "aq"), (k, "ak"), (v, "av"))
@@ -603,7 +618,7 @@ class GPUModel:
                 self.dev,
                 *(self._seq_view(buf, slot, s) for buf, slot in ins),
                 self._seq_view(out, "ao", s),
-                self._view(self.lse, s * self.seq_lse, cfg.n_heads * seq_len),
+                self._view(self.a["lse"], s * self.seq_lse, cfg.n_heads * seq_len),
                 seq_len,
                 *self._heads(),
                 **attention_settings(cfg, layer),
@@ -611,8 +626,11 @@ class GPUModel:
         self._scatter(((out, "ao"),), to_slots=False)
 
     # ---- one block -------------------------------------------------------------------------------------
-    def _block_forward(self, layer: int) -> None:
-        """x_{l+1} = block(x_l), keeping this block's intermediates in the scratch buffers."""
+    def _block_forward(self, layer: int, for_backward: bool = False) -> None:
+        """x_{l+1} = block(x_l), keeping this block's intermediates in the scratch buffers. for_backward: a
+        backward's recompute, which stops at the down projection's input s when the model has no post-norms (its
+        backward reads s, never the down projection's output or x_{l+1}: 28 % of a Llama block's GEMM work)."""
+        self._use_block(layer)
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
         h, f = cfg.hidden, cfg.ffn
         x, x_next = self._x(layer), self._x(layer + 1)
@@ -640,10 +658,18 @@ class GPUModel:
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
         self._proj(a["n2"], layer, "gate", a["g"], n2)
         self._proj(a["n2"], layer, "up", a["u"], n2)
-        s16 = None if self._w8_slots else self._half_copy(rows * f)
+        stop = for_backward and not cfg.post_norms
+        s16 = None if self._w8_slots or stop else self._half_copy(rows * f)
         self._gate_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
+        if stop:
+            return
         self._post_normed(layer, "down", "post_ffw_norm", None if self._w8_slots else self._operand(a["s"], s16))
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
+
+    def _use_block(self, layer: int) -> None:
+        """Point self.a at block `layer`'s buffers: its kept set (the shared scratch with its own buffers in place
+        of those it keeps) or the shared scratch."""
+        self.a = self._kept.get(layer, self._scratch)
 
     def _post_normed(self, layer: int, target: str, norm: str, gemm_input: tuple[Any, dict] | None = None) -> None:
         """a["tmp"] = the o / down projection's output (its input: att / s), through blk.N.<norm> when the model

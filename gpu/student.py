@@ -3,11 +3,14 @@
 trunk; what it optimises is the objective plugged into it (gpu/objectives.py: KD or a preference loss), built
 from an EngineSpec (model/engine_spec.py).
 
-Memory: only each block's input is kept ([L+1, rows, H]); the backward recomputes one block at a time from
-its input (layer-input checkpointing) and then runs the block backward, mirroring model/reference.py's
-block_forward / block_backward. `checkpoints`: those inputs in f32, or in bf16 (model/bf16.py: half the
-bytes, f32's range; the forward itself stays f32, only the recompute starts from the rounded input); "auto"
-takes bf16 with tensor cores and f32 on the f32 path, the parity oracle. Besides, each adapted projection's
+Memory: each block's input is kept ([L+1, rows, H]); the backward recomputes one block at a time from its
+input, up to the down projection's input (layer-input checkpointing), and then runs the block backward,
+mirroring model/reference.py's block_forward / block_backward. `kept_blocks` (gpu/kept_blocks.py) trades memory
+for speed: those blocks keep their GEMM and attention outputs from the forward in buffers of their own (allocated
+with the first backward) and skip the recompute but for their norms and gated activation (_refresh).
+`checkpoints`: the block inputs in f32, or in bf16 (model/bf16.py: half the bytes, f32's range; the forward
+itself stays f32, only the recompute starts from the rounded input); "auto" takes bf16 with tensor cores and f32
+on the f32 path, the parity oracle. Besides, each adapted projection's
 t = x A^T ([rows, r]: 2 MiB per projection at B4 x T1024, r16) stays from the forward: the recompute adds only
 (s t) B^T, and the LoRA backward reads it.
 
@@ -24,6 +27,7 @@ import numpy as np
 
 from gpu.codegen_i8 import MMA_K
 from gpu.device import Device
+from gpu.kept_blocks import kept_count, kept_widths
 from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
@@ -33,7 +37,7 @@ from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward, lora_term
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8
 from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, rotated_back, transpose_i8
-from gpu.ops.rmsnorm import rmsnorm_backward
+from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import rope_backward
 from model.config import LORA_TARGETS
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
@@ -67,6 +71,8 @@ class GPUStudent(GPUModel):
         *,
         max_skips_in_a_row: int = MAX_SKIPS_IN_A_ROW,
         checkpoints: str = "auto",
+        kept_blocks: int | str = 0,
+        memory_share: float = 1.0,
     ) -> None:
         if checkpoints not in CHECKPOINTS:
             raise ValueError(f"checkpoints={checkpoints!r}: expected one of {', '.join(CHECKPOINTS)}")
@@ -109,9 +115,36 @@ class GPUStudent(GPUModel):
         self._acc_grads = False
         self.objective = objective
         objective.bind(self)
+        self.kept_blocks = self._count_kept(kept_blocks, memory_share)  # their buffers come with the first backward
 
     def _wants_bf16_checkpoints(self) -> bool:
         return self.tensor_cores if self._checkpoints == "auto" else self._checkpoints == "bf16"
+
+    def _recomputed_blocks(self) -> list[int]:
+        return [layer for layer in range(self.layout.lowest_layer, self.cfg.n_layers) if self._recomputed(layer)]
+
+    def kept_block_bytes(self) -> int:
+        """GPU bytes of one kept block's own buffers at this engine's batch (gpu/kept_blocks.py)."""
+        return 4 * (self.rows * sum(kept_widths(self.cfg).values()) + self.batch * self.seq_lse)
+
+    def _count_kept(self, setting: int | str, share: float) -> int:
+        """How many of the recomputed blocks keep their intermediates (gpu/kept_blocks.py kept_count: `setting`,
+        or auto from the device's memory and what this process holds now)."""
+        recomputed = len(self._recomputed_blocks())
+        device = self.dev.memory_bytes()
+        return kept_count(setting, recomputed, self.kept_block_bytes(), device, self.dev.live_bytes, share)
+
+    def _keep_blocks(self) -> None:
+        """Give the highest kept_blocks recomputed blocks buffers of their own for what their backward reads (once,
+        before the first backward: an engine that only evaluates never holds them)."""
+        if len(self._kept) == self.kept_blocks:
+            return
+        widths = kept_widths(self.cfg)
+        blocks = self._recomputed_blocks()
+        for layer in blocks[len(blocks) - self.kept_blocks :]:
+            own = {name: self.dev.buffer(4 * self.rows * w, label="kept activations") for name, w in widths.items()}
+            own["lse"] = self.dev.buffer(4 * self.batch * self.seq_lse, label="kept activations")
+            self._kept[layer] = {**self._scratch, **own}
 
     def _gradient_widths(self) -> dict[str, int]:
         cfg = self.cfg
@@ -251,7 +284,7 @@ class GPUStudent(GPUModel):
                 k,
                 v,
                 out,
-                self.lse,
+                self.a["lse"],
                 dq,
                 dk,
                 dv,
@@ -261,15 +294,16 @@ class GPUStudent(GPUModel):
                 lse_stride=self.seq_lse,
             )
             return
-        # without direct views, q, k, v, out are already in their slots from the recomputed forward
+        # without direct views, q, k, v, out are already in their slots from the forward or recompute just run,
+        # except for a kept block's
         ins = ((dout, "ado"), (q, "aq"), (k, "ak"), (v, "av"), (out, "ao"))
         grads = ((dq, "adq"), (dk, "adk"), (dv, "adv"))
-        self._scatter(ins[:1], to_slots=True)
+        self._scatter(ins if layer in self._kept else ins[:1], to_slots=True)
         for s in range(self.batch):
             self._attention_bwd(
                 self.dev,
                 *(self._seq_view(buf, slot, s) for buf, slot in ins),
-                self._view(self.lse, s * self.seq_lse, cfg.n_heads * t),
+                self._view(self.a["lse"], s * self.seq_lse, cfg.n_heads * t),
                 *(self._seq_view(buf, slot, s) for buf, slot in grads),
                 t,
                 *self._heads(),
@@ -279,7 +313,9 @@ class GPUStudent(GPUModel):
         self._scatter(grads, to_slots=False)
 
     def _block_backward(self, layer: int) -> None:
-        """Given dx = dL/dx_{l+1} in a["dx"] and the recomputed intermediates, leave dL/dx_l in a["dx"]."""
+        """Given dx = dL/dx_{l+1} in a["dx"] and the block's intermediates (recomputed, or kept), leave dL/dx_l in
+        a["dx"]."""
+        self._use_block(layer)
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
         h, f = cfg.hidden, cfg.ffn
         x = self._x(layer)
@@ -354,6 +390,7 @@ class GPUStudent(GPUModel):
         self.objective.write(batch)
 
     def _record_loss_and_grads(self, micro: int) -> None:
+        self._keep_blocks()
         self._acc_grads = micro > 0
         key = ("loss_and_grads", micro, self.objective.tape_key())
         self._taped(key, lambda: self._record_forward_backward(micro))
@@ -375,14 +412,27 @@ class GPUStudent(GPUModel):
         for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
             # not the top block: its intermediates are still the forward's (the head writes only nf, tmp, dx and
             # its own scratch; its input x_{L-1} is still in xs)
-            if self._recomputed(layer):
+            if layer in self._kept:
+                self._refresh(layer)
+            elif self._recomputed(layer):
                 self._restore(layer)  # from its bf16 checkpoint (f32 checkpoints are still in place)
                 self._replay_lora_t = True  # the LoRA products reuse the forward's t
                 try:
-                    self._block_forward(layer)  # recompute from the checkpointed block input
+                    self._block_forward(layer, for_backward=True)  # recompute from the checkpointed block input
                 finally:
                     self._replay_lora_t = False
             self._block_backward(layer)
+
+    def _refresh(self, layer: int) -> None:
+        """A kept block's intermediates that live in the shared scratch, from its kept ones before its backward:
+        n1 and n2 (the RMSNorms of its input and of hres) and s (the gated activation of g and u)."""
+        cfg, dev, rows, norms = self.cfg, self.dev, self.rows, self.w.norms
+        self._restore(layer)  # its input, read by n1 here and by the attention norm's backward
+        self._use_block(layer)
+        a, h = self.a, cfg.hidden
+        rmsnorm_forward(dev, self._x(layer), norms[f"blk.{layer}.attn_norm.weight"], a["n1"], rows, h, cfg.eps)
+        rmsnorm_forward(dev, a["hres"], norms[f"blk.{layer}.ffn_norm.weight"], a["n2"], rows, h, cfg.eps)
+        self._gate_forward(dev, a["g"], a["u"], a["s"], rows * cfg.ffn)
 
     def _record_step(self, micro: int, then: Callable[[], None] | None = None) -> None:
         """Record micro-batch `micro`'s forward + backward (and `then`) in one step, between the objective's

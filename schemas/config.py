@@ -82,6 +82,18 @@ def _check_file_name(value: str | None) -> str | None:
 FileName = Annotated[str | None, AfterValidator(_check_file_name)]
 
 
+def _kept_blocks(value: Any) -> Any:
+    """train.kept_blocks: a number of blocks >= 0 (digits from --set too) or "auto", one error line otherwise."""
+    if value == "auto" or (type(value) is int and value >= 0):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise ValueError("expected a number of blocks >= 0 or 'auto'")
+
+
+KeptBlocks = Annotated[int | Literal["auto"], BeforeValidator(_kept_blocks)]
+
+
 def _admits(annotation: Any, kinds: tuple[type, ...]) -> bool:
     """Whether a field's annotation is one of `kinds`, or one of them or None; never when it admits bool."""
     options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
@@ -371,6 +383,16 @@ class TrainSection(Section):
         "subgroup matrices, 8-bit activations and weights with per-row scales after a Walsh-Hadamard rotation; "
         "the demo's held-out KL ends ~2 % above tensorcore's; README Numerics); auto: "
         "tensorcore where the adapter supports it, else f32.",
+    )
+    kept_blocks: KeptBlocks = Field(
+        "auto",
+        description="GPU engine, memory for speed: blocks whose intermediates the forward keeps so the backward "
+        "does not recompute them (gradient checkpointing off for those blocks). Each costs 4 bytes a token per "
+        "float of its q, k, v, attention output, residual, gate and up outputs (Llama-3-8B: 172 KB a token, "
+        "0.71 GB a block at 4 x 1,024 tokens); a recomputed block repeats its q/k/v, o and gate/up GEMMs and its "
+        "attention. 0: recompute every block (least memory); N: the top N of the blocks a backward recomputes; "
+        "auto: as many as fit in the GPU's memory (where the driver reports it; else 0). Not used by the numpy "
+        "engine, which keeps every block's intermediates when they fit in 2 GiB.",
     )
     backend: Literal["auto", "gpu", "numpy"] = Field(
         "auto",

@@ -158,6 +158,11 @@ def test_json_config_and_dump_round_trip(tmp_path):
         ("model.student_quant=Q3_K", "model.student_quant[0]: Input should be 'F32'"),
         ("export.merge_quant=Q4_0", "export.merge_quant: set, but export.merge is false"),
         ("lora=5", "lora: Input should be a valid dictionary"),
+        ("train.kept_blocks=-1", "train.kept_blocks: expected a number of blocks >= 0 or 'auto' (got -1)"),
+        ("train.kept_blocks=all", "train.kept_blocks: expected a number of blocks >= 0 or 'auto' (got 'all')"),
+        ("train.kept_blocks=true", "train.kept_blocks: a boolean where a number is expected (got True)"),
+        ("train.kept_blocks=4", None),
+        ("train.kept_blocks=auto", None),
     ],
 )
 def test_bad_value_names_field(override, expect):

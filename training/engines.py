@@ -11,6 +11,7 @@ gpu/ is imported lazily, so a numpy run neither imports wgpu's device code paths
 
 from __future__ import annotations
 
+import gc
 import logging
 import resource
 import time
@@ -223,8 +224,19 @@ def objective_engine(
 
     device, weights = get_device(cfg.run.gpu_backend), load_gpu_weights(gguf, cfg.run.gpu_backend)
     built = spec(weights.cfg)
+    # an earlier engine's GPU buffers (its objective refers back to it: a cycle) are freed before this one sizes its
+    # kept blocks from what the process holds
+    gc.collect()
     try:
-        return GPUStudent(device, weights, built, gpu_objective(), adamw_config(cfg))
+        engine = GPUStudent(
+            device,
+            weights,
+            built,
+            gpu_objective(),
+            adamw_config(cfg),
+            kept_blocks=cfg.train.kept_blocks,
+            memory_share=cfg.scale.gpus_per_worker if cfg.train.workers > 1 else 1.0,
+        )
     except DeviceError as exc:
         if "exceeds this adapter" not in str(exc):
             raise
@@ -232,6 +244,27 @@ def objective_engine(
             f"train.batch_size: {built.batch} sequences of data.seq_len {built.seq_len} on {gguf}: "
             f"{exc}; lower train.batch_size or data.seq_len, or set train.backend=numpy"
         ) from None
+    _log_kept_blocks(cfg, engine)
+    return engine
+
+
+def _log_kept_blocks(cfg: RunConfig, engine: Any) -> None:
+    """Log, once per setting and outcome, how many blocks the GPU engine keeps and what they cost."""
+    from gpu.kept_blocks import kept_bytes_per_token
+
+    kept, setting = engine.kept_blocks, cfg.train.kept_blocks
+    if ("kept", str(setting), str(kept)) in _LOGGED:
+        return
+    _LOGGED.add(("kept", str(setting), str(kept)))
+    per_token = kept_bytes_per_token(engine.cfg)
+    log.info(
+        "train.kept_blocks=%s: a training backward keeps %d block(s)' intermediates (%.2f GB, %d bytes a token a "
+        "block) and recomputes the other adapted blocks",
+        setting,
+        kept,
+        kept * engine.kept_block_bytes() / 1e9,
+        per_token,
+    )
 
 
 def _cpu() -> Any:
