@@ -136,16 +136,18 @@ class GpuKd:
         ):
             b(name, n)
         dev = st.dev
-        chunk, tc_head = min(st.spec.vocab_chunk, st.cfg.vocab), st.cfg.hidden if st._pack_inputs else None
+        chunk = min(st.spec.vocab_chunk, st.cfg.vocab)
         int8 = st.precision == "int8" and (head.INT8_STUDENT_HEAD or head.INT8_STUDENT_LOGITS)
         int8_head = st.cfg.hidden if int8 else None
-        # tc_head: its backward on TCs; int8_head: the head's logits (and its backward) on the integer GEMM
+        # the one-pass backward (gpu/ops/kd.py), on TCs with packed inputs; int8_head: the head's logits (and its
+        # backward) on the integer GEMM
         self.scratch = KdScratch.build(
             dev,
             rows,
             top_k,
             chunk,
-            hidden=tc_head,
+            hidden=st.cfg.hidden,
+            half=st._pack_inputs,
             int8_hidden=int8_head,
             int8_backward=head.INT8_STUDENT_HEAD,
             int8_rot=st._rotation(st.cfg.hidden),

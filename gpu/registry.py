@@ -71,6 +71,11 @@ def _embedding_values(wtype: str) -> dict[str, str]:
     return {"DECODE": decode_snippet(wtype), "W_ELEM": WEIGHT_TYPES[wtype].w_elem}
 
 
+def _kd_finish_values(wtype: str, ce: bool) -> dict[str, object]:
+    """kd_finish reads the LM head's rows at the teacher ids through its type's decode snippet."""
+    return {**_embedding_values(wtype), "CE": ce}
+
+
 def _subgroups(tint: bool) -> dict[str, str]:
     """subgroups_directive.wgsl: Tint (Dawn) wants `enable subgroups;`, naga (wgpu-native) refuses it."""
     return {"ENABLE_SUBGROUPS": "enable subgroups;" if tint else ""}
@@ -198,7 +203,12 @@ KERNELS: dict[str, Kernel] = {
         ("rmsnorm_forward", *_ROWS, *_SUM), {"half": BOOLS}, lambda half: _half_output(half, 4, "base + i")
     ),
     "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
-    "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats")),
+    "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats_plain", "kd_stats")),
+    # the one-pass backward (gpu/ops/kd.py): pass 1 also emits each chunk's probabilities (in place, or f16)
+    "kd_stats_probs": Kernel((*_ROWS, *_LSE, "kd_probs_f32", "kd_stats")),
+    "kd_stats_probs16": Kernel((*_ROWS, *_LSE, "kd_probs_f16", "kd_stats")),
+    "kd_rescaled_add": Kernel((*_ELEMENTWISE, "kd_rescaled_add"), {"acc": BOOLS}),
+    "kd_finish": Kernel(("kd_finish",), {"wtype": tuple(WEIGHT_TYPES), "ce": BOOLS}, _kd_finish_values),
     "kd_grad": Kernel((*_ROWS, "kd_grad"), {"ce": BOOLS}),
     "topk": Kernel((*_ROWS, *_LSE, "topk"), {"ns": TOPK_SORT_SIZES}),
     # the sampled store's two passes over the vocabulary (gpu/ops/sampled.py)

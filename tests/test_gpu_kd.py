@@ -1,5 +1,7 @@
 """Fused lm_head + KD loss (gpu/ops/kd.py) vs model/kd.py in float64: every loss kind, tail on/off (given or
-derived), temperature, CE weight, masked rows, several vocab chunks with a partial last one; bitwise repeatable."""
+derived), temperature, CE weight, masked rows, several vocab chunks with a partial last one; bitwise repeatable.
+Both backwards: two passes over the logits (an f32 head, or a scratch without `hidden`) and one (a quantized head
+and a scratch with `hidden`; CE only at tau = 1)."""
 
 from __future__ import annotations
 
@@ -83,20 +85,97 @@ def test_kd_head(dev: Device, kind: str, use_tail: bool, tau: float, ce: float, 
     assert abs(row_loss.astype(np.float64).sum() - want_loss) <= TOL * abs(want_loss)
 
 
+def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the kernels gpu/ops/kd.py asks for from now on."""
+    from gpu.ops import kd
+
+    names: list[str] = []
+    real = kd.pipeline
+
+    def spy(dev: Device, name: str, **variant: object) -> object:
+        names.append(name)
+        return real(dev, name, **variant)
+
+    monkeypatch.setattr(kd, "pipeline", spy)
+    return names
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind,use_tail,tau,ce,tail_given,beta,t", CASES)
+def test_kd_head_one_pass(
+    dev: Device,
+    monkeypatch: pytest.MonkeyPatch,
+    qtype: str,
+    kind: str,
+    use_tail: bool,
+    tau: float,
+    ce: float,
+    tail_given: bool,
+    beta: float,
+    t: int,
+) -> None:
+    """A quantized head (Q8_0; Q6_K as the Llama 3 GGUFs store it) with a scratch built with `hidden`: the loss
+    and dh = c U + the rows at the ids within TOL of float64 on the dequantized head, masked rows zero, bitwise
+    repeatable, one logits pass (kd_finish ran); CE at tau != 1 keeps the two passes, as accurate."""
+    from gpu.weights import random_blocks, upload_quant
+
+    rng = np.random.default_rng(100 + CASES.index((kind, use_tail, tau, ce, tail_given, beta, t)))
+    h_dim, v, k, chunk = 256, 300, 8, 128
+    wtype = GGMLQuantizationType[qtype]
+    cfg = LossConfig(kind=kind, tau=tau, beta=beta, ce_weight=ce, use_tail=use_tail)
+    h = rng.standard_normal((t, h_dim)).astype(np.float32)
+    if wtype == GGMLQuantizationType.Q6_K:
+        raw = random_blocks(wtype, (v, h_dim), rng)
+        wq = upload_quant(dev, raw, wtype, (v, h_dim), "head_q6_k")
+        w_deq = dequantize(raw, wtype, (v, h_dim))
+        h = (h * 3.0 / (h @ w_deq.T).std()).astype(np.float32)  # logits of std 3, as the Q8_0 head's
+    else:
+        w = (rng.standard_normal((v, h_dim)) * 3.0 / np.sqrt(h_dim)).astype(np.float32)
+        wq = quantize_upload(dev, w, wtype, name="head_q8_0")
+        w_deq = dequantize(quantize(w, wtype), wtype, (v, h_dim))
+    ids, lt, tail = _teacher(rng, t, v, k, tau)
+    targets = rng.integers(0, v, t).astype(np.uint32)
+    mask = np.ones(t, np.uint32) if t == 1 else np.array([1, 1, 0, 1, 1, 0] * t, np.uint32)[:t]
+    hb, idb, ltb, tailb, tgb, mb = (up(dev, a, a.dtype) for a in (h, ids, lt, tail, targets, mask))
+    scratch = KdScratch.build(dev, t, k, chunk, hidden=h_dim, half=False)
+    ran = _ran(monkeypatch)
+
+    def run() -> list[np.ndarray]:
+        dh, loss = dev.buffer(h.nbytes), dev.buffer(4)
+        kd_head_forward_backward(
+            dev, hb, wq, idb, ltb, tailb if tail_given else None, tgb, mb, cfg, dh, loss, t, h_dim, v, k,
+            scratch=scratch,
+        )  # fmt: skip
+        return [dev.read(loss, np.float32, (1,)), dev.read(dh, np.float32, h.shape)]
+
+    loss, dh = twice(run)
+    one_pass = ce == 0 or tau == 1.0
+    assert ("kd_finish" in ran) == one_pass and ("kd_grad" in ran) != one_pass
+    logits = h.astype(np.float64) @ w_deq.astype(np.float64).T
+    args = (ids, lt.astype(np.float64), tail.astype(np.float64) if tail_given else None, targets, mask, cfg)
+    want_loss = kd_loss_forward(logits, *args)
+    want_dh = kd_loss_backward(logits, *args) @ w_deq.astype(np.float64)
+    assert abs(loss[0] - want_loss) <= TOL * abs(want_loss), (loss[0], want_loss)
+    assert rel_err(dh, want_dh) <= TOL, rel_err(dh, want_dh)
+    assert np.all(dh[mask == 0] == 0)
+
+
 @pytest.mark.tensorcore
-def test_kd_head_backward_on_tensor_cores() -> None:
-    """With h16, a quantized head and a scratch built with `hidden`, dh = dlogits . W runs on tensor cores from
-    dlogits scaled into f16's range: loss and dh within TC_TOL of float64 (logits from the f16-rounded h and the
-    dequantized head, relative to dh's max), masked rows exactly zero, several chunks (a partial last one)."""
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_kd_head_backward_on_tensor_cores(monkeypatch: pytest.MonkeyPatch, tau: float) -> None:
+    """With h16, a quantized head and a scratch built with `hidden`, the backward's products run on tensor cores:
+    at tau 1 in one pass (the chunks' probabilities against the running max, f16 times 2^15), at tau 2 with CE in
+    two (dlogits scaled into f16's range). Loss and dh within TC_TOL of float64 (logits from the f16-rounded h and
+    the dequantized head, relative to dh's max), masked rows exactly zero, several chunks (a partial last one)."""
     tc_dev = tensor_core_device_or_skip()
     rng = np.random.default_rng(9)
     t, h_dim, v, k, chunk = 64, 256, 1000, 16, 384
-    cfg = LossConfig(kind="forward_kl", tau=1.0, ce_weight=0.2, use_tail=True)
+    cfg = LossConfig(kind="forward_kl", tau=tau, ce_weight=0.2, use_tail=True)
     h = rng.standard_normal((t, h_dim)).astype(np.float32)
     w = (rng.standard_normal((v, h_dim)) * 2.0 / np.sqrt(h_dim)).astype(np.float32)
     wq = quantize_upload(tc_dev, w, GGMLQuantizationType.Q8_0, name="kd_head_q8")
     w_deq = dequantize(quantize(w, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0, (v, h_dim))
-    ids, lt, tail = _teacher(rng, t, v, k, 1.0)
+    ids, lt, tail = _teacher(rng, t, v, k, tau)
     targets = rng.integers(0, v, t).astype(np.uint32)
     mask = (np.arange(t) % 7 != 3).astype(np.uint32)
     hb, idb, ltb, tailb, tgb, mb = (up(tc_dev, a, a.dtype) for a in (h, ids, lt, tail, targets, mask))
@@ -104,6 +183,7 @@ def test_kd_head_backward_on_tensor_cores() -> None:
     assert to_f16(tc_dev, hb, h16, h.size)
     scratch = KdScratch.build(tc_dev, t, k, chunk, hidden=h_dim)
     assert scratch.dz16 is not None
+    ran = _ran(monkeypatch)
     dh, loss = tc_dev.buffer(h.nbytes), tc_dev.buffer(4)
     kd_head_forward_backward(
         tc_dev, hb, wq, idb, ltb, tailb, tgb, mb, cfg, dh, loss, t, h_dim, v, k, scratch=scratch, h16=h16
@@ -115,7 +195,9 @@ def test_kd_head_backward_on_tensor_cores() -> None:
     want_loss, want_dh = kd_loss_forward(logits, *args), kd_loss_backward(logits, *args) @ w64
     got_loss = float(tc_dev.read(loss, np.float32, (1,))[0])
     err = rel_err(got_dh, want_dh)
-    print(f"kd head on tensor cores: loss rel err {abs(got_loss - want_loss) / abs(want_loss):.1e}, dh {err:.1e}")
+    loss_err = abs(got_loss - want_loss) / abs(want_loss)
+    print(f"kd head on tensor cores, tau {tau}: loss rel err {loss_err:.1e}, dh {err:.1e}")
+    assert ("kd_stats_probs16" in ran) == (tau == 1.0)
     assert abs(got_loss - want_loss) <= TC_TOL * abs(want_loss)
     assert err <= TC_TOL
     assert np.all(got_dh[mask == 0] == 0)

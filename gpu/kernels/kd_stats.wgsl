@@ -2,7 +2,9 @@
 // running (max, sum exp) at temperature tau and at 1 -- S[t] = (m_tau, s_tau, m_1, s_1) -- and gather the
 // student logits at the teacher ids and at the target: ZG[t, j] = z[ids[t, j]], ZG[t, k] = z[target[t]].
 // One workgroup per row (rows.wgsl): per-thread online sums (logsumexp.wgsl) over a strided set of columns, then
-// workgroup_reduce.wgsl's fixed tree.
+// workgroup_reduce.wgsl's fixed tree. The part before this file declares Z (@binding(1)) and
+// `emit_probs(row, lid, m_old, m_new)`, called by every thread last: nothing (kd_stats_plain.wgsl), or the chunk's
+// probabilities against the running max for the one-pass backward (kd_probs_f32.wgsl, kd_probs_f16.wgsl).
 
 struct Params {
     T: u32,
@@ -16,7 +18,6 @@ struct Params {
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> Z: array<f32>;
 @group(0) @binding(2) var<storage, read> ids: array<u32>;
 @group(0) @binding(3) var<storage, read> targets: array<u32>;
 @group(0) @binding(4) var<storage, read_write> S: array<vec4<f32>>;
@@ -34,6 +35,7 @@ fn combine(a: Reduced, b: Reduced) -> Reduced {
 
 fn row_main(row: u32, lid: u32) {
     let base = row * prm.ldz;
+    let before = S[row];  // read by every thread before thread 0 writes it (unset on the first chunk)
     var mt = NEG_BIG;
     var st = 0.0;
     var m1 = NEG_BIG;
@@ -48,11 +50,11 @@ fn row_main(row: u32, lid: u32) {
         st = b.y;
     }
     let chunk = workgroup_reduce(lid, vec4<f32>(mt, st, m1, s1));
+    var total = chunk;
+    if (prm.first == 0u) {
+        total = combine(before, chunk);
+    }
     if (lid == 0u) {
-        var total = chunk;
-        if (prm.first == 0u) {
-            total = combine(S[row], chunk);
-        }
         S[row] = total;
     }
     let kk = prm.k + 1u;
@@ -67,4 +69,5 @@ fn row_main(row: u32, lid: u32) {
             ZG[row * kk + j] = Z[base + id - prm.c0];
         }
     }
+    emit_probs(row, lid, before.x, total.x);
 }
