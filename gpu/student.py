@@ -194,11 +194,38 @@ class GPUStudent(GPUModel):
         self.dev.write(self.losses, losses)
 
     # ---- backward -------------------------------------------------------------------------------------
-    def _proj_back(self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool) -> None:
+    def _proj_back_sum(self, grads: tuple[tuple[Any, str], ...], x: Any, layer: int, dx: Any) -> None:
+        """dx = the sum of the input gradients of projections sharing the input x ((dY, target) each). Where each
+        runs on the integer GEMM over rotated codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx
+        and one rotation turns the sum back (one pass over dx instead of one per projection, each adding from a
+        scratch); else one _proj_back after the other."""
+        d_in = self.cfg.target_shape(grads[0][1])[1]
+        rot = self._rotation(d_in)
+        summed = rot > 0 and all(self._int8_back(layer, target)[1] for _, target in grads)
+        for i, (dy, target) in enumerate(grads):
+            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed)
+        if summed:
+            rotate_rows(self.dev, dx, self.rows, d_in, rot)
+
+    def _int8_back(self, layer: int, target: str) -> tuple[Int8Matrix | None, bool]:
+        """(W's int8 codes when the input gradient of (layer, target) runs on the integer GEMM, else None; whether
+        the LoRA term dt A is then added in the GEMM's epilogue)."""
         d_out, d_in = self.cfg.target_shape(target)
         w8 = self._int8_weight(layer, target) if self.int8_input_grads else None
-        ab = self._lora(layer, target, self.params)
         int8 = w8 is not None and d_out % MMA_K == 0 and d_in % 16 == 0
+        lora = (layer, target) in self.layout.slots
+        return (w8 if int8 else None), int8 and self.transposed_input_grads and (not lora or self._lora_in_gemm(d_in))
+
+    def _proj_back(
+        self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool, *, rotated: bool = False
+    ) -> None:
+        """dx (+)= dY W for projection `target` of block `layer` (+ its LoRA's input gradient, and its LoRA
+        gradients). rotated: leave dX R in dx (the caller rotates the sum back; integer GEMM over rotated codes, LoRA
+        term in its epilogue)."""
+        d_out, d_in = self.cfg.target_shape(target)
+        w8, _ = self._int8_back(layer, target)
+        ab = self._lora(layer, target, self.params)
+        int8 = w8 is not None
         # int8 over W's transposed codes: dx += dt A in the GEMM's epilogue, so the LoRA products come first; over
         # rotated codes the GEMM gives dX R, so the term is dt (A R), turned back with it
         rot = self._rotation(d_in) if int8 else 0
@@ -222,7 +249,10 @@ class GPUStudent(GPUModel):
                 else:
                     gemm_i8(self.dev, a, w8, out, orient="nn", col_scales=self.ones, accumulate=acc)
 
-            rotated_back(self.dev, gemm, dx, self.rows, d_in, rot, accumulate, lambda: self._rotated_dx(d_in))
+            if rotated:
+                gemm(dx, accumulate)
+            else:
+                rotated_back(self.dev, gemm, dx, self.rows, d_in, rot, accumulate, lambda: self._rotated_dx(d_in))
         else:
             a, kw = self._gemm_input(dy, d_out)
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
@@ -328,8 +358,7 @@ class GPUStudent(GPUModel):
         dg, du = a["s"], a["u"]
         gate_backward = geglu_backward if cfg.activation == "gelu_tanh" else swiglu_backward
         gate_backward(dev, a["ds"], a["g"], a["u"], dg, rows * f)
-        self._proj_back(dg, a["n2"], layer, "gate", a["dn"], False)
-        self._proj_back(du, a["n2"], layer, "up", a["dn"], True)
+        self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"])
         dev.copy(a["dx"], a["dh"], 4 * rows * h)
         rmsnorm_backward(
             dev,
@@ -364,9 +393,7 @@ class GPUStudent(GPUModel):
             dq, dk = a["q"], a["k"]
             rope_backward(dev, rope, a["dqr"], dq, rows, cfg.n_heads, positions=pos)
             rope_backward(dev, rope, a["dkr"], dk, rows, cfg.n_kv_heads, positions=pos)
-        self._proj_back(dq, a["n1"], layer, "q", a["dn"], False)
-        self._proj_back(dk, a["n1"], layer, "k", a["dn"], True)
-        self._proj_back(a["dv"], a["n1"], layer, "v", a["dn"], True)
+        self._proj_back_sum(((dq, "q"), (dk, "k"), (a["dv"], "v")), a["n1"], layer, a["dn"])
         dev.copy(a["dh"], a["dx"], 4 * rows * h)
         rmsnorm_backward(
             dev, a["dn"], x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["dx"], rows, h, cfg.eps, accumulate=True
