@@ -22,6 +22,7 @@ KL over a random teacher's top-k (k=--top-k) plus the tail. --profile adds per-k
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -216,13 +217,24 @@ def bench_ours(args: argparse.Namespace) -> None:
             for _ in range(args.profile_steps):
                 st.train_step(lr=args.lr)
         emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=16))
-    st = None  # frees the student's buffers before the teacher's
+    st = None  # frees the student's buffers before the teacher's (its objective refers back to it: a cycle)
+    gc.collect()
     if args.no_teacher:
         _emit_own_memory(dev)
         return
-    teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision)
+    codes = {"on": True, "off": False}.get(args.teacher_codes, "auto")
+    teacher = GPUTeacher(
+        dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision, resident_codes=codes
+    )
     secs = windows(lambda: teacher.topk(ids), args.steps, args.repeats, lambda: None)
-    emit(what="teacher_topk", side="ours", impl="distillery", precision=args.precision, **throughput(b * t, secs))
+    emit(
+        what="teacher_topk",
+        side="ours",
+        impl="distillery",
+        precision=args.precision,
+        resident_codes=teacher.resident_codes,
+        **throughput(b * t, secs),
+    )
     if args.profile:
         with Profiler(dev) as prof:
             teacher.topk(ids)
@@ -555,6 +567,13 @@ def main() -> None:
         choices=("on", "off"),
         default="on",
         help="HF sides: gradient checkpointing (on: each block recomputed in the backward, as ours at --kept-blocks 0)",
+    )
+    p.add_argument(
+        "--teacher-codes",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="ours, int8: the teacher's projections decoded once and kept (on), block by block every forward (off), "
+        "or kept where they fit (auto, as a run)",
     )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)

@@ -6,19 +6,18 @@ the attention output and its log-sum-exp, the residual after attention and the g
 outputs and the gated activation are recomputed from those (three element-wise passes).
 
 train.kept_blocks: a number of blocks (clipped to those a backward recomputes: the adapted blocks but the top
-one), or auto: as many as fit in the device's memory (Device.memory_bytes, where the backend reports it) after
-what the process already holds and a reserve; none where the device does not report its memory. A kept block's
+one), or auto: as many as fit in the device's memory after what the process already holds and a reserve
+(gpu/headroom.py); none where the device does not report its memory. A kept block's
 backward reads the forward's own intermediates: on the f32 path bitwise what a recompute gives, with bf16
 checkpoints (the tensor-core default) closer to exact than a recompute from the rounded block input.
 """
 
 from __future__ import annotations
 
+from gpu.headroom import free_bytes
 from model.config import ModelConfig
 
 KEPT_AUTO = "auto"
-AUTO_SHARE = 0.9  # auto: of the device's memory, at most this share for everything the process holds ...
-RESERVE_BYTES = 2 << 30  # ... less this (driver scratch, buffers allocated on first use, fragmentation)
 
 
 def kept_widths(cfg: ModelConfig) -> dict[str, int]:
@@ -47,16 +46,14 @@ def kept_count(
     share: float = 1.0,
 ) -> int:
     """How many of the `recomputed` blocks keep their intermediates: `setting` itself (an int, clipped), or for
-    auto as many blocks of block_bytes as fit in share * AUTO_SHARE of device_bytes after held_bytes (what the
-    process holds already) and RESERVE_BYTES; 0 when device_bytes is None (not reported). share < 1: this engine
-    has that fraction of the GPU (data-parallel workers sharing one)."""
+    auto as many blocks of block_bytes as gpu/headroom.py's free_bytes allows (0 when device_bytes is None: not
+    reported). share < 1: this engine has that fraction of the GPU (data-parallel workers sharing one)."""
     if isinstance(setting, bool) or not (setting == KEPT_AUTO or isinstance(setting, int)):
         raise ValueError(f"kept_blocks={setting!r}: expected a number of blocks >= 0 or {KEPT_AUTO!r}")
     if setting != KEPT_AUTO:
         if setting < 0:
             raise ValueError(f"kept_blocks={setting}: expected a number of blocks >= 0 or {KEPT_AUTO!r}")
         return min(int(setting), recomputed)
-    if device_bytes is None or block_bytes <= 0:
+    if block_bytes <= 0:
         return 0
-    free = int(device_bytes * share * AUTO_SHARE) - held_bytes - RESERVE_BYTES
-    return max(0, min(recomputed, free // block_bytes))
+    return min(recomputed, free_bytes(device_bytes, held_bytes, share) // block_bytes)

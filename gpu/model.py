@@ -65,6 +65,9 @@ class ModelWeights:
     proj: dict[tuple[int, str], QuantTensor]
     nbytes: int = 0
     biases: dict[tuple[int, str], Any] = field(default_factory=dict)
+    # the projections' int8 codes decoded once and kept, by (layer, target, rotation block): gpu/teacher.py's
+    # resident codes, shared by every model over these weights
+    codes_i8: dict[tuple[int, str, int], Int8Matrix] = field(default_factory=dict)
 
     @classmethod
     def upload(

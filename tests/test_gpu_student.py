@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from gpu.headroom import AUTO_SHARE as SHARE
+from gpu.headroom import RESERVE_BYTES as RESERVE
 from gpu.model import ModelWeights
 from gpu.objectives import GpuKd
 from gpu.student import GPUStudent
@@ -527,6 +529,48 @@ def test_int8_teacher_topk_close_emulated() -> None:
         err, top1 = _int8_teacher_vs_f32(dev)
     assert err < INT8_REL
     assert top1 > 0.9
+
+
+def test_int8_teacher_resident_codes_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 teacher with every projection's codes decoded once and kept (resident_codes): bitwise the top-k of
+    the teacher decoding block by block, also on a replayed call; a second teacher over the same weights reuses the
+    codes (none decoded again); auto keeps them where they fit the reported memory, never where none is reported
+    (lavapipe) unless they are already there."""
+    from gpu.device import Device
+    from gpu.ops.matmul_i8 import int8_emulation
+    from gpu.teacher import GPUTeacher
+
+    dev = device_or_skip()
+    w, _, ids, _, _, _ = _problem(7, Q.F32)
+
+    def teacher(weights: ModelWeights, resident: bool | str, seq_len: int = T) -> GPUTeacher:
+        return GPUTeacher(dev, weights, batch=B, seq_len=seq_len, top_k=K, tau=1.0, precision="int8", vocab_chunk=256,
+                          resident_codes=resident)  # fmt: skip
+
+    with int8_emulation(dev):
+        weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+        plain = teacher(weights, False)
+        assert not plain.resident_codes and not weights.codes_i8
+        assert not teacher(weights, "auto").resident_codes  # lavapipe reports no memory
+        kept = teacher(weights, True)
+        assert kept.resident_codes and len(weights.codes_i8) == CFG.n_layers * len(LORA_TARGETS)
+        want = plain.topk(ids)
+        for got in (kept.topk(ids), kept.topk(ids)):
+            for g, wnt in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, wnt)
+        codes = dict(weights.codes_i8)
+        assert teacher(weights, "auto", seq_len=T // 2).resident_codes  # already there: nothing to fit
+        assert weights.codes_i8 == codes
+        fresh = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+        need = sum(p.shape[0] * (p.shape[1] + 4) for p in fresh.proj.values())
+        for room, resident in ((need + (1 << 20), True), (need - (1 << 20), False)):
+            fresh.codes_i8.clear()
+            monkeypatch.setattr(
+                Device, "memory_bytes", lambda d, room=room: int((d.live_bytes + RESERVE + room) / SHARE)
+            )
+            assert teacher(fresh, "auto").resident_codes == resident, room
+    with pytest.raises(ValueError, match="resident_codes='yes'"):
+        teacher(weights, "yes")
 
 
 def _sampled_teacher(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
