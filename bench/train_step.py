@@ -227,14 +227,8 @@ def bench_ours(args: argparse.Namespace) -> None:
         dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision, resident_codes=codes
     )
     secs = windows(lambda: teacher.topk(ids), args.steps, args.repeats, lambda: None)
-    emit(
-        what="teacher_topk",
-        side="ours",
-        impl="distillery",
-        precision=args.precision,
-        resident_codes=teacher.resident_codes,
-        **throughput(b * t, secs),
-    )
+    row = {"precision": args.precision, "resident_codes": teacher.resident_codes, **throughput(b * t, secs)}
+    emit(what="teacher_topk", side="ours", impl="distillery", **row)
     if args.profile:
         with Profiler(dev) as prof:
             teacher.topk(ids)
@@ -507,6 +501,56 @@ def summarize(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+# the string-valued switches of main(): (flag, choices, default, help)
+_CHOICES = (
+    (
+        "--int8-head",
+        ("on", "logits", "off"),
+        "off",
+        "int8: the student's LM head on the integer GEMM (logits: its logits only, the backward on f16)",
+    ),
+    ("--int8-teacher-head", ("on", "off"), "on", "int8: the teacher's LM head on integer GEMMs"),
+    (
+        "--int8-lora-epilogue",
+        ("on", "off"),
+        "on",
+        "int8: the LoRA terms (forward s t B^T, backward dt A) in the integer GEMMs' epilogues, the engine's default "
+        "(off: passes of their own)",
+    ),
+    (
+        "--int8-rotation",
+        ("on", "off"),
+        "on",
+        "int8: both GEMM operands rotated in Walsh-Hadamard blocks along the inputs (off: plain per-row scales)",
+    ),
+    (
+        "--int8-input-grads",
+        ("transposed", "nn", "f16"),
+        "transposed",
+        "int8: the input gradients on the forward's GEMM over W's transposed codes, the 'nn' GEMM, or f16",
+    ),
+    (
+        "--hf-checkpointing",
+        ("on", "off"),
+        "on",
+        "HF sides: gradient checkpointing (on: each block recomputed in the backward, as ours at --kept-blocks 0)",
+    ),
+    (
+        "--teacher-codes",
+        ("auto", "on", "off"),
+        "auto",
+        "ours, int8: the teacher's projections decoded once and kept (on), block by block every forward (off), or "
+        "kept where they fit (auto, as a run)",
+    ),
+    (
+        "--lora-path",
+        ("default", "fused", "split"),
+        "default",
+        "our LoRA products: gpu/ops/lora.py's FUSED default, or forced fused / split (an A/B of the two)",
+    ),
+)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -521,34 +565,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--backend", default=None, help="wgpu or dawn (default: auto)")
     p.add_argument("--precision", default="f32", help="f32, tensorcore, int8 (integer GEMMs) or auto")
-    p.add_argument(
-        "--int8-head",
-        choices=("on", "logits", "off"),
-        default="off",
-        help="int8: the student's LM head on the integer GEMM (logits: its logits only, the backward on f16)",
-    )
-    p.add_argument(
-        "--int8-teacher-head", choices=("on", "off"), default="on", help="int8: the teacher's LM head on integer GEMMs"
-    )
-    p.add_argument(
-        "--int8-lora-epilogue",
-        choices=("on", "off"),
-        default="on",
-        help="int8: the LoRA terms (forward s t B^T, backward dt A) in the integer GEMMs' epilogues, the engine's "
-        "default (off: passes of their own)",
-    )
-    p.add_argument(
-        "--int8-rotation",
-        choices=("on", "off"),
-        default="on",
-        help="int8: both GEMM operands rotated in Walsh-Hadamard blocks along the inputs (off: plain per-row scales)",
-    )
-    p.add_argument(
-        "--int8-input-grads",
-        choices=("transposed", "nn", "f16"),
-        default="transposed",
-        help="int8: the input gradients on the forward's GEMM over W's transposed codes, the 'nn' GEMM, or f16",
-    )
+    for flag, choices, default, text in _CHOICES:
+        p.add_argument(flag, choices=choices, default=default, help=text)
     p.add_argument(
         "--int8-row-wg",
         type=int,
@@ -562,19 +580,6 @@ def main() -> None:
         help="ours: blocks whose intermediates the forward keeps for the backward instead of recomputing them (a "
         "number, or auto: as many as fit, as train.kept_blocks); 0 recomputes every block, like --hf-checkpointing on",
     )
-    p.add_argument(
-        "--hf-checkpointing",
-        choices=("on", "off"),
-        default="on",
-        help="HF sides: gradient checkpointing (on: each block recomputed in the backward, as ours at --kept-blocks 0)",
-    )
-    p.add_argument(
-        "--teacher-codes",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="ours, int8: the teacher's projections decoded once and kept (on), block by block every forward (off), "
-        "or kept where they fit (auto, as a run)",
-    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -584,12 +589,6 @@ def main() -> None:
     p.add_argument("--hf-cache", default="/tmp/distillery-hf", help="where --gguf's HF float32 copy is kept")
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated sides to run (default: all)")
     p.add_argument("--side", choices=SIDES, default=None, help="run one side in this process (internal)")
-    p.add_argument(
-        "--lora-path",
-        choices=("default", "fused", "split"),
-        default="default",
-        help="our LoRA products: gpu/ops/lora.py's FUSED default, or forced fused / split (an A/B of the two)",
-    )
     argv = sys.argv[1:]
     args = p.parse_args(argv)
     if args.gguf and not Path(args.gguf).is_file():

@@ -208,7 +208,7 @@ KERNELS: dict[str, Kernel] = {
     "kd_stats_probs": Kernel((*_ROWS, *_LSE, "kd_probs_f32", "kd_stats")),
     "kd_stats_probs16": Kernel((*_ROWS, *_LSE, "kd_probs_f16", "kd_stats")),
     "kd_rescaled_add": Kernel((*_ELEMENTWISE, "kd_rescaled_add"), {"acc": BOOLS}),
-    "kd_finish": Kernel(("kd_finish",), {"wtype": tuple(WEIGHT_TYPES), "ce": BOOLS}, _kd_finish_values),
+    "kd_finish": Kernel(("kd_finish", "row_vec4"), {"wtype": tuple(WEIGHT_TYPES), "ce": BOOLS}, _kd_finish_values),
     "kd_grad": Kernel((*_ROWS, "kd_grad"), {"ce": BOOLS}),
     "topk": Kernel((*_ROWS, *_LSE, "topk"), {"ns": TOPK_SORT_SIZES}),
     # the sampled store's two passes over the vocabulary (gpu/ops/sampled.py)
@@ -241,7 +241,7 @@ KERNELS: dict[str, Kernel] = {
     "sample_thresholds": Kernel((*_ITEMS, "philox", "sample_thresholds")),
     "sample_encode": Kernel((*_ITEMS, "sample_encode")),
     "philox_words": Kernel((*_ITEMS, "philox", "philox_words")),
-    "embedding": Kernel(("embedding",), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
+    "embedding": Kernel(("embedding", "row_vec4"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "rope": Kernel(("rope", "rope_position_offset"), {"neox": BOOLS}),
     "rope_positions": Kernel(("rope", "rope_position_buffer"), {"neox": BOOLS}),
     # tiled

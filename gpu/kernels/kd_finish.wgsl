@@ -3,7 +3,7 @@
 //   dh[t, :] = coef U[t, :] + sum_j DA[t, j] / tau W[ids[t, j], :] - ce_n W[target[t], :]    (unmasked rows; else 0)
 // with coef = -sum(DA[t]) / tau exp(m_tau - lse_tau) (+ ce_n exp(m_tau - lse_1): CE, only at tau = 1, where the
 // two softmaxes are one), RI[t] = (lse_tau, lse_1, sum DA, ce_n) from kd_row.wgsl. The rows of W at the ids are
-// decoded in-kernel from its GGML type (as embedding.wgsl). One thread per 4 consecutive outputs.
+// decoded in-kernel from its GGML type (as embedding.wgsl). One thread per 4 consecutive outputs (row_vec4.wgsl).
 
 ${DECODE}
 
@@ -26,20 +26,11 @@ struct Params {
 @group(0) @binding(7) var<storage, read> mask: array<u32>;
 @group(0) @binding(8) var<storage, read_write> Y: array<vec4<f32>>;
 
-@compute @workgroup_size(64)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let i = (wid.x + wid.y * nwg.x) * 64u + lid;
-    let hv = prm.H / 4u;
-    if (i >= prm.T * hv) {
-        return;
-    }
-    let t = i / hv;
+fn out4(t: u32, col: u32, i: u32) {
     if (mask[t] == 0u) {
         Y[i] = vec4<f32>(0.0);
         return;
     }
-    let col = (i % hv) * 4u;
     let ri = RI[t];
     let m = S[t].x;
     var coef = -ri.z * prm.inv_tau * exp(m - ri.x);
