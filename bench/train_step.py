@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu.model import INT8_CODES
 from gpu.objectives import GpuKd
 from model.engine_spec import EngineSpec, KdBatch
 
@@ -165,7 +166,8 @@ def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.
         cfg, targets=LORA_TARGETS, r=args.rank, alpha=2 * args.rank, batch=b, seq_len=t, precision=args.precision
     )
     kept = args.kept_blocks if args.kept_blocks == "auto" else int(args.kept_blocks)
-    st = GPUStudent(dev, weights, spec, GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k), kept_blocks=kept)
+    kd = GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), k)
+    st = GPUStudent(dev, weights, spec, kd, kept_blocks=kept, int8_codes=args.int8_codes)
     st.set_adapter(reference.init_lora(cfg, list(LORA_TARGETS), args.rank, seed=0))
     ids, tids = _teacher_batch(cfg.vocab, b, t, k, rng)
     tlp = np.log(np.full((b, t, k), 0.9 / k, np.float32))
@@ -210,6 +212,7 @@ def bench_ours(args: argparse.Namespace) -> None:
         own_peak_bytes=dev.peak_bytes,
         kept_blocks=st.kept_blocks,
         kept_bytes=st.kept_blocks * st.kept_block_bytes(),
+        resident_codes=st.resident_codes,
         device_memory_bytes=dev.memory_bytes(),
     )
     if args.profile:
@@ -222,9 +225,8 @@ def bench_ours(args: argparse.Namespace) -> None:
     if args.no_teacher:
         _emit_own_memory(dev)
         return
-    codes = {"on": True, "off": False}.get(args.teacher_codes, "auto")
     teacher = GPUTeacher(
-        dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision, resident_codes=codes
+        dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision, int8_codes=args.teacher_codes
     )
     secs = windows(lambda: teacher.topk(ids), args.steps, args.repeats, lambda: None)
     row = {"precision": args.precision, "resident_codes": teacher.resident_codes, **throughput(b * t, secs)}
@@ -536,12 +538,13 @@ _CHOICES = (
         "HF sides: gradient checkpointing (on: each block recomputed in the backward, as ours at --kept-blocks 0)",
     ),
     (
-        "--teacher-codes",
-        ("auto", "on", "off"),
-        "auto",
-        "ours, int8: the teacher's projections decoded once and kept (on), block by block every forward (off), or "
-        "kept where they fit (auto, as a run)",
+        "--int8-codes",
+        INT8_CODES,
+        "per_block",
+        "ours, int8: the student's projections decoded once and kept (resident), one block's at a time whenever a "
+        "pass needs them (per_block: the least memory), or resident where they fit (auto, as train.int8_codes)",
     ),
+    ("--teacher-codes", INT8_CODES, "auto", "ours, int8: --int8-codes for the teacher (auto: as a run)"),
     (
         "--lora-path",
         ("default", "fused", "split"),

@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType as Q
 from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS
 from gpu.codegen_i8 import MMA_K
 from gpu.device import BufferView, Device, DeviceError, Tape
+from gpu.headroom import free_bytes
 from gpu.ops.add import add, add_bias, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
@@ -48,6 +49,7 @@ from model.reference import LoraPair
 from schemas.config import lora_scale
 
 PREFETCH = 2  # tensors read ahead of the upload
+INT8_CODES = ("auto", "resident", "per_block")  # GPUModel.keep_codes
 # padded per-sequence attention slots (GPUModel.direct_attention False) and whether each holds q- or kv-width rows
 _SLOT_KIND = {"aq": "q", "ak": "kv", "av": "kv", "ao": "q", "adq": "q", "adk": "kv", "adv": "kv", "ado": "q"}
 
@@ -306,6 +308,7 @@ class GPUModel:
                 if d_in % MMA_K == 0:
                     self._w8_slots[target] = i8_buffers(dev, d_out, d_in, d_in, f"int8 {target}")
         self._w8_block: int | None = None  # the block whose codes the slots hold when the commands so far have run
+        self.resident_codes = False  # every projection's codes kept in self.w.codes_i8 instead (keep_codes)
         self.scale = lora_scale(alpha, r)
         self.batch, self.seq_len = batch, seq_len
         self.rows = batch * seq_len
@@ -513,12 +516,36 @@ class GPUModel:
         return self._view(self.xs, self._x_offset(layer), self.rows * self.cfg.hidden)
 
     # ---- one projection (frozen W + LoRA) ---------------------------------------------------------------
+    def keep_codes(self, setting: str, share: float = 1.0) -> bool:
+        """int8: whether every projection's codes stay decoded in self.w.codes_i8 (shared by the models over these
+        weights; a byte a weight and a scale a row: 7.0 GB at the Llama-3-8B shape) instead of one block's at a time
+        in the slots: setting "resident", or "auto" where the missing ones fit after what the process holds
+        (gpu/headroom.py; none fit where the device reports no memory), never "per_block". Decodes the missing ones
+        now; sets and returns self.resident_codes. share < 1: this model has that fraction of the GPU."""
+        if setting not in INT8_CODES:
+            raise ValueError(f"int8_codes={setting!r}: expected one of {', '.join(INT8_CODES)}")
+        w = self.w
+        keys = [
+            (layer, t, self._rotation(s.k)) for layer in range(self.cfg.n_layers) for t, s in self._w8_slots.items()
+        ]
+        missing = [key for key in keys if key not in w.codes_i8]
+        need = sum(w.proj[key[:2]].shape[0] * (w.proj[key[:2]].shape[1] + 4) for key in missing)
+        fits = need <= free_bytes(self.dev.memory_bytes(), self.dev.live_bytes, share)
+        self.resident_codes = bool(keys) and (setting == "resident" or (setting == "auto" and fits))
+        if self.resident_codes and missing:
+            with self.dev.step():
+                for layer, target, rot in missing:
+                    w.codes_i8[(layer, target, rot)] = weight_to_i8(self.dev, w.proj[(layer, target)], rot=rot)
+        return self.resident_codes
+
     def _int8_weight(self, layer: int, target: str) -> Int8Matrix | None:
         """Projection `target` of block `layer` as int8 codes with per-row scales for the integer GEMMs (None:
-        it keeps the f16 path). The slots hold one block at a time: the block's first integer GEMM decodes all
-        its projections from their GGML types (gpu/kernels/weight_i8.wgsl), ~1 % of a Llama-3-8B step where a
-        second, resident copy would cost a byte a weight."""
+        it keeps the f16 path): the resident ones (keep_codes), or the slots', which hold one block at a time: the
+        block's first integer GEMM decodes all its projections from their GGML types (gpu/kernels/weight_i8.wgsl;
+        6 % of the Llama-3-8B step on an H100)."""
         slot = self._w8_slots.get(target)
+        if slot is not None and self.resident_codes:
+            return self.w.codes_i8[(layer, target, self._rotation(slot.k))]
         if slot is not None and self._w8_block != layer:
             for other, out in self._w8_slots.items():
                 weight_to_i8(self.dev, self.w.proj[(layer, other)], out, rot=self._rotation(out.k))

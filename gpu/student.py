@@ -73,6 +73,7 @@ class GPUStudent(GPUModel):
         checkpoints: str = "auto",
         kept_blocks: int | str = 0,
         memory_share: float = 1.0,
+        int8_codes: str = "per_block",
     ) -> None:
         if checkpoints not in CHECKPOINTS:
             raise ValueError(f"checkpoints={checkpoints!r}: expected one of {', '.join(CHECKPOINTS)}")
@@ -115,6 +116,7 @@ class GPUStudent(GPUModel):
         self._acc_grads = False
         self.objective = objective
         objective.bind(self)
+        self.keep_codes(int8_codes, memory_share)  # before the kept blocks: auto spends the memory on the codes first
         self.kept_blocks = self._count_kept(kept_blocks, memory_share)  # their buffers come with the first backward
 
     def _wants_bf16_checkpoints(self) -> bool:

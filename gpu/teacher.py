@@ -1,22 +1,16 @@
 """The teacher on the GPU: forward of the frozen model and its top-k next-token distribution per position, or the
 sampled store's draws (gpu/ops/sampled.py, the same rows as model.teacher_cpu.reference_sampled_batch).
-
-With precision int8 the teacher's projections can stay decoded: `resident_codes` keeps every projection's int8
-codes (a byte a weight and a scale a row: 7.0 GB at Llama-3-8B) in ModelWeights.codes_i8, decoded once, where the
-student decodes one block's at a time for every forward (11 % of the Llama-3-8B teacher's forward on an H100). auto:
-when they fit (gpu/headroom.py), else block by block as the student."""
+With precision int8, `int8_codes` (GPUModel.keep_codes): the projections' codes decoded once and kept, or one
+block's at a time every forward (the decode was 11 % of the Llama-3-8B teacher's forward on an H100)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from gpu.device import Device
-from gpu.headroom import free_bytes
 from gpu.model import GPUModel, ModelWeights
 from gpu.ops import head
 from gpu.ops.head import Int8Head
-from gpu.ops.matmul_i8 import Int8Matrix
-from gpu.ops.quantize_i8 import weight_to_i8
 from gpu.ops.sampled import SampledState, hidden_sampled
 from gpu.ops.topk import TopKState, hidden_topk
 from gpu.profile import scope
@@ -38,10 +32,8 @@ class GPUTeacher(GPUModel):
         tau: float,
         vocab_chunk: int = 4096,
         precision: str = "f32",
-        resident_codes: bool | str = "auto",
+        int8_codes: str = "per_block",
     ) -> None:
-        if resident_codes not in (True, False, "auto"):
-            raise ValueError(f"resident_codes={resident_codes!r}: expected True, False or 'auto'")
         super().__init__(dev, weights, batch=batch, seq_len=seq_len, precision=precision)
         self.top_k = top_k
         self.tau = tau
@@ -58,35 +50,7 @@ class GPUTeacher(GPUModel):
             if self.precision == "int8" and head.INT8_HEAD
             else None
         )
-        self.resident_codes = self._keep_codes(resident_codes)
-
-    def _keep_codes(self, setting: bool | str) -> bool:
-        """Whether every projection's int8 codes stay decoded in self.w.codes_i8 (module docstring): decodes the
-        missing ones now, when setting is True, or auto and they fit."""
-        if not self._w8_slots:
-            return False
-        w = self.w
-        missing = [
-            (layer, target, self._rotation(slot.k))
-            for layer in range(self.cfg.n_layers)
-            for target, slot in self._w8_slots.items()
-            if (layer, target, self._rotation(slot.k)) not in w.codes_i8
-        ]
-        need = sum(w.proj[key[:2]].shape[0] * (w.proj[key[:2]].shape[1] + 4) for key in missing)
-        if not (
-            setting is True or (setting == "auto" and need <= free_bytes(self.dev.memory_bytes(), self.dev.live_bytes))
-        ):
-            return False
-        with self.dev.step():
-            for layer, target, rot in missing:
-                w.codes_i8[(layer, target, rot)] = weight_to_i8(self.dev, w.proj[(layer, target)], rot=rot)
-        return True
-
-    def _int8_weight(self, layer: int, target: str) -> Int8Matrix | None:
-        slot = self._w8_slots.get(target)
-        if slot is None or not self.resident_codes:
-            return super()._int8_weight(layer, target)
-        return self.w.codes_i8[(layer, target, self._rotation(slot.k))]
+        self.keep_codes(int8_codes)
 
     def topk(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """ids [B, T] -> (top-k ids [B, T, k] u32, logprobs [B, T, k] f32 sorted descending, tail [B, T] f32)."""

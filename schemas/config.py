@@ -394,6 +394,14 @@ class TrainSection(Section):
         "auto: as many as fit in the GPU's memory (where the driver reports it; else 0). Not used by the numpy "
         "engine, which keeps every block's intermediates when they fit in 2 GiB.",
     )
+    int8_codes: Literal["auto", "resident", "per_block"] = Field(
+        "auto",
+        description="precision int8, memory for speed: resident decodes the frozen projections' int8 codes once and "
+        "keeps them (a byte a weight: 7.0 GB at Llama-3-8B) for the student's and the teacher's forwards and the "
+        "backward; per_block decodes one block's at a time whenever a pass needs it (the least memory; ~6 % of "
+        "the Llama-3-8B step); auto: resident where they fit in the GPU's memory (as train.kept_blocks, which "
+        "gets what is left), else per_block.",
+    )
     backend: Literal["auto", "gpu", "numpy"] = Field(
         "auto",
         description="The engine that trains and evaluates: gpu (wgpu kernels on Vulkan/Metal/DX12; on a CPU-only "

@@ -531,34 +531,51 @@ def test_int8_teacher_topk_close_emulated() -> None:
     assert top1 > 0.9
 
 
-def test_int8_teacher_resident_codes_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The int8 teacher with every projection's codes decoded once and kept (resident_codes): bitwise the top-k of
-    the teacher decoding block by block, also on a replayed call; a second teacher over the same weights reuses the
-    codes (none decoded again); auto keeps them where they fit the reported memory, never where none is reported
-    (lavapipe) unless they are already there."""
+def test_int8_resident_codes_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8_codes="resident" (every projection's codes decoded once, ModelWeights.codes_i8): the teacher's top-k and
+    the student's step (recorded, then replayed; alone and with every recomputed block kept) bitwise those decoding
+    one block at a time; models over the same weights share the codes (none decoded again); auto keeps them where
+    they fit the reported memory, never where none is reported (lavapipe) unless they are there already."""
     from gpu.device import Device
     from gpu.ops.matmul_i8 import int8_emulation
     from gpu.teacher import GPUTeacher
 
     dev = device_or_skip()
-    w, _, ids, _, _, _ = _problem(7, Q.F32)
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(7, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision="int8")
 
-    def teacher(weights: ModelWeights, resident: bool | str, seq_len: int = T) -> GPUTeacher:
+    def teacher(weights: ModelWeights, codes: str, seq_len: int = T) -> GPUTeacher:
         return GPUTeacher(dev, weights, batch=B, seq_len=seq_len, top_k=K, tau=1.0, precision="int8", vocab_chunk=256,
-                          resident_codes=resident)  # fmt: skip
+                          int8_codes=codes)  # fmt: skip
+
+    def steps(weights: ModelWeights, codes: str, kept: int) -> tuple[GPUStudent, list]:
+        st = GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K), kept_blocks=kept, int8_codes=codes)
+        st.set_adapter(lora)
+        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+        return st, [(st.loss_and_grads(), st.layout.pack(st.get_grads())) for _ in range(2)]
 
     with int8_emulation(dev):
         weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
-        plain = teacher(weights, False)
+        plain = teacher(weights, "per_block")
         assert not plain.resident_codes and not weights.codes_i8
         assert not teacher(weights, "auto").resident_codes  # lavapipe reports no memory
-        kept = teacher(weights, True)
+        want_topk = plain.topk(ids)
+        _, want_steps = steps(weights, "per_block", 0)
+        assert not weights.codes_i8
+        kept = teacher(weights, "resident")
         assert kept.resident_codes and len(weights.codes_i8) == CFG.n_layers * len(LORA_TARGETS)
-        want = plain.topk(ids)
-        for got in (kept.topk(ids), kept.topk(ids)):
-            for g, wnt in zip(got, want, strict=True):
-                np.testing.assert_array_equal(g, wnt)
         codes = dict(weights.codes_i8)
+        for got in (kept.topk(ids), kept.topk(ids)):
+            for g, wnt in zip(got, want_topk, strict=True):
+                np.testing.assert_array_equal(g, wnt)
+        for n_kept in (0, 99):
+            st, got_steps = steps(weights, "resident", n_kept)
+            assert st.resident_codes and weights.codes_i8 == codes
+            for (loss, grads), (want_loss, want_grads) in zip(got_steps, want_steps * 2, strict=False):
+                assert loss == want_loss
+                np.testing.assert_array_equal(grads, want_grads)
         assert teacher(weights, "auto", seq_len=T // 2).resident_codes  # already there: nothing to fit
         assert weights.codes_i8 == codes
         fresh = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
@@ -569,8 +586,8 @@ def test_int8_teacher_resident_codes_emulated(monkeypatch: pytest.MonkeyPatch) -
                 Device, "memory_bytes", lambda d, room=room: int((d.live_bytes + RESERVE + room) / SHARE)
             )
             assert teacher(fresh, "auto").resident_codes == resident, room
-    with pytest.raises(ValueError, match="resident_codes='yes'"):
-        teacher(weights, "yes")
+        with pytest.raises(ValueError, match="int8_codes='yes'"):
+            teacher(weights, "yes")
 
 
 def _sampled_teacher(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -236,6 +236,7 @@ def objective_engine(
             adamw_config(cfg),
             kept_blocks=cfg.train.kept_blocks,
             memory_share=cfg.scale.gpus_per_worker if cfg.train.workers > 1 else 1.0,
+            int8_codes=cfg.train.int8_codes,
         )
     except DeviceError as exc:
         if "exceeds this adapter" not in str(exc):
@@ -253,17 +254,19 @@ def _log_kept_blocks(cfg: RunConfig, engine: Any) -> None:
     from gpu.kept_blocks import kept_bytes_per_token
 
     kept, setting = engine.kept_blocks, cfg.train.kept_blocks
-    if ("kept", str(setting), str(kept)) in _LOGGED:
+    key = ("kept", str(setting), f"{kept} {engine.resident_codes}")
+    if key in _LOGGED:
         return
-    _LOGGED.add(("kept", str(setting), str(kept)))
+    _LOGGED.add(key)
     per_token = kept_bytes_per_token(engine.cfg)
     log.info(
         "train.kept_blocks=%s: a training backward keeps %d block(s)' intermediates (%.2f GB, %d bytes a token a "
-        "block) and recomputes the other adapted blocks",
+        "block) and recomputes the other adapted blocks%s",
         setting,
         kept,
         kept * engine.kept_block_bytes() / 1e9,
         per_token,
+        "; the int8 codes of every projection are resident (train.int8_codes)" if engine.resident_codes else "",
     )
 
 

@@ -77,11 +77,18 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None
     def gpu_teacher(t: int) -> GPUTeacher:
         if t not in teachers:
             teachers[t] = GPUTeacher(
-                dev, weights, batch=batch, seq_len=t, top_k=k, tau=tau, precision=cfg.train.precision
+                dev,
+                weights,
+                batch=batch,
+                seq_len=t,
+                top_k=k,
+                tau=tau,
+                precision=cfg.train.precision,
+                int8_codes=cfg.train.int8_codes,
             )
             if teachers[t].resident_codes and len(teachers) == 1:
                 gb = sum(m.rows * (m.k + 4) for m in weights.codes_i8.values()) / 1e9
-                log.info("teacher: its projections' int8 codes decoded once and kept (%.2f GB)", gb)
+                log.info("teacher: its projections' int8 codes decoded once and kept (%.2f GB, train.int8_codes)", gb)
         return teachers[t]
 
     def groups(ids: np.ndarray, *per_seq: np.ndarray):
