@@ -1,5 +1,6 @@
 """The integer path's operand preparation, timed alone, as JSON lines: the weights' int8 decode (weight_to_i8: Q4_K's
-fast kernel, Q6_K through the generic one), the activations' quantizer (quantize_i8_gpu: plain, times column
+fast kernel, Q6_K through the generic one; each also with its row scales given, fixed: the codes alone, as the
+engine decodes a block after its first), the activations' quantizer (quantize_i8_gpu: plain, times column
 scales as the input gradients', rotated) and the rotation back (rotate_rows), each rotated in blocks of 128 and
 not, at the Llama-3-8B shapes of a B4 x T1024 step.
 
@@ -75,10 +76,11 @@ def run_shapes(dev: Device, shapes: str) -> None:
             w = upload_quant(dev, random_blocks(qtype, (rows, k), rng), qtype, (rows, k), name="w")
             out = i8_buffers(dev, rows, k, k, "w")
             n_bytes = rows * row_bytes(qtype, k) + rows * k
-            for rot in (0, 128):
-                call = partial(weight_to_i8, dev, w, out, rot=rot)
+            for rot, fixed in ((0, False), (128, False), (128, True)):
+                call = partial(weight_to_i8, dev, w, out, rot=rot, fixed_scales=fixed)
                 wg = row_workgroup(k) if qtype == T.Q4_K else 256
-                emit(**timed(dev, "weight_to_i8", call, n_bytes, wtype=qtype.name, rows=rows, k=k, rot=rot, wg=wg))
+                fields = {"wtype": qtype.name, "rows": rows, "k": k, "rot": rot, "wg": wg, "fixed": fixed}
+                emit(**timed(dev, "weight_to_i8", call, n_bytes, **fields))
         x = dev.upload(rng.standard_normal((rows, k), dtype=np.float32))
         cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32))
         a = i8_buffers(dev, rows, k, k, "x")

@@ -17,7 +17,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,8 @@ class ModelWeights:
     # the projections' int8 codes decoded once and kept, by (layer, target, rotation block): gpu/teacher.py's
     # resident codes, shared by every model over these weights
     codes_i8: dict[tuple[int, str, int], Int8Matrix] = field(default_factory=dict)
+    # their rows' scales alone (f32 [rows] buffers), for the decodes one block at a time (GPUModel.keep_codes)
+    scales_i8: dict[tuple[int, str, int], Any] = field(default_factory=dict)
 
     @classmethod
     def upload(
@@ -536,7 +538,23 @@ class GPUModel:
             with self.dev.step():
                 for layer, target, rot in missing:
                     w.codes_i8[(layer, target, rot)] = weight_to_i8(self.dev, w.proj[(layer, target)], rot=rot)
+        elif not self.resident_codes:
+            self._row_scales(keys)
         return self.resident_codes
+
+    def _row_scales(self, keys: list[tuple[int, str, int]]) -> None:
+        """The row scales of the projections `keys` ((layer, target, rotation)) into self.w.scales_i8, where they are
+        missing (a decode each, now): later decodes one block at a time then write the codes alone, without the
+        absmax over each row and its workgroup reduction (weight_to_i8 fixed_scales; the same codes)."""
+        missing = [key for key in keys if key not in self.w.scales_i8]
+        if not missing:
+            return
+        with self.dev.step():
+            for layer, target, rot in missing:
+                slot = self._w8_slots[target]
+                scales = self.dev.buffer(4 * slot.rows, label="int8 row scales")
+                weight_to_i8(self.dev, self.w.proj[(layer, target)], replace(slot, scales=scales), rot=rot)
+                self.w.scales_i8[(layer, target, rot)] = scales
 
     def _int8_weight(self, layer: int, target: str) -> Int8Matrix | None:
         """Projection `target` of block `layer` as int8 codes with per-row scales for the integer GEMMs (None:
@@ -544,13 +562,20 @@ class GPUModel:
         block's first integer GEMM decodes all its projections from their GGML types (gpu/kernels/weight_i8.wgsl;
         6 % of the Llama-3-8B step on an H100)."""
         slot = self._w8_slots.get(target)
-        if slot is not None and self.resident_codes:
+        if slot is None:
+            return None
+        if self.resident_codes:
             return self.w.codes_i8[(layer, target, self._rotation(slot.k))]
-        if slot is not None and self._w8_block != layer:
+        if self._w8_block != layer:
             for other, out in self._w8_slots.items():
-                weight_to_i8(self.dev, self.w.proj[(layer, other)], out, rot=self._rotation(out.k))
+                rot = self._rotation(out.k)
+                scales = self.w.scales_i8.get((layer, other, rot))
+                fixed = scales is not None
+                out = replace(out, scales=scales) if fixed else out
+                weight_to_i8(self.dev, self.w.proj[(layer, other)], out, rot=rot, fixed_scales=fixed)
             self._w8_block = layer
-        return slot
+        scales = self.w.scales_i8.get((layer, target, self._rotation(slot.k)))
+        return slot if scales is None else replace(slot, scales=scales)
 
     def _proj(self, x: Any, layer: int, target: str, y: Any, gemm_input: tuple[Any, dict] | None = None) -> None:
         """y = x W^T (+ bias) (+ LoRA); gemm_input: x's GEMM operand when the caller has it (shared between

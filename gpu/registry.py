@@ -98,12 +98,12 @@ def _quantize_i8_values(scaled: bool, vec4: bool, rot: int, tint: bool, wg: int)
     return values | _subgroups(tint)
 
 
-def _weight_i8_values(wtype: str, rot: int, tint: bool) -> dict[str, object]:
-    return {**_embedding_values(wtype), "ROT": rot, **_subgroups(tint)}
+def _weight_i8_values(wtype: str, rot: int, tint: bool, fixed: bool) -> dict[str, object]:
+    return {**_embedding_values(wtype), "ROT": rot, "FIXED": fixed, **_subgroups(tint)}
 
 
-def _weight_q4_k_values(rot: int, tint: bool, wg: int) -> dict[str, object]:
-    return {"ROT": rot, "WG": wg, **_subgroups(tint)}
+def _weight_q4_k_values(rot: int, tint: bool, wg: int, fixed: bool) -> dict[str, object]:
+    return {"ROT": rot, "WG": wg, "FIXED": fixed, **_subgroups(tint)}
 
 
 def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
@@ -220,7 +220,8 @@ KERNELS: dict[str, Kernel] = {
     "quantize_i8": Kernel(
         (*_I8, "quantize_i8"), {"scaled": BOOLS, "vec4": BOOLS, **_ROT, "wg": ROW_WORKGROUPS}, _quantize_i8_values
     ),
-    "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT}, _weight_i8_values),
+    # weight_i8*: fixed, the rows' scales given (kept from an earlier decode: gpu/model.py row scales)
+    "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT, "fixed": BOOLS}, _weight_i8_values),
     "hadamard_rows": Kernel(
         ("subgroups_directive", "hadamard", "hadamard_rows"),
         {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
@@ -228,7 +229,7 @@ KERNELS: dict[str, Kernel] = {
     ),
     "weight_i8_q4_k": Kernel(
         ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "weight_i8_q4_k"),
-        {**_ROT, "wg": ROW_WORKGROUPS},
+        {**_ROT, "wg": ROW_WORKGROUPS, "fixed": BOOLS},
         _weight_q4_k_values,
     ),
     "transpose_i8": Kernel(("transpose_i8",)),

@@ -20,7 +20,7 @@ import gpu.ops.quantize_i8 as quantize_ops
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_rank16, lora_term
-from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, LoraTerm, gemm_i8, i8_buffers, upload_i8
+from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, Int8Matrix, LoraTerm, gemm_i8, i8_buffers, upload_i8
 from gpu.ops.quantize_i8 import quantize_i8_gpu, tint, transpose_i8, weight_to_i8
 from gpu.weights import random_blocks, upload_quant
 from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
@@ -188,16 +188,25 @@ def test_rows_longer_than_the_registers_hold(dev: Device) -> None:
 )
 def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
     """A frozen weight decoded from its GGML type on the GPU to per-row int8 codes: the twin's codes (a tie may
-    land one code off) and scales, on the dequantized weight."""
+    land one code off) and scales, on the dequantized weight; decoded again with those scales given (fixed_scales:
+    no absmax), bitwise the same codes, plain and rotated."""
     rng = np.random.default_rng(int(qtype))
     n, k = 5, 256
     raw = random_blocks(qtype, (n, k), rng)
-    out = weight_to_i8(dev, upload_quant(dev, raw, qtype, (n, k), name="w"))
+    w = upload_quant(dev, raw, qtype, (n, k), name="w")
+    out = weight_to_i8(dev, w)
     codes_np, scales_np = quantize_i8(dequantize(raw, qtype).reshape(n, k).astype(np.float32), k)
     np.testing.assert_allclose(dev.read(out.scales, np.float32, (n, 1)), scales_np, rtol=1e-6)
     diff = np.abs(dev.read(out.codes, np.int8, (n, k)).astype(int) - codes_np)
     assert diff.max() <= 1 and (diff > 0).mean() < 1e-2
     assert out.chunks == 1
+    for rot in (0, 128):
+        want = weight_to_i8(dev, w, rot=rot)
+        again = Int8Matrix(dev.buffer(n * k), want.scales, n, k, k)
+        weight_to_i8(dev, w, again, rot=rot, fixed_scales=True)
+        np.testing.assert_array_equal(
+            dev.read(again.codes, np.uint8, (n * k,)), dev.read(want.codes, np.uint8, (n * k,))
+        )
 
 
 @pytest.mark.gpu
@@ -212,7 +221,7 @@ def test_q4_k_codes_equal_the_generic_decode(
     """weight_i8_q4_k (whole 16-byte pieces of the blocks) gives the generic weight_i8 decode's codes and scales,
     bit for bit, on rows whose units fill one slot, two, and more than the registers hold; rotated too (the same
     butterflies in the same order, in units of 16 instead of groups of 4); rows of at most 4096 on 64 invocations
-    too (quantize_i8.SHORT_ROW_WORKGROUP: 2 and 4 units each)."""
+    too (quantize_i8.SHORT_ROW_WORKGROUP: 2 and 4 units each); each with the row scales given (fixed) too."""
     monkeypatch.setattr(quantize_ops, "SHORT_ROW_WORKGROUP", row_wg)
     from gpu.ops.common import grid, pack
     from gpu.registry import pipeline
@@ -222,9 +231,11 @@ def test_q4_k_codes_equal_the_generic_decode(
     fast = weight_to_i8(dev, w, rot=rot)
     generic = i8_buffers(dev, n, k, k, "generic")
     bindings = [pack(n, k, 0, 0), w.binding, generic.codes, generic.scales]
-    dev.dispatch(pipeline(dev, "weight_i8", wtype="Q4_K", rot=rot, tint=tint(dev)), bindings, grid(n, 1))
+    dev.dispatch(pipeline(dev, "weight_i8", wtype="Q4_K", rot=rot, tint=tint(dev), fixed=False), bindings, grid(n, 1))
     for a, b, dtype in ((fast.codes, generic.codes, np.uint8), (fast.scales, generic.scales, np.uint32)):
         np.testing.assert_array_equal(dev.read(a, dtype), dev.read(b, dtype))
+    fixed = weight_to_i8(dev, w, Int8Matrix(dev.buffer(n * k), fast.scales, n, k, k), rot=rot, fixed_scales=True)
+    np.testing.assert_array_equal(dev.read(fixed.codes, np.uint8), dev.read(fast.codes, np.uint8))
 
 
 @pytest.mark.gpu

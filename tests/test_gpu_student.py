@@ -402,7 +402,8 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
     (the default) bitwise those of the "nn" GEMM over W's codes; the LoRA terms in passes of their own instead of
     the GEMMs' epilogues as close to the reference; and after a step the shared slots hold exactly the
     codes weight_to_i8 gives the lowest block's weights (one block's projections are decoded at a time). The
-    student's LM head runs on the integer GEMM here (INT8_STUDENT_HEAD, off by default) so its code is held too."""
+    student's LM head runs on the integer GEMM here (INT8_STUDENT_HEAD, off by default) so its code is held too.
+    The slots' decodes write the codes alone, from the row scales decoded once (weights.scales_i8)."""
     from gpu.ops import head
     from gpu.ops.matmul_i8 import int8_emulation
     from gpu.ops.quantize_i8 import weight_to_i8
@@ -458,11 +459,11 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
         for key, g in nn.get_grads().items():
             np.testing.assert_array_equal(g.A, split_grads[key].A)
             np.testing.assert_array_equal(g.B, split_grads[key].B)
-    for target, slot in st._w8_slots.items():
+    for target, slot in st._w8_slots.items():  # the slots' codes, decoded with the row scales kept at construction
         fresh = weight_to_i8(dev, weights.proj[(0, target)], rot=rotation_block(slot.k))
         for got, wanted, n in (
             (slot.codes, fresh.codes, slot.rows * slot.k),
-            (slot.scales, fresh.scales, 4 * slot.rows),
+            (weights.scales_i8[(0, target, rotation_block(slot.k))], fresh.scales, 4 * slot.rows),
         ):
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 

@@ -3,9 +3,19 @@
 // scale: the values stay in registers between the absmax and the packing (PER groups per invocation; a longer row
 // reads the rest twice); a rotated row (ROT > 0; at most PER * WG groups, the host's check) is read and rotated
 // twice instead.
-// The kernel defines WG, Q (array<u32>) and fn group4(w: u32) -> vec4<f32> (values 4w .. 4w + 3 of the row).
+// The kernel defines WG, Q (array<u32>) and fn group4(w: u32) -> vec4<f32> (values 4w .. 4w + 3 of the row), and
+// FIXED_SCALE (bool) with fn given_scale() -> f32: with FIXED_SCALE the row's scale is given_scale() (a frozen
+// weight's, kept from an earlier decode: the same codes) and no absmax is taken.
 // Call from uniform control flow (workgroup_reduce, rotate_group).
 const PER: u32 = 16u;
+
+// the row's scale from this invocation's part of its absmax (or the given one)
+fn row_scale(lid: u32, m: f32) -> f32 {
+    if (FIXED_SCALE) {
+        return given_scale();
+    }
+    return workgroup_reduce(lid, m) / 127.0;
+}
 
 fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     if (ROT > 0u) {
@@ -20,10 +30,10 @@ fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
             m = max(m, absmax4(v[j]));
         }
     }
-    for (var w = lid + PER * WG; w < units; w += WG) {
+    for (var w = lid + PER * WG; w < units && !FIXED_SCALE; w += WG) {
         m = max(m, absmax4(group4(w)));
     }
-    let scale = workgroup_reduce(lid, m) / 127.0;
+    let scale = row_scale(lid, m);
     for (var j = 0u; j < PER; j++) {
         let w = lid + j * WG;
         if (w < units) {
@@ -53,12 +63,12 @@ fn rotated_group(lid: u32, w: u32, units: u32, col0: u32, shuffled: bool) -> vec
 fn rotated_codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     let shuffled = rotation_shuffled(lid, ROT / 4u);
     var m = 0.0;
-    for (var j = 0u; j < PER; j++) {
+    for (var j = 0u; j < PER && !FIXED_SCALE; j++) {
         if (j * WG < units) {   // uniform: a block's groups are all in (units % (ROT / 4) == 0)
             m = max(m, absmax4(rotated_group(lid, lid + j * WG, units, col0, shuffled)));
         }
     }
-    let scale = workgroup_reduce(lid, m) / 127.0;
+    let scale = row_scale(lid, m);
     for (var j = 0u; j < PER; j++) {
         if (j * WG < units) {
             let w = lid + j * WG;

@@ -20,6 +20,11 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> Q: array<u32>;
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
 ${CS_BINDING}
+const FIXED_SCALE: bool = false;   // activations: every scale from its absmax (int8_codes.wgsl)
+fn given_scale() -> f32 {
+    return 0.0;
+}
+
 var<private> x0: u32;   // X's index of this workgroup's chunk start
 var<private> k0: u32;   // its column
 

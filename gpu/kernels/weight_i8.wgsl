@@ -2,7 +2,8 @@
 // S[n] = max |W[n, :]| / 127 and Q[n, k] = round(W[n, k] / S[n]) (ties to even, |q| <= 127; an all-zero row gives
 // S = 0 and codes 0), four codes per u32 word. model/int8.py quantize_i8 with one chunk per row is the twin.
 // A workgroup per row (2-D grid: wid.x + wid.y * nwg.x), decoding each value once: int8_codes.wgsl codes_of_row
-// holds the row in registers for its absmax (workgroup_reduce.wgsl) and its codes.
+// holds the row in registers for its absmax (workgroup_reduce.wgsl) and its codes. FIXED_SCALE: S[n] holds the
+// row's scale already (an earlier decode's): the codes alone, no absmax (the same codes).
 
 ${DECODE}
 
@@ -20,6 +21,11 @@ struct Params {
 
 var<private> row_n: u32;   // this workgroup's row
 
+const FIXED_SCALE: bool = ${FIXED};
+fn given_scale() -> f32 {
+    return S[row_n];
+}
+
 fn group4(w: u32) -> vec4<f32> {
     return decode4(row_n, 4u * w, prm.K);
 }
@@ -31,7 +37,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     rot_subgroup = sg;
     row_n = min(wid.x + wid.y * nwg.x, prm.N - 1u);   // extra workgroups of the grid redo the last row
     let scale = codes_of_row(lid, prm.K / 4u, row_n * (prm.K / 4u), 0u);
-    if (lid == 0u) {
+    if (lid == 0u && !FIXED_SCALE) {
         S[row_n] = scale;
     }
 }

@@ -6,7 +6,8 @@
 // nibble (qs[32 (s / 2) + j] >> 4 (s % 2)) & 15; w = d sc[s] q - dmin m[s]. A unit is 16 weights (half a
 // sub-block: one vec4 of qs). A workgroup per row; each invocation keeps PER units in registers between the
 // absmax and the packing (a longer row decodes the rest twice), rotated first when ROT > 0 (hadamard.wgsl
-// rotate_unit; ROT >= 16, rows of at most 4 WG units).
+// rotate_unit; ROT >= 16, rows of at most 4 WG units). FIXED_SCALE: S[n] holds the row's scale already (an earlier
+// decode's): the codes alone, no absmax (the same codes).
 
 struct Params {
     N: u32,   // rows
@@ -22,6 +23,7 @@ struct Params {
 
 const WG: u32 = ${WG}u;   // invocations a row (256, or 64 for rows of <= 4096: gpu/ops/quantize_i8.py)
 const PER: u32 = 4u;
+const FIXED_SCALE: bool = ${FIXED};
 
 // byte i (0 .. 11) of a block's scales (bytes 4 .. 15 of its first word)
 fn scale_byte(h: vec4<u32>, i: u32) -> u32 {
@@ -102,12 +104,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             rotate_unit(lid, &v3, 16u * (lid + 3u * WG), shuffled);
         }
     }
-    let m = max(max(absmax16(v0), absmax16(v1)), max(absmax16(v2), absmax16(v3)));
-    var mr = m;
-    for (var u = lid + PER * WG; u < units; u += WG) {
-        mr = max(mr, absmax16(unit_values(n, u)));
+    var scale: f32;
+    if (FIXED_SCALE) {
+        scale = S[n];
+    } else {
+        var m = max(max(absmax16(v0), absmax16(v1)), max(absmax16(v2), absmax16(v3)));
+        for (var u = lid + PER * WG; u < units; u += WG) {
+            m = max(m, absmax16(unit_values(n, u)));
+        }
+        scale = workgroup_reduce(lid, m) / 127.0;
     }
-    let scale = workgroup_reduce(lid, mr) / 127.0;
     let q0 = n * units;
     if (lid < units) {
         Q[q0 + lid] = pack16(v0, scale);
@@ -124,7 +130,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     for (var u = lid + PER * WG; u < units; u += WG) {
         Q[q0 + u] = pack16(unit_values(n, u), scale);
     }
-    if (lid == 0u) {
+    if (lid == 0u && !FIXED_SCALE) {
         S[n] = scale;
     }
 }

@@ -71,18 +71,23 @@ def quantize_i8_gpu(
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
-def weight_to_i8(dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0) -> Int8Matrix:
+def weight_to_i8(
+    dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0, *, fixed_scales: bool = False
+) -> Int8Matrix:
     """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
     (gpu/kernels/weight_i8.wgsl; Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) and
     rotated in blocks of rot into `out` (n rows of k, one chunk) or new buffers; k must be a multiple of 32 (one
-    integer multiply-accumulate step)."""
+    integer multiply-accumulate step). fixed_scales: out.scales hold this weight's row scales already (an earlier
+    decode's, with the same rot): the codes alone, without the absmax over each row (the same codes)."""
     n, k = w.shape
     check_rotation(rot, k, f"weight_to_i8 {w.name!r}")
+    if fixed_scales and out is None:
+        raise DeviceError(f"weight_to_i8 {w.name!r}: fixed_scales needs `out` with the row scales")
     if out is None:
         out = i8_buffers(dev, n, k, k, w.name)
     elif (out.rows, out.k, out.chunks) != (n, k, 1):
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
-    variant = {"rot": rot, "tint": tint(dev)}
+    variant = {"rot": rot, "tint": tint(dev), "fixed": fixed_scales}
     name = "weight_i8_q4_k" if w.qtype.name == "Q4_K" else "weight_i8"
     variant |= {"wg": row_workgroup(k)} if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
     dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
