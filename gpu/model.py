@@ -37,7 +37,7 @@ from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_rank16, l
 from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
-from gpu.ops.quantize_i8 import quantize_i8_gpu, weight_to_i8
+from gpu.ops.quantize_i8 import FUSED_NORM_ROTATED_WIDTH, quantize_i8_gpu, rmsnorm_i8, weight_to_i8
 from gpu.ops.rmsnorm import rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_forward
 from gpu.weights import QuantTensor, upload_quant
@@ -260,6 +260,9 @@ class GPUModel:
     # demo trained through int8: held-out KL +22 % over tensorcore's per row, +1.9 .. 2.7 % rotated;
     # docs/benchmarks.md)
     int8_rotation = True
+    # int8: the block's RMSNorms give their outputs' int8 codes in the same pass (gpu/ops/quantize_i8.py rmsnorm_i8;
+    # bitwise the separate quantizer's) instead of a quantizer reading them back
+    fused_norm_i8 = True
 
     def __init__(
         self,
@@ -459,6 +462,11 @@ class GPUModel:
         for the LM head): its f16 copy from the same kernel with tensor cores, int8 codes with int8."""
         rows, h = self.rows, self.cfg.hidden
         int8 = bool(self._w8_slots) and not head
+        rot = self._rotation(h)
+        if int8 and self.fused_norm_i8 and h % MMA_K == 0 and (rot == 0 or h <= FUSED_NORM_ROTATED_WIDTH):
+            a = Int8Matrix(*self.a8, rows, h, h, "gemm input")
+            rmsnorm_i8(self.dev, x, self.w.norms[weight], y, a, self.cfg.eps, rot)
+            return a, {"int8": True}
         y16 = None if int8 else self._half_copy(rows * h)
         rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
         return self._forward_input(y, h) if int8 else self._operand(y, y16)

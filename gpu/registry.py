@@ -177,7 +177,8 @@ _ITEMS = ("threads",)  # one thread per item
 _ELEMENTWISE = (*_ITEMS, "elementwise")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
-_I8 = ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "int8_codes")  # int8 codes of a row
+_I8_PARTS = ("int8_pack", "hadamard", "int8_codes")  # int8 codes of a row
+_I8 = ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS)
 _ROT = {"rot": ROTATIONS, "tint": BOOLS}  # the rotation's block, and the compiler (gpu/ops/quantize_i8.py)
 
 KERNELS: dict[str, Kernel] = {
@@ -203,6 +204,12 @@ KERNELS: dict[str, Kernel] = {
         ("rmsnorm_forward", *_ROWS, *_SUM), {"half": BOOLS}, lambda half: _half_output(half, 4, "base + i")
     ),
     "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
+    # RMSNorm forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py rmsnorm_i8)
+    "rmsnorm_i8": Kernel(
+        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS, "rmsnorm_i8"),
+        {"rot": ROTATIONS, "tint": BOOLS},
+        lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
+    ),
     "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats_plain", "kd_stats")),
     # the one-pass backward (gpu/ops/kd.py): pass 1 also emits each chunk's probabilities (in place, or f16)
     "kd_stats_probs": Kernel((*_ROWS, *_LSE, "kd_probs_f32", "kd_stats")),
@@ -228,7 +235,7 @@ KERNELS: dict[str, Kernel] = {
         _hadamard_rows_values,
     ),
     "weight_i8_q4_k": Kernel(
-        ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "weight_i8_q4_k"),
+        ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "weight_i8_q4_k"),
         {**_ROT, "wg": ROW_WORKGROUPS, "fixed": BOOLS},
         _weight_q4_k_values,
     ),

@@ -21,7 +21,7 @@ from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_rank16, lora_term
 from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, Int8Matrix, LoraTerm, gemm_i8, i8_buffers, upload_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, tint, transpose_i8, weight_to_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rmsnorm_i8, tint, transpose_i8, weight_to_i8
 from gpu.weights import random_blocks, upload_quant
 from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
@@ -236,6 +236,37 @@ def test_q4_k_codes_equal_the_generic_decode(
         np.testing.assert_array_equal(dev.read(a, dtype), dev.read(b, dtype))
     fixed = weight_to_i8(dev, w, Int8Matrix(dev.buffer(n * k), fast.scales, n, k, k), rot=rot, fixed_scales=True)
     np.testing.assert_array_equal(dev.read(fixed.codes, np.uint8), dev.read(fast.codes, np.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,rot,rows", [(256, 0, 3), (256, 128, 5), (4096, 128, 3), (4352, 0, 2), (2048, 32, 4)])
+def test_rmsnorm_i8_is_the_norm_then_the_quantizer(dev: Device, h: int, rot: int, rows: int) -> None:
+    """rmsnorm_i8 (the norm and its output's codes in one pass): bitwise rmsnorm_forward's output and
+    quantize_i8_gpu's codes and scales of it, plain and rotated, on rows with an outlier column, within the
+    registers and longer (re-read); a rotated row past FUSED_NORM_ROTATED_WIDTH refused."""
+    from gpu.ops.rmsnorm import rmsnorm_forward
+
+    rng = np.random.default_rng(h + rot)
+    x = rng.standard_normal((rows, h)).astype(np.float32)
+    x[:, 7] *= 40.0
+    w = rng.uniform(0.5, 1.5, h).astype(np.float32)
+    xb, wb = dev.upload(x), dev.upload(w)
+    y_sep, y_fused = dev.buffer(x.nbytes), dev.buffer(x.nbytes)
+    sep, fused = i8_buffers(dev, rows, h, h, "separate"), i8_buffers(dev, rows, h, h, "fused")
+    rmsnorm_forward(dev, xb, wb, y_sep, rows, h, 1e-5)
+    quantize_i8_gpu(dev, y_sep, sep, rot=rot)
+    rmsnorm_i8(dev, xb, wb, y_fused, fused, 1e-5, rot)
+    for a, b, n in (
+        (y_sep, y_fused, 4 * rows * h),
+        (sep.codes, fused.codes, rows * h),
+        (sep.scales, fused.scales, 4 * rows),
+    ):
+        np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))
+    assert np.abs(dev.read(fused.codes, np.int8, (rows, h))).max() == 127
+    if rot:
+        wide = i8_buffers(dev, 1, 8192, 8192, "wide")
+        with pytest.raises(DeviceError, match="rmsnorm_i8"):
+            rmsnorm_i8(dev, dev.buffer(4 * 8192), dev.buffer(4 * 8192), dev.buffer(4 * 8192), wide, 1e-5, rot)
 
 
 @pytest.mark.gpu

@@ -468,6 +468,30 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
+def test_int8_fused_norm_is_bitwise_the_separate_quantizer() -> None:
+    """The int8 step with the RMSNorms giving their outputs' codes in the same pass (fused_norm_i8, the default)
+    and with the quantizer reading them back: bitwise the same loss and gradients (emulated integer GEMMs)."""
+    from gpu.model import GPUModel
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    dev = device_or_skip()
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    runs = []
+    with int8_emulation(dev):
+        for fused in (True, False):
+            st = _precision_student(dev, weights, "int8", loss_cfg)
+            st.fused_norm_i8 = fused
+            st.set_adapter(lora)
+            st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+            runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
+        assert GPUModel.fused_norm_i8
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
 def test_int8_student_logits_alone_with_emulated_integer_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
     """INT8_STUDENT_LOGITS: the student's logits on the integer GEMM (rotated), its backward dlogits . W on the
     other path: the step within INT8_REL of the float64 reference, and its KD scratch without the integer

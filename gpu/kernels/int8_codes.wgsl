@@ -3,19 +3,12 @@
 // scale: the values stay in registers between the absmax and the packing (PER groups per invocation; a longer row
 // reads the rest twice); a rotated row (ROT > 0; at most PER * WG groups, the host's check) is read and rotated
 // twice instead.
-// The kernel defines WG, Q (array<u32>) and fn group4(w: u32) -> vec4<f32> (values 4w .. 4w + 3 of the row), and
-// FIXED_SCALE (bool) with fn given_scale() -> f32: with FIXED_SCALE the row's scale is given_scale() (a frozen
-// weight's, kept from an earlier decode: the same codes) and no absmax is taken.
+// The kernel defines WG, Q (array<u32>), fn group4(w: u32) -> vec4<f32> (values 4w .. 4w + 3 of the row), and
+// fn row_scale(lid: u32, m: f32) -> f32, the row's scale from each invocation's part m of its absmax (usually
+// workgroup_reduce(lid, m) / 127), with const ABSMAX: false when row_scale ignores m (a frozen weight's scale kept
+// from an earlier decode: the same codes), and no absmax is taken.
 // Call from uniform control flow (workgroup_reduce, rotate_group).
 const PER: u32 = 16u;
-
-// the row's scale from this invocation's part of its absmax (or the given one)
-fn row_scale(lid: u32, m: f32) -> f32 {
-    if (FIXED_SCALE) {
-        return given_scale();
-    }
-    return workgroup_reduce(lid, m) / 127.0;
-}
 
 fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     if (ROT > 0u) {
@@ -30,7 +23,7 @@ fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
             m = max(m, absmax4(v[j]));
         }
     }
-    for (var w = lid + PER * WG; w < units && !FIXED_SCALE; w += WG) {
+    for (var w = lid + PER * WG; w < units && ABSMAX; w += WG) {
         m = max(m, absmax4(group4(w)));
     }
     let scale = row_scale(lid, m);
@@ -63,7 +56,7 @@ fn rotated_group(lid: u32, w: u32, units: u32, col0: u32, shuffled: bool) -> vec
 fn rotated_codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     let shuffled = rotation_shuffled(lid, ROT / 4u);
     var m = 0.0;
-    for (var j = 0u; j < PER && !FIXED_SCALE; j++) {
+    for (var j = 0u; j < PER && ABSMAX; j++) {
         if (j * WG < units) {   // uniform: a block's groups are all in (units % (ROT / 4) == 0)
             m = max(m, absmax4(rotated_group(lid, lid + j * WG, units, col0, shuffled)));
         }

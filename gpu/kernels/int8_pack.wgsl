@@ -1,11 +1,6 @@
-// int8 codes (include of quantize_i8, weight_i8 and weight_i8_q4_k; model/int8.py is the twin): the absmax tree's
-// combine for workgroup_reduce.wgsl, and the codes of values for a scale: round(x / scale), ties to even,
-// clamped to +-127, one byte each (0 for scale 0: an all-zero row or chunk), four packed little-endian per word.
-alias Reduced = f32;
-
-fn combine(a: Reduced, b: Reduced) -> Reduced {
-    return max(a, b);
-}
+// int8 codes (include of quantize_i8, weight_i8, weight_i8_q4_k and rmsnorm_i8; model/int8.py is the twin): the codes
+// of values for a scale: round(x / scale), ties to even, clamped to +-127, one byte each (0 for scale 0: an
+// all-zero row or chunk), four packed little-endian per word.
 
 fn code(x: f32, scale: f32) -> u32 {
     let q = select(0.0, clamp(round(x / scale), -127.0, 127.0), scale > 0.0);

@@ -20,9 +20,9 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> Q: array<u32>;
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
 ${CS_BINDING}
-const FIXED_SCALE: bool = false;   // activations: every scale from its absmax (int8_codes.wgsl)
-fn given_scale() -> f32 {
-    return 0.0;
+const ABSMAX: bool = true;   // activations: every scale from its absmax (int8_codes.wgsl)
+fn row_scale(lid: u32, m: f32) -> f32 {
+    return workgroup_reduce(lid, m) / 127.0;
 }
 
 var<private> x0: u32;   // X's index of this workgroup's chunk start

@@ -21,9 +21,12 @@ struct Params {
 
 var<private> row_n: u32;   // this workgroup's row
 
-const FIXED_SCALE: bool = ${FIXED};
-fn given_scale() -> f32 {
-    return S[row_n];
+const ABSMAX: bool = !${FIXED};   // fixed: S holds the row's scale already (int8_codes.wgsl)
+fn row_scale(lid: u32, m: f32) -> f32 {
+    if (!ABSMAX) {
+        return S[row_n];
+    }
+    return workgroup_reduce(lid, m) / 127.0;
 }
 
 fn group4(w: u32) -> vec4<f32> {
@@ -37,7 +40,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     rot_subgroup = sg;
     row_n = min(wid.x + wid.y * nwg.x, prm.N - 1u);   // extra workgroups of the grid redo the last row
     let scale = codes_of_row(lid, prm.K / 4u, row_n * (prm.K / 4u), 0u);
-    if (lid == 0u && !FIXED_SCALE) {
+    if (lid == 0u && ABSMAX) {
         S[row_n] = scale;
     }
 }

@@ -71,6 +71,25 @@ def quantize_i8_gpu(
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
+FUSED_NORM_ROTATED_WIDTH = 4096  # rmsnorm_i8 holds a rotated row in its 64 invocations' registers: 64 x 16 x 4
+
+
+def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float, rot: int = 0) -> None:
+    """y[out.rows, out.k] = RMSNorm(x) with weight w (bitwise rmsnorm_forward's) and out <- y's int8 codes and per-row
+    scales, rotated in blocks of rot (bitwise quantize_i8_gpu's of y), in one pass over each row
+    (gpu/kernels/rmsnorm_i8.wgsl): the row's codes without reading y back. Rows of a multiple of 4; rotated, of at
+    most FUSED_NORM_ROTATED_WIDTH."""
+    rows, h = out.rows, out.k
+    check_rotation(rot, h, f"rmsnorm_i8 of {out.name!r}")
+    if h % 4 or out.chunks != 1 or (rot and h > FUSED_NORM_ROTATED_WIDTH):
+        raise DeviceError(f"rmsnorm_i8 of {out.name!r}: rows of {h} in {out.chunks} chunks (rotation {rot})")
+    for buf, n, what in ((x, rows * h, "x"), (w, h, "weight"), (y, rows * h, "y")):
+        if nbytes(buf) < 4 * n:
+            raise DeviceError(f"rmsnorm_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * n}")
+    pipe = pipeline(dev, "rmsnorm_i8", rot=rot, tint=tint(dev))
+    dev.dispatch(pipe, [pack(rows, h, float(eps), 0), x, w, y, out.codes, out.scales], grid(rows, 1))
+
+
 def weight_to_i8(
     dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0, *, fixed_scales: bool = False
 ) -> Int8Matrix:
