@@ -526,7 +526,7 @@ _CHOICES = (
         "int8: both GEMM operands rotated in Walsh-Hadamard blocks along the inputs (off: plain per-row scales)",
     ),
     (
-        "--int8-fused-norm",
+        "--int8-fused-codes",
         ("on", "off"),
         "on",
         "int8: the RMSNorms write their outputs' int8 codes in the same pass, the engine's default (off: the quantizer "
@@ -620,7 +620,7 @@ def main() -> None:
 
             quantize_i8.SHORT_ROW_WORKGROUP = args.int8_row_wg
         GPUModel.int8_rotation = args.int8_rotation == "on"
-        GPUModel.fused_norm_i8 = args.int8_fused_norm == "on"
+        GPUModel.fused_codes_i8 = args.int8_fused_codes == "on"
         GPUStudent.int8_input_grads = args.int8_input_grads != "f16"
         GPUStudent.transposed_input_grads = args.int8_input_grads == "transposed"
         if args.lora_path != "default":

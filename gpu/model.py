@@ -37,7 +37,14 @@ from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_rank16, l
 from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
-from gpu.ops.quantize_i8 import FUSED_NORM_ROTATED_WIDTH, quantize_i8_gpu, rmsnorm_i8, weight_to_i8
+from gpu.ops.quantize_i8 import (
+    FUSED_NORM_ROTATED_WIDTH,
+    glu_i8,
+    quantize_i8_gpu,
+    rmsnorm_i8,
+    row_workgroup,
+    weight_to_i8,
+)
 from gpu.ops.rmsnorm import rmsnorm_forward
 from gpu.ops.rope import RopeTable, rope_forward
 from gpu.weights import QuantTensor, upload_quant
@@ -260,9 +267,9 @@ class GPUModel:
     # demo trained through int8: held-out KL +22 % over tensorcore's per row, +1.9 .. 2.7 % rotated;
     # docs/benchmarks.md)
     int8_rotation = True
-    # int8: the block's RMSNorms give their outputs' int8 codes in the same pass (gpu/ops/quantize_i8.py rmsnorm_i8;
-    # bitwise the separate quantizer's) instead of a quantizer reading them back
-    fused_norm_i8 = True
+    # int8: the block's RMSNorms and gated unit give their outputs' int8 codes in the same pass (gpu/ops/quantize_i8.py
+    # rmsnorm_i8, glu_i8; bitwise the separate quantizer's) instead of a quantizer reading them back
+    fused_codes_i8 = True
 
     def __init__(
         self,
@@ -463,7 +470,7 @@ class GPUModel:
         rows, h = self.rows, self.cfg.hidden
         int8 = bool(self._w8_slots) and not head
         rot = self._rotation(h)
-        if int8 and self.fused_norm_i8 and h % MMA_K == 0 and (rot == 0 or h <= FUSED_NORM_ROTATED_WIDTH):
+        if int8 and self.fused_codes_i8 and h % MMA_K == 0 and (rot == 0 or h <= FUSED_NORM_ROTATED_WIDTH):
             a = Int8Matrix(*self.a8, rows, h, h, "gemm input")
             rmsnorm_i8(self.dev, x, self.w.norms[weight], y, a, self.cfg.eps, rot)
             return a, {"int8": True}
@@ -722,11 +729,19 @@ class GPUModel:
         self._proj(a["n2"], layer, "gate", a["g"], n2)
         self._proj(a["n2"], layer, "up", a["u"], n2)
         stop = for_backward and not cfg.post_norms
-        s16 = None if self._w8_slots or stop else self._half_copy(rows * f)
-        self._gate_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
+        s_input = None  # the down projection's A operand, when given here
+        fits = self._rotation(f) == 0 or f <= 64 * row_workgroup(f)  # glu_i8 holds a rotated row in registers
+        if "down" in self._w8_slots and self.fused_codes_i8 and not stop and fits:
+            s_input = Int8Matrix(*self.a8, rows, f, f, "gemm input"), {"int8": True}
+            glu_i8(dev, "geglu" if cfg.activation == "gelu_tanh" else "swiglu", a["g"], a["u"], a["s"], s_input[0],
+                   self._rotation(f))  # fmt: skip
+        else:
+            s16 = None if self._w8_slots or stop else self._half_copy(rows * f)
+            self._gate_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
+            s_input = None if self._w8_slots else self._operand(a["s"], s16)
         if stop:
             return
-        self._post_normed(layer, "down", "post_ffw_norm", None if self._w8_slots else self._operand(a["s"], s16))
+        self._post_normed(layer, "down", "post_ffw_norm", s_input)
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
 
     def _use_block(self, layer: int) -> None:

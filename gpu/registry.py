@@ -136,6 +136,9 @@ def _half_output(half: bool, binding: int, index: str) -> dict[str, str]:
     }
 
 
+_GLU_GATES = {"swiglu": "g * sigmoid(g)", "geglu": "gelu_tanh(g).x"}  # act(g) of the gated units, as WGSL
+
+
 def _glu_values(gate: str, half: bool) -> dict[str, str]:
     """Template values of glu_forward.wgsl: the activation `gate` of g (WGSL), and the variant's f16 copy."""
     return {"GATE": gate, **_half_output(half, 4, "i")}
@@ -174,7 +177,7 @@ _SUM = ("workgroup_reduce", "workgroup_sum")  # fixed-tree workgroup sums
 _LSE = ("workgroup_reduce", "logsumexp")  # fixed-tree workgroup logsumexp states
 _ROWS = ("rows",)  # one workgroup per row
 _ITEMS = ("threads",)  # one thread per item
-_ELEMENTWISE = (*_ITEMS, "elementwise")
+_ELEMENTWISE = (*_ITEMS, "elementwise", "sigmoid")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
 _I8_PARTS = ("int8_pack", "hadamard", "int8_codes")  # int8 codes of a row
@@ -192,21 +195,32 @@ KERNELS: dict[str, Kernel] = {
     "scale": Kernel((*_ELEMENTWISE, "scale")),
     "lora_group_sum": Kernel((*_ELEMENTWISE, "lora_group_sum"), {"acc": BOOLS}),
     "lora_pack": Kernel(("lora_pack", *_ITEMS)),
-    "swiglu_forward": Kernel(("glu_forward", *_ELEMENTWISE), {"half": BOOLS}, partial(_glu_values, "g * sigmoid(g)")),
+    "swiglu_forward": Kernel(
+        ("glu_forward", *_ELEMENTWISE), {"half": BOOLS}, partial(_glu_values, _GLU_GATES["swiglu"])
+    ),
     "swiglu_backward": Kernel((*_ELEMENTWISE, "swiglu_backward")),
     "geglu_forward": Kernel(
-        ("glu_forward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, partial(_glu_values, "gelu_tanh(g).x")
+        ("glu_forward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, partial(_glu_values, _GLU_GATES["geglu"])
     ),
     "geglu_backward": Kernel((*_ELEMENTWISE, "gelu_tanh", "geglu_backward")),
     "adamw_update": Kernel((*_ELEMENTWISE, "adamw_update")),
     # row skeleton (one workgroup per row) + body
     "rmsnorm_forward": Kernel(
-        ("rmsnorm_forward", *_ROWS, *_SUM), {"half": BOOLS}, lambda half: _half_output(half, 4, "base + i")
+        ("rmsnorm_forward", "rmsnorm_io", *_ROWS, *_SUM),
+        {"half": BOOLS},
+        lambda half: _half_output(half, 4, "base + i"),
     ),
     "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
+    # a gated unit's forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py glu_i8)
+    "glu_i8": Kernel(
+        ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS, "sigmoid", "gelu_tanh", "glu_i8")
+        + ("rows_rotated",),
+        {"act": ("swiglu", "geglu"), **_ROT, "wg": ROW_WORKGROUPS},
+        lambda act, rot, tint, wg: {"GATE": _GLU_GATES[act], "ROT": rot, "WG": wg, **_subgroups(tint)},
+    ),
     # RMSNorm forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py rmsnorm_i8)
     "rmsnorm_i8": Kernel(
-        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS, "rmsnorm_i8"),
+        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS, "rmsnorm_io", "rmsnorm_i8", "rows_rotated"),
         {"rot": ROTATIONS, "tint": BOOLS},
         lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
     ),
@@ -230,7 +244,7 @@ KERNELS: dict[str, Kernel] = {
     # weight_i8*: fixed, the rows' scales given (kept from an earlier decode: gpu/model.py row scales)
     "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT, "fixed": BOOLS}, _weight_i8_values),
     "hadamard_rows": Kernel(
-        ("subgroups_directive", "hadamard", "hadamard_rows"),
+        ("subgroups_directive", "hadamard", "hadamard_rows", "rows_rotated"),
         {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
         _hadamard_rows_values,
     ),

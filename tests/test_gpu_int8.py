@@ -21,7 +21,7 @@ from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_rank16, lora_term
 from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, Int8Matrix, LoraTerm, gemm_i8, i8_buffers, upload_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, rmsnorm_i8, tint, transpose_i8, weight_to_i8
+from gpu.ops.quantize_i8 import glu_i8, quantize_i8_gpu, rmsnorm_i8, tint, transpose_i8, weight_to_i8
 from gpu.weights import random_blocks, upload_quant
 from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
@@ -267,6 +267,29 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(dev: Device, h: int, rot: int
         wide = i8_buffers(dev, 1, 8192, 8192, "wide")
         with pytest.raises(DeviceError, match="rmsnorm_i8"):
             rmsnorm_i8(dev, dev.buffer(4 * 8192), dev.buffer(4 * 8192), dev.buffer(4 * 8192), wide, 1e-5, rot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("f,rot,rows", [(256, 0, 3), (512, 128, 2), (14336, 128, 2), (17408, 0, 2)])
+def test_glu_i8_is_the_gated_unit_then_the_quantizer(dev: Device, act: str, f: int, rot: int, rows: int) -> None:
+    """glu_i8 (a gated unit's forward and its output's codes in one pass): bitwise swiglu_forward's / geglu_forward's
+    output and quantize_i8_gpu's codes and scales of it, plain and rotated, a row within the registers and longer."""
+    from gpu.ops.gated import geglu_forward, swiglu_forward
+
+    rng = np.random.default_rng(f + rot)
+    g, u = (rng.standard_normal((rows, f)).astype(np.float32) * 3 for _ in range(2))
+    gb, ub = dev.upload(g), dev.upload(u)
+    y_sep, y_fused = dev.buffer(g.nbytes), dev.buffer(g.nbytes)
+    sep, fused = i8_buffers(dev, rows, f, f, "separate"), i8_buffers(dev, rows, f, f, "fused")
+    (swiglu_forward if act == "swiglu" else geglu_forward)(dev, gb, ub, y_sep, rows * f)
+    quantize_i8_gpu(dev, y_sep, sep, rot=rot)
+    glu_i8(dev, act, gb, ub, y_fused, fused, rot)
+    for a, b, n in ((y_sep, y_fused, 4 * rows * f), (sep.codes, fused.codes, rows * f)):
+        np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))
+    np.testing.assert_array_equal(
+        dev.read(sep.scales, np.float32, (rows,)), dev.read(fused.scales, np.float32, (rows,))
+    )
 
 
 @pytest.mark.gpu

@@ -40,6 +40,15 @@ def _problem(seed: int, qtype: int):
     return random_student_problem(CFG, seed, qtype, R, B, T)
 
 
+def _kd_problem(seed: int, qtype: int) -> tuple[dict, dict, KdBatch]:
+    """(weights, adapter, batch) of a random KD step with a forward-KL teacher at tau 1 (FORWARD_KL)."""
+    w, lora, ids, targets, mask, rng = _problem(seed, qtype)
+    return w, lora, KdBatch(ids, targets, mask, *_teacher(rng, 1.0))
+
+
+FORWARD_KL = LossConfig("forward_kl", tau=1.0, use_tail=True)
+
+
 def _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, scale):
     """Batch loss = mean over all masked rows: combine per-sequence masked means by their row counts."""
     w64 = {n: a.astype(np.float64) for n, a in w.items()}
@@ -468,26 +477,25 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
-def test_int8_fused_norm_is_bitwise_the_separate_quantizer() -> None:
-    """The int8 step with the RMSNorms giving their outputs' codes in the same pass (fused_norm_i8, the default)
-    and with the quantizer reading them back: bitwise the same loss and gradients (emulated integer GEMMs)."""
+def test_int8_fused_codes_is_bitwise_the_separate_quantizer() -> None:
+    """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass (fused_codes_i8,
+    the default) and with the quantizer reading them back: bitwise the same loss and gradients (emulated integer
+    GEMMs)."""
     from gpu.model import GPUModel
     from gpu.ops.matmul_i8 import int8_emulation
 
     dev = device_or_skip()
-    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
-    w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
-    tids, tlp, ttail = _teacher(rng, 1.0)
+    w, lora, batch = _kd_problem(3, Q.Q4_0)
     weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     runs = []
     with int8_emulation(dev):
         for fused in (True, False):
-            st = _precision_student(dev, weights, "int8", loss_cfg)
-            st.fused_norm_i8 = fused
+            st = _precision_student(dev, weights, "int8", FORWARD_KL)
+            st.fused_codes_i8 = fused
             st.set_adapter(lora)
-            st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+            st.write_batch(batch)
             runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
-        assert GPUModel.fused_norm_i8
+        assert GPUModel.fused_codes_i8
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
@@ -566,9 +574,8 @@ def test_int8_resident_codes_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpu.teacher import GPUTeacher
 
     dev = device_or_skip()
-    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
-    w, lora, ids, targets, mask, rng = _problem(7, Q.Q4_0)
-    tids, tlp, ttail = _teacher(rng, 1.0)
+    w, lora, batch = _kd_problem(7, Q.Q4_0)
+    ids = batch.ids
     spec = EngineSpec(CFG, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision="int8")
 
     def teacher(weights: ModelWeights, codes: str, seq_len: int = T) -> GPUTeacher:
@@ -576,9 +583,9 @@ def test_int8_resident_codes_emulated(monkeypatch: pytest.MonkeyPatch) -> None:
                           int8_codes=codes)  # fmt: skip
 
     def steps(weights: ModelWeights, codes: str, kept: int) -> tuple[GPUStudent, list]:
-        st = GPUStudent(dev, weights, spec, GpuKd(loss_cfg, K), kept_blocks=kept, int8_codes=codes)
+        st = GPUStudent(dev, weights, spec, GpuKd(FORWARD_KL, K), kept_blocks=kept, int8_codes=codes)
         st.set_adapter(lora)
-        st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+        st.write_batch(batch)
         return st, [(st.loss_and_grads(), st.layout.pack(st.get_grads())) for _ in range(2)]
 
     with int8_emulation(dev):

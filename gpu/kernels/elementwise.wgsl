@@ -13,12 +13,6 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> prm: Params;
 
-// Overflow-safe logistic function.
-fn sigmoid(x: f32) -> f32 {
-    let e = exp(-abs(x));
-    return select(e / (1.0 + e), 1.0 / (1.0 + e), x >= 0.0);
-}
-
 const WG: u32 = 256u;
 
 fn n_items() -> u32 {

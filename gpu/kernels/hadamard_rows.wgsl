@@ -1,12 +1,12 @@
 // Y[r, :] (+)= X[r, :] R^T for the rows of X: R the rotation of hadamard.wgsl (blocks of ROT). The integer GEMM's
 // input gradient over rotated weight codes gives dX R (R R^T = I): this turns it back. Mode "forward" writes
 // Y = X R instead (a LoRA A rotated like the codes, for the term that GEMM adds in its epilogue).
-// A workgroup per row (2-D grid), PER groups of four per invocation (rows up to 4 PER WG values), each rotated as
+// A workgroup per row (rows_rotated.wgsl), PER groups of four per invocation (rows up to 4 PER WG values), each rotated as
 // it is loaded. In place (mode "back"): Y is X, one binding (each invocation stores the groups it loaded); else Y
 // another binding, added to ("back_add") or written ("forward").
 
 struct Params {
-    rows: u32,
+    T: u32,   // rows
     k: u32,   // row length, a multiple of ROT
     _pad0: u32,
     _pad1: u32,
@@ -18,14 +18,7 @@ ${BINDINGS}
 const WG: u32 = 256u;
 const PER: u32 = 16u;
 
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32, @builtin(subgroup_size) sg: u32) {
-    rot_subgroup = sg;
-    let r = wid.x + wid.y * nwg.x;
-    if (r >= prm.rows) {
-        return;
-    }
+fn row_main(r: u32, lid: u32) {
     let units = prm.k / 4u;
     let base = r * units;
     let shuffled = rotation_shuffled(lid, ROT / 4u);

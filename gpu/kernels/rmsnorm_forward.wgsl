@@ -4,17 +4,7 @@ ${ENABLE_F16}
 // One workgroup per row (rows.wgsl); the sum of squares is a strided per-thread sum, then workgroup_reduce.wgsl's
 // fixed tree. (This body goes first in the source: the f16 directive must.)
 
-struct Params {
-    T: u32,
-    H: u32,
-    eps: f32,
-    _pad: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> X: array<f32>;
-@group(0) @binding(2) var<storage, read> Wn: array<f32>;
-@group(0) @binding(3) var<storage, read_write> Y: array<f32>;
+// (Params, X, Wn, Y: rmsnorm_io.wgsl)
 ${Y16_BINDING}
 
 const WG: u32 = 64u;

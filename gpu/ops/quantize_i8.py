@@ -90,6 +90,23 @@ def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float,
     dev.dispatch(pipe, [pack(rows, h, float(eps), 0), x, w, y, out.codes, out.scales], grid(rows, 1))
 
 
+def glu_i8(dev: Device, act: str, g: Any, u: Any, y: Any, out: Int8Matrix, rot: int = 0) -> None:
+    """y[out.rows, out.k] = act(g) * u, act "swiglu" or "geglu" (bitwise swiglu_forward's / geglu_forward's), and
+    out <- y's int8 codes and per-row scales, rotated in blocks of rot (bitwise quantize_i8_gpu's of y), in one pass
+    over each row (gpu/kernels/glu_i8.wgsl). Rows of a multiple of 4; rotated, of at most 64 x the row's
+    invocations."""
+    rows, f = out.rows, out.k
+    wg = row_workgroup(f)
+    check_rotation(rot, f, f"glu_i8 of {out.name!r}")
+    if f % 4 or out.chunks != 1 or (rot and f > 64 * wg):
+        raise DeviceError(f"glu_i8 of {out.name!r}: rows of {f} in {out.chunks} chunks (rotation {rot})")
+    for buf, what in ((g, "g"), (u, "u"), (y, "y")):
+        if nbytes(buf) < 4 * rows * f:
+            raise DeviceError(f"glu_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * rows * f}")
+    pipe = pipeline(dev, "glu_i8", act=act, rot=rot, tint=tint(dev), wg=wg)
+    dev.dispatch(pipe, [pack(rows, f, 0, 0), g, u, y, out.codes, out.scales], grid(rows, 1))
+
+
 def weight_to_i8(
     dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0, *, fixed_scales: bool = False
 ) -> Int8Matrix:

@@ -1,0 +1,13 @@
+// RMSNorm's params, input, weight and output (rmsnorm_forward.wgsl, rmsnorm_i8.wgsl).
+
+struct Params {
+    T: u32,
+    H: u32,
+    eps: f32,
+    _pad: u32,
+};
+
+@group(0) @binding(0) var<uniform> prm: Params;
+@group(0) @binding(1) var<storage, read> X: array<f32>;
+@group(0) @binding(2) var<storage, read> Wn: array<f32>;
+@group(0) @binding(3) var<storage, read_write> Y: array<f32>;
