@@ -40,6 +40,7 @@ from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc,
 from gpu.ops.quantize_i8 import (
     FUSED_NORM_ROTATED_WIDTH,
     glu_i8,
+    pair_bytes,
     quantize_i8_gpu,
     rmsnorm_i8,
     row_workgroup,
@@ -438,9 +439,11 @@ class GPUModel:
         self.dt = b("lora dt", rows * r)
         if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
             self.a16 = b("gemm input f16", -(-rows * max(h, f, qd, kvd) // 2))
-        if self._w8_slots:  # int8 GEMM inputs, one at a time: codes (4 per word) and a scale per row; the input
-            # gradients' column scales (ones: W's row scales are folded into dY)
-            self.a8 = b("gemm input int8", -(-rows * max(h, f, qd) // 4)), b("gemm input int8 scales", rows)
+        if self._w8_slots:  # int8 GEMM inputs, one at a time: codes (4 per word) and a scale per row (room for two
+            # at once: i8_pair, the gated unit's gradients); the input gradients' column scales (ones: W's row scales
+            # are folded into dY)
+            q_bytes, s_bytes = pair_bytes(rows, max(h, f, qd), self.dev.offset_alignment)
+            self.a8 = b("gemm input int8", -(-q_bytes // 4)), b("gemm input int8 scales", -(-s_bytes // 4))
             self.ones = self.dev.upload(np.ones(max(h, f, qd), np.float32), label="int8 column scales")
             if r:  # the LoRA terms of the integer GEMMs' epilogues, one at a time (f16, rank padded to 16)
                 lr = lora_rank16(r)

@@ -137,6 +137,16 @@ def _half_output(half: bool, binding: int, index: str) -> dict[str, str]:
 
 
 _GLU_GATES = {"swiglu": "g * sigmoid(g)", "geglu": "gelu_tanh(g).x"}  # act(g) of the gated units, as WGSL
+# (dG, dU) of the gated units at element i, as swiglu_backward.wgsl / geglu_backward.wgsl compute them
+_GLU_GRADS = {
+    "swiglu": """    let g = G[i];
+    let dy = dY[i];
+    let sig = sigmoid(g);
+    return vec2<f32>(dy * U[i] * sig * (1.0 + g * (1.0 - sig)), dy * g * sig);""",
+    "geglu": """    let f = gelu_tanh(G[i]);
+    let dy = dY[i];
+    return vec2<f32>(dy * U[i] * f.y, dy * f.x);""",
+}
 
 
 def _glu_values(gate: str, half: bool) -> dict[str, str]:
@@ -217,6 +227,13 @@ KERNELS: dict[str, Kernel] = {
         + ("rows_rotated",),
         {"act": ("swiglu", "geglu"), **_ROT, "wg": ROW_WORKGROUPS},
         lambda act, rot, tint, wg: {"GATE": _GLU_GATES[act], "ROT": rot, "WG": wg, **_subgroups(tint)},
+    ),
+    # a gated unit's backward and the int8 codes of both its gradients (gpu/ops/quantize_i8.py glu_backward_i8)
+    "glu_back_i8": Kernel(
+        ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS, "sigmoid", "gelu_tanh")
+        + ("glu_back_i8", "rows_rotated"),
+        {"act": ("swiglu", "geglu"), "tint": BOOLS, "wg": ROW_WORKGROUPS},
+        lambda act, tint, wg: {"GRADS": _GLU_GRADS[act], "ROT": 0, "WG": wg, **_subgroups(tint)},
     ),
     # RMSNorm forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py rmsnorm_i8)
     "rmsnorm_i8": Kernel(

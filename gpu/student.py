@@ -36,7 +36,14 @@ from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward, lora_term
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8
-from gpu.ops.quantize_i8 import quantize_i8_gpu, rotate_rows, rotated_back, transpose_i8
+from gpu.ops.quantize_i8 import (
+    glu_backward_i8,
+    i8_pair,
+    quantize_i8_gpu,
+    rotate_rows,
+    rotated_back,
+    transpose_i8,
+)
 from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import rope_backward
 from model.config import LORA_TARGETS
@@ -196,16 +203,39 @@ class GPUStudent(GPUModel):
         self.dev.write(self.losses, losses)
 
     # ---- backward -------------------------------------------------------------------------------------
-    def _proj_back_sum(self, grads: tuple[tuple[Any, str], ...], x: Any, layer: int, dx: Any) -> None:
-        """dx = the sum of the input gradients of projections sharing the input x ((dY, target) each). Where each
-        runs on the integer GEMM over rotated codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx
-        and one rotation turns the sum back (one pass over dx instead of one per projection, each adding from a
-        scratch); else one _proj_back after the other."""
+    def _gated_backward(self, layer: int) -> dict[str, Int8Matrix]:
+        """The gated unit's backward: dL/dgate into a["s"], dL/dup over a["u"]; with int8 input gradients for both
+        and fused_codes_i8, their integer operands from the same pass (glu_backward_i8, the two in self.a8), by
+        target, else none ({})."""
+        cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
+        wg, wu = (self._int8_back(layer, target)[0] for target in ("gate", "up"))
+        if self.fused_codes_i8 and wg is not None and wu is not None:
+            pair = i8_pair(*self.a8, rows, cfg.ffn, dev.offset_alignment, "gated unit gradients")
+            act = "geglu" if cfg.activation == "gelu_tanh" else "swiglu"
+            glu_backward_i8(dev, act, a["ds"], a["g"], a["u"], a["s"], wg.scales, wu.scales, *pair)
+            return {"gate": pair[0], "up": pair[1]}
+        gate_backward = geglu_backward if cfg.activation == "gelu_tanh" else swiglu_backward
+        gate_backward(dev, a["ds"], a["g"], a["u"], a["s"], rows * cfg.ffn)
+        return {}
+
+    def _proj_back_sum(
+        self,
+        grads: tuple[tuple[Any, str], ...],
+        x: Any,
+        layer: int,
+        dx: Any,
+        codes: Mapping[str, Int8Matrix] | None = None,
+    ) -> None:
+        """dx = the sum of the input gradients of projections sharing the input x ((dY, target) each; codes: dY's
+        integer operands by target where its producer gave them). Where each runs on the integer GEMM over rotated
+        codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx and one rotation turns the sum back (one
+        pass over dx instead of one per projection, each adding from a scratch); else one _proj_back after the
+        other."""
         d_in = self.cfg.target_shape(grads[0][1])[1]
         rot = self._rotation(d_in)
         summed = rot > 0 and all(self._int8_back(layer, target)[1] for _, target in grads)
         for i, (dy, target) in enumerate(grads):
-            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed)
+            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed, dy_i8=(codes or {}).get(target))
         if summed:
             rotate_rows(self.dev, dx, self.rows, d_in, rot)
 
@@ -219,11 +249,21 @@ class GPUStudent(GPUModel):
         return (w8 if int8 else None), int8 and self.transposed_input_grads and (not lora or self._lora_in_gemm(d_in))
 
     def _proj_back(
-        self, dy: Any, x: Any, layer: int, target: str, dx: Any, accumulate: bool, *, rotated: bool = False
+        self,
+        dy: Any,
+        x: Any,
+        layer: int,
+        target: str,
+        dx: Any,
+        accumulate: bool,
+        *,
+        rotated: bool = False,
+        dy_i8: Int8Matrix | None = None,
     ) -> None:
         """dx (+)= dY W for projection `target` of block `layer` (+ its LoRA's input gradient, and its LoRA
         gradients). rotated: leave dX R in dx (the caller rotates the sum back; integer GEMM over rotated codes, LoRA
-        term in its epilogue)."""
+        term in its epilogue). dy_i8: dY's integer operand (dY times W's row scales, as quantized here), when its
+        producer gave it."""
         d_out, d_in = self.cfg.target_shape(target)
         w8, _ = self._int8_back(layer, target)
         ab = self._lora(layer, target, self.params)
@@ -237,8 +277,10 @@ class GPUStudent(GPUModel):
         if int8:
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding; over
             # rotated codes (W R) the GEMM gives dX R, rotated back (R^T) in place or from a scratch added to dx
-            a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
-            quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
+            a = dy_i8
+            if a is None:
+                a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
+                quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
             wt = term = None
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
@@ -349,7 +391,7 @@ class GPUStudent(GPUModel):
         a["dx"]."""
         self._use_block(layer)
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
-        h, f = cfg.hidden, cfg.ffn
+        h = cfg.hidden
         x = self._x(layer)
         pos = self._b.bufs["positions"]
         # out = hres + pf(down(gate_act(gate(n2), up(n2)))), pf: the post-norm (gemma3) or none
@@ -358,9 +400,8 @@ class GPUStudent(GPUModel):
         )
         # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
         dg, du = a["s"], a["u"]
-        gate_backward = geglu_backward if cfg.activation == "gelu_tanh" else swiglu_backward
-        gate_backward(dev, a["ds"], a["g"], a["u"], dg, rows * f)
-        self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"])
+        codes = self._gated_backward(layer)
+        self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], codes)
         dev.copy(a["dx"], a["dh"], 4 * rows * h)
         rmsnorm_backward(
             dev,

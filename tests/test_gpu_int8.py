@@ -444,3 +444,37 @@ def test_gemm_on_tensor_cores_accumulates() -> None:
     assert (
         _check_gemm(dev, 260, 130, 256, 128, None, emulate=False, accumulate=True, alpha=2.0, ldc=140, c_offset=4) < TOL
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", ["swiglu", "geglu"])
+@pytest.mark.parametrize("f,rows", [(256, 3), (14336, 2), (17408, 2)])
+def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: str, f: int, rows: int) -> None:
+    """glu_backward_i8 (a gated unit's backward and both gradients' codes times the weights' row scales, in one
+    pass): bitwise swiglu_backward's / geglu_backward's dg and du and quantize_i8_gpu's codes and scales of them
+    (col_scales), rows within the registers and longer (re-read); operands outside one i8_pair refused."""
+    from gpu.ops.gated import geglu_backward, swiglu_backward
+    from gpu.ops.quantize_i8 import glu_backward_i8, i8_pair, pair_bytes
+
+    rng = np.random.default_rng(f + rows)
+    dy, g, u = (rng.standard_normal((rows, f)).astype(np.float32) * 2 for _ in range(3))
+    cg, cu = (rng.uniform(0.001, 0.01, f).astype(np.float32) for _ in range(2))
+    dyb, gb, cgb, cub = dev.upload(dy), dev.upload(g), dev.upload(cg), dev.upload(cu)
+    u_sep, u_fused = dev.upload(u), dev.upload(u)
+    dg_sep, dg_fused = dev.buffer(g.nbytes), dev.buffer(g.nbytes)
+    (swiglu_backward if act == "swiglu" else geglu_backward)(dev, dyb, gb, u_sep, dg_sep, rows * f)
+    sep = [i8_buffers(dev, rows, f, f, f"sep {n}") for n in range(2)]
+    quantize_i8_gpu(dev, dg_sep, sep[0], col_scales=cgb)
+    quantize_i8_gpu(dev, u_sep, sep[1], col_scales=cub)
+    q_bytes, s_bytes = pair_bytes(rows, f, dev.offset_alignment)
+    fused = i8_pair(dev.buffer(q_bytes), dev.buffer(s_bytes), rows, f, dev.offset_alignment, "fused")
+    glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, *fused)
+    for a, b in ((dg_sep, dg_fused), (u_sep, u_fused)):
+        np.testing.assert_array_equal(dev.read(a, np.uint32, (rows * f,)), dev.read(b, np.uint32, (rows * f,)))
+    for want, got in zip(sep, fused, strict=True):
+        codes = dev.read(got.codes.buffer, np.uint8, (rows * f,), offset=got.codes.offset)
+        scales = dev.read(got.scales.buffer, np.float32, (rows,), offset=got.scales.offset)
+        np.testing.assert_array_equal(dev.read(want.codes, np.uint8, (rows * f,)), codes)
+        np.testing.assert_array_equal(dev.read(want.scales, np.float32, (rows,)), scales)
+    with pytest.raises(DeviceError, match="i8_pair"):
+        glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, sep[0], sep[1])

@@ -478,9 +478,9 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
 
 
 def test_int8_fused_codes_is_bitwise_the_separate_quantizer() -> None:
-    """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass (fused_codes_i8,
-    the default) and with the quantizer reading them back: bitwise the same loss and gradients (emulated integer
-    GEMMs)."""
+    """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass, and the SwiGLU's
+    backward its gradients' (fused_codes_i8, the default), and with the quantizer reading them back: bitwise the
+    same loss and gradients (emulated integer GEMMs)."""
     from gpu.model import GPUModel
     from gpu.ops.matmul_i8 import int8_emulation
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu.device import Device, DeviceError
+from gpu.device import BufferView, Device, DeviceError
 from gpu.ops.common import grid, nbytes, pack
 from gpu.ops.matmul_i8 import Int8Matrix, i8_buffers
 from gpu.registry import pipeline
@@ -105,6 +105,59 @@ def glu_i8(dev: Device, act: str, g: Any, u: Any, y: Any, out: Int8Matrix, rot: 
             raise DeviceError(f"glu_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * rows * f}")
     pipe = pipeline(dev, "glu_i8", act=act, rot=rot, tint=tint(dev), wg=wg)
     dev.dispatch(pipe, [pack(rows, f, 0, 0), g, u, y, out.codes, out.scales], grid(rows, 1))
+
+
+def glu_backward_i8(
+    dev: Device, act: str, dy: Any, g: Any, u: Any, dg: Any, cg: Any, cu: Any, dg_i8: Int8Matrix, du_i8: Int8Matrix
+) -> None:
+    """The backward of y = act(g) * u (act "swiglu" or "geglu") over dg_i8.rows rows of dg_i8.k: dg, and du over u
+    (bitwise swiglu_backward's / geglu_backward's), and their int8 operands for the input-gradient GEMMs, dg * cg
+    into dg_i8 and du * cu into du_i8 (cg, cu: the gate and up weights' row scales; bitwise quantize_i8_gpu's with
+    col_scales), in one pass over each row (gpu/kernels/glu_back_i8.wgsl). dg_i8 and du_i8: i8_pair's two operands
+    (one buffer of codes, one of scales)."""
+    rows, f = dg_i8.rows, dg_i8.k
+    if (du_i8.rows, du_i8.k) != (rows, f) or f % 4 or dg_i8.chunks != 1:
+        raise DeviceError(f"glu_backward_i8: operands of {rows} x {f} and {du_i8.rows} x {du_i8.k}")
+    for buf, n, what in ((dy, rows * f, "dy"), (g, rows * f, "g"), (u, rows * f, "u"), (dg, rows * f, "dg")):
+        if nbytes(buf) < 4 * n:
+            raise DeviceError(f"glu_backward_i8: {what} has {nbytes(buf)} bytes, needs {4 * n}")
+    for buf, what in ((cg, "gate scales"), (cu, "up scales")):
+        if nbytes(buf) < 4 * f:
+            raise DeviceError(f"glu_backward_i8: {what} hold fewer than {f} values")
+    first, second = (dg_i8.codes, dg_i8.scales), (du_i8.codes, du_i8.scales)
+    views = [v for pair in (first, second) for v in pair]
+    if not all(isinstance(v, BufferView) for v in views) or any(
+        a.buffer is not b.buffer for a, b in zip(first, second, strict=True)
+    ):
+        raise DeviceError("glu_backward_i8: dg's and du's operands must share their buffers (i8_pair)")
+    codes = BufferView(first[0].buffer, first[0].offset, second[0].offset - first[0].offset + rows * f)
+    scales = BufferView(first[1].buffer, first[1].offset, second[1].offset - first[1].offset + 4 * rows)
+    q1, s1 = (second[0].offset - first[0].offset) // 4, (second[1].offset - first[1].offset) // 4
+    pipe = pipeline(dev, "glu_back_i8", act=act, tint=tint(dev), wg=row_workgroup(f))
+    dev.dispatch(pipe, [pack(rows, f, q1, s1), dy, g, u, dg, cg, cu, codes, scales], grid(rows, 1))
+
+
+def i8_pair(codes: Any, scales: Any, rows: int, k: int, align: int, name: str = "") -> tuple[Int8Matrix, Int8Matrix]:
+    """Two rows x k int8 operands in one buffer of codes and one of scales (glu_backward_i8's dg and du), the second
+    at the first offset past the first that a binding may start at (align: the device's offset alignment);
+    pair_bytes says how large the buffers must be."""
+    (q1, s1), (q_size, s_size) = _pair_offsets(rows, k, align), pair_bytes(rows, k, align)
+    if nbytes(codes) < q_size or nbytes(scales) < s_size:
+        raise DeviceError(f"i8_pair {name!r}: buffers of {nbytes(codes)} and {nbytes(scales)} bytes hold less than two")
+    return (
+        Int8Matrix(BufferView(codes, 0, rows * k), BufferView(scales, 0, 4 * rows), rows, k, k, f"{name} 0"),
+        Int8Matrix(BufferView(codes, q1, rows * k), BufferView(scales, s1, 4 * rows), rows, k, k, f"{name} 1"),
+    )
+
+
+def pair_bytes(rows: int, k: int, align: int) -> tuple[int, int]:
+    """(codes, scales) bytes of i8_pair's buffers for two rows x k operands."""
+    q1, s1 = _pair_offsets(rows, k, align)
+    return q1 + rows * k, s1 + 4 * rows
+
+
+def _pair_offsets(rows: int, k: int, align: int) -> tuple[int, int]:
+    return -(-rows * k // align) * align, -(-4 * rows // align) * align
 
 
 def weight_to_i8(
