@@ -526,6 +526,12 @@ _CHOICES = (
         "int8: both GEMM operands rotated in Walsh-Hadamard blocks along the inputs (off: plain per-row scales)",
     ),
     (
+        "--kd-one-pass",
+        ("on", "off"),
+        "on",
+        "the KD head's backward in one pass over the logits, the engine's default (off: two, computing them twice)",
+    ),
+    (
         "--int8-fused-codes",
         ("on", "off"),
         "on",
@@ -621,6 +627,9 @@ def main() -> None:
             quantize_i8.SHORT_ROW_WORKGROUP = args.int8_row_wg
         GPUModel.int8_rotation = args.int8_rotation == "on"
         GPUModel.fused_codes_i8 = args.int8_fused_codes == "on"
+        from gpu.ops import kd
+
+        kd.ONE_PASS = args.kd_one_pass == "on"
         GPUStudent.int8_input_grads = args.int8_input_grads != "f16"
         GPUStudent.transposed_input_grads = args.int8_input_grads == "transposed"
         if args.lora_path != "default":

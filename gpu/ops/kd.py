@@ -38,6 +38,8 @@ from gpu.registry import pipeline
 from gpu.weights import QuantTensor, check_lm_head, row_slice
 from model.kd import KINDS, LossConfig
 
+ONE_PASS = True  # the one-pass backward where it applies (module docstring; bench/train_step.py --kd-one-pass off)
+
 
 @dataclass(frozen=True)
 class KdScratch:
@@ -168,7 +170,7 @@ def kd_head_forward_backward(
         i8.quantize(dev, h)
 
     count_nonzero(dev, mask, sc.row_info, t, out_index=4 * t)
-    one_pass = backward and not accumulate_dh and quant and i8 is None and sc.rescale is not None
+    one_pass = ONE_PASS and backward and not accumulate_dh and quant and i8 is None and sc.rescale is not None
     one_pass = one_pass and (not ce or cfg.tau == 1.0) and (h16 is None or sc.dz16 is not None)
     half = one_pass and h16 is not None
     stats_pipe = pipeline(dev, "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else "kd_stats")
