@@ -258,11 +258,17 @@ class Device:
         adapter-properties-memory-heaps feature); None elsewhere (wgpu-native, a CPU adapter)."""
         if self.backend != "dawn" or self.is_cpu or "adapter-properties-memory-heaps" not in self.adapter.features:
             return None
-        from wgpudawn.backends.dawn import extras
+        if not hasattr(self, "_memory_bytes"):
+            from wgpudawn.backends.dawn import extras
 
-        heaps = extras.get_adapter_properties(self.adapter).get("memory_heaps", [])
-        sizes = [int(h["size"]) for h in heaps if "device-local" in h["properties"]]
-        return max(sizes) if sizes else None
+            try:
+                heaps = extras.get_adapter_properties(self.adapter).get("memory_heaps", [])
+            except (RuntimeError, ValueError, AttributeError) as exc:  # a driver that lists the feature and fails it
+                warnings.warn(f"GPU memory heaps not readable ({exc}): no memory-for-speed choice", stacklevel=2)
+                heaps = []
+            sizes = [int(h["size"]) for h in heaps if "device-local" in h["properties"]]
+            self._memory_bytes = max(sizes) if sizes else None
+        return self._memory_bytes
 
     # ---- description ----------------------------------------------------------------------------------
     def describe(self) -> dict[str, Any]:

@@ -48,6 +48,18 @@ def test_describe_and_max_limits(dev: Device) -> None:
     assert "shader-f16" in d["features"] or "shader-f16" not in dev.adapter.features
 
 
+@pytest.mark.tensorcore
+def test_dawn_reports_the_gpu_memory() -> None:
+    """Dawn reports the GPU's device-local heap (the memory-for-speed choices' budget): more than 8 GiB on the H200
+    and H100 this runs on, the same on a second call; describe() carries it."""
+    from tests.gpu_fixtures import tensor_core_device_or_skip
+
+    tc = tensor_core_device_or_skip()
+    memory = tc.memory_bytes()
+    assert memory is not None and memory > 8 << 30 and tc.memory_bytes() == memory
+    assert tc.describe()["memory_bytes"] == memory
+
+
 def test_cpu_adapter_warns(dev: Device) -> None:
     if not dev.is_cpu:
         pytest.skip("warning only applies to CPU adapters")
