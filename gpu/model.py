@@ -75,8 +75,8 @@ class ModelWeights:
     proj: dict[tuple[int, str], QuantTensor]
     nbytes: int = 0
     biases: dict[tuple[int, str], Any] = field(default_factory=dict)
-    # the projections' int8 codes decoded once and kept, by (layer, target, rotation block): gpu/teacher.py's
-    # resident codes, shared by every model over these weights
+    # the projections' int8 codes decoded once and kept, by (layer, target, rotation block): the resident codes of
+    # GPUModel.keep_codes, shared by every model over these weights
     codes_i8: dict[tuple[int, str, int], Int8Matrix] = field(default_factory=dict)
     # their rows' scales alone (f32 [rows] buffers), for the decodes one block at a time (GPUModel.keep_codes)
     scales_i8: dict[tuple[int, str, int], Any] = field(default_factory=dict)
