@@ -350,7 +350,7 @@ class GPUStudent(GPUModel):
         self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any, layer: int
     ) -> None:
         cfg, t = self.cfg, self.seq_len
-        if self.batched_attention:
+        if self.batched_attention:  # tensor cores: a recomputed block's (or the top one's) q, k, v are still packed
             self._attention_bwd(
                 self.dev,
                 dout,
@@ -366,6 +366,7 @@ class GPUStudent(GPUModel):
                 *self._heads(),
                 n_seqs=self.batch,
                 lse_stride=self.seq_lse,
+                packed=layer not in self._kept,
             )
             return
         # without direct views, q, k, v, out are already in their slots from the forward or recompute just run,

@@ -45,7 +45,13 @@ def _run(dev: Device, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarra
     attention_backward_tc(dev, dob, qb, kb, vb, out, lse, dq, dk, dv, t, hq, hkv, d)
     shapes = {"out": q.shape, "lse": (hq, t), "dq": q.shape, "dk": k.shape, "dv": v.shape}
     bufs = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    return {n: dev.read(bufs[n], np.float32, s) for n, s in shapes.items()}
+    got = {n: dev.read(bufs[n], np.float32, s) for n, s in shapes.items()}
+    # packed=True right after a forward over the same q, k, v (the student's recomputed blocks): bitwise the same
+    attention_forward_tc(dev, qb, kb, vb, out, lse, t, hq, hkv, d)
+    attention_backward_tc(dev, dob, qb, kb, vb, out, lse, dq, dk, dv, t, hq, hkv, d, packed=True)
+    for n in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(dev.read(bufs[n], np.float32, shapes[n]), got[n], err_msg=f"packed {n}")
+    return got
 
 
 def _expected(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray) -> dict[str, np.ndarray]:

@@ -172,16 +172,19 @@ def attention_backward_tc(
     delta: Any = None,
     n_seqs: int = 1,
     lse_stride: int | None = None,
+    packed: bool = False,
 ) -> None:
     """(dq, dk, dv) of attention_forward_tc given dout, the forward's out and lse, on tensor cores. Same
     arguments as attention_forward_tc plus gpu.ops.attention.attention_backward's (`delta` is accepted and
-    unused: the scratch holds it). The dO scale sigma is one for the whole batch."""
+    unused: the scratch holds it). The dO scale sigma is one for the whole batch. packed: the scratch's f16 q, k, v
+    are these q, k, v's already (the last attention_forward_tc of this shape was over them): not packed again."""
     t, hq, hkv, d, b = seq_len, n_heads, n_kv_heads, head_dim, n_seqs
     _check(dev, t, hq, hkv, d, b)
     tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "dq": dq, "dk": dk, "dv": dv}
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, **tensors)
     s = scratch_for(dev, t, hq, hkv, d, b)
-    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
+    if not packed:
+        _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
     dev.clear(s.stats, 0, 4)
     delta_pipe = pipeline(dev, "attention_tc_delta", head_dim=d)
     dev.dispatch(delta_pipe, [pack(t, hq, b), dout, out, s.stats], grid(b * t * hq, 64))
