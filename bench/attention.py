@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu.device import BufferView, Device  # noqa: E402
+from gpu.ops import attention_tc  # noqa: E402
 from gpu.ops.attention import attention_backward, attention_forward  # noqa: E402
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc  # noqa: E402
 from gpu.ops.matmul_tc import tensor_core_problem  # noqa: E402
@@ -199,6 +200,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.5, help="target length of one timing window")
     ap.add_argument("--no-f32", action="store_true", help="skip our f32 kernels")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument(
+        "--forward-subgroups",
+        default="4",
+        help="tensor cores: subgroups a workgroup of the forward, comma-separated (8: 128 query rows sharing each "
+        "staged key tile; head dim 128 only)",
+    )
     args = ap.parse_args()
     dev = Device()
     problem = tensor_core_problem(dev)
@@ -207,8 +214,10 @@ def main() -> None:
         shape = (args.batch, t, args.heads, args.kv_heads, args.head_dim)
         kinds = (["tc"] if problem is None else []) + ([] if args.no_f32 else ["f32"])
         for kind in kinds:
-            for res in ours(dev, kind, *shape, args.seconds):
-                print(json.dumps(res))
+            for sg in [int(x) for x in args.forward_subgroups.split(",")] if kind == "tc" else [0]:
+                attention_tc.FORWARD_SUBGROUPS = sg or attention_tc.FORWARD_SUBGROUPS
+                for res in ours(dev, kind, *shape, args.seconds):
+                    print(json.dumps(res | ({"forward_subgroups": sg} if sg else {})))
         if not args.no_torch:
             for res in torch_sdpa(*shape, args.seconds):
                 print(json.dumps(res))

@@ -591,6 +591,13 @@ def main() -> None:
         help="int8: invocations a row of the quantizer and Q4_K decode for rows of <= 4096 (default: the engine's)",
     )
     p.add_argument(
+        "--attention-forward-subgroups",
+        type=int,
+        choices=(4, 8),
+        default=4,
+        help="tensor cores, head dim 128: subgroups a workgroup of the attention forward (gpu/ops/attention_tc.py)",
+    )
+    p.add_argument(
         "--kept-blocks",
         default="0",
         help="ours: blocks whose intermediates the forward keeps for the backward instead of recomputing them (a "
@@ -627,6 +634,9 @@ def main() -> None:
             quantize_i8.SHORT_ROW_WORKGROUP = args.int8_row_wg
         GPUModel.int8_rotation = args.int8_rotation == "on"
         GPUModel.fused_codes_i8 = args.int8_fused_codes == "on"
+        from gpu.ops import attention_tc
+
+        attention_tc.FORWARD_SUBGROUPS = args.attention_forward_subgroups
         from gpu.ops import kd
 
         kd.ONE_PASS = args.kd_one_pass == "on"

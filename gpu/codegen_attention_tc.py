@@ -15,6 +15,7 @@ RIGHT = "subgroup_matrix_right<f16, 16, 16>"
 RESULT = "subgroup_matrix_result<f32, 16, 16>"
 ATTENTION_TC_HEAD_DIMS = (64, 128)
 SUBGROUPS = 4  # subgroups per workgroup: 64 rows (queries, or keys in the dK/dV pass)
+WIDE_FORWARD_SUBGROUPS = 8  # attention_tc_forward8: 128 query rows a workgroup share each staged key tile (D 128)
 THREADS = SUBGROUPS * 32
 
 
@@ -24,8 +25,8 @@ def tile_columns(kernel: str, head_dim: int) -> int:
     return 64 if kernel != "dkv" and head_dim <= 64 else 32
 
 
-def workgroup_rows() -> int:
-    return SUBGROUPS * MATRIX
+def workgroup_rows(subgroups: int = SUBGROUPS) -> int:
+    return subgroups * MATRIX
 
 
 def _ind(lines: list[str], n: int) -> str:
@@ -41,25 +42,54 @@ def _mma(a: str, b: str, acc: str) -> str:
 
 
 def _left_staged(
-    name: str, src: str, blocks: tuple[str, str], row0: str, head: str, heads: str, nd: int, nb: int
+    name: str,
+    src: str,
+    blocks: tuple[str, str],
+    row0: str,
+    head: str,
+    heads: str,
+    nd: int,
+    nb: int,
+    subgroups: int = SUBGROUPS,
 ) -> str:
     """This subgroup's D/16 left matrices of rows row0 + 16 sg .. of the packed operand `src`, staged through the
     tile arrays `blocks` (the first holds BC rows; the second the next BC when BR > BC), so that every matrix
-    load has a literal offset. Ends with a barrier: the tile arrays are free again."""
+    load has a literal offset; with more subgroups than the two arrays hold blocks, in rounds of 2 NB subgroups.
+    Ends with a barrier: the tile arrays are free again."""
     a, b = blocks
-    lines = [f"stage_{a}_{src}({row0}, {head}, {heads}, lid);"]
-    if nb < SUBGROUPS:
-        lines.append(f"stage_{b}_{src}({row0} + BC, {head}, {heads}, lid);")
-    lines += ["workgroupBarrier();"] + [f"var {name}{kk}: {LEFT};" for kk in range(nd)]
 
     def loads(arr: str, ind: str) -> list[str]:
         return [f"{ind}{name}{kk} = {_load(LEFT, arr, f'{kk * MATRIX}u', False, 'LDH')};" for kk in range(nd)]
 
-    if nb < SUBGROUPS:
-        lines += ["if (sg < NB) {", *loads(f"{a}[sg]", "    "), "} else {", *loads(f"{b}[sg - NB]", "    "), "}"]
-    else:
-        lines += loads(f"{a}[sg]", "")
-    return _ind(lines + ["workgroupBarrier();"], 4)
+    if nb >= subgroups:
+        lines = [f"stage_{a}_{src}({row0}, {head}, {heads}, lid);", "workgroupBarrier();"]
+        lines += [f"var {name}{kk}: {LEFT};" for kk in range(nd)] + loads(f"{a}[sg]", "")
+        return _ind(lines + ["workgroupBarrier();"], 4)
+    rounds = -(-subgroups // (2 * nb))
+    lines = [f"var {name}{kk}: {LEFT};" for kk in range(nd)] if rounds > 1 else []
+    for rnd in range(rounds):
+        base = f"{row0} + {2 * rnd}u * BC" if rnd else row0
+        lines += [
+            f"stage_{a}_{src}({base}, {head}, {heads}, lid);",
+            f"stage_{b}_{src}({base} + BC, {head}, {heads}, lid);",
+            "workgroupBarrier();",
+        ]
+        if rounds == 1:
+            lines += [f"var {name}{kk}: {LEFT};" for kk in range(nd)]
+            lines += ["if (sg < NB) {", *loads(f"{a}[sg]", "    "), "} else {", *loads(f"{b}[sg - NB]", "    "), "}"]
+        else:
+            s0 = 2 * nb * rnd
+            lines += [
+                f"if (sg >= {s0}u && sg < {s0 + 2 * nb}u) {{",
+                f"    if (sg - {s0}u < NB) {{",
+                *loads(f"{a}[sg - {s0}u]", "        "),
+                "    } else {",
+                *loads(f"{b}[sg - {s0}u - NB]", "        "),
+                "    }",
+                "}",
+                "workgroupBarrier();",
+            ]
+    return _ind(lines if rounds > 1 else lines + ["workgroupBarrier();"], 4)
 
 
 def _decl(names: list[str]) -> str:
@@ -153,10 +183,10 @@ fn stage_{dst}_{src}(row0: u32, head: u32, heads: u32, lid: u32) {{
     return "".join(fns)
 
 
-def _units(rows: int, head_dim: int) -> int:
+def _units(rows: int, head_dim: int, threads: int = THREADS) -> int:
     """Staging units (8 halves) per thread of a rows x head_dim tile."""
-    units, rest = divmod(rows * head_dim // 8, THREADS)
-    assert not rest, (rows, head_dim)
+    units, rest = divmod(rows * head_dim // 8, threads)
+    assert not rest, (rows, head_dim, threads)
     return units
 
 
@@ -183,8 +213,9 @@ def _prefetch(
     }
 
 
-def _common(kernel: str, head_dim: int) -> str:
-    common = fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=tile_columns(kernel, head_dim), NSG=SUBGROUPS)
+def _common(kernel: str, head_dim: int, subgroups: int = SUBGROUPS) -> str:
+    bc = tile_columns(kernel, head_dim)
+    common = fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=bc, NSG=subgroups)
     return common + "\n" + kernel_text("grad_scale.wgsl")
 
 
@@ -203,9 +234,9 @@ def _blocks(kernel: str, head_dim: int) -> tuple[int, int]:
     return head_dim // MATRIX, tile_columns(kernel, head_dim) // MATRIX
 
 
-def _source(kernel: str, head_dim: int, **values: str) -> str:
+def _source(kernel: str, head_dim: int, subgroups: int = SUBGROUPS, **values: str) -> str:
     """`kernel`'s WGSL: the common part (attention_tc_common.wgsl, grad_scale.wgsl), then its body file filled."""
-    return _common(kernel, head_dim) + "\n" + fill(kernel_text(_FILES[kernel]), **values)
+    return _common(kernel, head_dim, subgroups) + "\n" + fill(kernel_text(_FILES[kernel]), **values)
 
 
 def _pv_accumulate(nc: int, nd: int) -> list[str]:
@@ -292,24 +323,29 @@ def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
     return {"P_ROWS": _ind(p_rows, 8), "DS_ROWS": _ind(ds_rows, 8)}
 
 
-def forward_source(head_dim: int) -> str:
-    """attention_tc_forward for one head dim."""
+def forward_source(head_dim: int, subgroups: int = SUBGROUPS) -> str:
+    """attention_tc_forward for one head dim, with `subgroups` of 16 query rows a workgroup (4; or
+    WIDE_FORWARD_SUBGROUPS at head dim 128, whose staged tiles and per-subgroup blocks still fit 48 KiB)."""
     nd, nc = _blocks("forward", head_dim)
+    if subgroups != SUBGROUPS and (subgroups, head_dim) != (WIDE_FORWARD_SUBGROUPS, 128):
+        raise ValueError(f"tensor-core attention forward: {subgroups} subgroups at head_dim={head_dim}")
     soft_max, soft_p = _softmax_rows(nc * MATRIX)
+    threads = subgroups * 32
     return _source(
         "forward",
         head_dim,
+        subgroups,
         STAGE_FNS=_staging_fns([("Ks", "Q16"), ("Vs", "Q16")], [("Ks", "K16"), ("Vs", "V16")]),
-        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
+        Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc, subgroups),
         O_DECL=_decl([f"o{n}" for n in range(nd)]),
         S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
         SOFTMAX_MAX=_ind(soft_max, 8),
-        ANY_GROW="(" + " | ".join(f"grow[{k}]" for k in range(SUBGROUPS)) + ") != 0u",
+        ANY_GROW="(" + " | ".join(f"grow[{k}]" for k in range(subgroups)) + ") != 0u",
         SOFTMAX_P=_ind(soft_p, 8),
         O_RESCALE=_ind(_o_rescaled(nc, nd), 12),
         PV_MMA=_ind(_pv_accumulate(nc, nd), 8),
         O_STORE=_store_rows([("o", "O")], nd, "i < prm.T"),
-        **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
+        **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim, threads)),
     )
 
 

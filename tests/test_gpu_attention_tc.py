@@ -105,6 +105,21 @@ def test_attention_tc_matches_reference(
 
 
 @pytest.mark.tensorcore
+@pytest.mark.parametrize("t,hq,hkv,d,spread,gscale,ramp", [c for c in CASES if c[3] == 128])
+def test_attention_tc_wide_forward_matches_reference(
+    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int, spread: float,
+    gscale: float, ramp: float,
+) -> None:  # fmt: skip
+    """The forward on 8 subgroups a workgroup (128 query rows sharing each staged key tile: FORWARD_SUBGROUPS = 8,
+    attention_tc_forward8) holds the same tolerance on the head-dim-128 cases, the ramps' lazy rescaling too."""
+    from gpu.ops import attention_tc
+
+    monkeypatch.setattr(attention_tc, "FORWARD_SUBGROUPS", 8)
+    test_attention_tc_matches_reference(tc_dev, t, hq, hkv, d, spread, gscale, ramp)
+    assert any(key[0] == "attention_tc_forward8" for key in tc_dev._pipelines)
+
+
+@pytest.mark.tensorcore
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_tc_batch_matches_reference(tc_dev: Device, d: int) -> None:
     """Three sequences in one call (grid z), lse at a padded per-sequence stride: each sequence matches its own

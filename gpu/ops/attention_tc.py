@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS, MATRIX, workgroup_rows
+from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS, MATRIX, WIDE_FORWARD_SUBGROUPS, workgroup_rows
 from gpu.device import Device, DeviceError
 from gpu.ops.attention import check_tensors
 from gpu.ops.common import grid, need, pack
@@ -33,6 +33,9 @@ from gpu.ops.matmul_tc import tensor_core_problem
 from gpu.registry import pipeline
 
 PAD_ROWS = 64  # packed operands carry this many zero rows past T rounded up to 16 (the widest tile)
+# the forward's subgroups a workgroup at head dim 128: 4 (64 query rows), or WIDE_FORWARD_SUBGROUPS (128 rows sharing
+# each staged key tile: attention_tc_forward8; bench/attention.py --forward-subgroups measures both)
+FORWARD_SUBGROUPS = 4
 
 
 def padded_rows(seq_len: int) -> int:
@@ -149,8 +152,9 @@ def attention_forward_tc(
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, q=q, k=k, v=v, out=out)
     s = scratch_for(dev, t, hq, hkv, d, b)
     _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
-    pipe = pipeline(dev, "attention_tc_forward", head_dim=d)
-    grid_rows = (math.ceil(t / workgroup_rows()), hq, b)
+    wide = FORWARD_SUBGROUPS == WIDE_FORWARD_SUBGROUPS and d == 128
+    pipe = pipeline(dev, "attention_tc_forward8" if wide else "attention_tc_forward", head_dim=d)
+    grid_rows = (math.ceil(t / workgroup_rows(FORWARD_SUBGROUPS if wide else 4)), hq, b)
     dev.dispatch(pipe, [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, out, lse], grid_rows)
 
 
