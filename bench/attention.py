@@ -206,6 +206,11 @@ def main() -> None:
         help="tensor cores: subgroups a workgroup of the forward, comma-separated (8: 128 query rows sharing each "
         "staged key tile; head dim 128 only)",
     )
+    ap.add_argument(
+        "--paired-backward",
+        default="off",
+        help="tensor cores: the backward with S and dP side by side: off, on, or off,on for both",
+    )
     args = ap.parse_args()
     dev = Device()
     problem = tensor_core_problem(dev)
@@ -214,10 +219,14 @@ def main() -> None:
         shape = (args.batch, t, args.heads, args.kv_heads, args.head_dim)
         kinds = (["tc"] if problem is None else []) + ([] if args.no_f32 else ["f32"])
         for kind in kinds:
-            for sg in [int(x) for x in args.forward_subgroups.split(",")] if kind == "tc" else [0]:
-                attention_tc.FORWARD_SUBGROUPS = sg or attention_tc.FORWARD_SUBGROUPS
-                for res in ours(dev, kind, *shape, args.seconds):
-                    print(json.dumps(res | ({"forward_subgroups": sg} if sg else {})))
+            tc = kind == "tc"
+            for sg in [int(x) for x in args.forward_subgroups.split(",")] if tc else [0]:
+                for paired in args.paired_backward.split(",") if tc else ["off"]:
+                    attention_tc.FORWARD_SUBGROUPS = sg or attention_tc.FORWARD_SUBGROUPS
+                    attention_tc.PAIRED_BACKWARD = paired == "on"
+                    tag = {"forward_subgroups": sg, "paired_backward": paired} if tc else {}
+                    for res in ours(dev, kind, *shape, args.seconds):
+                        print(json.dumps(res | tag))
         if not args.no_torch:
             for res in torch_sdpa(*shape, args.seconds):
                 print(json.dumps(res))

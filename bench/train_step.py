@@ -598,6 +598,12 @@ def main() -> None:
         help="tensor cores, head dim 128: subgroups a workgroup of the attention forward (gpu/ops/attention_tc.py)",
     )
     p.add_argument(
+        "--attention-paired-backward",
+        choices=("on", "off"),
+        default="off",
+        help="tensor cores: the attention backward with S and dP side by side (gpu/ops/attention_tc.py)",
+    )
+    p.add_argument(
         "--kept-blocks",
         default="0",
         help="ours: blocks whose intermediates the forward keeps for the backward instead of recomputing them (a "
@@ -637,6 +643,7 @@ def main() -> None:
         from gpu.ops import attention_tc
 
         attention_tc.FORWARD_SUBGROUPS = args.attention_forward_subgroups
+        attention_tc.PAIRED_BACKWARD = args.attention_paired_backward == "on"
         from gpu.ops import kd
 
         kd.ONE_PASS = args.kd_one_pass == "on"

@@ -96,9 +96,9 @@ def _decl(names: list[str]) -> str:
     return _ind([f"var {n} = {RESULT}();" for n in names], 4)
 
 
-def _scores(left: str, tile: str, nc: int, nd: int) -> list[str]:
+def _scores(left: str, tile: str, nc: int, nd: int, out: str = "Ss") -> list[str]:
     """X_c = sum_kk left_kk . tile_c^T for each 16-row block c of a staged tile (read col-major), stored to
-    this subgroup's Ss at column 16 c."""
+    this subgroup's `out` (Ss, or Ds: the paired backward's dP) at column 16 c."""
     lines = ["{"]
     for c in range(nc):
         lines.append(f"    var x{c} = {RESULT}();")
@@ -106,7 +106,7 @@ def _scores(left: str, tile: str, nc: int, nd: int) -> list[str]:
             lines.append(
                 f"    {_mma(f'{left}{kk}', _load(RIGHT, f'{tile}[{c}]', f'{kk * MATRIX}u', True, 'LDH'), f'x{c}')}"
             )
-        lines.append(f"    subgroupMatrixStore(&Ss[sg], {c * MATRIX}u, x{c}, false, LDS);")
+        lines.append(f"    subgroupMatrixStore(&{out}[sg], {c * MATRIX}u, x{c}, false, LDS);")
     return lines + ["}"]
 
 
@@ -304,10 +304,11 @@ def _lane_columns(bc: int) -> list[int]:
     return [4 * (k >> 1) + (k & 1) for k in range(bc // 2)]
 
 
-def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
-    """P_ROWS / DS_ROWS of the dQ (kernel "dq") or dK/dV ("dkv") pass, unrolled over this lane's BC / 2 columns
+def _backward_rows(kernel: str, bc: int, dp: str = "Ss") -> tuple[list[str], list[str]]:
+    """The P and dS rows of the dQ (kernel "dq") or dK/dV ("dkv") pass, unrolled over this lane's BC / 2 columns
     of its row: P = exp(S * scale - L) (masked, rounded to f16) to Ps and kept in registers, then dS = P (dP -
-    delta) * scale from them and dP in Ss (the same values as re-reading P from Ps)."""
+    delta) * scale from them and dP in `dp` (Ss after S, or Ds beside it: the paired tile body) (the same values
+    as re-reading P from Ps). The dQ pass writes dS over P, so with dP beside S it does not store P at all."""
     p_rows, ds_rows = [], []
     for k, c in enumerate(_lane_columns(bc)):
         col = f"2u * half + {c}u"
@@ -315,12 +316,27 @@ def _backward_rows(kernel: str, bc: int) -> dict[str, str]:
             lse, live, delta, ds_out = "lse", f"j0 + {col} <= i", "delta", "Ps"
         else:
             lse, live, delta, ds_out = f"Lc[{col}]", f"i0 + {col} >= j && i0 + {col} < prm.T", f"Dc[{col}]", "dSs"
-        p_rows += [
-            f"let p{k} = f16(select(0.0, exp(Ss[sg][xb + {c}u] * prm.scale - {lse}), {live}));",
-            f"Ps[sg][r * LDP + {col}] = p{k};",
-        ]
-        ds_rows.append(f"{ds_out}[sg][r * LDP + {col}] = f16(f32(p{k}) * (Ss[sg][xb + {c}u] - {delta}) * prm.scale);")
-    return {"P_ROWS": _ind(p_rows, 8), "DS_ROWS": _ind(ds_rows, 8)}
+        p_rows.append(f"let p{k} = f16(select(0.0, exp(Ss[sg][xb + {c}u] * prm.scale - {lse}), {live}));")
+        if kernel != "dq" or dp == "Ss":
+            p_rows.append(f"Ps[sg][r * LDP + {col}] = p{k};")
+        ds_rows.append(f"{ds_out}[sg][r * LDP + {col}] = f16(f32(p{k}) * ({dp}[sg][xb + {c}u] - {delta}) * prm.scale);")
+    return p_rows, ds_rows
+
+
+def _tile_body(kernel: str, bc: int, s_mma: list[str], dp_mma: list[str], grad_mma: list[str], paired: bool) -> str:
+    """A backward pass's work on one streamed tile: S, P, dP, dS and the gradient products, with a barrier between
+    each step (dP over S in Ss); paired: S and dP side by side (Ss, Ds) before one barrier, then P and dS in one
+    pass over the lanes, then the products: 4 barriers a tile instead of 6, for DP_ARRAY's f32 blocks."""
+    barrier = "        workgroupBarrier();"
+    if not paired:
+        p_rows, ds_rows = _backward_rows(kernel, bc)
+        steps = [_ind(s_mma, 8), _ind(p_rows, 8), _ind(dp_mma, 8), _ind(ds_rows, 8), _ind(grad_mma, 8)]
+        return f"\n{barrier}\n".join(steps)
+    p_rows, ds_rows = _backward_rows(kernel, bc, "Ds")
+    return "\n".join([_ind(s_mma + dp_mma, 8), barrier, _ind(p_rows + ds_rows, 8), barrier, _ind(grad_mma, 8)])
+
+
+_DP_ARRAY = "var<workgroup> Ds: array<array<f32, 16 * LDS>, NSG>;   // dP beside S (the paired tile body)\n"
 
 
 def forward_source(head_dim: int, subgroups: int = SUBGROUPS) -> str:
@@ -349,9 +365,12 @@ def forward_source(head_dim: int, subgroups: int = SUBGROUPS) -> str:
     )
 
 
-def backward_dq_source(head_dim: int) -> str:
-    """attention_tc_backward_dq for one head dim."""
+def backward_dq_source(head_dim: int, paired: bool = False) -> str:
+    """attention_tc_backward_dq for one head dim; paired: S and dP side by side (_tile_body; head dim 128 only,
+    where Ds fits 48 KiB of workgroup memory beside the key tiles)."""
     nd, nc = _blocks("dq", head_dim)
+    if paired and head_dim != 128:
+        raise ValueError(f"the paired dQ pass is generated for head_dim 128, not {head_dim}")
     return _source(
         "dq",
         head_dim,
@@ -359,17 +378,22 @@ def backward_dq_source(head_dim: int) -> str:
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DO_LOAD=_left_staged("go", "dO16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc),
         DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
-        S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
-        DP_MMA=_ind(_scores("go", "Vs", nc, nd), 8),
-        DQ_MMA=_ind(_accumulate([("Ps", "Ks", "dq")], nc, nd), 8),
+        TILE_BODY=_tile_body(
+            "dq",
+            nc * MATRIX,
+            _scores("q", "Ks", nc, nd),
+            _scores("go", "Vs", nc, nd, "Ds" if paired else "Ss"),
+            _accumulate([("Ps", "Ks", "dq")], nc, nd),
+            paired,
+        ),
+        DP_ARRAY=_DP_ARRAY if paired else "",
         DQ_STORE=_store_rows([("dq", "dQ")], nd, "i < prm.T"),
-        **_backward_rows("dq", nc * MATRIX),
         **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim)),
     )
 
 
-def backward_dkv_source(head_dim: int) -> str:
-    """attention_tc_backward_dkv for one head dim."""
+def backward_dkv_source(head_dim: int, paired: bool = False) -> str:
+    """attention_tc_backward_dkv for one head dim; paired: S^T and dP^T side by side (_tile_body)."""
     nd, nc = _blocks("dkv", head_dim)
     return _source(
         "dkv",
@@ -380,11 +404,16 @@ def backward_dkv_source(head_dim: int) -> str:
         K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         DKV_DECL=_decl([f"dk{n}" for n in range(nd)] + [f"dv{n}" for n in range(nd)]),
-        ST_MMA=_ind(_scores("kl", "Qs", nc, nd), 8),
-        DPT_MMA=_ind(_scores("vl", "dOs", nc, nd), 8),
-        DKV_MMA=_ind(_accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd), 8),
+        TILE_BODY=_tile_body(
+            "dkv",
+            nc * MATRIX,
+            _scores("kl", "Qs", nc, nd),
+            _scores("vl", "dOs", nc, nd, "Ds" if paired else "Ss"),
+            _accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd),
+            paired,
+        ),
+        DP_ARRAY=_DP_ARRAY if paired else "",
         DKV_STORE=_store_rows([("dk", "dK"), ("dv", "dV")], nd, "j < prm.T"),
-        **_backward_rows("dkv", nc * MATRIX),
         **_prefetch(
             [("Qs", "Q16", "qr"), ("dOs", "dO16", "dor")],
             "h",

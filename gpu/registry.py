@@ -323,6 +323,13 @@ TC_KERNELS: dict[str, GeneratedKernel] = {
     ),
     "attention_tc_backward_dq": GeneratedKernel(attention_tc.backward_dq_source, _TC_HEAD_DIM),
     "attention_tc_backward_dkv": GeneratedKernel(attention_tc.backward_dkv_source, _TC_HEAD_DIM),
+    # S and dP side by side, 4 barriers a tile instead of 6 (gpu/ops/attention_tc.py PAIRED_BACKWARD)
+    "attention_tc_backward_dq_paired": GeneratedKernel(
+        partial(attention_tc.backward_dq_source, paired=True), {"head_dim": (128,)}
+    ),
+    "attention_tc_backward_dkv_paired": GeneratedKernel(
+        partial(attention_tc.backward_dkv_source, paired=True), _TC_HEAD_DIM
+    ),
     "attention_tc_reduce": GeneratedKernel(attention_tc.reduce_source),
 }
 

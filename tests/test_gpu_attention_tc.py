@@ -120,6 +120,27 @@ def test_attention_tc_wide_forward_matches_reference(
 
 
 @pytest.mark.tensorcore
+@pytest.mark.parametrize("t,hq,hkv,d,spread,gscale,ramp", [c for c in CASES if not c[6]])
+def test_attention_tc_paired_backward_is_the_sequential_one(
+    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int, spread: float,
+    gscale: float, ramp: float,
+) -> None:  # fmt: skip
+    """The backward with S and dP side by side (PAIRED_BACKWARD: the dK/dV pass at both head dims, the dQ pass at
+    128): the same products of the same values in fewer barriers, so bitwise the sequential kernels' gradients."""
+    from gpu.ops import attention_tc
+
+    rng = np.random.default_rng(t + hq + d)
+    q, do = (rng.standard_normal((t, hq, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((t, hkv, d)).astype(np.float32) for _ in range(2))
+    plain = _run(tc_dev, q, k, v, do)
+    monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", True)
+    paired = _run(tc_dev, q, k, v, do)
+    assert any(key[0] == "attention_tc_backward_dkv_paired" for key in tc_dev._pipelines)
+    for name in ("dq", "dk", "dv"):
+        np.testing.assert_array_equal(paired[name], plain[name], err_msg=name)
+
+
+@pytest.mark.tensorcore
 @pytest.mark.parametrize("d", [64, 128])
 def test_attention_tc_batch_matches_reference(tc_dev: Device, d: int) -> None:
     """Three sequences in one call (grid z), lse at a padded per-sequence stride: each sequence matches its own

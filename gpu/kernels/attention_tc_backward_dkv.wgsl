@@ -27,7 +27,7 @@ var<workgroup> dOs: array<array<f16, 16 * LDH>, NB>;
 var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // S^T, then dP^T, then dK / dV blocks on their way out
 var<workgroup> Ps: array<array<f16, 16 * LDP>, NSG>;   // P^T
 var<workgroup> dSs: array<array<f16, 16 * LDP>, NSG>;  // dS^T * scale
-var<workgroup> Lc: array<f32, BC>;                     // L of this tile's queries
+${DP_ARRAY}var<workgroup> Lc: array<f32, BC>;                     // L of this tile's queries
 var<workgroup> Dc: array<f32, BC>;                     // delta * sigma of this tile's queries
 ${STAGE_FNS}
 
@@ -68,15 +68,7 @@ ${PREFETCH_STORE}
         if (t + 1u < n_tiles) {
 ${PREFETCH_NEXT}
         }
-${ST_MMA}
-        workgroupBarrier();
-${P_ROWS}
-        workgroupBarrier();
-${DPT_MMA}
-        workgroupBarrier();
-${DS_ROWS}
-        workgroupBarrier();
-${DKV_MMA}
+${TILE_BODY}
     }
     let inv = 1.0 / sigma;
     let ob = (((z * prm.T + j) * prm.HQ + h) * D + half * 8u) / 4u;

@@ -23,7 +23,7 @@ var<workgroup> Ks: array<array<f16, 16 * LDH>, NB>;
 var<workgroup> Vs: array<array<f16, 16 * LDH>, NB>;
 var<workgroup> Ss: array<array<f32, 16 * LDS>, NSG>;   // S, then dP, then dQ blocks on their way out
 var<workgroup> Ps: array<array<f16, 16 * LDP>, NSG>;   // P, then dS * scale
-${STAGE_FNS}
+${DP_ARRAY}${STAGE_FNS}
 
 @compute @workgroup_size(THREADS)
 fn main(
@@ -62,15 +62,7 @@ ${PREFETCH_STORE}
         if (t + 1u < n_tiles) {
 ${PREFETCH_NEXT}
         }
-${S_MMA}
-        workgroupBarrier();
-${P_ROWS}
-        workgroupBarrier();
-${DP_MMA}
-        workgroupBarrier();
-${DS_ROWS}
-        workgroupBarrier();
-${DQ_MMA}
+${TILE_BODY}
     }
     let inv = 1.0 / sigma;
     let ob = (((z * prm.T + i) * prm.HQ + h) * D + half * 8u) / 4u;

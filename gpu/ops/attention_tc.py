@@ -36,6 +36,9 @@ PAD_ROWS = 64  # packed operands carry this many zero rows past T rounded up to 
 # the forward's subgroups a workgroup at head dim 128: 4 (64 query rows), or WIDE_FORWARD_SUBGROUPS (128 rows sharing
 # each staged key tile: attention_tc_forward8; bench/attention.py --forward-subgroups measures both)
 FORWARD_SUBGROUPS = 4
+# the backward's passes with S and dP side by side in workgroup memory (4 barriers a key or query tile instead of 6;
+# the dQ pass at head dim 128 only): opt-in until measured (bench/attention.py --paired-backward)
+PAIRED_BACKWARD = False
 
 
 def padded_rows(seq_len: int) -> int:
@@ -195,8 +198,9 @@ def attention_backward_tc(
     _pack(dev, dout, s.do16, t, hq, d, b, stats=s.stats)
     operands = [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, s.do16, lse, s.stats]
     rows = (math.ceil(t / workgroup_rows()), hq, b)
-    dev.dispatch(pipeline(dev, "attention_tc_backward_dq", head_dim=d), [*operands, dq], rows)
-    dkv = pipeline(dev, "attention_tc_backward_dkv", head_dim=d)
+    paired_dq = "_paired" if PAIRED_BACKWARD and d == 128 else ""
+    dev.dispatch(pipeline(dev, f"attention_tc_backward_dq{paired_dq}", head_dim=d), [*operands, dq], rows)
+    dkv = pipeline(dev, "attention_tc_backward_dkv" + ("_paired" if PAIRED_BACKWARD else ""), head_dim=d)
     if hq == hkv:
         dev.dispatch(dkv, [*operands, dk, dv], rows)
         return
