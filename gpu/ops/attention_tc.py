@@ -32,7 +32,7 @@ from gpu.ops.common import grid, need, pack
 from gpu.ops.matmul_tc import tensor_core_problem
 from gpu.registry import pipeline
 
-PAD_ROWS = 64  # packed operands carry this many zero rows past T rounded up to 16 (the widest tile)
+PAD_ROWS = 128  # packed operands carry this many zero rows past T rounded up to 16 (a workgroup's rows at most)
 # the forward's subgroups a workgroup at head dim 128: 4 (64 query rows), or WIDE_FORWARD_SUBGROUPS (128 rows sharing
 # each staged key tile: attention_tc_forward8; bench/attention.py --forward-subgroups measures both)
 FORWARD_SUBGROUPS = 4
