@@ -60,6 +60,26 @@ def _student(
     return cls(dev, weights, spec, GpuKd(LOSS, K), kept_blocks=kept, **kw)
 
 
+def _errors(w: dict, adapter: dict, batch: KdBatch, loss: float, grads: dict) -> tuple[float, float]:
+    """(loss, worst LoRA gradient) relative errors of a LLAMA step against the float64 reference (the batch's
+    loss the masked mean over its sequences)."""
+    w64 = {n: a.astype(np.float64) for n, a in w.items()}
+    a64 = {k: ref.LoraPair(p.A.astype(np.float64), p.B.astype(np.float64)) for k, p in adapter.items()}
+    n_total, want_loss, want = batch.mask.sum(), 0.0, {}
+    for s in range(B):
+        ls, gs = ref.loss_and_grads(
+            w64, LLAMA, batch.ids[s], a64, 2.0, batch.teacher_ids[s], batch.teacher_logprobs[s].astype(np.float64),
+            batch.teacher_tail[s].astype(np.float64), batch.targets[s], batch.mask[s], LOSS,
+        )  # fmt: skip
+        c = batch.mask[s].sum() / n_total
+        want_loss += c * ls
+        for key, (da, db) in gs.items():
+            prev = want.get(key, (0.0, 0.0))
+            want[key] = (prev[0] + c * da, prev[1] + c * db)
+    worst = max(max(rel_err(grads[k].A, da), rel_err(grads[k].B, db)) for k, (da, db) in want.items())
+    return abs(loss - want_loss) / abs(want_loss), worst
+
+
 def _steps(st: GPUStudent, adapter: dict, batch: KdBatch, n: int = 2) -> list[tuple[float, np.ndarray]]:
     """n loss_and_grads of one batch (the first recorded, the rest replayed): (loss, packed gradients) each."""
     st.set_adapter(adapter)
@@ -145,25 +165,11 @@ def test_kept_blocks_with_bf16_checkpoints_hold_the_tolerance(dev: Device) -> No
     w, adapter, batch = _kd_problem(LLAMA, 3, Q.F32)
     weights = ModelWeights.from_arrays(dev, LLAMA, w)
     spec = EngineSpec(LLAMA, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T)
-    w64 = {n: a.astype(np.float64) for n, a in w.items()}
-    a64 = {k: ref.LoraPair(p.A.astype(np.float64), p.B.astype(np.float64)) for k, p in adapter.items()}
     f32_loss = _steps(_student(dev, weights, spec, 0), adapter, batch, 1)[0][0]
     st = _student(dev, weights, spec, 1, checkpoints="bf16")
     (loss, _), *_ = _steps(st, adapter, batch, 1)
     assert st.bf16_checkpoints and st.kept_blocks == 1 and loss == f32_loss
-    got = st.get_grads()
-    n_total = batch.mask.sum()
-    want: dict = {}
-    for s in range(B):
-        _, gs = ref.loss_and_grads(
-            w64, LLAMA, batch.ids[s], a64, 2.0, batch.teacher_ids[s], batch.teacher_logprobs[s].astype(np.float64),
-            batch.teacher_tail[s].astype(np.float64), batch.targets[s], batch.mask[s], LOSS,
-        )  # fmt: skip
-        c = batch.mask[s].sum() / n_total
-        for key, (da, db) in gs.items():
-            prev = want.get(key, (0.0, 0.0))
-            want[key] = (prev[0] + c * da, prev[1] + c * db)
-    worst = max(max(rel_err(got[k].A, da), rel_err(got[k].B, db)) for k, (da, db) in want.items())
+    _, worst = _errors(w, adapter, batch, loss, st.get_grads())
     print(f"bf16 checkpoints with a kept block: worst grad rel err {worst:.2e}")
     assert worst < BF16_CKPT_REL
 
@@ -224,6 +230,27 @@ def test_auto_keeps_what_the_reported_memory_holds(dev: Device, monkeypatch: pyt
     for room, kept in ((2.5, 2), (0.9, 0), (-5.0, 0), (1000.0, 3)):
         reports(room)
         assert _student(dev, weights, spec, "auto").kept_blocks == kept, room
+
+
+@pytest.mark.tensorcore
+@pytest.mark.parametrize(("precision", "tol"), [("tensorcore", 2e-2), ("int8", 1e-1)])
+def test_kept_blocks_on_tensor_cores(precision: str, tol: float) -> None:
+    """On the tensor cores (bf16 checkpoints, f16 operands; int8 on the integer GEMMs too): every recomputed block
+    kept, or none, each step within the precision's tolerance of the float64 reference (tests/test_gpu_student.py's
+    TC_REL and INT8_REL), the kept buffers allocated."""
+    from tests.gpu_fixtures import tensor_core_device_or_skip
+
+    tc = tensor_core_device_or_skip()
+    w, lora, batch = _kd_problem(LLAMA, 3, Q.Q4_0)
+    weights = ModelWeights.from_arrays(tc, LLAMA, w, Q.Q4_0)
+    spec = EngineSpec(LLAMA, targets=LORA_TARGETS, r=R, alpha=2 * R, batch=B, seq_len=T, precision=precision)
+    for kept in (0, 99):
+        st = _student(tc, weights, spec, kept)
+        [(loss, _)] = _steps(st, lora, batch, 1)
+        assert len(st._kept) == st.kept_blocks == (3 if kept else 0)
+        loss_err, worst = _errors(w, lora, batch, loss, st.get_grads())
+        print(f"{precision} kept {st.kept_blocks}: loss rel err {loss_err:.1e}, worst grad {worst:.1e}")
+        assert loss_err < tol and worst < tol
 
 
 def test_kept_count_rule() -> None:
