@@ -559,6 +559,12 @@ _CHOICES = (
     ),
     ("--teacher-codes", INT8_CODES, "auto", "ours, int8: --int8-codes for the teacher (auto: as a run)"),
     (
+        "--lora-dual",
+        ("on", "off"),
+        "off",
+        "our LoRA backward's dB and dt in one pass over dY (gpu/ops/lora_dual.py, rank 16; off: two lora_matmul)",
+    ),
+    (
         "--lora-path",
         ("default", "fused", "split"),
         "default",
@@ -649,6 +655,9 @@ def main() -> None:
         kd.ONE_PASS = args.kd_one_pass == "on"
         GPUStudent.int8_input_grads = args.int8_input_grads != "f16"
         GPUStudent.transposed_input_grads = args.int8_input_grads == "transposed"
+        from gpu.ops import lora_dual
+
+        lora_dual.DUAL = args.lora_dual == "on"
         if args.lora_path != "default":
             from gpu.ops import lora
 

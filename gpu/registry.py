@@ -291,6 +291,8 @@ KERNELS: dict[str, Kernel] = {
     # LoRA products (gpu/ops/lora_matmul.py): output tiles 16 wide (x A^T, dy B, dB, dA^T) or 64 (t B^T, dt A)
     "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, lora_gemm_values),
     "lora_reduce": Kernel((*_ITEMS, "lora_reduce")),
+    # LoRA backward's dB and dt in one pass over dY (gpu/ops/lora_dual.py)
+    "lora_dual": Kernel(("lora_dual",), {"cr": (256,)}),
     # a LoRA reduction + expansion pair in one dispatch (gpu/ops/lora_fused.py), per rank bucket r <= rb
     "lora_fused": Kernel(("lora_fused",), {"rb": RANK_BUCKETS}, lora_fused_values),
 }

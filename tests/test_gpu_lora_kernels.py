@@ -149,6 +149,39 @@ def test_lora_forward_backward(dev: Device, t: int, d_in: int, d_out: int, r: in
     assert rel_err(db, db_ref) <= TOL
 
 
+@pytest.mark.parametrize("t,d_out", [(300, 130), (300, 600), (513, 40), (1, 24), (256, 256)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_lora_dual_matches_reference(dev: Device, t: int, d_out: int, accumulate: bool) -> None:
+    """lora_dual (dB and dt in one pass over dY, rank 16): several column tiles and row chunks, partial ones, one
+    token; dB accumulated or not, dt overwritten; bitwise repeatable; and lora_backward through it (DUAL) as close
+    to the float64 reference as through lora_matmul."""
+    from gpu.ops import lora_dual
+
+    r, s = 16, 1.75
+    rng = np.random.default_rng(t + d_out)
+    dy, tt = rng.standard_normal((t, d_out)).astype(np.float32), rng.standard_normal((t, r)).astype(np.float32)
+    b, db0 = (rng.standard_normal((d_out, r)).astype(np.float32) for _ in range(2))
+    dyb, tb, bb = up(dev, dy), up(dev, tt), up(dev, b)
+
+    def run() -> list[np.ndarray]:
+        dt, db = up(dev, np.full((t, r), np.nan, np.float32)), up(dev, db0)
+        lora_dual.lora_dual(dev, dyb, tb, bb, dt, db, t, d_out, s, accumulate=accumulate)
+        return [dev.read(dt, np.float32, (t, r)), dev.read(db, np.float32, (d_out, r))]
+
+    dt, db = twice(run)
+    dy64 = dy.astype(np.float64)
+    assert rel_err(dt, s * dy64 @ b) <= TOL
+    assert rel_err(db, s * dy64.T @ tt + (db0 if accumulate else 0)) <= TOL
+
+
+def test_lora_backward_through_the_dual_pass(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lora_backward with DUAL (rank 16): every gradient within TOL of float64, as through lora_matmul."""
+    from gpu.ops import lora_dual
+
+    monkeypatch.setattr(lora_dual, "DUAL", True)
+    test_lora_forward_backward(dev, 300, 259, 300, 16, True)
+
+
 def test_lora_matmul_refuses_short_operands(dev: Device) -> None:
     small, c = dev.buffer(4 * 10), dev.buffer(4 * 64)
     with pytest.raises(DeviceError, match="lora_matmul: operand A"):

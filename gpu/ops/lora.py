@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu.device import Device, DeviceError
+from gpu.ops import lora_dual
 from gpu.ops.common import grid, need, pack
 from gpu.ops.lora_fused import covers, lora_fused
 from gpu.ops.lora_matmul import lora_matmul
@@ -138,15 +139,19 @@ def lora_backward(
     if group and da_scratch is None:
         raise DeviceError("lora_backward: a mergeable adapter (group > 0) needs da_scratch")
     with scope(dev, "lora"):
-        lora_matmul(dev, transposed(dy, d_out), row_major(t, r), db, d_out, r, n_tokens, alpha=scale, accumulate=acc)
         fuse = dx is not None and _fused(fused, n_tokens, r)
-        if fuse:
-            lora_fused(
-                dev, dy, row_major(b, r), row_major(a, d_in), dt, dx, n_tokens, d_out, d_in, r, alpha1=float(scale),
-                alpha2=1.0,
-            )  # fmt: skip
+        if lora_dual.DUAL and lora_dual.covers(r) and not fuse:  # dB and dt in one pass over dY
+            lora_dual.lora_dual(dev, dy, t, b, dt, db, n_tokens, d_out, scale, accumulate=acc)
         else:
-            lora_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n_tokens, r, d_out, alpha=scale)
+            dy_t = transposed(dy, d_out)
+            lora_matmul(dev, dy_t, row_major(t, r), db, d_out, r, n_tokens, alpha=scale, accumulate=acc)
+            if fuse:
+                lora_fused(
+                    dev, dy, row_major(b, r), row_major(a, d_in), dt, dx, n_tokens, d_out, d_in, r,
+                    alpha1=float(scale), alpha2=1.0,
+                )  # fmt: skip
+            else:
+                lora_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n_tokens, r, d_out, alpha=scale)
         # dA^T [in, r] = x^T dt, stored transposed into dA [r, in]
         if group:
             lora_matmul(dev, transposed(x, d_in), row_major(dt, r), da_scratch, d_in, r, n_tokens, csm=1, csn=d_in)
