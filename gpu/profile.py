@@ -63,6 +63,7 @@ def kernel_class(label: str, scope: str | None = None) -> str:
         ("rmsnorm", "norms"),
         ("rope", "rope"),
         ("swiglu", "swiglu"),
+        ("glu_", "swiglu"),  # the gated unit with its output's or gradients' int8 codes (glu_i8, glu_back_i8)
         ("kd_", "kd head"),
         ("topk", "kd head"),
     ):

@@ -64,4 +64,7 @@ def test_kernel_classes() -> None:
     assert kernel_class("('attention_forward', (('head_dim', 64),))") == "attention fwd"
     assert kernel_class("('strided_matmul', ())") == "lora"
     assert kernel_class("('adamw_update', ())") == "adamw"
+    assert kernel_class("('glu_i8', (('act', 'swiglu'),))") == kernel_class("('glu_back_i8', ())") == "swiglu"
+    assert kernel_class("('rmsnorm_i8', (('rot', 128),))") == "norms"
+    assert kernel_class("('kd_finish', (('ce', False),))") == kernel_class("('kd_rescaled_add', ())") == "kd head"
     assert kernel_class("('strided_matmul', ())", scope="kd head") == "kd head"
