@@ -437,8 +437,12 @@ class GPUModel:
             self.t_lora = {target: b(f"lora t {target}", rows * r) for target in LORA_TARGETS}
         self._replay_lora_t = False  # set while a backward recomputes a block whose t the forward left
         self.dt = b("lora dt", rows * r)
+        self._a16_second: int | None = None  # the byte offset of a second f16 operand in a16, where there is room
         if self._pack_inputs:  # f16 GEMM inputs, one at a time (2 bytes per element: half the f32 floats)
-            self.a16 = b("gemm input f16", -(-rows * max(h, f, qd, kvd) // 2))
+            one = rows * max(h, f, qd, kvd) * 2
+            if self._f16_pair():  # room for a second at a binding offset (GPUStudent._gated_backward)
+                self._a16_second = -(-one // self.dev.offset_alignment) * self.dev.offset_alignment
+            self.a16 = b("gemm input f16", -(-((self._a16_second or 0) + one) // 4))
         if self._w8_slots:  # int8 GEMM inputs, one at a time: codes (4 per word) and a scale per row (room for two
             # at once: i8_pair, the gated unit's gradients); the input gradients' column scales (ones: W's row scales
             # are folded into dY)
@@ -503,6 +507,10 @@ class GPUModel:
     def _gradient_widths(self) -> dict[str, int]:
         """Per-row widths of the backward's scratch buffers (none for a forward-only model)."""
         return {}
+
+    def _f16_pair(self) -> bool:
+        """Whether self.a16 holds two f16 operands at once (a backward's gated-unit gradients; none forward-only)."""
+        return False
 
     def _x_offset(self, layer: int) -> int:
         """Float offset of block `layer`'s input in xs (a forward-only model, or one with bf16 checkpoints, keeps

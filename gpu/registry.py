@@ -136,6 +136,18 @@ def _half_output(half: bool, binding: int, index: str) -> dict[str, str]:
     }
 
 
+def _half_grads(half: bool) -> dict[str, str]:
+    """Template values of the gated units' backward: variant half also stores dG and dU as f16 (DG16, DU16)."""
+    if not half:
+        return {"ENABLE_F16": "", "HALF_BINDINGS": "", "HALF_STORES": ""}
+    return {
+        "ENABLE_F16": "enable f16;",
+        "HALF_BINDINGS": "@group(0) @binding(5) var<storage, read_write> DG16: array<f16>;\n"
+        "@group(0) @binding(6) var<storage, read_write> DU16: array<f16>;",
+        "HALF_STORES": "DG16[i] = f16(dg);\n    DU16[i] = f16(du);",
+    }
+
+
 _GLU_GATES = {"swiglu": "g * sigmoid(g)", "geglu": "gelu_tanh(g).x"}  # act(g) of the gated units, as WGSL
 # (dG, dU) of the gated units at element i, as swiglu_backward.wgsl / geglu_backward.wgsl compute them
 _GLU_GRADS = {
@@ -208,11 +220,13 @@ KERNELS: dict[str, Kernel] = {
     "swiglu_forward": Kernel(
         ("glu_forward", *_ELEMENTWISE), {"half": BOOLS}, partial(_glu_values, _GLU_GATES["swiglu"])
     ),
-    "swiglu_backward": Kernel((*_ELEMENTWISE, "swiglu_backward")),
+    "swiglu_backward": Kernel(("swiglu_backward", *_ELEMENTWISE), {"half": BOOLS}, lambda half: _half_grads(half)),
     "geglu_forward": Kernel(
         ("glu_forward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, partial(_glu_values, _GLU_GATES["geglu"])
     ),
-    "geglu_backward": Kernel((*_ELEMENTWISE, "gelu_tanh", "geglu_backward")),
+    "geglu_backward": Kernel(
+        ("geglu_backward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, lambda half: _half_grads(half)
+    ),
     "adamw_update": Kernel((*_ELEMENTWISE, "adamw_update")),
     # row skeleton (one workgroup per row) + body
     "rmsnorm_forward": Kernel(

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gpu.codegen_i8 import MMA_K
-from gpu.device import Device
+from gpu.device import BufferView, Device
 from gpu.kept_blocks import kept_count, kept_widths
 from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
@@ -155,6 +155,11 @@ class GPUStudent(GPUModel):
             own["lse"] = self.dev.buffer(4 * self.batch * self.seq_lse, label="kept activations")
             self._kept[layer] = {**self._scratch, **own}
 
+    def _f16_pair(self) -> bool:
+        """The gated unit's gradients as the gate and up projections' f16 operands, where their input gradients
+        run on the f16 tensor cores (not on integer GEMMs)."""
+        return not ("gate" in self._w8_slots and self.int8_input_grads)
+
     def _gradient_widths(self) -> dict[str, int]:
         cfg = self.cfg
         h, f, qd, kvd = cfg.hidden, cfg.ffn, cfg.q_dim, cfg.kv_dim
@@ -203,10 +208,11 @@ class GPUStudent(GPUModel):
         self.dev.write(self.losses, losses)
 
     # ---- backward -------------------------------------------------------------------------------------
-    def _gated_backward(self, layer: int) -> dict[str, Int8Matrix]:
-        """The gated unit's backward: dL/dgate into a["s"], dL/dup over a["u"]; with int8 input gradients for both
-        and fused_codes_i8, their integer operands from the same pass (glu_backward_i8, the two in self.a8), by
-        target, else none ({})."""
+    def _gated_backward(self, layer: int) -> dict[str, Any]:
+        """The gated unit's backward: dL/dgate into a["s"], dL/dup over a["u"], and where the projections' input
+        gradients take them, both gradients as their GEMMs' operands from the same pass, by target: integer
+        (int8 input gradients and fused_codes_i8: glu_backward_i8, the two in self.a8), or f16 (tensor cores: the
+        two in self.a16); else none ({})."""
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
         wg, wu = (self._int8_back(layer, target)[0] for target in ("gate", "up"))
         if self.fused_codes_i8 and wg is not None and wu is not None:
@@ -215,7 +221,12 @@ class GPUStudent(GPUModel):
             glu_backward_i8(dev, act, a["ds"], a["g"], a["u"], a["s"], wg.scales, wu.scales, *pair)
             return {"gate": pair[0], "up": pair[1]}
         gate_backward = geglu_backward if cfg.activation == "gelu_tanh" else swiglu_backward
-        gate_backward(dev, a["ds"], a["g"], a["u"], a["s"], rows * cfg.ffn)
+        n = rows * cfg.ffn
+        if wg is None and wu is None and self._a16_second is not None and self._half_copy(n) is not None:
+            halves = BufferView(self.a16, 0, 2 * n), BufferView(self.a16, self._a16_second, 2 * n)
+            gate_backward(dev, a["ds"], a["g"], a["u"], a["s"], n, *halves)
+            return {"gate": halves[0], "up": halves[1]}
+        gate_backward(dev, a["ds"], a["g"], a["u"], a["s"], n)
         return {}
 
     def _proj_back_sum(
@@ -224,18 +235,19 @@ class GPUStudent(GPUModel):
         x: Any,
         layer: int,
         dx: Any,
-        codes: Mapping[str, Int8Matrix] | None = None,
+        operands: Mapping[str, Any] | None = None,
     ) -> None:
-        """dx = the sum of the input gradients of projections sharing the input x ((dY, target) each; codes: dY's
-        integer operands by target where its producer gave them). Where each runs on the integer GEMM over rotated
-        codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx and one rotation turns the sum back (one
-        pass over dx instead of one per projection, each adding from a scratch); else one _proj_back after the
-        other."""
+        """dx = the sum of the input gradients of projections sharing the input x ((dY, target) each; operands:
+        dY's GEMM operands by target where its producer gave them, integer or f16). Where each runs on the integer
+        GEMM over rotated codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx and one rotation turns
+        the sum back (one pass over dx instead of one per projection, each adding from a scratch); else one
+        _proj_back after the other."""
         d_in = self.cfg.target_shape(grads[0][1])[1]
         rot = self._rotation(d_in)
         summed = rot > 0 and all(self._int8_back(layer, target)[1] for _, target in grads)
         for i, (dy, target) in enumerate(grads):
-            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed, dy_i8=(codes or {}).get(target))
+            operand = (operands or {}).get(target)
+            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed, dy_operand=operand)
         if summed:
             rotate_rows(self.dev, dx, self.rows, d_in, rot)
 
@@ -258,12 +270,12 @@ class GPUStudent(GPUModel):
         accumulate: bool,
         *,
         rotated: bool = False,
-        dy_i8: Int8Matrix | None = None,
+        dy_operand: Any = None,
     ) -> None:
         """dx (+)= dY W for projection `target` of block `layer` (+ its LoRA's input gradient, and its LoRA
         gradients). rotated: leave dX R in dx (the caller rotates the sum back; integer GEMM over rotated codes, LoRA
-        term in its epilogue). dy_i8: dY's integer operand (dY times W's row scales, as quantized here), when its
-        producer gave it."""
+        term in its epilogue). dy_operand: dY as its GEMM takes it, when its producer gave it: the integer operand
+        (an Int8Matrix: dY times W's row scales, as quantized here) or dY in f16 (the tensor cores)."""
         d_out, d_in = self.cfg.target_shape(target)
         w8, _ = self._int8_back(layer, target)
         ab = self._lora(layer, target, self.params)
@@ -277,7 +289,7 @@ class GPUStudent(GPUModel):
         if int8:
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding; over
             # rotated codes (W R) the GEMM gives dX R, rotated back (R^T) in place or from a scratch added to dx
-            a = dy_i8
+            a = dy_operand
             if a is None:
                 a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
                 quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
@@ -298,7 +310,7 @@ class GPUStudent(GPUModel):
             else:
                 rotated_back(self.dev, gemm, dx, self.rows, d_in, rot, accumulate, lambda: self._rotated_dx(d_in))
         else:
-            a, kw = self._gemm_input(dy, d_out)
+            a, kw = self._gemm_input(dy, d_out) if dy_operand is None else (dy_operand, {"a_dtype": "f16"})
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
         if ab is not None and not in_gemm:
             self._lora_back(dy, x, layer, target, ab, dx)
@@ -401,8 +413,8 @@ class GPUStudent(GPUModel):
         )
         # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
         dg, du = a["s"], a["u"]
-        codes = self._gated_backward(layer)
-        self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], codes)
+        operands = self._gated_backward(layer)
+        self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], operands)
         dev.copy(a["dx"], a["dh"], 4 * rows * h)
         rmsnorm_backward(
             dev,

@@ -165,6 +165,30 @@ def test_f16_copies_from_producers(dev: Device) -> None:
         assert np.isinf(halves).any() and (np.abs(halves[halves != 0]) < 6.1e-5).any(), name
 
 
+@pytest.mark.parametrize("gate", ["swiglu", "geglu"])
+def test_gated_backward_f16_copies_equal_the_pack(dev: Device, gate: str) -> None:
+    """The gated unit's backward, variant half: dg and du bitwise the plain kernel's, and their f16 copies bitwise
+    to_f16's of them (the gate and up projections' tensor-core operands, read without a pack of their own)."""
+    from gpu.ops.gated import gated_backward
+
+    if "shader-f16" not in dev.features:
+        pytest.skip("adapter without shader-f16")
+    rng = np.random.default_rng(4)
+    n = 4 * 301
+    dy, g, u = (rng.standard_normal(n).astype(np.float32) * 3.0 for _ in range(3))
+    dy[:2] = (1e5, 1e-6)  # gradients past f16's range and below its normal range
+    dyb, gb = up(dev, dy), up(dev, g)
+    u_plain, u_half = up(dev, u), up(dev, u)
+    dg_plain, dg_half, dg16, du16 = dev.buffer(4 * n), dev.buffer(4 * n), dev.buffer(2 * n), dev.buffer(2 * n)
+    gated_backward(dev, gate, dyb, gb, u_plain, dg_plain, n)
+    gated_backward(dev, gate, dyb, gb, u_half, dg_half, n, dg16, du16)
+    for plain, half, copy in ((dg_plain, dg_half, dg16), (u_plain, u_half, du16)):
+        np.testing.assert_array_equal(dev.read(half, np.uint32, (n,)), dev.read(plain, np.uint32, (n,)))
+        packed = dev.buffer(2 * n)
+        assert to_f16(dev, half, packed, n)
+        np.testing.assert_array_equal(dev.read(copy, np.uint16, (n,)), dev.read(packed, np.uint16, (n,)))
+
+
 def test_scaled_f16_copy_and_unscale(dev: Device) -> None:
     """to_f16_scaled: the f16 copy of values far below f16's normal range (as dL/dlogits: ~1e-7) times a power of
     two sigma with max |x| sigma in [2^14, 2^15), each within f16's rounding (2^-11 relative) of x sigma down to
