@@ -175,6 +175,31 @@ def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.
     return st, ids
 
 
+# --ab: engine switches timed one after the other on the same uploaded weights, each against the settings of the
+# run's other flags (name: the module or class and attribute, and the value to try); "baseline" re-times those
+AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
+    "kd-two-pass": ("gpu.ops.kd", "ONE_PASS", False),
+    "attention-forward8": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 8),
+    "attention-paired": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", True),
+    "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
+    "row-wg-64": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 64),
+    "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
+    "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
+}
+
+
+def _switch(name: str, value: Any = None) -> Any:
+    """Set AB_SWITCHES[name] to its value to try (or to `value`); returns the value it had."""
+    import importlib
+
+    where, attr, trial = AB_SWITCHES[name]
+    module, _, cls = where.partition(":")
+    owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+    old = getattr(owner, attr)
+    setattr(owner, attr, trial if value is None else value)
+    return old
+
+
 def bench_ours(args: argparse.Namespace) -> None:
     from gpu.device import Device
     from gpu.model import ModelWeights
@@ -220,8 +245,24 @@ def bench_ours(args: argparse.Namespace) -> None:
             for _ in range(args.profile_steps):
                 st.train_step(lr=args.lr)
         emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=16))
-    st = None  # frees the student's buffers before the teacher's (its objective refers back to it: a cycle)
+    st = None  # frees the student's buffers before the next's (its objective refers back to it: a cycle)
     gc.collect()
+    for name in [n for n in args.ab.split(",") if n]:
+        old = None if name == "baseline" else _switch(name)
+        try:
+            ab, _ = kd_student(dev, weights, args, rng)
+            ab_losses: list[float] = []
+
+            def ab_step(ab: Any = ab, out: list[float] = ab_losses) -> None:
+                out.append(ab.train_step(lr=args.lr).loss)
+
+            secs = windows(ab_step, args.steps, args.repeats, lambda: None)
+            emit(what="train_step_ab", side="ours", variant=name, **_step_row(args, secs, ab_losses))
+        finally:
+            if old is not None:
+                _switch(name, old)
+            ab = None
+            gc.collect()
     if args.no_teacher:
         _emit_own_memory(dev)
         return
@@ -615,6 +656,12 @@ def main() -> None:
         help="ours: blocks whose intermediates the forward keeps for the backward instead of recomputing them (a "
         "number, or auto: as many as fit, as train.kept_blocks); 0 recomputes every block, like --hf-checkpointing on",
     )
+    p.add_argument(
+        "--ab",
+        default="",
+        help="ours: after the main timing, time the step again with each of these switches flipped, one at a time, "
+        f"on the same weights (comma-separated; baseline re-times the run's own settings): {', '.join(AB_SWITCHES)}",
+    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -630,6 +677,8 @@ def main() -> None:
         p.error(f"--gguf {args.gguf}: no such file")
     if args.kept_blocks != "auto" and not args.kept_blocks.isdigit():
         p.error(f"--kept-blocks {args.kept_blocks}: expected a number of blocks >= 0 or auto")
+    if unknown := {n for n in args.ab.split(",") if n} - {*AB_SWITCHES, "baseline"}:
+        p.error(f"--ab {','.join(sorted(unknown))}: expected some of baseline, {', '.join(AB_SWITCHES)}")
     if args.side == "ours":
         from gpu.ops import head
 
