@@ -220,12 +220,16 @@ KERNELS: dict[str, Kernel] = {
     "swiglu_forward": Kernel(
         ("glu_forward", *_ELEMENTWISE), {"half": BOOLS}, partial(_glu_values, _GLU_GATES["swiglu"])
     ),
-    "swiglu_backward": Kernel(("swiglu_backward", *_ELEMENTWISE), {"half": BOOLS}, lambda half: _half_grads(half)),
+    "swiglu_backward": Kernel(
+        ("glu_backward_io", "swiglu_backward", *_ELEMENTWISE), {"half": BOOLS}, lambda half: _half_grads(half)
+    ),
     "geglu_forward": Kernel(
         ("glu_forward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, partial(_glu_values, _GLU_GATES["geglu"])
     ),
     "geglu_backward": Kernel(
-        ("geglu_backward", *_ELEMENTWISE, "gelu_tanh"), {"half": BOOLS}, lambda half: _half_grads(half)
+        ("glu_backward_io", "geglu_backward", *_ELEMENTWISE, "gelu_tanh"),
+        {"half": BOOLS},
+        lambda half: _half_grads(half),
     ),
     "adamw_update": Kernel((*_ELEMENTWISE, "adamw_update")),
     # row skeleton (one workgroup per row) + body
