@@ -259,6 +259,13 @@ KERNELS: dict[str, Kernel] = {
         {"rot": ROTATIONS, "tint": BOOLS},
         lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
     ),
+    # RMSNorm backward (+ a residual) and the int8 codes of its result times a projection's row scales in one pass
+    # (gpu/ops/quantize_i8.py rmsnorm_backward_i8)
+    "rmsnorm_back_i8": Kernel(
+        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS, "rmsnorm_back_i8", "rows_rotated"),
+        {"tint": BOOLS},
+        lambda tint: {"ROT": 0, **_subgroups(tint)},
+    ),
     "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats_plain", "kd_stats")),
     # the one-pass backward (gpu/ops/kd.py): pass 1 also emits each chunk's probabilities (in place, or f16)
     "kd_stats_probs": Kernel((*_ROWS, *_LSE, "kd_probs_f32", "kd_stats")),

@@ -35,11 +35,12 @@ from gpu.ops.add import scale_inplace
 from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward, lora_term
-from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8
+from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers
 from gpu.ops.quantize_i8 import (
     glu_backward_i8,
     i8_pair,
     quantize_i8_gpu,
+    rmsnorm_backward_i8,
     rotate_rows,
     rotated_back,
     transpose_i8,
@@ -113,6 +114,8 @@ class GPUStudent(GPUModel):
         if w8_bytes and self.int8_input_grads and self.transposed_input_grads:  # one projection's codes at a time
             self.w8t = dev.buffer(w8_bytes, label="int8 weight transposed")
         self._dx_rotated: Any = None  # see _rotated_dx
+        self._dx_codes: Int8Matrix | None = None  # see _norm_backward
+        self._down_operand: Int8Matrix | None = None  # dL/dx_{l+1} times block l's down scales, from _norm_backward
         self._a_rotated: Any = None  # see _lora_term_back
         self._widest_input = max((self.cfg.target_shape(t)[1] for t in LORA_TARGETS), default=0)
         self.optim = AdamW(dev, self.layout.n_params, optim or AdamWConfig())
@@ -404,33 +407,36 @@ class GPUStudent(GPUModel):
         a["dx"]."""
         self._use_block(layer)
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
-        h = cfg.hidden
         x = self._x(layer)
         pos = self._b.bufs["positions"]
         # out = hres + pf(down(gate_act(gate(n2), up(n2)))), pf: the post-norm (gemma3) or none
+        down_operand, self._down_operand = self._down_operand, None
         self._proj_back(
-            self._post_norm_back(layer, "down", "post_ffw_norm", a["dx"]), a["s"], layer, "down", a["ds"], False
+            self._post_norm_back(layer, "down", "post_ffw_norm", a["dx"]),
+            a["s"],
+            layer,
+            "down",
+            a["ds"],
+            False,
+            dy_operand=down_operand,
         )
         # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
         dg, du = a["s"], a["u"]
         operands = self._gated_backward(layer)
         self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], operands)
-        dev.copy(a["dx"], a["dh"], 4 * rows * h)
-        rmsnorm_backward(
-            dev,
-            a["dn"],
-            a["hres"],
-            self.w.norms[f"blk.{layer}.ffn_norm.weight"],
-            a["dh"],
-            rows,
-            h,
-            cfg.eps,
-            accumulate=True,
+        o_operand = self._norm_backward(
+            a["dn"], a["hres"], f"blk.{layer}.ffn_norm.weight", a["dh"], a["dx"], (layer, "o")
         )
         # hres = x + pa(o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1)))), qn / kn: per-head RMSNorm (qwen3, gemma3)
         # or none, pa: the post-norm (gemma3) or none
         self._proj_back(
-            self._post_norm_back(layer, "o", "post_attention_norm", a["dh"]), a["att"], layer, "o", a["datt"], False
+            self._post_norm_back(layer, "o", "post_attention_norm", a["dh"]),
+            a["att"],
+            layer,
+            "o",
+            a["datt"],
+            False,
+            dy_operand=o_operand,
         )
         self._attention_back(a["datt"], a["qr"], a["kr"], a["v"], a["att"], a["dqr"], a["dkr"], a["dv"], layer)
         rope = self._rope_table(layer)
@@ -450,10 +456,34 @@ class GPUStudent(GPUModel):
             rope_backward(dev, rope, a["dqr"], dq, rows, cfg.n_heads, positions=pos)
             rope_backward(dev, rope, a["dkr"], dk, rows, cfg.n_kv_heads, positions=pos)
         self._proj_back_sum(((dq, "q"), (dk, "k"), (a["dv"], "v")), a["n1"], layer, a["dn"])
-        dev.copy(a["dh"], a["dx"], 4 * rows * h)
-        rmsnorm_backward(
-            dev, a["dn"], x, self.w.norms[f"blk.{layer}.attn_norm.weight"], a["dx"], rows, h, cfg.eps, accumulate=True
-        )
+        below = (layer - 1, "down") if layer > self.layout.lowest_layer else None
+        self._down_operand = self._norm_backward(a["dn"], x, f"blk.{layer}.attn_norm.weight", a["dx"], a["dh"], below)
+
+    def _norm_backward(
+        self, dy: Any, x: Any, weight: str, dx: Any, residual: Any, consumer: tuple[int, str] | None
+    ) -> Int8Matrix | None:
+        """dx = residual + the RMSNorm `weight`'s input gradient of dy (rstd from x; residual None: none). dx is dY of
+        projection consumer = (layer, "o" or "down") when given: where its input gradient runs on the integer GEMM
+        with fused codes, dx's operand for it (dx times W's row scales) comes from the same pass and is returned, in
+        self.a8 for o, for down in a buffer of its own (it outlives the recompute of the block below)."""
+        cfg, dev, rows, h = self.cfg, self.dev, self.rows, self.cfg.hidden
+        norm = self.w.norms[weight]
+        w8 = None
+        if consumer is not None and self.fused_codes_i8 and not cfg.post_norms:
+            w8 = self._int8_back(*consumer)[0]
+        if w8 is None:
+            if residual is not None:
+                dev.copy(residual, dx, 4 * rows * h)
+            rmsnorm_backward(dev, dy, x, norm, dx, rows, h, cfg.eps, accumulate=residual is not None)
+            return None
+        if consumer[1] == "o":
+            out = Int8Matrix(*self.a8, rows, h, h, "input gradient")
+        else:
+            if self._dx_codes is None:
+                self._dx_codes = i8_buffers(dev, rows, h, h, "int8 input gradient of down")
+            out = self._dx_codes
+        rmsnorm_backward_i8(dev, dy, x, norm, dx, out, w8.scales, cfg.eps, residual=residual)
+        return out
 
     def _post_norm_back(self, layer: int, target: str, norm: str, dy: Any) -> Any:
         """dL/d(the o / down projection's output) given dy at the post-norm's output: dy itself without
@@ -479,18 +509,12 @@ class GPUStudent(GPUModel):
         self._taped(key, lambda: self._record_forward_backward(micro))
 
     def _record_forward_backward(self, micro: int) -> None:
-        cfg, dev = self.cfg, self.dev
+        cfg = self.cfg
         h16 = self._forward_to_head(checkpoint=True)
         self.objective.head(micro, backward=True, h16=h16)
-        rmsnorm_backward(
-            dev,
-            self.a["tmp"],
-            self._x(cfg.n_layers),
-            self.w.norms["output_norm.weight"],
-            self.a["dx"],
-            self.rows,
-            cfg.hidden,
-            cfg.eps,
+        top = cfg.n_layers - 1
+        self._down_operand = self._norm_backward(
+            self.a["tmp"], self._x(cfg.n_layers), "output_norm.weight", self.a["dx"], None, (top, "down")
         )
         for layer in reversed(range(self.layout.lowest_layer, cfg.n_layers)):
             # not the top block: its intermediates are still the forward's (the head writes only nf, tmp, dx and

@@ -21,7 +21,15 @@ from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_rank16, lora_term
 from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, Int8Matrix, LoraTerm, gemm_i8, i8_buffers, upload_i8
-from gpu.ops.quantize_i8 import glu_i8, quantize_i8_gpu, rmsnorm_i8, tint, transpose_i8, weight_to_i8
+from gpu.ops.quantize_i8 import (
+    glu_i8,
+    quantize_i8_gpu,
+    rmsnorm_backward_i8,
+    rmsnorm_i8,
+    tint,
+    transpose_i8,
+    weight_to_i8,
+)
 from gpu.weights import random_blocks, upload_quant
 from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
@@ -267,6 +275,44 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(dev: Device, h: int, rot: int
         wide = i8_buffers(dev, 1, 8192, 8192, "wide")
         with pytest.raises(DeviceError, match="rmsnorm_i8"):
             rmsnorm_i8(dev, dev.buffer(4 * 8192), dev.buffer(4 * 8192), dev.buffer(4 * 8192), wide, 1e-5, rot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h,rows,residual", [(256, 3, True), (4096, 2, True), (4352, 2, False), (64, 5, False)])
+def test_rmsnorm_backward_i8_is_the_norm_backward_then_the_quantizer(
+    dev: Device, h: int, rows: int, residual: bool
+) -> None:
+    """rmsnorm_backward_i8 (the norm's input gradient, plus a residual, and its codes times column scales in one pass):
+    bitwise rmsnorm_backward's gradient (dx holding the residual, accumulate) and quantize_i8_gpu's codes and scales
+    of it with col_scales, within the registers and longer (re-read); the residual as dx refused."""
+    from gpu.ops.rmsnorm import rmsnorm_backward
+
+    rng = np.random.default_rng(h + rows)
+    x, dy, r = (rng.standard_normal((rows, h)).astype(np.float32) for _ in range(3))
+    dy[:, 5] *= 30.0
+    w = rng.uniform(0.5, 1.5, h).astype(np.float32)
+    cs = rng.uniform(0.001, 0.02, h).astype(np.float32)
+    xb, dyb, wb, csb = dev.upload(x), dev.upload(dy), dev.upload(w), dev.upload(cs)
+    rb = dev.upload(r) if residual else None
+    dx_sep, dx_fused = dev.upload(r if residual else np.zeros_like(r)), dev.buffer(x.nbytes)
+    sep, fused = i8_buffers(dev, rows, h, h, "separate"), i8_buffers(dev, rows, h, h, "fused")
+    rmsnorm_backward(dev, dyb, xb, wb, dx_sep, rows, h, 1e-5, accumulate=residual)
+    quantize_i8_gpu(dev, dx_sep, sep, col_scales=csb)
+    rmsnorm_backward_i8(dev, dyb, xb, wb, dx_fused, fused, csb, 1e-5, residual=rb)
+    for a, b, n in (
+        (dx_sep, dx_fused, 4 * rows * h),
+        (sep.codes, fused.codes, rows * h),
+        (sep.scales, fused.scales, 4 * rows),
+    ):
+        np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))
+    assert np.abs(dev.read(fused.codes, np.int8, (rows, h))).max() == 127
+    # the gradient itself against float64 (the kernel's formula, not only its twin's)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64) * w
+    rstd = 1.0 / np.sqrt((x64**2).mean(1, keepdims=True) + 1e-5)
+    want = rstd * dy64 - x64 * rstd**3 * (dy64 * x64).mean(1, keepdims=True) + (r if residual else 0.0)
+    np.testing.assert_allclose(dev.read(dx_fused, np.float32, (rows, h)), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(DeviceError, match="residual"):
+        rmsnorm_backward_i8(dev, dyb, xb, wb, dx_fused, fused, csb, 1e-5, residual=dx_fused)
 
 
 @pytest.mark.gpu

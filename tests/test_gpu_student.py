@@ -477,25 +477,39 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
-def test_int8_fused_codes_is_bitwise_the_separate_quantizer() -> None:
-    """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass, and the SwiGLU's
-    backward its gradients' (fused_codes_i8, the default), and with the quantizer reading them back: bitwise the
-    same loss and gradients (emulated integer GEMMs)."""
+def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass, the SwiGLU's
+    backward its gradients', and the RMSNorms' backward the o and down projections' dY operands (fused_codes_i8, the
+    default), and with the quantizer reading them back: bitwise the same loss and gradients (emulated integer
+    GEMMs); fused, the only scaled quantizers left are q/k/v's."""
     from gpu.model import GPUModel
+    from gpu.ops import quantize_i8
     from gpu.ops.matmul_i8 import int8_emulation
 
     dev = device_or_skip()
     w, lora, batch = _kd_problem(3, Q.Q4_0)
     weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
-    runs = []
+    runs, ran = [], []
+    real = quantize_i8.pipeline
+
+    def spy(dev: object, name: str, **variant: object) -> object:
+        ran[-1].append(name + ("_scaled" if variant.get("scaled") else ""))
+        return real(dev, name, **variant)
+
+    monkeypatch.setattr(quantize_i8, "pipeline", spy)
     with int8_emulation(dev):
         for fused in (True, False):
+            ran.append([])
             st = _precision_student(dev, weights, "int8", FORWARD_KL)
             st.fused_codes_i8 = fused
             st.set_adapter(lora)
             st.write_batch(batch)
             runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
         assert GPUModel.fused_codes_i8
+    blocks = CFG.n_layers
+    assert ran[0].count("rmsnorm_back_i8") == 2 * blocks and "rmsnorm_back_i8" not in ran[1]
+    # o's, down's, gate's and up's dY quantizers, a block
+    assert ran[1].count("quantize_i8_scaled") - ran[0].count("quantize_i8_scaled") == 4 * blocks
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 

@@ -90,6 +90,44 @@ def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float,
     dev.dispatch(pipe, [pack(rows, h, float(eps), 0), x, w, y, out.codes, out.scales], grid(rows, 1))
 
 
+def rmsnorm_backward_i8(
+    dev: Device,
+    dy: Any,
+    x: Any,
+    w: Any,
+    dx: Any,
+    out: Int8Matrix,
+    col_scales: Any,
+    eps: float,
+    residual: Any = None,
+) -> None:
+    """dx[out.rows, out.k] = the RMSNorm's input gradient (weight w, rstd recomputed from x) applied to dy, plus
+    residual when given (bitwise rmsnorm_backward's with dx = residual and accumulate), and out <- the int8 codes and
+    per-row scales of dx * col_scales (the consuming projection's weight row scales; bitwise quantize_i8_gpu's with
+    col_scales), in one pass over each row (gpu/kernels/rmsnorm_back_i8.wgsl). residual must not be dx."""
+    rows, h = out.rows, out.k
+    if h % 4 or out.chunks != 1:
+        raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: rows of {h} in {out.chunks} chunks")
+    named = [
+        (dy, rows * h, "dy"),
+        (x, rows * h, "x"),
+        (w, h, "weight"),
+        (dx, rows * h, "dx"),
+        (col_scales, h, "scales"),
+    ]
+    if residual is not None:
+        named.append((residual, rows * h, "residual"))
+    for buf, n, what in named:
+        if nbytes(buf) < 4 * n:
+            raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * n}")
+    if residual is dx:
+        raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: the residual must be another buffer than dx")
+    pipe = pipeline(dev, "rmsnorm_back_i8", tint=tint(dev))
+    r = dy if residual is None else residual
+    prm = pack(rows, h, float(eps), residual is not None)
+    dev.dispatch(pipe, [prm, dy, x, w, r, dx, col_scales, out.codes, out.scales], grid(rows, 1))
+
+
 def glu_i8(dev: Device, act: str, g: Any, u: Any, y: Any, out: Int8Matrix, rot: int = 0) -> None:
     """y[out.rows, out.k] = act(g) * u, act "swiglu" or "geglu" (bitwise swiglu_forward's / geglu_forward's), and
     out <- y's int8 codes and per-row scales, rotated in blocks of rot (bitwise quantize_i8_gpu's of y), in one pass
