@@ -33,7 +33,7 @@ from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
-from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_rank16, lora_term
+from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_project_group, lora_rank16, lora_term
 from gpu.ops.matmul import linear, linear_input_grad
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
@@ -259,6 +259,7 @@ class GPUModel:
 
     keeps_block_inputs = True  # every block's input stays in xs (a backward recomputes from them)
     saves_lora_t = False  # one t = x A^T per adapted projection, kept for a backward (GPUStudent)
+    shared_lora_t = True  # the t's of projections sharing an input in one product over it (_lora_t_shared)
     # int8: a projection's LoRA term (s t B^T forward, dt A R input gradient) in its integer GEMM's epilogue, on the
     # f16 tensor cores (off: passes of their own over y and dx; the Llama-3-8B step on an H100 4,702 vs 4,591
     # tokens/s, docs/benchmarks.md)
@@ -603,9 +604,33 @@ class GPUModel:
         scales = self.w.scales_i8.get((layer, target, self._rotation(slot.k)))
         return slot if scales is None else replace(slot, scales=scales)
 
-    def _proj(self, x: Any, layer: int, target: str, y: Any, gemm_input: tuple[Any, dict] | None = None) -> None:
+    def _lora_t_shared(self, x: Any, layer: int, targets: tuple[str, ...]) -> bool:
+        """t = x A^T of the adapted projections among `targets` (which share the input x), in one product over x
+        (lora_project_group), when more than one is adapted and their t's are kept (saves_lora_t) and not already
+        there (the backward's recompute replays them); returns whether it ran (their _proj then skip it)."""
+        keys = [(layer, t) for t in targets if (layer, t) in self.layout.slots]
+        if not (self.shared_lora_t and self.saves_lora_t and len(keys) > 1) or self._replay_lora_t:
+            return False
+        a_views = [self._lora(*key, self.params)[0] for key in keys]
+        t_views = [self._lora_t(*key) for key in keys]
+        d_in = self.cfg.target_shape(targets[0])[1]
+        lora_project_group(self.dev, x, a_views, t_views, self.rows, d_in, self.layout.r)
+        return True
+
+    def _proj(
+        self,
+        x: Any,
+        layer: int,
+        target: str,
+        y: Any,
+        gemm_input: tuple[Any, dict] | None = None,
+        *,
+        t_ready: bool = False,
+    ) -> None:
         """y = x W^T (+ bias) (+ LoRA); gemm_input: x's GEMM operand when the caller has it (shared between
-        projections, or written by x's producer), else packed here by _gemm_input."""
+        projections, or written by x's producer), else packed here by _gemm_input. t_ready: the LoRA's t = x A^T
+        is already in its slot (_lora_t_shared, or a recompute's replay)."""
+        t_ready = t_ready or self._replay_lora_t
         d_out, d_in = self.cfg.target_shape(target)
         a, kw = gemm_input or self._forward_input(x, d_in)
         ab = self._lora(layer, target, self.params)
@@ -613,7 +638,7 @@ class GPUModel:
         fused = None
         if kw.get("int8"):  # every projection whose input _forward_input quantizes has an int8 slot
             if ab is not None and self._lora_in_gemm(d_out):  # s t B^T written in the GEMM's epilogue
-                if not self._replay_lora_t:
+                if not t_ready:
                     lora_project(self.dev, x, ab[0], t, self.rows, d_in, r)
                 fused = lora_term(self.dev, t, ab[1], self.rows, d_out, r, self.scale, "rows", *self.lora16)
             gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused)
@@ -624,7 +649,7 @@ class GPUModel:
             add_bias(self.dev, y, bias, self.rows, d_out)
         if ab is None or fused is not None:
             return
-        if self._replay_lora_t:  # t = x A^T is still there from the forward (same x, same kernels)
+        if t_ready:  # t = x A^T is there (from the shared product, or the forward's: same x, same kernels)
             lora_expand(self.dev, t, ab[1], y, self.rows, d_out, r, self.scale)
         else:
             lora_forward(self.dev, x, *ab, t, y, self.rows, d_in, d_out, r, self.scale)
@@ -717,9 +742,10 @@ class GPUModel:
         x, x_next = self._x(layer), self._x(layer + 1)
         pos = self._b.bufs["positions"]
         n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"])
-        self._proj(a["n1"], layer, "q", a["q"], n1)
-        self._proj(a["n1"], layer, "k", a["k"], n1)
-        self._proj(a["n1"], layer, "v", a["v"], n1)
+        ready = self._lora_t_shared(a["n1"], layer, ("q", "k", "v"))
+        self._proj(a["n1"], layer, "q", a["q"], n1, t_ready=ready)
+        self._proj(a["n1"], layer, "k", a["k"], n1, t_ready=ready)
+        self._proj(a["n1"], layer, "v", a["v"], n1, t_ready=ready)
         q, k = a["q"], a["k"]
         if cfg.qk_norm:  # per-head RMSNorm: rows of head_dim
             norm = self.w.norms
@@ -737,8 +763,9 @@ class GPUModel:
         self._post_normed(layer, "o", "post_attention_norm")
         add(dev, x, a["tmp"], a["hres"], rows * h)
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
-        self._proj(a["n2"], layer, "gate", a["g"], n2)
-        self._proj(a["n2"], layer, "up", a["u"], n2)
+        ready = self._lora_t_shared(a["n2"], layer, ("gate", "up"))
+        self._proj(a["n2"], layer, "gate", a["g"], n2, t_ready=ready)
+        self._proj(a["n2"], layer, "up", a["u"], n2, t_ready=ready)
         stop = for_backward and not cfg.post_norms
         s_input = None  # the down projection's A operand, when given here
         fits = self._rotation(f) == 0 or f <= 64 * row_workgroup(f)  # glu_i8 holds a rotated row in registers

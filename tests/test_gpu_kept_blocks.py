@@ -203,9 +203,9 @@ def test_the_recompute_stops_before_the_down_projection(dev: Device, monkeypatch
     calls: list[tuple[int, str]] = []
     proj = GPUStudent._proj
 
-    def counted(self: GPUStudent, x: Any, layer: int, target: str, *args: Any) -> None:
+    def counted(self: GPUStudent, x: Any, layer: int, target: str, *args: Any, **kw: Any) -> None:
         calls.append((layer, target))
-        proj(self, x, layer, target, *args)
+        proj(self, x, layer, target, *args, **kw)
 
     monkeypatch.setattr(GPUStudent, "_proj", counted)
     _steps(st, adapter, batch, 1)

@@ -188,3 +188,63 @@ def test_lora_matmul_refuses_short_operands(dev: Device) -> None:
         lora_matmul(dev, Operand(small, 0, 4, 1), row_major(c, 4), c, 4, 4, 4)
     with pytest.raises(DeviceError, match="lora_matmul: output C"):
         lora_matmul(dev, row_major(c, 4), row_major(c, 4), small, 4, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "kind,t,d,r,groups,splits",
+    [
+        ("x_wT", 70, 130, 16, 3, None),  # t = x A^T of q, k, v: one pass over x
+        ("x_wT", 37, 259, 3, 2, 3),  # split over d (partials, then the grouped reduce)
+        ("xT_t_into_rd", 300, 66, 16, 3, None),  # dA^T = x^T dt of three adapters, stored into [r, d] each
+        ("xT_t_into_rd", 90, 67, 5, 4, 4),
+    ],
+)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_lora_matmul_column_groups(
+    dev: Device, kind: str, t: int, d: int, r: int, groups: int, splits: int | None, accumulate: bool
+) -> None:
+    """lora_matmul with ColumnGroups: the products of several adapters that share A (each B and C at its own offset
+    in one buffer, with gaps) in one dispatch, each within TOL of float64 (split and not, accumulate and not); the
+    elements between the groups' outputs untouched; a column count that is not the groups' refused."""
+    from gpu.ops.lora_matmul import ColumnGroups
+
+    rng = np.random.default_rng(t + d + r + groups)
+    big = rng.standard_normal((t, d)).astype(np.float32)
+    gap = 7
+    if kind == "x_wT":  # B group g: w_g [r, d] at b_offs[g] (B(k, n) = w_g[n, k]); C group g: [t, r] at c_offs[g]
+        b_size, c_rows, c_cols = r * d, t, r
+        a_op, m, k = row_major(dev.upload(big), d), t, d
+    else:  # B group g: thin_g [t, r]; C group g: dA_g [r, d] (C(m, n) = dA_g[n, m])
+        b_size, c_rows, c_cols = t * r, r, d
+        a_op, m, k = transposed(dev.upload(big), d), d, t
+    b_offs = [g * (b_size + gap) for g in range(groups)]
+    c_offs = [g * (c_rows * c_cols + gap) for g in range(groups)]
+    b_host = rng.standard_normal(b_offs[-1] + b_size).astype(np.float32)
+    c_host = rng.standard_normal(c_offs[-1] + c_rows * c_cols + gap).astype(np.float32)
+    bb, cb = dev.upload(b_host), dev.upload(c_host)
+    if kind == "x_wT":
+        b_op, csm, csn = transposed(bb, d), r, 1
+    else:
+        b_op, csm, csn = row_major(bb, r), 1, d
+    cols = ColumnGroups(r, tuple(b_offs), tuple(c_offs))
+    lora_matmul(
+        dev, a_op, b_op, cb, m, r * groups, k, alpha=0.5, accumulate=accumulate, splits=splits, groups=cols,
+        csm=csm, csn=csn,
+    )  # fmt: skip
+    got = dev.read(cb, np.float32, c_host.shape)
+    want = c_host.astype(np.float64).copy()
+    for g in range(groups):
+        part = b_host[b_offs[g] : b_offs[g] + b_size].astype(np.float64)
+        if kind == "x_wT":
+            out = big.astype(np.float64) @ part.reshape(r, d).T  # [t, r]
+        else:
+            out = (big.astype(np.float64).T @ part.reshape(t, r)).T  # dA [r, d]
+        sl = slice(c_offs[g], c_offs[g] + c_rows * c_cols)
+        want[sl] = 0.5 * out.reshape(-1) + (want[sl] if accumulate else 0.0)
+        assert rel_err(got[sl], want[sl]) <= TOL, g
+    keep = np.ones(c_host.shape, bool)
+    for g in range(groups):
+        keep[c_offs[g] : c_offs[g] + c_rows * c_cols] = False
+    np.testing.assert_array_equal(got[keep], c_host[keep])
+    with pytest.raises(DeviceError, match="groups of"):
+        lora_matmul(dev, a_op, b_op, cb, m, r * groups + 1, k, groups=cols, csm=csm, csn=csn)

@@ -514,6 +514,37 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
+@pytest.mark.parametrize("precision", ["f32", "int8"])
+def test_shared_lora_t_is_one_product_per_input(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
+    """The LoRA t = x A^T of q, k, v (and of gate, up) in one product over their shared input (shared_lora_t, the
+    default): two lora_gemm dispatches fewer a block for q/k/v and one for gate/up, and the step's loss and
+    gradients within 1e-5 of the per-projection products' (the same sums, other tiles; int8 emulated)."""
+    from gpu.ops import lora_matmul
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    dev = device_or_skip()
+    w, lora, batch = _kd_problem(3, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    real, counts, runs = lora_matmul.pipeline, [], []
+
+    def spy(dev: object, name: str, **variant: object) -> object:
+        counts[-1] += name == "lora_gemm"
+        return real(dev, name, **variant)
+
+    monkeypatch.setattr(lora_matmul, "pipeline", spy)
+    with int8_emulation(dev):
+        for shared in (True, False):
+            counts.append(0)
+            st = _precision_student(dev, weights, precision, FORWARD_KL)
+            st.shared_lora_t = shared
+            st.set_adapter(lora)
+            st.write_batch(batch)
+            runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
+    assert counts[1] - counts[0] == 3 * CFG.n_layers
+    assert abs(runs[0][0] - runs[1][0]) <= 1e-5 * abs(runs[1][0])
+    assert _rel(runs[0][1], runs[1][1]) <= 1e-5
+
+
 def test_int8_student_logits_alone_with_emulated_integer_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
     """INT8_STUDENT_LOGITS: the student's logits on the integer GEMM (rotated), its backward dlogits . W on the
     other path: the step within INT8_REL of the float64 reference, and its KD scratch without the integer

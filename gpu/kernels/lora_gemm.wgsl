@@ -2,6 +2,9 @@
 //   A(m, k) = A[a_off + m * sam + k * sak],  B(k, n) = B[b_off + k * sbk + n * sbn],
 //   direct:  C[c_off + m * csm + n * csn] = alpha * sum_k A(m, k) B(k, n)  (+ that element if accumulate)
 //   partial: C[z * M * N + m * N + n] = sum over k in [z * chunk, (z + 1) * chunk) (lora_reduce adds them up)
+// Column groups (gw > 0: products sharing A, e.g. t = x A^T of the projections reading the same x): column n is
+// column n % gw of group n / gw, whose B and C start b_go / c_go elements further (B(k, n) = B[b_off + b_go[g] +
+// k * sbk + (n % gw) * sbn], C likewise), so several adapters' products read A once, in one dispatch.
 // The reduction axis is split over grid z (chunk per workgroup), so a long reduction (over T tokens, or over
 // d) runs on many workgroups. BM x BN outputs per workgroup, 4 x 4 per thread: rows m0 + tm + TM * i and
 // columns n0 + tn + TN * c (i, c < 4), so neighbouring threads load, store and accumulate neighbouring
@@ -30,8 +33,10 @@ struct Params {
     partial: u32,
     a_kfast: u32,
     b_kfast: u32,
+    gw: u32,         // columns per group (0: one group, the plain product)
     _pad0: u32,
-    _pad1: u32,
+    b_go: vec4<u32>, // per group: B's and C's offsets (elements) past b_off / c_off
+    c_go: vec4<u32>,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
@@ -57,9 +62,18 @@ fn a_at(m: u32, k: u32, k_end: u32) -> f32 {
     return 0.0;
 }
 
+// (group, column within the group) of column n
+fn group_of(n: u32) -> vec2<u32> {
+    if (prm.gw == 0u) {
+        return vec2<u32>(0u, n);
+    }
+    return vec2<u32>(n / prm.gw, n % prm.gw);
+}
+
 fn b_at(k: u32, n: u32, k_end: u32) -> f32 {
     if (n < prm.N && k < k_end) {
-        return B[prm.b_off + k * prm.sbk + n * prm.sbn];
+        let g = group_of(n);
+        return B[prm.b_off + prm.b_go[g.x] + k * prm.sbk + g.y * prm.sbn];
     }
     return 0.0;
 }
@@ -102,7 +116,8 @@ fn out_index(m: u32, n: u32, z: u32) -> u32 {
     if (prm.partial != 0u) {
         return (z * prm.M + m) * prm.N + n;
     }
-    return prm.c_off + m * prm.csm + n * prm.csn;
+    let g = group_of(n);
+    return prm.c_off + prm.c_go[g.x] + m * prm.csm + g.y * prm.csn;
 }
 
 fn old_at(m: u32, n: u32) -> f32 {

@@ -12,6 +12,11 @@ struct Params {
     csn: u32,
     alpha: f32,
     accumulate: u32,
+    gw: u32,          // column groups as lora_gemm.wgsl's (0: none)
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+    c_go: vec4<u32>,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
@@ -43,7 +48,13 @@ fn item(e: u32) {
     for (; z < prm.splits; z++) {
         s += P[z * n + e];
     }
-    let i = prm.c_off + (e / prm.N) * prm.csm + (e % prm.N) * prm.csn;
+    var col = e % prm.N;
+    var go = 0u;
+    if (prm.gw != 0u) {
+        go = prm.c_go[col / prm.gw];
+        col = col % prm.gw;
+    }
+    let i = prm.c_off + go + (e / prm.N) * prm.csm + col * prm.csn;
     var r = prm.alpha * s;
     if (prm.accumulate != 0u) {
         r += C[i];

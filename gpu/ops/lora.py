@@ -14,19 +14,21 @@ H200 (2026-12-04, docs/benchmarks.md) the fused kernels made the TinyLlama-shape
 54.0 ms per step, 11,487 vs 12,038 tokens/s; `bench/train_step.py --lora-path fused|split`): fewer dispatches,
 but the fused forward took 89 us at d 2048 x 2048 against 35 + 9 + 35 for the split one's three.
 lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute);
-lora_project its first alone, for the integer GEMM that adds the second in its epilogue; lora_term packs that
+lora_project its first alone, for the integer GEMM that adds the second in its epilogue (lora_project_group: the
+first products of the adapters whose projections share an input, in one pass over it); lora_term packs that
 epilogue's f16 operands (gpu/ops/matmul_i8.py LoraTerm).
 lora_group_sum is a mergeable adapter's projection of dA (model/reference.py lora_group_project)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from gpu.device import Device, DeviceError
+from gpu.device import BufferView, Device, DeviceError
 from gpu.ops import lora_dual
 from gpu.ops.common import grid, need, pack
 from gpu.ops.lora_fused import covers, lora_fused
-from gpu.ops.lora_matmul import lora_matmul
+from gpu.ops.lora_matmul import ColumnGroups, lora_matmul
 from gpu.ops.matmul_i8 import LoraTerm
 from gpu.ops.strided_matmul import row_major, transposed
 from gpu.profile import scope
@@ -98,6 +100,29 @@ def lora_project(dev: Device, x: Any, a: Any, t_out: Any, n_tokens: int, d_in: i
     scale t . B^T itself (the integer GEMM's LoRA epilogue, gpu/ops/matmul_i8.py LoraTerm)."""
     with scope(dev, "lora"):
         lora_matmul(dev, row_major(x, d_in), transposed(a, d_in), t_out, n_tokens, r, d_in)
+
+
+def lora_project_group(
+    dev: Device, x: Any, a: Sequence[BufferView], t: Sequence[BufferView], n_tokens: int, d_in: int, r: int
+) -> None:
+    """t_g [T, r] = x A_g^T for adapters whose projections share the input x (q, k, v; gate, up): one product over
+    x for all of them (lora_matmul's column groups), x read once. A_g [r, d_in]: views of one buffer (the
+    parameters), t_g: views of one buffer (the kept t's)."""
+    a_span, a_offs = _span(a, "A")
+    t_span, t_offs = _span(t, "t")
+    groups = ColumnGroups(r, a_offs, t_offs)
+    with scope(dev, "lora"):
+        lora_matmul(
+            dev, row_major(x, d_in), transposed(a_span, d_in), t_span, n_tokens, r * len(a), d_in, csm=r, groups=groups
+        )
+
+
+def _span(views: Sequence[BufferView], what: str) -> tuple[BufferView, tuple[int, ...]]:
+    """One view over views of the same buffer, and each one's element offset in it."""
+    if not views or any(v.buffer is not views[0].buffer or v.offset % 4 for v in views):
+        raise DeviceError(f"lora_project_group: the {what} views must be 4-byte aligned views of one buffer")
+    start, end = min(v.offset for v in views), max(v.offset + v.nbytes for v in views)
+    return BufferView(views[0].buffer, start, end - start), tuple((v.offset - start) // 4 for v in views)
 
 
 def lora_expand(dev: Device, t: Any, b: Any, y: Any, n_tokens: int, d_out: int, r: int, scale: float) -> None:

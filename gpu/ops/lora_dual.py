@@ -11,7 +11,7 @@ from typing import Any
 
 from gpu.device import BufferView, Device, DeviceError, grid_1d
 from gpu.ops.common import nbytes, pack
-from gpu.ops.lora_matmul import scratch_for
+from gpu.ops.lora_matmul import reduce_params, scratch_for
 from gpu.registry import pipeline
 
 DUAL = False
@@ -48,5 +48,5 @@ def lora_dual(
         (dt, rows * r, col_tiles, 0, dt_floats, False),
         (db, cols * r, row_chunks, db0, db_floats, accumulate),
     ):
-        params = pack(n, r, splits, 0, r, 1, float(scale), acc)
+        params = reduce_params(n, r, splits, 0, r, 1, float(scale), acc)
         dev.dispatch(reduce, [params, BufferView(parts, 4 * first, 4 * size), out], grid_1d(math.ceil(n / 256)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gpu.codegen_lora import BM, LORA_GEMM_BK
@@ -55,6 +56,40 @@ def chunked(k: int, splits: int, bk: int) -> tuple[int, int]:
     return math.ceil(k / chunk), chunk
 
 
+MAX_GROUPS = 4  # column groups of one lora_matmul (lora_gemm.wgsl's b_go / c_go)
+
+
+def reduce_params(
+    count: int, n: int, splits: int, c_off: int, csm: int, csn: int, alpha: float, accumulate: bool, groups: Any = None
+) -> bytes:
+    """lora_reduce.wgsl's uniform: count = M * N outputs of N columns from `splits` partials, written like
+    lora_gemm's C (groups: ColumnGroups or None)."""
+    gw, _, c_go = _group_words(groups)
+    return pack(count, n, splits, c_off, csm, csn, float(alpha), accumulate, gw, 0, 0, 0, *c_go)
+
+
+@dataclass(frozen=True)
+class ColumnGroups:
+    """lora_matmul's columns in len(b_offsets) groups of `width`: column j is column j % width of group j // width,
+    whose B and C start b_offsets[g] / c_offsets[g] elements past the operand's and c_off (products that share A,
+    such as t = x A^T of the projections reading the same x, in one dispatch)."""
+
+    width: int
+    b_offsets: tuple[int, ...]
+    c_offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.width <= 0 or not 1 <= len(self.b_offsets) == len(self.c_offsets) <= MAX_GROUPS:
+            raise DeviceError(f"lora_matmul: column groups {self} (width > 0, 1..{MAX_GROUPS} of each offset)")
+
+
+def _group_words(groups: ColumnGroups | None) -> tuple[int, list[int], list[int]]:
+    if groups is None:
+        return 0, [0] * MAX_GROUPS, [0] * MAX_GROUPS
+    pad = [0] * (MAX_GROUPS - len(groups.b_offsets))
+    return groups.width, [*groups.b_offsets, *pad], [*groups.c_offsets, *pad]
+
+
 def lora_matmul(
     dev: Device,
     a: Operand,
@@ -70,15 +105,23 @@ def lora_matmul(
     csm: int | None = None,
     csn: int = 1,
     splits: int | None = None,
+    groups: ColumnGroups | None = None,
 ) -> None:
     """C(i, j) = c[c_off + i * csm + j * csn] (+)= alpha * A[i, :] . B[:, j] for i < m, j < n (csm defaults to n:
-    row-major). Tile width: 64 when n > 32 (expansions), else 16. `splits` overrides the reduction split (tests);
-    by default pick_splits chooses it from the shape."""
+    row-major; with groups, as ColumnGroups says). Tile width: 64 when n > 32 (expansions), else 16. `splits`
+    overrides the reduction split (tests); by default pick_splits chooses it from the shape."""
     if min(m, n) <= 0:
         return
     csm = n if csm is None else csm
-    check_operands("lora_matmul", a, b, m, n, k)
-    if nbytes(c) < 4 * (c_off + (m - 1) * csm + (n - 1) * csn + 1):
+    if groups is None:
+        check_operands("lora_matmul", a, b, m, n, k)
+        last_c = c_off + (m - 1) * csm + (n - 1) * csn
+    else:
+        if n != groups.width * len(groups.b_offsets):
+            raise DeviceError(f"lora_matmul: {n} columns are not {len(groups.b_offsets)} groups of {groups.width}")
+        check_operands("lora_matmul", a, replace(b, off=b.off + max(groups.b_offsets)), m, groups.width, k)
+        last_c = c_off + max(groups.c_offsets) + (m - 1) * csm + (groups.width - 1) * csn
+    if nbytes(c) < 4 * (last_c + 1):
         raise DeviceError(f"lora_matmul: output C ({m} x {n}, strides {csm}, {csn}) exceeds its buffer's {nbytes(c)} B")
     bn = 64 if n > 32 else 16
     bk = LORA_GEMM_BK[bn]
@@ -91,12 +134,13 @@ def lora_matmul(
         raise DeviceError(f"lora_matmul: {m} x {n} output needs a grid of {gx} x {gy} x {splits} (max 65535 each)")
     partial = splits > 1
     a_kfast, b_kfast = a.s1 == 1, b.s0 == 1
+    gw, b_go, c_go = _group_words(groups)
     params = pack(
         m, n, k, chunk, a.off, a.s0, a.s1, b.off, b.s0, b.s1, c_off, csm, csn, alpha, accumulate, partial,
-        a_kfast, b_kfast, 0, 0,
+        a_kfast, b_kfast, gw, 0, *b_go, *c_go,
     )  # fmt: skip
     out = scratch_for(dev, 4 * splits * m * n) if partial else c
     dev.dispatch(pipeline(dev, "lora_gemm", bn=bn), [params, a.buf, b.buf, out], (gx, gy, splits))
     if partial:
-        rparams = pack(m * n, n, splits, c_off, csm, csn, alpha, accumulate)
+        rparams = reduce_params(m * n, n, splits, c_off, csm, csn, alpha, accumulate, groups)
         dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, out, c], grid_1d(math.ceil(m * n / 256)))
