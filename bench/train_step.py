@@ -185,7 +185,7 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "row-wg-64": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 64),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
-    "lora-t-per-projection": ("gpu.model:GPUModel", "shared_lora_t", False),
+    "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
 }
 
 

@@ -259,7 +259,7 @@ class GPUModel:
 
     keeps_block_inputs = True  # every block's input stays in xs (a backward recomputes from them)
     saves_lora_t = False  # one t = x A^T per adapted projection, kept for a backward (GPUStudent)
-    shared_lora_t = True  # the t's of projections sharing an input in one product over it (_lora_t_shared)
+    shared_lora_inputs = True  # LoRA products over an input shared by projections as one (t = x A^T, dA = dt^T x)
     # int8: a projection's LoRA term (s t B^T forward, dt A R input gradient) in its integer GEMM's epilogue, on the
     # f16 tensor cores (off: passes of their own over y and dx; the Llama-3-8B step on an H100 4,702 vs 4,591
     # tokens/s, docs/benchmarks.md)
@@ -609,7 +609,7 @@ class GPUModel:
         (lora_project_group), when more than one is adapted and their t's are kept (saves_lora_t) and not already
         there (the backward's recompute replays them); returns whether it ran (their _proj then skip it)."""
         keys = [(layer, t) for t in targets if (layer, t) in self.layout.slots]
-        if not (self.shared_lora_t and self.saves_lora_t and len(keys) > 1) or self._replay_lora_t:
+        if not (self.shared_lora_inputs and self.saves_lora_t and len(keys) > 1) or self._replay_lora_t:
             return False
         a_views = [self._lora(*key, self.params)[0] for key in keys]
         t_views = [self._lora_t(*key) for key in keys]

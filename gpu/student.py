@@ -34,7 +34,7 @@ from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
 from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
-from gpu.ops.lora import lora_backward, lora_term
+from gpu.ops.lora import lora_backward, lora_da_group, lora_term
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers
 from gpu.ops.quantize_i8 import (
     glu_backward_i8,
@@ -49,6 +49,7 @@ from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import rope_backward
 from model.config import LORA_TARGETS
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
+from model.lora_layout import aligned_floats
 from model.reference import LoraPair, check_group_constant
 
 MAX_SKIPS_IN_A_ROW = 8  # consecutive non-finite steps before training stops (a diverged or overflowing run)
@@ -115,6 +116,7 @@ class GPUStudent(GPUModel):
             self.w8t = dev.buffer(w8_bytes, label="int8 weight transposed")
         self._dx_rotated: Any = None  # see _rotated_dx
         self._dx_codes: Int8Matrix | None = None  # see _norm_backward
+        self._dt_slots: Any = None  # see _dt_slot
         self._down_operand: Int8Matrix | None = None  # dL/dx_{l+1} times block l's down scales, from _norm_backward
         self._a_rotated: Any = None  # see _lora_term_back
         self._widest_input = max((self.cfg.target_shape(t)[1] for t in LORA_TARGETS), default=0)
@@ -248,11 +250,26 @@ class GPUStudent(GPUModel):
         d_in = self.cfg.target_shape(grads[0][1])[1]
         rot = self._rotation(d_in)
         summed = rot > 0 and all(self._int8_back(layer, target)[1] for _, target in grads)
+        keys = [(layer, target) for _, target in grads if (layer, target) in self.layout.slots]
+        shared = self.shared_lora_inputs and not self.lora_group and len(keys) > 1  # the LoRA dA's in one product
         for i, (dy, target) in enumerate(grads):
             operand = (operands or {}).get(target)
-            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed, dy_operand=operand)
+            slot = i if shared else None
+            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed, dy_operand=operand, dt_slot=slot)
         if summed:
             rotate_rows(self.dev, dx, self.rows, d_in, rot)
+        if shared:
+            dts = [self._dt_slot(i) for i, (_, target) in enumerate(grads) if (layer, target) in self.layout.slots]
+            das = [self._lora(*key, self.grads)[0] for key in keys]
+            lora_da_group(self.dev, x, dts, das, self.rows, d_in, self.layout.r, accumulate=self._acc_grads)
+
+    def _dt_slot(self, i: int) -> Any:
+        """The i-th of three [rows, r] slots for dt = s dY B, kept until the dA of projections sharing an input run
+        together (_proj_back_sum; allocated on first use)."""
+        size = aligned_floats(self.rows * self.layout.r)
+        if self._dt_slots is None:
+            self._dt_slots = self.dev.buffer(4 * 3 * size, label="lora dt of projections sharing an input")
+        return BufferView(self._dt_slots, 4 * i * size, 4 * self.rows * self.layout.r)
 
     def _int8_back(self, layer: int, target: str) -> tuple[Int8Matrix | None, bool]:
         """(W's int8 codes when the input gradient of (layer, target) runs on the integer GEMM, else None; whether
@@ -274,12 +291,15 @@ class GPUStudent(GPUModel):
         *,
         rotated: bool = False,
         dy_operand: Any = None,
+        dt_slot: int | None = None,
     ) -> None:
         """dx (+)= dY W for projection `target` of block `layer` (+ its LoRA's input gradient, and its LoRA
         gradients). rotated: leave dX R in dx (the caller rotates the sum back; integer GEMM over rotated codes, LoRA
         term in its epilogue). dy_operand: dY as its GEMM takes it, when its producer gave it: the integer operand
-        (an Int8Matrix: dY times W's row scales, as quantized here) or dY in f16 (the tensor cores)."""
+        (an Int8Matrix: dY times W's row scales, as quantized here) or dY in f16 (the tensor cores). dt_slot: dt
+        goes to that _dt_slot and the LoRA's dA is left to the caller (lora_da_group)."""
         d_out, d_in = self.cfg.target_shape(target)
+        dt = self.dt if dt_slot is None else self._dt_slot(dt_slot)
         w8, _ = self._int8_back(layer, target)
         ab = self._lora(layer, target, self.params)
         int8 = w8 is not None
@@ -288,7 +308,7 @@ class GPUStudent(GPUModel):
         rot = self._rotation(d_in) if int8 else 0
         in_gemm = int8 and self.transposed_input_grads and self._lora_in_gemm(d_in)
         if ab is not None and in_gemm:
-            self._lora_back(dy, x, layer, target, ab, None)
+            self._lora_back(dy, x, layer, target, ab, None, dt)
         if int8:
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding; over
             # rotated codes (W R) the GEMM gives dX R, rotated back (R^T) in place or from a scratch added to dx
@@ -300,7 +320,7 @@ class GPUStudent(GPUModel):
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
                 if ab is not None and in_gemm:
-                    term = self._lora_term_back(ab[0], d_in, rot)
+                    term = self._lora_term_back(ab[0], d_in, rot, dt)
 
             def gemm(out: Any, acc: bool) -> None:
                 if wt is not None:
@@ -316,9 +336,9 @@ class GPUStudent(GPUModel):
             a, kw = self._gemm_input(dy, d_out) if dy_operand is None else (dy_operand, {"a_dtype": "f16"})
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
         if ab is not None and not in_gemm:
-            self._lora_back(dy, x, layer, target, ab, dx)
+            self._lora_back(dy, x, layer, target, ab, dx, dt)
 
-    def _lora_term_back(self, a: Any, d_in: int, rot: int) -> LoraTerm:
+    def _lora_term_back(self, a: Any, d_in: int, rot: int, dt: Any) -> LoraTerm:
         """The input gradient's LoRA term dt . A for the integer GEMM's epilogue (dt = s dY B, from _lora_back), with
         A rotated like the weight codes (A R, into a scratch) when they are."""
         r = self.layout.r
@@ -327,7 +347,7 @@ class GPUStudent(GPUModel):
                 self._a_rotated = self.dev.buffer(4 * r * self._widest_input, label="lora A rotated")
             rotate_rows(self.dev, a, r, d_in, rot, out=self._a_rotated, forward=True)
             a = self._a_rotated
-        return lora_term(self.dev, self.dt, a, self.rows, d_in, r, 1.0, "cols", *self.lora16)
+        return lora_term(self.dev, dt, a, self.rows, d_in, r, 1.0, "cols", *self.lora16)
 
     def _rotated_dx(self, d_in: int) -> Any:
         """Scratch for an accumulated input gradient dX R of rows x d_in before its rotation back (allocated on
@@ -337,8 +357,9 @@ class GPUStudent(GPUModel):
             self._dx_rotated = self.dev.buffer(need, label="int8 input gradient, rotated")
         return self._dx_rotated
 
-    def _lora_back(self, dy: Any, x: Any, layer: int, target: str, ab: tuple[Any, Any], dx: Any) -> None:
-        """The LoRA gradients of (layer, target) and dt = s dY B into self.dt; dx += dt A unless dx is None."""
+    def _lora_back(self, dy: Any, x: Any, layer: int, target: str, ab: tuple[Any, Any], dx: Any, dt: Any) -> None:
+        """The LoRA gradients of (layer, target) (dA unless dt is a _dt_slot: lora_da_group) and dt = s dY B into
+        dt; dx += dt A unless dx is None."""
         d_out, d_in = self.cfg.target_shape(target)
         da, db = self._lora(layer, target, self.grads)
         lora_backward(
@@ -350,7 +371,7 @@ class GPUStudent(GPUModel):
             da,
             db,
             dx,
-            self.dt,
+            dt,
             self.rows,
             d_in,
             d_out,
@@ -359,6 +380,7 @@ class GPUStudent(GPUModel):
             accumulate_grads=self._acc_grads,
             group=self.lora_group,
             da_scratch=self.da_scratch,
+            with_da=dt is self.dt,
         )
 
     def _attention_back(

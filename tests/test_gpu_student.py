@@ -515,10 +515,11 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("precision", ["f32", "int8"])
-def test_shared_lora_t_is_one_product_per_input(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
-    """The LoRA t = x A^T of q, k, v (and of gate, up) in one product over their shared input (shared_lora_t, the
-    default): two lora_gemm dispatches fewer a block for q/k/v and one for gate/up, and the step's loss and
-    gradients within 1e-5 of the per-projection products' (the same sums, other tiles; int8 emulated)."""
+def test_shared_lora_inputs_is_one_product_per_input(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
+    """The LoRA products over the input that q, k, v (and gate, up) share, t = x A^T in the forward and dA = dt^T x
+    in the backward, one for all of them (shared_lora_inputs, the default): two lora_gemm dispatches fewer a block
+    for q/k/v and one for gate/up, each way, and the step's loss and gradients within 1e-5 of the per-projection
+    products' (the same sums, other tiles; int8 emulated)."""
     from gpu.ops import lora_matmul
     from gpu.ops.matmul_i8 import int8_emulation
 
@@ -536,11 +537,11 @@ def test_shared_lora_t_is_one_product_per_input(monkeypatch: pytest.MonkeyPatch,
         for shared in (True, False):
             counts.append(0)
             st = _precision_student(dev, weights, precision, FORWARD_KL)
-            st.shared_lora_t = shared
+            st.shared_lora_inputs = shared
             st.set_adapter(lora)
             st.write_batch(batch)
             runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
-    assert counts[1] - counts[0] == 3 * CFG.n_layers
+    assert counts[1] - counts[0] == 6 * CFG.n_layers
     assert abs(runs[0][0] - runs[1][0]) <= 1e-5 * abs(runs[1][0])
     assert _rel(runs[0][1], runs[1][1]) <= 1e-5
 

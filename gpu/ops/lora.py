@@ -15,7 +15,8 @@ H200 (2026-12-04, docs/benchmarks.md) the fused kernels made the TinyLlama-shape
 but the fused forward took 89 us at d 2048 x 2048 against 35 + 9 + 35 for the split one's three.
 lora_expand is the forward's second product alone, for a caller that kept t (the backward's recompute);
 lora_project its first alone, for the integer GEMM that adds the second in its epilogue (lora_project_group: the
-first products of the adapters whose projections share an input, in one pass over it); lora_term packs that
+first products of the adapters whose projections share an input, in one pass over it; lora_da_group their dA);
+lora_term packs that
 epilogue's f16 operands (gpu/ops/matmul_i8.py LoraTerm).
 lora_group_sum is a mergeable adapter's projection of dA (model/reference.py lora_group_project)."""
 
@@ -117,10 +118,34 @@ def lora_project_group(
         )
 
 
+def lora_da_group(
+    dev: Device,
+    x: Any,
+    dt: Sequence[BufferView],
+    da: Sequence[BufferView],
+    n_tokens: int,
+    d_in: int,
+    r: int,
+    *,
+    accumulate: bool = False,
+) -> None:
+    """dA_g [r, d_in] (+)= dt_g^T x for adapters whose projections share the input x, in one product over x
+    (lora_backward's dA for each, with_da=False there). dt_g [T, r]: views of one buffer; dA_g: views of one buffer
+    (the gradients)."""
+    dt_span, dt_offs = _span(dt, "dt")
+    da_span, da_offs = _span(da, "dA")
+    groups = ColumnGroups(r, dt_offs, da_offs)
+    with scope(dev, "lora"):
+        lora_matmul(
+            dev, transposed(x, d_in), row_major(dt_span, r), da_span, d_in, r * len(dt), n_tokens,
+            accumulate=accumulate, csm=1, csn=d_in, groups=groups,
+        )  # fmt: skip
+
+
 def _span(views: Sequence[BufferView], what: str) -> tuple[BufferView, tuple[int, ...]]:
     """One view over views of the same buffer, and each one's element offset in it."""
     if not views or any(v.buffer is not views[0].buffer or v.offset % 4 for v in views):
-        raise DeviceError(f"lora_project_group: the {what} views must be 4-byte aligned views of one buffer")
+        raise DeviceError(f"LoRA column groups: the {what} views must be 4-byte aligned views of one buffer")
     start, end = min(v.offset for v in views), max(v.offset + v.nbytes for v in views)
     return BufferView(views[0].buffer, start, end - start), tuple((v.offset - start) // 4 for v in views)
 
@@ -153,13 +178,15 @@ def lora_backward(
     fused: bool | None = None,
     group: int = 0,
     da_scratch: Any = None,
+    with_da: bool = True,
 ) -> None:
     """dB [out, r] = scale dy^T t; dt [T, r] (scratch) = scale dy B; dA [r, in] = dt^T x; dx [T, in] += dt A
     (dx None: not done here, the caller adds dt A itself: the integer GEMM's LoRA epilogue).
     accumulate_grads=True adds into dA / dB instead of overwriting them (gradient accumulation). fused=True: dt
     and dx in one dispatch (r <= 64); False: four products on lora_matmul; None: see the module docstring.
     group > 0 (a mergeable adapter): dt^T x goes to da_scratch ([r, in] floats at least) and dA gets its
-    group sums (lora_group_sum), the gradient of A's group values."""
+    group sums (lora_group_sum), the gradient of A's group values. with_da=False: no dA here (the caller runs
+    lora_da_group over the adapters sharing x)."""
     acc = accumulate_grads
     if group and da_scratch is None:
         raise DeviceError("lora_backward: a mergeable adapter (group > 0) needs da_scratch")
@@ -178,10 +205,10 @@ def lora_backward(
             else:
                 lora_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n_tokens, r, d_out, alpha=scale)
         # dA^T [in, r] = x^T dt, stored transposed into dA [r, in]
-        if group:
+        if with_da and group:
             lora_matmul(dev, transposed(x, d_in), row_major(dt, r), da_scratch, d_in, r, n_tokens, csm=1, csn=d_in)
             lora_group_sum(dev, da_scratch, da, r * d_in, group, accumulate=acc)
-        else:
+        elif with_da:
             lora_matmul(
                 dev, transposed(x, d_in), row_major(dt, r), da, d_in, r, n_tokens, accumulate=acc, csm=1, csn=d_in
             )
