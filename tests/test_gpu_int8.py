@@ -11,6 +11,8 @@ scale error is O(1)).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -246,6 +248,19 @@ def test_q4_k_codes_equal_the_generic_decode(
     np.testing.assert_array_equal(dev.read(fixed.codes, np.uint8), dev.read(fast.codes, np.uint8))
 
 
+def _bitwise_fused(dev: Device, separate: tuple[Any, Int8Matrix], fused: tuple[Any, Int8Matrix]) -> None:
+    """A fused kernel's f32 output and int8 operand are bitwise the separate kernel's and quantizer's; the codes reach
+    127 (the scale is each row's absmax)."""
+    (y_sep, sep), (y_fused, q) = separate, fused
+    for a, b, n in (
+        (y_sep, y_fused, 4 * q.rows * q.k),
+        (sep.codes, q.codes, q.rows * q.k),
+        (sep.scales, q.scales, 4 * q.rows),
+    ):
+        np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))
+    assert np.abs(dev.read(q.codes, np.int8, (q.rows, q.k))).max() == 127
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,rot,rows", [(256, 0, 3), (256, 128, 5), (4096, 128, 3), (4352, 0, 2), (2048, 32, 4)])
 def test_rmsnorm_i8_is_the_norm_then_the_quantizer(dev: Device, h: int, rot: int, rows: int) -> None:
@@ -264,13 +279,7 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(dev: Device, h: int, rot: int
     rmsnorm_forward(dev, xb, wb, y_sep, rows, h, 1e-5)
     quantize_i8_gpu(dev, y_sep, sep, rot=rot)
     rmsnorm_i8(dev, xb, wb, y_fused, fused, 1e-5, rot)
-    for a, b, n in (
-        (y_sep, y_fused, 4 * rows * h),
-        (sep.codes, fused.codes, rows * h),
-        (sep.scales, fused.scales, 4 * rows),
-    ):
-        np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))
-    assert np.abs(dev.read(fused.codes, np.int8, (rows, h))).max() == 127
+    _bitwise_fused(dev, (y_sep, sep), (y_fused, fused))
     if rot:
         wide = i8_buffers(dev, 1, 8192, 8192, "wide")
         with pytest.raises(DeviceError, match="rmsnorm_i8"):
@@ -299,13 +308,7 @@ def test_rmsnorm_backward_i8_is_the_norm_backward_then_the_quantizer(
     rmsnorm_backward(dev, dyb, xb, wb, dx_sep, rows, h, 1e-5, accumulate=residual)
     quantize_i8_gpu(dev, dx_sep, sep, col_scales=csb)
     rmsnorm_backward_i8(dev, dyb, xb, wb, dx_fused, fused, csb, 1e-5, residual=rb)
-    for a, b, n in (
-        (dx_sep, dx_fused, 4 * rows * h),
-        (sep.codes, fused.codes, rows * h),
-        (sep.scales, fused.scales, 4 * rows),
-    ):
-        np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))
-    assert np.abs(dev.read(fused.codes, np.int8, (rows, h))).max() == 127
+    _bitwise_fused(dev, (dx_sep, sep), (dx_fused, fused))
     # the gradient itself against float64 (the kernel's formula, not only its twin's)
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64) * w
     rstd = 1.0 / np.sqrt((x64**2).mean(1, keepdims=True) + 1e-5)
