@@ -186,6 +186,7 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
+    "rotation-pass": ("gpu.student:GPUStudent", "norm_turns_back", False),
 }
 
 
@@ -245,7 +246,7 @@ def bench_ours(args: argparse.Namespace) -> None:
         with Profiler(dev) as prof:
             for _ in range(args.profile_steps):
                 st.train_step(lr=args.lr)
-        emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=16))
+        emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=60))
     st = None  # frees the student's buffers before the next's (its objective refers back to it: a cycle)
     gc.collect()
     for name in [n for n in args.ab.split(",") if n]:
@@ -276,7 +277,7 @@ def bench_ours(args: argparse.Namespace) -> None:
     if args.profile:
         with Profiler(dev) as prof:
             teacher.topk(ids)
-        emit(what="profile", side="ours", of="teacher_topk", **prof.summary(1))
+        emit(what="profile", side="ours", of="teacher_topk", **prof.summary(1, top=30))
     _emit_own_memory(dev)
 
 

@@ -31,7 +31,7 @@ from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
 from gpu.ops.matmul_i8 import all_i8_variants
 from gpu.ops.matmul_tc import TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M, all_variants
-from model.int8 import ROTATIONS, ROW_WORKGROUPS
+from model.int8 import NORM_TURNED_MAX, ROTATIONS, ROW_WORKGROUPS
 from model.kd import KINDS
 
 BOOLS = (False, True)
@@ -260,11 +260,11 @@ KERNELS: dict[str, Kernel] = {
         lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
     ),
     # RMSNorm backward (+ a residual) and the int8 codes of its result times a projection's row scales in one pass
-    # (gpu/ops/quantize_i8.py rmsnorm_backward_i8)
+    # (gpu/ops/quantize_i8.py rmsnorm_backward_i8); rot: dY arrives rotated in blocks of rot, turned back first
     "rmsnorm_back_i8": Kernel(
         ("subgroups_directive", "workgroup_reduce", *_I8_PARTS, "rmsnorm_back_i8", "rows_rotated"),
-        {"tint": BOOLS},
-        lambda tint: {"ROT": 0, **_subgroups(tint)},
+        {"rot": ROTATIONS, "tint": BOOLS},
+        lambda rot, tint: {"ROT": rot, "DYR": NORM_TURNED_MAX if rot else 1, **_subgroups(tint)},
     ),
     "kd_stats": Kernel((*_ROWS, *_LSE, "kd_stats_plain", "kd_stats")),
     # the one-pass backward (gpu/ops/kd.py): pass 1 also emits each chunk's probabilities (in place, or f16)

@@ -49,6 +49,7 @@ from gpu.ops.rmsnorm import rmsnorm_backward, rmsnorm_forward
 from gpu.ops.rope import rope_backward
 from model.config import LORA_TARGETS
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, gradient_state
+from model.int8 import NORM_TURNED_MAX
 from model.lora_layout import aligned_floats
 from model.reference import LoraPair, check_group_constant
 
@@ -69,6 +70,9 @@ class GPUStudent(GPUModel):
     saves_lora_t = True  # the forward's t = x A^T serves the backward's recompute and the LoRA gradients
     int8_input_grads = True  # with precision int8, the projections' input gradients on the integer GEMM too
     transposed_input_grads = True  # ... on the forward's ("nt") GEMM over W's transposed codes (else "nn")
+    # int8: the RMSNorm backward turns the summed input gradients of q/k/v and gate/up (dX R) back itself
+    # (rmsnorm_backward_i8 dy_rot; bitwise) instead of a rotation pass over them
+    norm_turns_back = True
 
     def __init__(
         self,
@@ -241,12 +245,13 @@ class GPUStudent(GPUModel):
         layer: int,
         dx: Any,
         operands: Mapping[str, Any] | None = None,
-    ) -> None:
+    ) -> int:
         """dx = the sum of the input gradients of projections sharing the input x ((dY, target) each; operands:
         dY's GEMM operands by target where its producer gave them, integer or f16). Where each runs on the integer
-        GEMM over rotated codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx and one rotation turns
-        the sum back (one pass over dx instead of one per projection, each adding from a scratch); else one
-        _proj_back after the other."""
+        GEMM over rotated codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx, left so (the
+        rotation's block returned: the caller's _norm_backward turns it back) where norm_turns_back allows, else
+        turned back by one pass over dx (instead of one per projection, each adding from a scratch); else one
+        _proj_back after the other. Returns the rotation dx is left in (0: none)."""
         d_in = self.cfg.target_shape(grads[0][1])[1]
         rot = self._rotation(d_in)
         summed = rot > 0 and all(self._int8_back(layer, target)[1] for _, target in grads)
@@ -256,12 +261,16 @@ class GPUStudent(GPUModel):
             operand = (operands or {}).get(target)
             slot = i if shared else None
             self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed, dy_operand=operand, dt_slot=slot)
-        if summed:
-            rotate_rows(self.dev, dx, self.rows, d_in, rot)
         if shared:
             dts = [self._dt_slot(i) for i, (_, target) in enumerate(grads) if (layer, target) in self.layout.slots]
             das = [self._lora(*key, self.grads)[0] for key in keys]
             lora_da_group(self.dev, x, dts, das, self.rows, d_in, self.layout.r, accumulate=self._acc_grads)
+        if not summed:
+            return 0
+        if not self.norm_turns_back:
+            rotate_rows(self.dev, dx, self.rows, d_in, rot)
+            return 0
+        return rot
 
     def _dt_slot(self, i: int) -> Any:
         """The i-th of three [rows, r] slots for dt = s dY B, kept until the dA of projections sharing an input run
@@ -445,9 +454,9 @@ class GPUStudent(GPUModel):
         # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
         dg, du = a["s"], a["u"]
         operands = self._gated_backward(layer)
-        self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], operands)
+        rot = self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], operands)
         o_operand = self._norm_backward(
-            a["dn"], a["hres"], f"blk.{layer}.ffn_norm.weight", a["dh"], a["dx"], (layer, "o")
+            a["dn"], a["hres"], f"blk.{layer}.ffn_norm.weight", a["dh"], a["dx"], (layer, "o"), dy_rot=rot
         )
         # hres = x + pa(o(attn(rope(qn(q(n1))), rope(kn(k(n1))), v(n1)))), qn / kn: per-head RMSNorm (qwen3, gemma3)
         # or none, pa: the post-norm (gemma3) or none
@@ -477,22 +486,37 @@ class GPUStudent(GPUModel):
             dq, dk = a["q"], a["k"]
             rope_backward(dev, rope, a["dqr"], dq, rows, cfg.n_heads, positions=pos)
             rope_backward(dev, rope, a["dkr"], dk, rows, cfg.n_kv_heads, positions=pos)
-        self._proj_back_sum(((dq, "q"), (dk, "k"), (a["dv"], "v")), a["n1"], layer, a["dn"])
+        rot = self._proj_back_sum(((dq, "q"), (dk, "k"), (a["dv"], "v")), a["n1"], layer, a["dn"])
         below = (layer - 1, "down") if layer > self.layout.lowest_layer else None
-        self._down_operand = self._norm_backward(a["dn"], x, f"blk.{layer}.attn_norm.weight", a["dx"], a["dh"], below)
+        self._down_operand = self._norm_backward(
+            a["dn"], x, f"blk.{layer}.attn_norm.weight", a["dx"], a["dh"], below, dy_rot=rot
+        )
 
     def _norm_backward(
-        self, dy: Any, x: Any, weight: str, dx: Any, residual: Any, consumer: tuple[int, str] | None
+        self,
+        dy: Any,
+        x: Any,
+        weight: str,
+        dx: Any,
+        residual: Any,
+        consumer: tuple[int, str] | None,
+        *,
+        dy_rot: int = 0,
     ) -> Int8Matrix | None:
         """dx = residual + the RMSNorm `weight`'s input gradient of dy (rstd from x; residual None: none). dx is dY of
         projection consumer = (layer, "o" or "down") when given: where its input gradient runs on the integer GEMM
         with fused codes, dx's operand for it (dx times W's row scales) comes from the same pass and is returned, in
-        self.a8 for o, for down in a buffer of its own (it outlives the recompute of the block below)."""
+        self.a8 for o, for down in a buffer of its own (it outlives the recompute of the block below). dy_rot: dy
+        holds dY R (rotated in blocks of dy_rot, _proj_back_sum's sum): turned back in that pass where it runs, else
+        by a pass of its own first."""
         cfg, dev, rows, h = self.cfg, self.dev, self.rows, self.cfg.hidden
         norm = self.w.norms[weight]
         w8 = None
         if consumer is not None and self.fused_codes_i8 and not cfg.post_norms:
             w8 = self._int8_back(*consumer)[0]
+        if dy_rot and (w8 is None or h > NORM_TURNED_MAX):
+            rotate_rows(dev, dy, rows, h, dy_rot)
+            dy_rot = 0
         if w8 is None:
             if residual is not None:
                 dev.copy(residual, dx, 4 * rows * h)
@@ -504,7 +528,7 @@ class GPUStudent(GPUModel):
             if self._dx_codes is None:
                 self._dx_codes = i8_buffers(dev, rows, h, h, "int8 input gradient of down")
             out = self._dx_codes
-        rmsnorm_backward_i8(dev, dy, x, norm, dx, out, w8.scales, cfg.eps, residual=residual)
+        rmsnorm_backward_i8(dev, dy, x, norm, dx, out, w8.scales, cfg.eps, residual=residual, dy_rot=dy_rot)
         return out
 
     def _post_norm_back(self, layer: int, target: str, norm: str, dy: Any) -> Any:

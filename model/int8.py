@@ -23,6 +23,8 @@ ROTATED_MAX = 16384
 # at most SHORT_ROW values (a quarter of the registers' reach: more rows in flight per multiprocessor).
 ROW_WORKGROUPS = (64, 256)
 SHORT_ROW = 4096
+# The RMSNorm backward turns a rotated dY back in workgroup memory: rows of at most this many values (16 KiB).
+NORM_TURNED_MAX = 4096
 
 
 def check_chunk(k: int, chunk: int, *, what: str = "rows") -> int:

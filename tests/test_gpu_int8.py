@@ -287,28 +287,45 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(dev: Device, h: int, rot: int
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,rows,residual", [(256, 3, True), (4096, 2, True), (4352, 2, False), (64, 5, False)])
+@pytest.mark.parametrize(
+    "h,rows,residual,dy_rot",
+    [(256, 3, True, 0), (4096, 2, True, 0), (4352, 2, False, 0), (64, 5, False, 0), (256, 3, True, 128),
+     (4096, 2, True, 128), (96, 3, False, 32)],
+)  # fmt: skip
 def test_rmsnorm_backward_i8_is_the_norm_backward_then_the_quantizer(
-    dev: Device, h: int, rows: int, residual: bool
+    dev: Device, h: int, rows: int, residual: bool, dy_rot: int
 ) -> None:
     """rmsnorm_backward_i8 (the norm's input gradient, plus a residual, and its codes times column scales in one pass):
     bitwise rmsnorm_backward's gradient (dx holding the residual, accumulate) and quantize_i8_gpu's codes and scales
-    of it with col_scales, within the registers and longer (re-read); the residual as dx refused."""
+    of it with col_scales, within the registers and longer (re-read); the residual as dx refused. dy_rot: dy given
+    rotated (dY R), turned back in the kernel: bitwise rotate_rows then the same, dy itself untouched; rows longer
+    than NORM_TURNED_MAX refused."""
+    from gpu.ops.quantize_i8 import rotate_rows
     from gpu.ops.rmsnorm import rmsnorm_backward
+    from model.int8 import NORM_TURNED_MAX, hadamard_rows
 
-    rng = np.random.default_rng(h + rows)
+    rng = np.random.default_rng(h + rows + dy_rot)
     x, dy, r = (rng.standard_normal((rows, h)).astype(np.float32) for _ in range(3))
     dy[:, 5] *= 30.0
     w = rng.uniform(0.5, 1.5, h).astype(np.float32)
     cs = rng.uniform(0.001, 0.02, h).astype(np.float32)
-    xb, dyb, wb, csb = dev.upload(x), dev.upload(dy), dev.upload(w), dev.upload(cs)
+    given = hadamard_rows(dy, dy_rot).astype(np.float32) if dy_rot else dy  # what the summed GEMMs leave: dY R
+    xb, dyb, wb, csb, givenb = dev.upload(x), dev.upload(given), dev.upload(w), dev.upload(cs), dev.upload(given)
+    if dy_rot:
+        rotate_rows(dev, dyb, rows, h, dy_rot)  # the separate pass the fused kernel replaces
     rb = dev.upload(r) if residual else None
     dx_sep, dx_fused = dev.upload(r if residual else np.zeros_like(r)), dev.buffer(x.nbytes)
     sep, fused = i8_buffers(dev, rows, h, h, "separate"), i8_buffers(dev, rows, h, h, "fused")
     rmsnorm_backward(dev, dyb, xb, wb, dx_sep, rows, h, 1e-5, accumulate=residual)
     quantize_i8_gpu(dev, dx_sep, sep, col_scales=csb)
-    rmsnorm_backward_i8(dev, dyb, xb, wb, dx_fused, fused, csb, 1e-5, residual=rb)
+    rmsnorm_backward_i8(dev, givenb, xb, wb, dx_fused, fused, csb, 1e-5, residual=rb, dy_rot=dy_rot)
     _bitwise_fused(dev, (dx_sep, sep), (dx_fused, fused))
+    np.testing.assert_array_equal(dev.read(givenb, np.float32, (rows, h)), given)
+    if dy_rot:
+        wide = i8_buffers(dev, 1, 2 * NORM_TURNED_MAX, 2 * NORM_TURNED_MAX, "wide")
+        big = dev.buffer(8 * NORM_TURNED_MAX)
+        with pytest.raises(DeviceError, match="rotated dy"):
+            rmsnorm_backward_i8(dev, big, big, big, dev.buffer(8 * NORM_TURNED_MAX), wide, big, 1e-5, dy_rot=dy_rot)
     # the gradient itself against float64 (the kernel's formula, not only its twin's)
     x64, dy64 = x.astype(np.float64), dy.astype(np.float64) * w
     rstd = 1.0 / np.sqrt((x64**2).mean(1, keepdims=True) + 1e-5)

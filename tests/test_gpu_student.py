@@ -514,6 +514,47 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
+def test_int8_norm_turns_back_the_summed_input_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RMSNorm backward turning the summed q/k/v and gate/up input gradients (dX R) back itself (norm_turns_back,
+    the default) against a rotation pass over them first: bitwise the same loss and gradients (emulated integer
+    GEMMs), and two rotation passes fewer a block (the lowest block's attention norm, whose gradient feeds no
+    integer GEMM, keeps its pass). k and v 32 wide here, so that their input gradients join q's on the integer GEMM."""
+    import dataclasses
+    import sys
+
+    from gpu.ops import quantize_i8
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    wide = dataclasses.replace(CFG, hidden=64, head_dim=16)
+    monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
+    dev = device_or_skip()
+    w, lora, batch = _kd_problem(3, Q.Q4_0)
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    runs, ran = [], []
+    real = quantize_i8.pipeline
+
+    def spy(dev: object, name: str, **variant: object) -> object:
+        ran[-1].append((name, variant.get("mode"), variant.get("rot")))
+        return real(dev, name, **variant)
+
+    monkeypatch.setattr(quantize_i8, "pipeline", spy)
+    with int8_emulation(dev):
+        for turns in (True, False):
+            ran.append([])
+            st = _precision_student(dev, weights, "int8", FORWARD_KL)
+            st.norm_turns_back = turns
+            st.set_adapter(lora)
+            st.write_batch(batch)
+            runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
+        assert GPUStudent.norm_turns_back
+    backs = [sum(name == "hadamard_rows" and mode == "back" for name, mode, _ in r) for r in ran]
+    assert backs[1] - backs[0] == 2 * wide.n_layers - 1
+    turned = [rot for name, _, rot in ran[0] if name == "rmsnorm_back_i8"]
+    assert turned == [0, 64, 64, 64]  # the output norm, block 1's two norms, block 0's ffn norm
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
 @pytest.mark.parametrize("precision", ["f32", "int8"])
 def test_shared_lora_inputs_is_one_product_per_input(monkeypatch: pytest.MonkeyPatch, precision: str) -> None:
     """The LoRA products over the input that q, k, v (and gate, up) share, t = x A^T in the forward and dA = dt^T x

@@ -14,6 +14,11 @@ fn codes_of_row(lid: u32, units: u32, q0: u32, col0: u32) -> f32 {
     if (ROT > 0u) {
         return rotated_codes_of_row(lid, units, q0, col0);
     }
+    return plain_codes_of_row(lid, units, q0);
+}
+
+// codes_of_row of a row that is not rotated (whatever ROT: a kernel whose rotation is of another operand calls it)
+fn plain_codes_of_row(lid: u32, units: u32, q0: u32) -> f32 {
     var v: array<vec4<f32>, PER>;
     var m = 0.0;
     for (var j = 0u; j < PER; j++) {

@@ -16,7 +16,7 @@ from gpu.ops.common import grid, nbytes, pack
 from gpu.ops.matmul_i8 import Int8Matrix, i8_buffers
 from gpu.registry import pipeline
 from gpu.weights import QuantTensor
-from model.int8 import ROTATED_MAX, ROTATIONS, SHORT_ROW
+from model.int8 import NORM_TURNED_MAX, ROTATED_MAX, ROTATIONS, SHORT_ROW
 
 
 def tint(dev: Device) -> bool:
@@ -100,14 +100,22 @@ def rmsnorm_backward_i8(
     col_scales: Any,
     eps: float,
     residual: Any = None,
+    *,
+    dy_rot: int = 0,
 ) -> None:
     """dx[out.rows, out.k] = the RMSNorm's input gradient (weight w, rstd recomputed from x) applied to dy, plus
     residual when given (bitwise rmsnorm_backward's with dx = residual and accumulate), and out <- the int8 codes and
     per-row scales of dx * col_scales (the consuming projection's weight row scales; bitwise quantize_i8_gpu's with
-    col_scales), in one pass over each row (gpu/kernels/rmsnorm_back_i8.wgsl). residual must not be dx."""
+    col_scales), in one pass over each row (gpu/kernels/rmsnorm_back_i8.wgsl). residual must not be dx. dy_rot: dy
+    holds dY R, rotated in blocks of dy_rot (rows of at most NORM_TURNED_MAX): turned back first, bitwise
+    rotate_rows's, dy itself unchanged."""
     rows, h = out.rows, out.k
     if h % 4 or out.chunks != 1:
         raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: rows of {h} in {out.chunks} chunks")
+    if dy_rot:
+        check_rotation(dy_rot, h, f"rmsnorm_backward_i8 of {out.name!r}")
+        if h > NORM_TURNED_MAX:
+            raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: a rotated dy of rows of {h} > {NORM_TURNED_MAX}")
     named = [
         (dy, rows * h, "dy"),
         (x, rows * h, "x"),
@@ -122,7 +130,7 @@ def rmsnorm_backward_i8(
             raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * n}")
     if residual is dx:
         raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: the residual must be another buffer than dx")
-    pipe = pipeline(dev, "rmsnorm_back_i8", tint=tint(dev))
+    pipe = pipeline(dev, "rmsnorm_back_i8", rot=dy_rot, tint=tint(dev))
     r = dy if residual is None else residual
     prm = pack(rows, h, float(eps), residual is not None)
     dev.dispatch(pipe, [prm, dy, x, w, r, dx, col_scales, out.codes, out.scales], grid(rows, 1))
