@@ -3,6 +3,8 @@ then AdamW steps that reduce the loss, and bitwise reproducibility."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
@@ -477,12 +479,9 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
-def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass, the SwiGLU's
-    backward its gradients', and the RMSNorms' backward the o and down projections' dY operands (fused_codes_i8, the
-    default), and with the quantizer reading them back: bitwise the same loss and gradients (emulated integer
-    GEMMs); fused, the only scaled quantizers left are q/k/v's."""
-    from gpu.model import GPUModel
+def _spied_int8_runs(monkeypatch: pytest.MonkeyPatch, switch: str, record: Any) -> tuple[list, list]:
+    """The emulated int8 step of _kd_problem(3) with the student's attribute `switch` on, then off: (loss and packed
+    gradients of each, record(name, variant) of each gpu/ops/quantize_i8.py pipeline each asked for)."""
     from gpu.ops import quantize_i8
     from gpu.ops.matmul_i8 import int8_emulation
 
@@ -493,19 +492,32 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
     real = quantize_i8.pipeline
 
     def spy(dev: object, name: str, **variant: object) -> object:
-        ran[-1].append(name + ("_scaled" if variant.get("scaled") else ""))
+        ran[-1].append(record(name, variant))
         return real(dev, name, **variant)
 
     monkeypatch.setattr(quantize_i8, "pipeline", spy)
     with int8_emulation(dev):
-        for fused in (True, False):
+        for on in (True, False):
             ran.append([])
             st = _precision_student(dev, weights, "int8", FORWARD_KL)
-            st.fused_codes_i8 = fused
+            setattr(st, switch, on)
             st.set_adapter(lora)
             st.write_batch(batch)
             runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
-        assert GPUModel.fused_codes_i8
+    return runs, ran
+
+
+def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass, the SwiGLU's
+    backward its gradients', and the RMSNorms' backward the o and down projections' dY operands (fused_codes_i8, the
+    default), and with the quantizer reading them back: bitwise the same loss and gradients (emulated integer
+    GEMMs); fused, the only scaled quantizers left are q/k/v's."""
+    from gpu.model import GPUModel
+
+    runs, ran = _spied_int8_runs(
+        monkeypatch, "fused_codes_i8", lambda name, variant: name + ("_scaled" if variant.get("scaled") else "")
+    )
+    assert GPUModel.fused_codes_i8
     blocks = CFG.n_layers
     assert ran[0].count("rmsnorm_back_i8") == 2 * blocks and "rmsnorm_back_i8" not in ran[1]
     # o's, down's, gate's and up's dY quantizers, a block
@@ -522,31 +534,12 @@ def test_int8_norm_turns_back_the_summed_input_gradients(monkeypatch: pytest.Mon
     import dataclasses
     import sys
 
-    from gpu.ops import quantize_i8
-    from gpu.ops.matmul_i8 import int8_emulation
-
     wide = dataclasses.replace(CFG, hidden=64, head_dim=16)
     monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
-    dev = device_or_skip()
-    w, lora, batch = _kd_problem(3, Q.Q4_0)
-    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
-    runs, ran = [], []
-    real = quantize_i8.pipeline
-
-    def spy(dev: object, name: str, **variant: object) -> object:
-        ran[-1].append((name, variant.get("mode"), variant.get("rot")))
-        return real(dev, name, **variant)
-
-    monkeypatch.setattr(quantize_i8, "pipeline", spy)
-    with int8_emulation(dev):
-        for turns in (True, False):
-            ran.append([])
-            st = _precision_student(dev, weights, "int8", FORWARD_KL)
-            st.norm_turns_back = turns
-            st.set_adapter(lora)
-            st.write_batch(batch)
-            runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
-        assert GPUStudent.norm_turns_back
+    runs, ran = _spied_int8_runs(
+        monkeypatch, "norm_turns_back", lambda name, variant: (name, variant.get("mode"), variant.get("rot"))
+    )
+    assert GPUStudent.norm_turns_back
     backs = [sum(name == "hadamard_rows" and mode == "back" for name, mode, _ in r) for r in ran]
     assert backs[1] - backs[0] == 2 * wide.n_layers - 1
     turned = [rot for name, _, rot in ran[0] if name == "rmsnorm_back_i8"]
