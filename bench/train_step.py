@@ -187,6 +187,7 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
     "rotation-pass": ("gpu.student:GPUStudent", "norm_turns_back", False),
+    "rope-pass": ("gpu.model:GPUModel", "rope_in_pack", False),
 }
 
 

@@ -436,6 +436,11 @@ def pack_source(scaled: bool) -> str:
     return text + ("\n" + kernel_text("grad_scale.wgsl") if scaled else "")
 
 
+def pack_rope_source(neox: bool) -> str:
+    """pack_f16_rope: attention's q or k packed to f16 with RoPE applied on the way (NEOX pairs or adjacent ones)."""
+    return fill(kernel_text("pack_f16_rope.wgsl"), NEOX="true" if neox else "false")
+
+
 def delta_source(head_dim: int) -> str:
     """attention_tc_delta for one head dim."""
     return fill(kernel_text("attention_tc_delta.wgsl"), DV=head_dim // 4)

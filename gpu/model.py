@@ -29,7 +29,7 @@ from gpu.device import BufferView, Device, DeviceError, Tape
 from gpu.headroom import free_bytes
 from gpu.ops.add import add, add_bias, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
-from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
+from gpu.ops.attention_tc import RopeAt, attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
@@ -272,6 +272,9 @@ class GPUModel:
     # int8: the block's RMSNorms and gated unit give their outputs' int8 codes in the same pass (gpu/ops/quantize_i8.py
     # rmsnorm_i8, glu_i8; bitwise the separate quantizer's) instead of a quantizer reading them back
     fused_codes_i8 = True
+    # tensor-core attention: q and k RoPE'd as they are packed to f16 (the same operands, bitwise) instead of a
+    # RoPE pass writing f32 copies that the pack reads back
+    rope_in_pack = True
 
     def __init__(
         self,
@@ -697,11 +700,18 @@ class GPUModel:
                 else:
                     self.dev.copy(self.a[slot], src, n, at, packed)
 
+    def _rope_in_pack(self, layer: int) -> bool:
+        """Whether block `layer`'s RoPE is applied as the tensor-core attention packs q and k (no f32 copy of the
+        RoPE'd q and k): batched tensor-core attention, and not a kept block (whose backward packs them again)."""
+        return self.rope_in_pack and self.batched_attention and layer not in self._kept
+
     def _rope_table(self, layer: int) -> RopeTable:
         """Block `layer`'s RoPE table: the sliding-window blocks' own (gemma3) or the model's."""
         return self._local_rope if self._local_rope is not None and self.cfg.window(layer) else self.rope
 
-    def _attention(self, q: Any, k: Any, v: Any, out: Any, layer: int) -> None:
+    def _attention(self, q: Any, k: Any, v: Any, out: Any, layer: int, rope: RopeAt | None = None) -> None:
+        """out = attention of block `layer` over q, k, v (rope: q and k before RoPE, applied as the tensor-core
+        kernels pack them; only where _rope_in_pack says so)."""
         cfg, seq_len = self.cfg, self.seq_len
         if self.batched_attention:
             self._attention_fwd(
@@ -715,6 +725,7 @@ class GPUModel:
                 *self._heads(),
                 n_seqs=self.batch,
                 lse_stride=self.seq_lse,
+                **({} if rope is None else {"rope": rope}),
             )
             return
         ins = ((q, "aq"), (k, "ak"), (v, "av"))
@@ -757,9 +768,12 @@ class GPUModel:
             )
             q, k = a["qn"], a["kn"]
         rope = self._rope_table(layer)
-        rope_forward(dev, rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
-        rope_forward(dev, rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
-        self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
+        if self._rope_in_pack(layer):
+            self._attention(q, k, a["v"], a["att"], layer, rope=RopeAt(rope, pos))
+        else:
+            rope_forward(dev, rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
+            rope_forward(dev, rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
+            self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
         self._post_normed(layer, "o", "post_attention_norm")
         add(dev, x, a["tmp"], a["hres"], rows * h)
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])

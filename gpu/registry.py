@@ -342,6 +342,7 @@ _TC_HEAD_DIM = {"head_dim": attention_tc.ATTENTION_TC_HEAD_DIMS}
 # Tensor-core op kernels (Dawn only: subgroup matrices / subgroups): gpu/ops/attention_tc.py, gpu/ops/half.py.
 TC_KERNELS: dict[str, GeneratedKernel] = {
     "pack_f16": GeneratedKernel(attention_tc.pack_source, {"scaled": BOOLS}),
+    "pack_f16_rope": GeneratedKernel(attention_tc.pack_rope_source, {"neox": BOOLS}),
     "attention_tc_delta": GeneratedKernel(attention_tc.delta_source, _TC_HEAD_DIM),
     "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_HEAD_DIM),
     # 8 subgroups (128 query rows) sharing each staged key tile, head dim 128 (attention_tc.py FORWARD_SUBGROUPS)

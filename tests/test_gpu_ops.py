@@ -79,6 +79,35 @@ def test_rope(dev: Device, t: int, nh: int, start: int, use_buf: bool) -> None:
     rope_matches_reference(dev, np.random.default_rng(t + nh), t, nh, 16, 10000.0, start, use_buf)
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_attention_pack_with_rope_is_rope_then_pack(dev: Device, neox: bool) -> None:
+    """The tensor-core attention's q/k packs with RoPE applied on the way (attention_tc._pack_roped): bitwise the f16
+    pack of rope_forward's output, every sequence of a batch at its rows' positions (shuffled), the padding rows zero
+    (over a destination full of garbage); a table of another head dim refused."""
+    from gpu.ops.attention_tc import RopeAt, _pack, _pack_roped, padded_rows
+    from gpu.ops.rope import RopeTable, rope_forward
+
+    if "shader-f16" not in dev.features:
+        pytest.skip("adapter without shader-f16")
+    rng = np.random.default_rng(11 + neox)
+    b, t, heads, d = 3, 21, 2, 16
+    x = (rng.standard_normal((b * t, heads, d)) * 3).astype(np.float32)
+    positions = np.concatenate([rng.permutation(40)[:t] for _ in range(b)]).astype(np.uint32)
+    table = RopeTable.build(dev, d, 10000.0, 64, neox=neox)
+    xb, pos = up(dev, x), up(dev, positions, np.uint32)
+    roped = dev.buffer(x.nbytes)
+    rope_forward(dev, table, xb, roped, b * t, heads, positions=pos)
+    n16 = b * padded_rows(t) * heads * d
+    want, got = dev.buffer(2 * n16), up(dev, rng.integers(1, 2**15, n16).astype(np.uint16), np.uint16)
+    _pack(dev, roped, want, t, heads, d, b)
+    _pack_roped(dev, xb, got, RopeAt(table, pos), t, heads, d, b)
+    w, g = dev.read(want, np.uint16, (n16,)), dev.read(got, np.uint16, (n16,))
+    np.testing.assert_array_equal(g, w)
+    assert not w.reshape(b, padded_rows(t), -1)[:, t:].any() and w.reshape(b, padded_rows(t), -1)[:, :t].any()
+    with pytest.raises(ValueError, match="head dim"):
+        _pack_roped(dev, xb, got, RopeAt(table, pos), t, heads * 2, d // 2, b)
+
+
 @pytest.mark.parametrize("t,hq,hkv,d", [(1, 3, 1, 16), (70, 3, 1, 16), (37, 2, 2, 8), (5, 2, 1, 64)])
 def test_attention(dev: Device, t: int, hq: int, hkv: int, d: int) -> None:
     rng = np.random.default_rng(t * 7 + hq + d)

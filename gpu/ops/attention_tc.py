@@ -30,6 +30,7 @@ from gpu.device import Device, DeviceError
 from gpu.ops.attention import check_tensors
 from gpu.ops.common import grid, need, pack
 from gpu.ops.matmul_tc import tensor_core_problem
+from gpu.ops.rope import RopeTable
 from gpu.registry import pipeline
 
 PAD_ROWS = 128  # packed operands carry this many zero rows past T rounded up to 16 (a workgroup's rows at most)
@@ -39,6 +40,14 @@ FORWARD_SUBGROUPS = 4
 # the backward's passes with S and dP side by side in workgroup memory (4 barriers a key or query tile instead of 6;
 # the dQ pass at head dim 128 only): opt-in until measured (bench/attention.py --paired-backward)
 PAIRED_BACKWARD = False
+
+
+@dataclass(frozen=True)
+class RopeAt:
+    """RoPE for the forward's q and k packs: the table, and each row's position (u32 [rows], rope_forward's)."""
+
+    table: RopeTable
+    positions: Any
 
 
 def padded_rows(seq_len: int) -> int:
@@ -113,9 +122,38 @@ def _pack(dev: Device, src: Any, dst: Any, t: int, heads: int, d: int, b: int, s
     dev.dispatch(pipe, bindings, grid(total, 256)[:2] + (b,))
 
 
-def _pack_qkv(dev: Device, s: AttentionTCScratch, q: Any, k: Any, v: Any, t: int, hq: int, hkv: int, d: int, b: int):
-    _pack(dev, q, s.q16, t, hq, d, b)
-    _pack(dev, k, s.k16, t, hkv, d, b)
+def _pack_roped(dev: Device, src: Any, dst: Any, rope: RopeAt, t: int, heads: int, d: int, b: int) -> None:
+    """dst as _pack gives it, of src with RoPE (rope_forward at rope.positions) applied on the way: the same f16."""
+    table = rope.table
+    if table.head_dim != d:
+        raise ValueError(f"attention: a RoPE table of head dim {table.head_dim} for heads of {d}")
+    need(rope.positions, b * t, "attention rope positions")
+    pairs = padded_rows(t) * heads * d // 2
+    prm = pack(t, padded_rows(t), heads, d, table.n_positions, 0, 0, 0)
+    bindings = [prm, table.buffer, src, dst, rope.positions]
+    dev.dispatch(pipeline(dev, "pack_f16_rope", neox=table.neox), bindings, grid(pairs, 64)[:2] + (b,))
+
+
+def _pack_qkv(
+    dev: Device,
+    s: AttentionTCScratch,
+    q: Any,
+    k: Any,
+    v: Any,
+    t: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    b: int,
+    rope: RopeAt | None = None,
+) -> None:
+    """The f16 operands of q, k, v (rope: q and k RoPE'd on the way)."""
+    if rope is None:
+        _pack(dev, q, s.q16, t, hq, d, b)
+        _pack(dev, k, s.k16, t, hkv, d, b)
+    else:
+        _pack_roped(dev, q, s.q16, rope, t, hq, d, b)
+        _pack_roped(dev, k, s.k16, rope, t, hkv, d, b)
     _pack(dev, v, s.v16, t, hkv, d, b)
 
 
@@ -146,15 +184,17 @@ def attention_forward_tc(
     head_dim: int,
     n_seqs: int = 1,
     lse_stride: int | None = None,
+    rope: RopeAt | None = None,
 ) -> None:
     """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v on tensor cores; lse [Hq, T] (f32) for the backward.
     Same arguments as gpu.ops.attention.attention_forward, plus a batch: n_seqs sequences of seq_len laid end
-    to end in q, k, v, out, and lse's [Hq, T] per sequence lse_stride floats apart (default Hq T)."""
+    to end in q, k, v, out, and lse's [Hq, T] per sequence lse_stride floats apart (default Hq T). rope: q and k
+    are given before RoPE, applied as they are packed (the f16 operands bitwise those of rope_forward's output)."""
     t, hq, hkv, d, b = seq_len, n_heads, n_kv_heads, head_dim, n_seqs
     _check(dev, t, hq, hkv, d, b)
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, q=q, k=k, v=v, out=out)
     s = scratch_for(dev, t, hq, hkv, d, b)
-    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
+    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b, rope)
     wide = FORWARD_SUBGROUPS == WIDE_FORWARD_SUBGROUPS and d == 128
     pipe = pipeline(dev, "attention_tc_forward8" if wide else "attention_tc_forward", head_dim=d)
     grid_rows = (math.ceil(t / workgroup_rows(FORWARD_SUBGROUPS if wide else 4)), hq, b)
