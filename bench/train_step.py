@@ -179,14 +179,15 @@ def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.
 # run's other flags (name: the module or class and attribute, and the value to try); "baseline" re-times those
 AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "kd-two-pass": ("gpu.ops.kd", "ONE_PASS", False),
-    "attention-forward8": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 8),
-    "attention-paired": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", True),
+    "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
+    "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
-    "row-wg-64": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 64),
+    "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
-    "rotation-pass": ("gpu.student:GPUStudent", "norm_turns_back", False),
+    "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),
+    "norm-turns-back": ("gpu.student:GPUStudent", "norm_turns_back", True),
     "rope-pass": ("gpu.model:GPUModel", "rope_in_pack", False),
 }
 
@@ -579,8 +580,8 @@ _CHOICES = (
         "--int8-fused-codes",
         ("on", "off"),
         "on",
-        "int8: the RMSNorms write their outputs' int8 codes in the same pass, the engine's default (off: the quantizer "
-        "reads them back)",
+        "int8: the RMSNorms and the gated unit write their outputs' int8 codes in the same pass, the engine's default "
+        "(off: the quantizer reads them back; the backward's: --ab fused-grad-codes)",
     ),
     (
         "--int8-input-grads",
@@ -644,14 +645,16 @@ def main() -> None:
         "--attention-forward-subgroups",
         type=int,
         choices=(4, 8),
-        default=4,
-        help="tensor cores, head dim 128: subgroups a workgroup of the attention forward (gpu/ops/attention_tc.py)",
+        default=None,
+        help="tensor cores, head dim 128: subgroups a workgroup of the attention forward (gpu/ops/attention_tc.py; "
+        "default: the engine's)",
     )
     p.add_argument(
         "--attention-paired-backward",
         choices=("on", "off"),
-        default="off",
-        help="tensor cores: the attention backward with S and dP side by side (gpu/ops/attention_tc.py)",
+        default=None,
+        help="tensor cores: the attention backward with S and dP side by side (gpu/ops/attention_tc.py; default: the "
+        "engine's)",
     )
     p.add_argument(
         "--kept-blocks",
@@ -700,8 +703,10 @@ def main() -> None:
         GPUModel.fused_codes_i8 = args.int8_fused_codes == "on"
         from gpu.ops import attention_tc
 
-        attention_tc.FORWARD_SUBGROUPS = args.attention_forward_subgroups
-        attention_tc.PAIRED_BACKWARD = args.attention_paired_backward == "on"
+        if args.attention_forward_subgroups:
+            attention_tc.FORWARD_SUBGROUPS = args.attention_forward_subgroups
+        if args.attention_paired_backward:
+            attention_tc.PAIRED_BACKWARD = args.attention_paired_backward == "on"
         from gpu.ops import kd
 
         kd.ONE_PASS = args.kd_one_pass == "on"

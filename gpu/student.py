@@ -70,9 +70,15 @@ class GPUStudent(GPUModel):
     saves_lora_t = True  # the forward's t = x A^T serves the backward's recompute and the LoRA gradients
     int8_input_grads = True  # with precision int8, the projections' input gradients on the integer GEMM too
     transposed_input_grads = True  # ... on the forward's ("nt") GEMM over W's transposed codes (else "nn")
-    # int8: the RMSNorm backward turns the summed input gradients of q/k/v and gate/up (dX R) back itself
-    # (rmsnorm_backward_i8 dy_rot; bitwise) instead of a rotation pass over them
-    norm_turns_back = True
+    # int8: the backward's RMSNorms and gated unit give the next input-gradient GEMMs' operands (dX times W's row
+    # scales, int8) in the same pass (rmsnorm_backward_i8, glu_backward_i8; bitwise the separate quantizers'). Off:
+    # on an H100 (2026-12-06, docs/benchmarks.md) those row kernels cost more than the passes they replace (the
+    # 8B step 5,118 tokens/s with them off against 4,808 on; rmsnorm_back_i8 59 ms against ~25)
+    fused_grad_codes_i8 = False
+    # ... and with them, the RMSNorm backward turns the summed input gradients of q/k/v and gate/up (dX R) back
+    # itself (rmsnorm_backward_i8 dy_rot; bitwise) instead of a rotation pass over them (H100: 4,808 against 4,995
+    # tokens/s with the pass, fused_grad_codes_i8 on): off
+    norm_turns_back = False
 
     def __init__(
         self,
@@ -220,11 +226,11 @@ class GPUStudent(GPUModel):
     def _gated_backward(self, layer: int) -> dict[str, Any]:
         """The gated unit's backward: dL/dgate into a["s"], dL/dup over a["u"], and where the projections' input
         gradients take them, both gradients as their GEMMs' operands from the same pass, by target: integer
-        (int8 input gradients and fused_codes_i8: glu_backward_i8, the two in self.a8), or f16 (tensor cores: the
-        two in self.a16); else none ({})."""
+        (int8 input gradients and fused_grad_codes_i8: glu_backward_i8, the two in self.a8), or f16 (tensor cores:
+        the two in self.a16); else none ({})."""
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
         wg, wu = (self._int8_back(layer, target)[0] for target in ("gate", "up"))
-        if self.fused_codes_i8 and wg is not None and wu is not None:
+        if self.fused_grad_codes_i8 and wg is not None and wu is not None:
             pair = i8_pair(*self.a8, rows, cfg.ffn, dev.offset_alignment, "gated unit gradients")
             act = "geglu" if cfg.activation == "gelu_tanh" else "swiglu"
             glu_backward_i8(dev, act, a["ds"], a["g"], a["u"], a["s"], wg.scales, wu.scales, *pair)
@@ -512,7 +518,7 @@ class GPUStudent(GPUModel):
         cfg, dev, rows, h = self.cfg, self.dev, self.rows, self.cfg.hidden
         norm = self.w.norms[weight]
         w8 = None
-        if consumer is not None and self.fused_codes_i8 and not cfg.post_norms:
+        if consumer is not None and self.fused_grad_codes_i8 and not cfg.post_norms:
             w8 = self._int8_back(*consumer)[0]
         if dy_rot and (w8 is None or h > NORM_TURNED_MAX):
             rotate_rows(dev, dy, rows, h, dy_rot)

@@ -35,11 +35,13 @@ from gpu.registry import pipeline
 
 PAD_ROWS = 128  # packed operands carry this many zero rows past T rounded up to 16 (a workgroup's rows at most)
 # the forward's subgroups a workgroup at head dim 128: 4 (64 query rows), or WIDE_FORWARD_SUBGROUPS (128 rows sharing
-# each staged key tile: attention_tc_forward8; bench/attention.py --forward-subgroups measures both)
-FORWARD_SUBGROUPS = 4
+# each staged key tile: attention_tc_forward8; bench/attention.py --forward-subgroups measures both). 8: the 8B step
+# on an H100 (2026-12-06) 4,831 against 4,808 tokens/s, the forward 25.0 against 30.8 ms
+FORWARD_SUBGROUPS = 8
 # the backward's passes with S and dP side by side in workgroup memory (4 barriers a key or query tile instead of 6;
-# the dQ pass at head dim 128 only): opt-in until measured (bench/attention.py --paired-backward)
-PAIRED_BACKWARD = False
+# the dQ pass at head dim 128 only; bench/attention.py --paired-backward): on, the H100's 8B step 4,839 against
+# 4,808 tokens/s, the backward 59.4 against 66.2 ms
+PAIRED_BACKWARD = True
 
 
 @dataclass(frozen=True)

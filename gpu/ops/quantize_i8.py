@@ -24,9 +24,10 @@ def tint(dev: Device) -> bool:
     return dev.backend == "dawn"
 
 
-# Invocations a row of the quantizer and the Q4_K decode for rows of at most SHORT_ROW values: 256 (measured), or 64
-# (more rows in flight per multiprocessor; not yet measured: bench/int8_prep.py --row-wg 64,256); longer rows 256.
-SHORT_ROW_WORKGROUP = 256
+# Invocations a row of the quantizer and the Q4_K decode for rows of at most SHORT_ROW values: 64 (more rows in flight
+# per multiprocessor: the 8B step on an H100, 2026-12-06, 4,854 against 4,808 tokens/s; the decode 25.5 against
+# 42.5 ms), or 256; longer rows 256.
+SHORT_ROW_WORKGROUP = 64
 
 
 def row_workgroup(k: int) -> int:
