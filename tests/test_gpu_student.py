@@ -3,6 +3,7 @@ then AdamW steps that reduce the loss, and bitwise reproducibility."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -370,25 +371,8 @@ def test_tensorcore_rope_in_pack_is_bitwise_the_rope_pass(monkeypatch: pytest.Mo
 
     wide = dataclasses.replace(CFG, hidden=128, n_heads=2, n_kv_heads=1, head_dim=64)
     monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
-    dev = tensor_core_device_or_skip()
-    w, lora, batch = _kd_problem(3, Q.Q4_0)
-    weights = ModelWeights.from_arrays(dev, wide, w, Q.Q4_0)
-    calls, runs = [], []
-    real = rope_ops.pipeline
-
-    def spy(dev: object, name: str, **variant: object) -> object:
-        calls[-1] += 1
-        return real(dev, name, **variant)
-
-    monkeypatch.setattr(rope_ops, "pipeline", spy)
-    for in_pack in (True, False):
-        calls.append(0)
-        st = _precision_student(dev, weights, "tensorcore", FORWARD_KL)
-        st.rope_in_pack = in_pack
-        assert st.batched_attention
-        st.set_adapter(lora)
-        st.write_batch(batch)
-        runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
+    runs, ran = _spied_runs(monkeypatch, rope_ops, ("rope_in_pack",), lambda name, variant: name, "tensorcore")
+    calls = [len(r) for r in ran]  # 4 L - 2 fewer only where the attention is the batched tensor-core one
     assert gpu_model.GPUModel.rope_in_pack
     assert calls[1] - calls[0] == 4 * wide.n_layers - 2  # the top block is not recomputed
     assert runs[0][0] == runs[1][0]
@@ -517,30 +501,34 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
-def _spied_int8_runs(
-    monkeypatch: pytest.MonkeyPatch, switches: tuple[str, ...], record: Any, **fixed: bool
+def _spied_runs(
+    monkeypatch: pytest.MonkeyPatch,
+    spied: Any,
+    switches: tuple[str, ...],
+    record: Any,
+    precision: str = "int8",
+    **fixed: bool,
 ) -> tuple[list, list]:
-    """The emulated int8 step of _kd_problem(3) with the student's attributes `switches` on, then off (`fixed`
-    set as given in both): (loss and packed gradients of each, record(name, variant) of each gpu/ops/quantize_i8.py
-    pipeline each asked for)."""
-    from gpu.ops import quantize_i8
+    """The step of _kd_problem(3) on `precision` (int8: its integer GEMMs emulated; tensorcore: Dawn only) with the
+    student's attributes `switches` on, then off (`fixed` set as given in both): (loss and packed gradients of each,
+    record(name, variant) of each pipeline that module `spied` asked for in each)."""
     from gpu.ops.matmul_i8 import int8_emulation
 
-    dev = device_or_skip()
+    dev = tensor_core_device_or_skip() if precision == "tensorcore" else device_or_skip()
     w, lora, batch = _kd_problem(3, Q.Q4_0)
     weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     runs, ran = [], []
-    real = quantize_i8.pipeline
+    real = spied.pipeline
 
     def spy(dev: object, name: str, **variant: object) -> object:
         ran[-1].append(record(name, variant))
         return real(dev, name, **variant)
 
-    monkeypatch.setattr(quantize_i8, "pipeline", spy)
-    with int8_emulation(dev):
+    monkeypatch.setattr(spied, "pipeline", spy)
+    with int8_emulation(dev) if precision == "int8" else contextlib.nullcontext():
         for on in (True, False):
             ran.append([])
-            st = _precision_student(dev, weights, "int8", FORWARD_KL)
+            st = _precision_student(dev, weights, precision, FORWARD_KL)
             for name, value in {**dict.fromkeys(switches, on), **fixed}.items():
                 setattr(st, name, value)
             st.set_adapter(lora)
@@ -555,9 +543,11 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
     default, and fused_grad_codes_i8, off by default), and with the quantizer reading them back: bitwise the same
     loss and gradients (emulated integer GEMMs); fused, the only scaled quantizers left are q/k/v's."""
     from gpu.model import GPUModel
+    from gpu.ops import quantize_i8
 
-    runs, ran = _spied_int8_runs(
+    runs, ran = _spied_runs(
         monkeypatch,
+        quantize_i8,
         ("fused_codes_i8", "fused_grad_codes_i8"),
         lambda name, variant: name + ("_scaled" if variant.get("scaled") else ""),
     )
@@ -581,8 +571,11 @@ def test_int8_norm_turns_back_the_summed_input_gradients(monkeypatch: pytest.Mon
 
     wide = dataclasses.replace(CFG, hidden=64, head_dim=16)
     monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
-    runs, ran = _spied_int8_runs(
+    from gpu.ops import quantize_i8
+
+    runs, ran = _spied_runs(
         monkeypatch,
+        quantize_i8,
         ("norm_turns_back",),
         lambda name, variant: (name, variant.get("mode"), variant.get("rot")),
         fused_grad_codes_i8=True,
