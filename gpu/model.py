@@ -725,7 +725,7 @@ class GPUModel:
                 *self._heads(),
                 n_seqs=self.batch,
                 lse_stride=self.seq_lse,
-                **({} if rope is None else {"rope": rope}),
+                rope=rope,
             )
             return
         ins = ((q, "aq"), (k, "ak"), (v, "av"))
