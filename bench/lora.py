@@ -6,7 +6,8 @@ products.
     python bench/lora.py                       # T = 4096 (B4 x T1024), r = 16, the TinyLlama and SmolLM2 shapes
     python bench/lora.py --tokens 256 --shapes 576x192,64x40 --no-torch     # small, e.g. on lavapipe
 
-One rep = lora_forward + lora_backward (t = x A^T, y += s t B^T; dB = s dy^T t, dt = s dy B, dA = dt^T x,
+ours_split_fast / ours_split_gemm: the split path with the bandwidth kernels (lora_stream, lora_rows) where the
+operands allow, or on lora_gemm alone (`--paths`). One rep = lora_forward + lora_backward (t = x A^T, y += s t B^T; dB = s dy^T t, dt = s dy B, dA = dt^T x,
 dx += dt A). ms: wall time per rep, median of 3 windows after a warm-up (reps recorded in one step, then
 dev.sync()). dispatches: per rep, [forward, backward]. gpu_ms: GPU time of one rep by timestamp queries (each
 dispatch in its own pass), forward and backward, and per dispatch in order. max_rel_err: |got - ref| / max |ref|
@@ -37,6 +38,7 @@ from gpu.ops.strided_matmul import row_major, strided_matmul, transposed  # noqa
 from gpu.profile import Profiler  # noqa: E402
 from model import reference  # noqa: E402
 
+FAST_TARGETS = (lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS)
 SHAPES = "2048x2048,2048x256,2048x5632,5632x2048,576x576,576x192,576x1536,1536x576"  # (d_in, d_out)
 
 
@@ -207,7 +209,13 @@ def main() -> None:
     ap.add_argument("--no-old", action="store_true", help="skip the strided_matmul baseline")
     ap.add_argument("--no-split", action="store_true", help="skip the two-product lora_matmul path")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--splits", default="", help="sweep the split: TARGET_WORKGROUPS:MIN_CHUNK,...")
+    ap.add_argument("--splits", default="", help="sweep lora_gemm's split: TARGET_WORKGROUPS:MIN_CHUNK,...")
+    ap.add_argument(
+        "--paths", default="fast,gemm",
+        help="kernels of the split impl: fast (lora_stream / lora_rows where the operands read as vec4s), gemm "
+        "(lora_gemm only); each is one ours_split_<path> row",
+    )  # fmt: skip
+    ap.add_argument("--fast-targets", default="", help="sweep the fast kernels' workgroup targets: STREAM:ROWS,...")
     args = ap.parse_args()
     dev = Device()
     print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend}), flush=True)
@@ -218,8 +226,19 @@ def main() -> None:
             lora_matmul.TARGET_WORKGROUPS, lora_matmul.MIN_CHUNK = target, min_chunk
             res = ours(dev, "split", args.tokens, d_in, d_out, args.rank, args.seconds)
             print(json.dumps({**res, "target_workgroups": target, "min_chunk": min_chunk}), flush=True)
-        baselines = ([] if args.no_split or splits else ["split"]) + ([] if args.no_old else ["old"])
-        for impl in ([] if splits else ["fused"]) + baselines:
+        for target in [tuple(int(v) for v in c.split(":")) for c in args.fast_targets.split(",") if c]:
+            lora_matmul.FAST_PATHS = True
+            lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS = target
+            res = ours(dev, "split", args.tokens, d_in, d_out, args.rank, args.seconds)
+            print(json.dumps({**res, "stream_workgroups": target[0], "rows_workgroups": target[1]}), flush=True)
+        lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS = FAST_TARGETS
+        if not (args.no_split or splits or args.fast_targets):
+            for path in (p for p in args.paths.split(",") if p):
+                lora_matmul.FAST_PATHS = path == "fast"
+                res = ours(dev, "split", args.tokens, d_in, d_out, args.rank, args.seconds)
+                print(json.dumps({**res, "impl": f"ours_split_{path}"}), flush=True)
+            lora_matmul.FAST_PATHS = True
+        for impl in ([] if splits or args.fast_targets else ["fused"]) + ([] if args.no_old else ["old"]):
             print(json.dumps(ours(dev, impl, args.tokens, d_in, d_out, args.rank, args.seconds)), flush=True)
         if not args.no_torch:
             for res in torch_products(args.tokens, d_in, d_out, args.rank, args.seconds):

@@ -10,13 +10,15 @@ import pytest
 
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_backward, lora_forward
-from gpu.ops.lora_matmul import MIN_CHUNK, lora_matmul, pick_splits
+from gpu.ops.lora_matmul import MIN_CHUNK, fast_path, lora_matmul, pick_splits
 from gpu.ops.strided_matmul import Operand, row_major, transposed
 from model import reference as ref
 from tests.gpu_helpers import make_device, rel_err, twice, up
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-4
+# the bandwidth kernel each thin product takes when its operands read as vec4s (gpu/ops/lora_matmul.py fast_path)
+_FAST = {"x_wT": "rows_kfast", "dy_w": "rows", "dyT_t": "stream", "xT_t_into_rd": "stream"}
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +55,22 @@ def _product(kind: str, t: int, d: int, r: int) -> tuple[str, str, int, int, int
         ("t_wT", 33, 67, 3, None),
         ("t_w", 65, 259, 32, None),
         ("t_w", 19, 5, 1, None),
+        # the bandwidth paths (operands that read as vec4s): partial row / column blocks, a partial block of 16
+        # columns (r = 20), split and not, and a short last split
+        ("x_wT", 300, 132, 16, None),
+        ("x_wT", 70, 260, 20, 3),
+        ("dy_w", 300, 132, 32, None),
+        ("dy_w", 129, 68, 20, 1),
+        ("dyT_t", 300, 132, 16, None),
+        ("dyT_t", 301, 68, 20, 5),
+        ("xT_t_into_rd", 300, 260, 32, None),
+        ("xT_t_into_rd", 77, 4, 16, 1),
     ],
 )
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_lora_matmul(dev: Device, kind: str, t: int, d: int, r: int, splits: int | None, accumulate: bool) -> None:
+    """Each product within TOL of float64 on the path its operands take (lora_gemm, or a bandwidth kernel when
+    d and r are multiples of 4: which one is asserted, so a case cannot fall back unnoticed)."""
     rng = np.random.default_rng(t * 7 + d + r)
     a_kind, b_kind, m, n, k, store_t = _product(kind, t, d, r)
     big = rng.standard_normal((t, d)).astype(np.float32)
@@ -80,6 +94,9 @@ def test_lora_matmul(dev: Device, kind: str, t: int, d: int, r: int, splits: int
     alpha = 0.37
     ab, bb = up(dev, a_np), up(dev, b_np)
     strides = {"csm": 1, "csn": m} if store_t else {}
+
+    aligned = d % 4 == 0 and r % 4 == 0 and kind in _FAST
+    assert fast_path(a_view(ab, a_cols), b_view(bb, b_cols), m, n, k) == (_FAST[kind] if aligned else "")
 
     def run() -> list[np.ndarray]:
         c = up(dev, c0)
@@ -197,6 +214,11 @@ def test_lora_matmul_refuses_short_operands(dev: Device) -> None:
         ("x_wT", 37, 259, 3, 2, 3),  # split over d (partials, then the grouped reduce)
         ("xT_t_into_rd", 300, 66, 16, 3, None),  # dA^T = x^T dt of three adapters, stored into [r, d] each
         ("xT_t_into_rd", 90, 67, 5, 4, 4),
+        # the bandwidth paths (d a multiple of 4, groups of whole blocks of 16 at offsets of whole vec4s)
+        ("x_wT", 70, 132, 16, 3, None),
+        ("x_wT", 300, 260, 32, 2, 3),
+        ("xT_t_into_rd", 300, 68, 16, 3, None),
+        ("xT_t_into_rd", 90, 132, 16, 4, 4),
     ],
 )
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -210,7 +232,8 @@ def test_lora_matmul_column_groups(
 
     rng = np.random.default_rng(t + d + r + groups)
     big = rng.standard_normal((t, d)).astype(np.float32)
-    gap = 7
+    aligned = d % 4 == 0 and r % 16 == 0
+    gap = 4 if aligned else 7
     if kind == "x_wT":  # B group g: w_g [r, d] at b_offs[g] (B(k, n) = w_g[n, k]); C group g: [t, r] at c_offs[g]
         b_size, c_rows, c_cols = r * d, t, r
         a_op, m, k = row_major(dev.upload(big), d), t, d
@@ -227,6 +250,7 @@ def test_lora_matmul_column_groups(
     else:
         b_op, csm, csn = row_major(bb, r), 1, d
     cols = ColumnGroups(r, tuple(b_offs), tuple(c_offs))
+    assert fast_path(a_op, b_op, m, r * groups, k, cols) == (_FAST[kind] if aligned else "")
     lora_matmul(
         dev, a_op, b_op, cb, m, r * groups, k, alpha=0.5, accumulate=accumulate, splits=splits, groups=cols,
         csm=csm, csn=csn,

@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpu.codegen_lora import BM, LORA_GEMM_BK
+from gpu.codegen_lora import BM, LORA_GEMM_BK, ROWS_BK, ROWS_ROWS, STREAM_COLS
 from gpu.device import Device, DeviceError, grid_1d
 from gpu.ops.common import nbytes, pack
 from gpu.ops.strided_matmul import Operand, check_operands
@@ -25,6 +25,12 @@ from gpu.registry import pipeline
 TARGET_WORKGROUPS = 1024  # split the reduction until about this many workgroups run (an H200 has 132 SMs)
 MIN_CHUNK = 128  # reduction steps per split at least (fewer would spend more on partials than on products)
 SCRATCH_CAP = 32 << 20  # bytes of partial sums at most (fewer splits beyond it)
+# the bandwidth paths (lora_stream.wgsl, lora_rows.wgsl) for thin outputs (n <= FAST_MAX_N) whose operands read
+# as vec4s; off: every product on lora_gemm (bench/lora.py --paths, bench/train_step.py --ab lora-gemm-only)
+FAST_PATHS = True
+FAST_MAX_N = 64
+STREAM_WORKGROUPS, STREAM_MIN_ROWS = 400, 64  # lora_stream: split the rows until about this many workgroups run
+ROWS_WORKGROUPS, ROWS_MIN_CHUNK = 800, 128  # lora_rows likewise, chunks of whole ROWS_BK steps
 
 _scratch: weakref.WeakKeyDictionary[Device, Any] = weakref.WeakKeyDictionary()
 
@@ -123,6 +129,10 @@ def lora_matmul(
         last_c = c_off + max(groups.c_offsets) + (m - 1) * csm + (groups.width - 1) * csn
     if nbytes(c) < 4 * (last_c + 1):
         raise DeviceError(f"lora_matmul: output C ({m} x {n}, strides {csm}, {csn}) exceeds its buffer's {nbytes(c)} B")
+    path = fast_path(a, b, m, n, k, groups)
+    if path:
+        _fast(dev, path, a, b, c, (m, n, k), alpha, accumulate, (c_off, csm, csn), splits, groups)
+        return
     bn = 64 if n > 32 else 16
     bk = LORA_GEMM_BK[bn]
     if splits is None:
@@ -141,6 +151,73 @@ def lora_matmul(
     )  # fmt: skip
     out = scratch_for(dev, 4 * splits * m * n) if partial else c
     dev.dispatch(pipeline(dev, "lora_gemm", bn=bn), [params, a.buf, b.buf, out], (gx, gy, splits))
+    if partial:
+        rparams = reduce_params(m * n, n, splits, c_off, csm, csn, alpha, accumulate, groups)
+        dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, out, c], grid_1d(math.ceil(m * n / 256)))
+
+
+def fast_path(a: Operand, b: Operand, m: int, n: int, k: int, groups: ColumnGroups | None = None) -> str:
+    """Which bandwidth kernel computes this product: "stream" (A read along m, each row of its k: dB = dY^T t,
+    dA^T = x^T dt), "rows" / "rows_kfast" (A read along k: t = x A^T, dt = dY B; S row-major or k-fast), or ""
+    (lora_gemm: strides or sizes that do not read as vec4s, wide outputs, FAST_PATHS off)."""
+    aligned = a.off % 4 == 0 and b.off % 4 == 0 and n % 4 == 0
+    if groups is not None:
+        aligned = aligned and groups.width % 16 == 0 and all(o % 4 == 0 for o in groups.b_offsets)
+    if not FAST_PATHS or n > FAST_MAX_N or not aligned:
+        return ""
+    if a.s0 == 1 and a.s1 % 4 == 0 and b.s1 == 1 and b.s0 % 4 == 0 and m % 4 == 0:
+        return "stream"
+    if a.s1 == 1 and a.s0 % 4 == 0 and k % 4 == 0:
+        if b.s1 == 1 and b.s0 % 4 == 0:
+            return "rows"
+        if b.s0 == 1 and b.s1 % 4 == 0:
+            return "rows_kfast"
+    return ""
+
+
+def fast_splits(tiles: int, m: int, n: int, k: int, path: str, max_bytes: int = SCRATCH_CAP) -> tuple[int, int]:
+    """(splits, chunk) of the reduction for a bandwidth kernel with `tiles` output tiles (a function of the shape
+    only: the same split every run)."""
+    target, least, step = (
+        (STREAM_WORKGROUPS, STREAM_MIN_ROWS, 1) if path == "stream" else (ROWS_WORKGROUPS, ROWS_MIN_CHUNK, ROWS_BK)
+    )
+    splits = min(math.ceil(target / tiles), math.ceil(k / least), max(1, max_bytes // (4 * m * n)))
+    return chunked(max(k, 1), max(splits, 1), step)
+
+
+def _fast(
+    dev: Device,
+    path: str,
+    a: Operand,
+    b: Operand,
+    c: Any,
+    mnk: tuple[int, int, int],
+    alpha: float,
+    accumulate: bool,
+    c_layout: tuple[int, int, int],
+    splits: int | None,
+    groups: ColumnGroups | None,
+) -> None:
+    """lora_matmul on lora_stream / lora_rows (and lora_reduce when the reduction is split)."""
+    m, n, k = mnk
+    c_off, csm, csn = c_layout
+    rows = 4 * STREAM_COLS if path == "stream" else ROWS_ROWS
+    grid = (math.ceil(n / 16), math.ceil(m / rows))
+    if splits is None:
+        splits, chunk = fast_splits(grid[0] * grid[1], m, n, k, path, min(SCRATCH_CAP, dev.max_binding))
+    else:
+        splits, chunk = chunked(max(k, 1), splits, 1 if path == "stream" else ROWS_BK)
+    if max(*grid, splits) > 65535:
+        raise DeviceError(f"lora_matmul: {m} x {n} output needs a grid of {grid} x {splits} (max 65535 each)")
+    lda, ldb = (a.s1, b.s0) if path == "stream" else (a.s0, b.s0 if path == "rows" else b.s1)
+    partial = splits > 1
+    gw, b_go, c_go = _group_words(groups)
+    params = pack(
+        m, n, k, chunk, a.off, lda, b.off, ldb, c_off, csm, csn, alpha, accumulate, partial, gw, 0, *b_go, *c_go
+    )
+    out = scratch_for(dev, 4 * splits * m * n) if partial else c
+    name, variant = ("lora_stream", {}) if path == "stream" else ("lora_rows", {"s_kfast": path == "rows_kfast"})
+    dev.dispatch(pipeline(dev, name, **variant), [params, a.buf, b.buf, out], (*grid, splits))
     if partial:
         rparams = reduce_params(m * n, n, splits, c_off, csm, csn, alpha, accumulate, groups)
         dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, out, c], grid_1d(math.ceil(m * n / 256)))
