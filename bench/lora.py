@@ -7,7 +7,9 @@ products.
     python bench/lora.py --tokens 256 --shapes 576x192,64x40 --no-torch     # small, e.g. on lavapipe
 
 ours_split_fast / ours_split_gemm: the split path with the bandwidth kernels (lora_stream, lora_rows) where the
-operands allow, or on lora_gemm alone (`--paths`). One rep = lora_forward + lora_backward (t = x A^T, y += s t B^T; dB = s dy^T t, dt = s dy B, dA = dt^T x,
+operands allow, or on lora_gemm alone (`--paths`).
+
+One rep = lora_forward + lora_backward (t = x A^T, y += s t B^T; dB = s dy^T t, dt = s dy B, dA = dt^T x,
 dx += dt A). ms: wall time per rep, median of 3 windows after a warm-up (reps recorded in one step, then
 dev.sync()). dispatches: per rep, [forward, backward]. gpu_ms: GPU time of one rep by timestamp queries (each
 dispatch in its own pass), forward and backward, and per dispatch in order. max_rel_err: |got - ref| / max |ref|

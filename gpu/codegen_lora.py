@@ -43,10 +43,10 @@ def lora_stream_values() -> dict[str, object]:
     fma = [f"acc{i}{q} = fma(vec4<f32>(x{j}.{_XYZW[i]}), s{j}{q}, acc{i}{q});" for j in rows for i, q in acc]
     reduce = []
     for grp in range(1, STREAM_ROW_GROUPS):
-        reduce.append(f"if (g == {grp}u) {{ " + " ".join(f"Red[c * 16u + {4 * i + q}u] = acc{i}{q};" for i, q in acc) + " }")
-        reduce.append("workgroupBarrier();")
-        reduce.append("if (g == 0u) { " + " ".join(f"acc{i}{q} += Red[c * 16u + {4 * i + q}u];" for i, q in acc) + " }")
-        reduce.append("workgroupBarrier();")
+        put = " ".join(f"Red[c * 16u + {4 * i + q}u] = acc{i}{q};" for i, q in acc)
+        add = " ".join(f"acc{i}{q} += Red[c * 16u + {4 * i + q}u];" for i, q in acc)
+        barrier = "workgroupBarrier();"
+        reduce += [f"if (g == {grp}u) {{ {put} }}", barrier, f"if (g == 0u) {{ {add} }}", barrier]
     store = [f"put_out4(m + {i}u, n0 + {4 * q}u, z, acc{i}{q});" for i, q in acc]
     return {
         "COLS": STREAM_COLS,
