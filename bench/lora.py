@@ -40,7 +40,7 @@ from gpu.ops.strided_matmul import row_major, strided_matmul, transposed  # noqa
 from gpu.profile import Profiler  # noqa: E402
 from model import reference  # noqa: E402
 
-FAST_TARGETS = (lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS)
+FAST_TARGETS = (lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS, lora_matmul.STREAM_UNROLL)
 SHAPES = "2048x2048,2048x256,2048x5632,5632x2048,576x576,576x192,576x1536,1536x576"  # (d_in, d_out)
 
 
@@ -217,7 +217,10 @@ def main() -> None:
         help="kernels of the split impl: fast (lora_stream / lora_rows where the operands read as vec4s), gemm "
         "(lora_gemm only); each is one ours_split_<path> row",
     )  # fmt: skip
-    ap.add_argument("--fast-targets", default="", help="sweep the fast kernels' workgroup targets: STREAM:ROWS,...")
+    ap.add_argument(
+        "--fast-targets", default="",
+        help="sweep the fast kernels' workgroup targets and lora_stream's rows a load: STREAM:ROWS[:UNROLL],...",
+    )  # fmt: skip
     args = ap.parse_args()
     dev = Device()
     print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend}), flush=True)
@@ -228,12 +231,15 @@ def main() -> None:
             lora_matmul.TARGET_WORKGROUPS, lora_matmul.MIN_CHUNK = target, min_chunk
             res = ours(dev, "split", args.tokens, d_in, d_out, args.rank, args.seconds)
             print(json.dumps({**res, "target_workgroups": target, "min_chunk": min_chunk}), flush=True)
-        for target in [tuple(int(v) for v in c.split(":")) for c in args.fast_targets.split(",") if c]:
+        for target in [[int(v) for v in c.split(":")] for c in args.fast_targets.split(",") if c]:
             lora_matmul.FAST_PATHS = True
-            lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS = target
+            lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS, lora_matmul.STREAM_UNROLL = (
+                *target[:2],
+                target[2] if len(target) > 2 else FAST_TARGETS[2],
+            )
             res = ours(dev, "split", args.tokens, d_in, d_out, args.rank, args.seconds)
-            print(json.dumps({**res, "stream_workgroups": target[0], "rows_workgroups": target[1]}), flush=True)
-        lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS = FAST_TARGETS
+            print(json.dumps({**res, "fast_targets": target}), flush=True)
+        lora_matmul.STREAM_WORKGROUPS, lora_matmul.ROWS_WORKGROUPS, lora_matmul.STREAM_UNROLL = FAST_TARGETS
         if not (args.no_split or splits or args.fast_targets):
             for path in (p for p in args.paths.split(",") if p):
                 lora_matmul.FAST_PATHS = path == "fast"

@@ -25,19 +25,20 @@ def lora_gemm_values(bn: int) -> dict[str, object]:
     }
 
 
-# lora_stream.wgsl: invocations along m per row group (4 columns each), row groups, rows a thread loads at a time
-STREAM_COLS, STREAM_ROW_GROUPS, STREAM_UNROLL = 64, 2, 4
+# lora_stream.wgsl: invocations along m per row group (4 columns each), row groups; its variants' rows an invocation
+# loads at a time (the loads in flight against the registers they hold)
+STREAM_COLS, STREAM_ROW_GROUPS, STREAM_UNROLLS = 64, 2, (2, 4)
 # lora_rows.wgsl: rows a workgroup (one per invocation), reduction steps staged at a time
 ROWS_ROWS, ROWS_BK = 128, 32
 _XYZW = "xyzw"
 
 
-def lora_stream_values() -> dict[str, object]:
+def lora_stream_values(unroll: int) -> dict[str, object]:
     """lora_stream.wgsl's constants and its unrolled statements: 16 accumulators acc{i}{q} (column m + i, ranks
     4 q .. 4 q + 3), UNROLL rows' loads then their products, the row groups' sums added in ascending group order
     through Red (group g > 0 stores, group 0 adds, one group at a time)."""
     acc = [(i, q) for i in range(4) for q in range(4)]
-    rows = range(STREAM_UNROLL)
+    rows = range(unroll)
     load = [f"let k{j} = k + {j}u * ROW_GROUPS;\n        let x{j} = a_row(k{j}, m, k_end);" for j in rows]
     load += [f"let s{j}{q} = s_row(k{j}, s0 + {4 * q}u, n0 + {4 * q}u, k_end);" for j in rows for q in range(4)]
     fma = [f"acc{i}{q} = fma(vec4<f32>(x{j}.{_XYZW[i]}), s{j}{q}, acc{i}{q});" for j in rows for i, q in acc]
@@ -51,7 +52,7 @@ def lora_stream_values() -> dict[str, object]:
     return {
         "COLS": STREAM_COLS,
         "ROW_GROUPS": STREAM_ROW_GROUPS,
-        "UNROLL": STREAM_UNROLL,
+        "UNROLL": unroll,
         "RED_LEN": STREAM_COLS * 16,
         "DECLARE": "\n    ".join(f"var acc{i}{q} = vec4<f32>(0.0);" for i, q in acc),
         "LOAD": "\n        ".join(load),

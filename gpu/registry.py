@@ -24,7 +24,7 @@ from typing import Any
 from gpu import codegen_attention_tc as attention_tc
 from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
 from gpu.codegen_i8 import matmul_i8_source
-from gpu.codegen_lora import LORA_GEMM_BK, lora_gemm_values, lora_rows_values, lora_stream_values
+from gpu.codegen_lora import LORA_GEMM_BK, STREAM_UNROLLS, lora_gemm_values, lora_rows_values, lora_stream_values
 from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
@@ -318,7 +318,7 @@ KERNELS: dict[str, Kernel] = {
     "lora_reduce": Kernel((*_ITEMS, "lora_reduce")),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)
-    "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {}, lora_stream_values),
+    "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {"unroll": STREAM_UNROLLS}, lora_stream_values),
     "lora_rows": Kernel(("lora_paths_common", "lora_rows"), {"s_kfast": BOOLS}, lora_rows_values),
     # LoRA backward's dB and dt in one pass over dY (gpu/ops/lora_dual.py)
     "lora_dual": Kernel(("lora_dual",), {"cr": (256,)}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from gpu.codegen_lora import STREAM_UNROLLS
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_backward, lora_forward
 from gpu.ops.lora_matmul import MIN_CHUNK, fast_path, lora_matmul, pick_splits
@@ -272,3 +273,21 @@ def test_lora_matmul_column_groups(
     np.testing.assert_array_equal(got[keep], c_host[keep])
     with pytest.raises(DeviceError, match="groups of"):
         lora_matmul(dev, a_op, b_op, cb, m, r * groups + 1, k, groups=cols, csm=csm, csn=csn)
+
+
+@pytest.mark.parametrize("unroll", STREAM_UNROLLS)
+def test_lora_stream_variants(dev: Device, monkeypatch: pytest.MonkeyPatch, unroll: int) -> None:
+    """Each lora_stream variant (rows loaded at a time) within TOL of float64 on dA^T = x^T dt stored into [r, d],
+    over a split whose rows are not a multiple of the unroll, accumulated."""
+    from gpu.ops import lora_matmul as lm
+
+    monkeypatch.setattr(lm, "STREAM_UNROLL", unroll)
+    rng = np.random.default_rng(unroll)
+    t, d, r = 203, 72, 16
+    x, dt, da0 = (rng.standard_normal(s).astype(np.float32) for s in ((t, d), (t, r), (r, d)))
+    a_op, b_op = transposed(up(dev, x), d), row_major(up(dev, dt), r)
+    assert fast_path(a_op, b_op, d, r, t) == "stream"
+    da = up(dev, da0)
+    lora_matmul(dev, a_op, b_op, da, d, r, t, alpha=0.5, accumulate=True, splits=3, csm=1, csn=d)
+    want = 0.5 * (x.astype(np.float64).T @ dt).T + da0
+    assert rel_err(dev.read(da, np.float32, (r, d)), want) <= TOL

@@ -30,6 +30,7 @@ SCRATCH_CAP = 32 << 20  # bytes of partial sums at most (fewer splits beyond it)
 FAST_PATHS = True
 FAST_MAX_N = 64
 STREAM_WORKGROUPS, STREAM_MIN_ROWS = 400, 64  # lora_stream: split the rows until about this many workgroups run
+STREAM_UNROLL = 4  # lora_stream's rows loaded at a time (its variants: gpu/codegen_lora.py STREAM_UNROLLS)
 ROWS_WORKGROUPS, ROWS_MIN_CHUNK = 800, 128  # lora_rows likewise, chunks of whole ROWS_BK steps
 
 _scratch: weakref.WeakKeyDictionary[Device, Any] = weakref.WeakKeyDictionary()
@@ -216,7 +217,8 @@ def _fast(
         m, n, k, chunk, a.off, lda, b.off, ldb, c_off, csm, csn, alpha, accumulate, partial, gw, 0, *b_go, *c_go
     )
     out = scratch_for(dev, 4 * splits * m * n) if partial else c
-    name, variant = ("lora_stream", {}) if path == "stream" else ("lora_rows", {"s_kfast": path == "rows_kfast"})
+    stream = ("lora_stream", {"unroll": STREAM_UNROLL})
+    name, variant = stream if path == "stream" else ("lora_rows", {"s_kfast": path == "rows_kfast"})
     dev.dispatch(pipeline(dev, name, **variant), [params, a.buf, b.buf, out], (*grid, splits))
     if partial:
         rparams = reduce_params(m * n, n, splits, c_off, csm, csn, alpha, accumulate, groups)
