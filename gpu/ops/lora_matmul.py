@@ -27,7 +27,7 @@ MIN_CHUNK = 128  # reduction steps per split at least (fewer would spend more on
 SCRATCH_CAP = 32 << 20  # bytes of partial sums at most (fewer splits beyond it)
 # the bandwidth paths (lora_stream.wgsl, lora_rows.wgsl) for thin outputs (n <= FAST_MAX_N) whose operands read
 # as vec4s; off: every product on lora_gemm (bench/lora.py --paths, bench/train_step.py --ab lora-gemm-only)
-FAST_PATHS = True
+FAST_PATHS = False  # measured slower on an H100 (2026-12-06, docs/benchmarks.md): opt-in
 FAST_MAX_N = 64
 STREAM_WORKGROUPS, STREAM_MIN_ROWS = 400, 64  # lora_stream: split the rows until about this many workgroups run
 STREAM_UNROLL = 4  # lora_stream's rows loaded at a time (its variants: gpu/codegen_lora.py STREAM_UNROLLS)
