@@ -27,6 +27,14 @@ def dev() -> Device:
     return make_device()
 
 
+@pytest.fixture(autouse=True)
+def fast_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bandwidth kernels on (they are opt-in): every product whose operands read as vec4s takes them here."""
+    from gpu.ops import lora_matmul as lm
+
+    monkeypatch.setattr(lm, "FAST_PATHS", True)
+
+
 def _product(kind: str, t: int, d: int, r: int) -> tuple[str, str, int, int, int, bool]:
     """(A operand, B operand, m, n, k, store transposed) of LoRA's products on x/dy [t, d], w [r, d] or [d, r],
     thin [t, r]: thin = x w^T, thin = dy w (w [d, r]), dW [d, r] = dy^T thin, dA^T = x^T thin stored into [r, d],
