@@ -259,6 +259,12 @@ KERNELS: dict[str, Kernel] = {
         {"rot": ROTATIONS, "tint": BOOLS},
         lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
     ),
+    # the same for rotated rows held as units of 16 (rows of a multiple of 16, at most 4096)
+    "rmsnorm_i8_units": Kernel(
+        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS[:2], "rmsnorm_i8_units", "rows_rotated"),
+        {"rot": ROTATIONS[1:], "tint": BOOLS},
+        lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
+    ),
     # RMSNorm backward (+ a residual) and the int8 codes of its result times a projection's row scales in one pass
     # (gpu/ops/quantize_i8.py rmsnorm_backward_i8); rot: dY arrives rotated in blocks of rot, turned back first
     "rmsnorm_back_i8": Kernel(

@@ -262,12 +262,21 @@ def _bitwise_fused(dev: Device, separate: tuple[Any, Int8Matrix], fused: tuple[A
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h,rot,rows", [(256, 0, 3), (256, 128, 5), (4096, 128, 3), (4352, 0, 2), (2048, 32, 4)])
-def test_rmsnorm_i8_is_the_norm_then_the_quantizer(dev: Device, h: int, rot: int, rows: int) -> None:
+@pytest.mark.parametrize(
+    "h,rot,rows", [(256, 0, 3), (256, 128, 5), (4096, 128, 3), (4352, 0, 2), (2048, 32, 4), (576, 64, 3)]
+)
+@pytest.mark.parametrize("units", [True, False])
+def test_rmsnorm_i8_is_the_norm_then_the_quantizer(
+    dev: Device, monkeypatch: pytest.MonkeyPatch, h: int, rot: int, rows: int, units: bool
+) -> None:
     """rmsnorm_i8 (the norm and its output's codes in one pass): bitwise rmsnorm_forward's output and
-    quantize_i8_gpu's codes and scales of it, plain and rotated, on rows with an outlier column, within the
-    registers and longer (re-read); a rotated row past FUSED_NORM_ROTATED_WIDTH refused."""
+    quantize_i8_gpu's codes and scales of it, plain and rotated (rotated rows on either kernel: NORM_UNITS, units of
+    16 a block of 64 or 128 values, rows shorter than the workgroup's units), on rows with an outlier column, within
+    the registers and longer (re-read); a rotated row past FUSED_NORM_ROTATED_WIDTH refused."""
+    from gpu.ops import quantize_i8 as ops
     from gpu.ops.rmsnorm import rmsnorm_forward
+
+    monkeypatch.setattr(ops, "NORM_UNITS", units)
 
     rng = np.random.default_rng(h + rot)
     x = rng.standard_normal((rows, h)).astype(np.float32)

@@ -61,13 +61,6 @@ fn nib4(q: u32) -> vec4<f32> {
     return vec4<f32>(vec4<u32>(q, q >> 8u, q >> 16u, q >> 24u) & vec4<u32>(15u));
 }
 
-fn absmax16(v: array<vec4<f32>, 4>) -> f32 {
-    return max(max(absmax4(v[0]), absmax4(v[1])), max(absmax4(v[2]), absmax4(v[3])));
-}
-
-fn pack16(v: array<vec4<f32>, 4>, scale: f32) -> vec4<u32> {
-    return vec4<u32>(pack4(v[0], scale), pack4(v[1], scale), pack4(v[2], scale), pack4(v[3], scale));
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,

@@ -73,6 +73,9 @@ def quantize_i8_gpu(
 
 
 FUSED_NORM_ROTATED_WIDTH = 4096  # rmsnorm_i8 holds a rotated row in its 64 invocations' registers: 64 x 16 x 4
+# rmsnorm_i8 of a rotated row on rmsnorm_i8_units.wgsl (the row read once, as units of 16, rotated once) instead of
+# rmsnorm_i8.wgsl (each vec4 read and rotated twice; bench/int8_prep.py --norm-units, bench/train_step.py --ab)
+NORM_UNITS = True
 
 
 def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float, rot: int = 0) -> None:
@@ -87,8 +90,11 @@ def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float,
     for buf, n, what in ((x, rows * h, "x"), (w, h, "weight"), (y, rows * h, "y")):
         if nbytes(buf) < 4 * n:
             raise DeviceError(f"rmsnorm_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * n}")
-    pipe = pipeline(dev, "rmsnorm_i8", rot=rot, tint=tint(dev))
-    dev.dispatch(pipe, [pack(rows, h, float(eps), 0), x, w, y, out.codes, out.scales], grid(rows, 1))
+    bindings = [pack(rows, h, float(eps), 0), x, w, y, out.codes, out.scales]
+    if rot and NORM_UNITS:  # rot >= 32 divides h: units of 16, at most 4 an invocation
+        dev.dispatch(pipeline(dev, "rmsnorm_i8_units", rot=rot, tint=tint(dev)), [*bindings, x], grid(rows, 1))
+        return
+    dev.dispatch(pipeline(dev, "rmsnorm_i8", rot=rot, tint=tint(dev)), bindings, grid(rows, 1))
 
 
 def rmsnorm_backward_i8(
