@@ -1,7 +1,7 @@
 """The integer path's operand preparation, timed alone, as JSON lines: the weights' int8 decode (weight_to_i8: Q4_K's
 fast kernel, Q6_K through the generic one; each also with its row scales given, fixed: the codes alone, as the
-engine decodes a block after its first), the RMSNorm with its output's codes (rmsnorm_i8, rotated rows on either
-kernel: NORM_UNITS), the activations' quantizer (quantize_i8_gpu: plain, times column
+engine decodes a block after its first), the RMSNorm and the gated unit with their output's codes (rmsnorm_i8,
+glu_i8; rotated rows on either kernel: UNIT_ROWS), the activations' quantizer (quantize_i8_gpu: plain, times column
 scales as the input gradients', rotated) and the rotation back (rotate_rows), each rotated in blocks of 128 and
 not, at the Llama-3-8B shapes of a B4 x T1024 step.
 
@@ -93,17 +93,30 @@ def run_shapes(dev: Device, shapes: str) -> None:
         emit(**timed(dev, "rotate_rows", call, 8 * rows * k, rows=rows, k=k))
         if k <= quantize_ops.FUSED_NORM_ROTATED_WIDTH:
             norm_rows(dev, x, a, rows, k, rng)
+        if k <= 64 * row_workgroup(k):
+            glu_rows(dev, x, a, rows, k, rng)
 
 
 def norm_rows(dev: Device, x: Any, a: Any, rows: int, k: int, rng: Any) -> None:
-    """rmsnorm_i8 of rows of k, plain and rotated on either kernel (NORM_UNITS); bytes: x read, y written, a code
+    """rmsnorm_i8 of rows of k, plain and rotated on either kernel (UNIT_ROWS); bytes: x read, y written, a code
     byte written per value."""
     w, y = dev.upload(rng.uniform(0.5, 1.5, k).astype(np.float32)), dev.buffer(4 * rows * k)
     for rot, units in ((0, False), (128, False), (128, True)):
-        quantize_ops.NORM_UNITS = units
+        quantize_ops.UNIT_ROWS = units
         call = partial(quantize_ops.rmsnorm_i8, dev, x, w, y, a, 1e-5, rot)
         emit(**timed(dev, "rmsnorm_i8", call, 9 * rows * k, rows=rows, k=k, rot=rot, units=units))
-    quantize_ops.NORM_UNITS = True
+    quantize_ops.UNIT_ROWS = True
+
+
+def glu_rows(dev: Device, x: Any, a: Any, rows: int, k: int, rng: Any) -> None:
+    """glu_i8 (SwiGLU) of rows of k, plain and rotated on either kernel (UNIT_ROWS); bytes: g and u read, y written,
+    a code byte written per value."""
+    u, y = dev.upload(rng.standard_normal((rows, k), dtype=np.float32)), dev.buffer(4 * rows * k)
+    for rot, units in ((0, False), (128, False), (128, True)):
+        quantize_ops.UNIT_ROWS = units
+        call = partial(quantize_ops.glu_i8, dev, "swiglu", x, u, y, a, rot)
+        emit(**timed(dev, "glu_i8", call, 13 * rows * k, rows=rows, k=k, rot=rot, units=units))
+    quantize_ops.UNIT_ROWS = True
 
 
 if __name__ == "__main__":

@@ -183,7 +183,7 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
     "lora-fast-paths": ("gpu.ops.lora_matmul", "FAST_PATHS", True),
-    "norm-units-off": ("gpu.ops.quantize_i8", "NORM_UNITS", False),
+    "unit-rows-off": ("gpu.ops.quantize_i8", "UNIT_ROWS", False),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),

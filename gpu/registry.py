@@ -203,6 +203,7 @@ _ELEMENTWISE = (*_ITEMS, "elementwise", "sigmoid")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
 _I8_PARTS = ("int8_pack", "hadamard", "int8_codes")  # int8 codes of a row
+_I8_UNITS = ("int8_pack", "hadamard", "int8_units")  # int8 codes of a rotated row held as units of 16
 _I8 = ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS)
 _ROT = {"rot": ROTATIONS, "tint": BOOLS}  # the rotation's block, and the compiler (gpu/ops/quantize_i8.py)
 
@@ -246,6 +247,13 @@ KERNELS: dict[str, Kernel] = {
         {"act": ("swiglu", "geglu"), **_ROT, "wg": ROW_WORKGROUPS},
         lambda act, rot, tint, wg: {"GATE": _GLU_GATES[act], "ROT": rot, "WG": wg, **_subgroups(tint)},
     ),
+    # the same for rotated rows held as units of 16 (rows of at most 64 x wg)
+    "glu_i8_units": Kernel(
+        ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_UNITS, "sigmoid", "gelu_tanh")
+        + ("glu_i8_units", "rows_rotated"),
+        {"act": ("swiglu", "geglu"), "rot": ROTATIONS[1:], "tint": BOOLS, "wg": ROW_WORKGROUPS},
+        lambda act, rot, tint, wg: {"GATE": _GLU_GATES[act], "ROT": rot, "WG": wg, **_subgroups(tint)},
+    ),
     # a gated unit's backward and the int8 codes of both its gradients (gpu/ops/quantize_i8.py glu_backward_i8)
     "glu_back_i8": Kernel(
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS, "sigmoid", "gelu_tanh")
@@ -261,7 +269,7 @@ KERNELS: dict[str, Kernel] = {
     ),
     # the same for rotated rows held as units of 16 (rows of a multiple of 16, at most 4096)
     "rmsnorm_i8_units": Kernel(
-        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS[:2], "rmsnorm_i8_units", "rows_rotated"),
+        ("subgroups_directive", "workgroup_reduce", *_I8_UNITS, "rmsnorm_i8_units", "rows_rotated"),
         {"rot": ROTATIONS[1:], "tint": BOOLS},
         lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
     ),

@@ -270,13 +270,13 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(
     dev: Device, monkeypatch: pytest.MonkeyPatch, h: int, rot: int, rows: int, units: bool
 ) -> None:
     """rmsnorm_i8 (the norm and its output's codes in one pass): bitwise rmsnorm_forward's output and
-    quantize_i8_gpu's codes and scales of it, plain and rotated (rotated rows on either kernel: NORM_UNITS, units of
+    quantize_i8_gpu's codes and scales of it, plain and rotated (rotated rows on either kernel: UNIT_ROWS, units of
     16 a block of 64 or 128 values, rows shorter than the workgroup's units), on rows with an outlier column, within
     the registers and longer (re-read); a rotated row past FUSED_NORM_ROTATED_WIDTH refused."""
     from gpu.ops import quantize_i8 as ops
     from gpu.ops.rmsnorm import rmsnorm_forward
 
-    monkeypatch.setattr(ops, "NORM_UNITS", units)
+    monkeypatch.setattr(ops, "UNIT_ROWS", units)
 
     rng = np.random.default_rng(h + rot)
     x = rng.standard_normal((rows, h)).astype(np.float32)
@@ -346,11 +346,20 @@ def test_rmsnorm_backward_i8_is_the_norm_backward_then_the_quantizer(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["swiglu", "geglu"])
-@pytest.mark.parametrize("f,rot,rows", [(256, 0, 3), (512, 128, 2), (14336, 128, 2), (17408, 0, 2)])
-def test_glu_i8_is_the_gated_unit_then_the_quantizer(dev: Device, act: str, f: int, rot: int, rows: int) -> None:
+@pytest.mark.parametrize(
+    "f,rot,rows", [(256, 0, 3), (512, 128, 2), (14336, 128, 2), (17408, 0, 2), (1536, 64, 3), (8192, 32, 2)]
+)
+@pytest.mark.parametrize("units", [True, False])
+def test_glu_i8_is_the_gated_unit_then_the_quantizer(
+    dev: Device, monkeypatch: pytest.MonkeyPatch, act: str, f: int, rot: int, rows: int, units: bool
+) -> None:
     """glu_i8 (a gated unit's forward and its output's codes in one pass): bitwise swiglu_forward's / geglu_forward's
-    output and quantize_i8_gpu's codes and scales of it, plain and rotated, a row within the registers and longer."""
+    output and quantize_i8_gpu's codes and scales of it, plain and rotated (rotated rows on either kernel: UNIT_ROWS,
+    64 or 256 invocations a row, rows shorter than the workgroup's units), a row within the registers and longer."""
+    from gpu.ops import quantize_i8 as ops
     from gpu.ops.gated import geglu_forward, swiglu_forward
+
+    monkeypatch.setattr(ops, "UNIT_ROWS", units)
 
     rng = np.random.default_rng(f + rot)
     g, u = (rng.standard_normal((rows, f)).astype(np.float32) * 3 for _ in range(2))

@@ -73,9 +73,10 @@ def quantize_i8_gpu(
 
 
 FUSED_NORM_ROTATED_WIDTH = 4096  # rmsnorm_i8 holds a rotated row in its 64 invocations' registers: 64 x 16 x 4
-# rmsnorm_i8 of a rotated row on rmsnorm_i8_units.wgsl (the row read once, as units of 16, rotated once) instead of
-# rmsnorm_i8.wgsl (each vec4 read and rotated twice; bench/int8_prep.py --norm-units, bench/train_step.py --ab)
-NORM_UNITS = True
+# rmsnorm_i8 and glu_i8 of rotated rows on rmsnorm_i8_units.wgsl / glu_i8_units.wgsl (the row read once, as units
+# of 16, rotated once: int8_units.wgsl) instead of rmsnorm_i8.wgsl / glu_i8.wgsl (each vec4 read and rotated twice);
+# the same bits either way (bench/int8_prep.py times both, bench/train_step.py --ab unit-rows-off)
+UNIT_ROWS = True
 
 
 def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float, rot: int = 0) -> None:
@@ -91,7 +92,7 @@ def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float,
         if nbytes(buf) < 4 * n:
             raise DeviceError(f"rmsnorm_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * n}")
     bindings = [pack(rows, h, float(eps), 0), x, w, y, out.codes, out.scales]
-    if rot and NORM_UNITS:  # rot >= 32 divides h: units of 16, at most 4 an invocation
+    if rot and UNIT_ROWS:  # rot >= 32 divides h: units of 16, at most 4 an invocation
         dev.dispatch(pipeline(dev, "rmsnorm_i8_units", rot=rot, tint=tint(dev)), [*bindings, x], grid(rows, 1))
         return
     dev.dispatch(pipeline(dev, "rmsnorm_i8", rot=rot, tint=tint(dev)), bindings, grid(rows, 1))
@@ -156,7 +157,8 @@ def glu_i8(dev: Device, act: str, g: Any, u: Any, y: Any, out: Int8Matrix, rot: 
     for buf, what in ((g, "g"), (u, "u"), (y, "y")):
         if nbytes(buf) < 4 * rows * f:
             raise DeviceError(f"glu_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * rows * f}")
-    pipe = pipeline(dev, "glu_i8", act=act, rot=rot, tint=tint(dev), wg=wg)
+    name = "glu_i8_units" if rot and UNIT_ROWS else "glu_i8"  # units: rot >= 32 divides f, at most 4 an invocation
+    pipe = pipeline(dev, name, act=act, rot=rot, tint=tint(dev), wg=wg)
     dev.dispatch(pipe, [pack(rows, f, 0, 0), g, u, y, out.codes, out.scales], grid(rows, 1))
 
 
