@@ -85,10 +85,12 @@ def run_shapes(dev: Device, shapes: str) -> None:
         x = dev.upload(rng.standard_normal((rows, k), dtype=np.float32))
         cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32))
         a = i8_buffers(dev, rows, k, k, "x")
-        for rot, scaled in ((0, False), (128, False), (0, True)):
+        for rot, scaled, units in ((0, False, True), (128, False, False), (128, False, True), (0, True, True)):
+            quantize_ops.UNIT_ROWS = units
             call = partial(quantize_i8_gpu, dev, x, a, col_scales=cs if scaled else None, rot=rot)
-            fields = {"rows": rows, "k": k, "rot": rot, "scaled": scaled, "wg": row_workgroup(k)}
+            fields = {"rows": rows, "k": k, "rot": rot, "scaled": scaled, "wg": row_workgroup(k), "units": units}
             emit(**timed(dev, "quantize_i8", call, 5 * rows * k, **fields))
+        quantize_ops.UNIT_ROWS = True
         call = partial(rotate_rows, dev, x, rows, k, 128)
         emit(**timed(dev, "rotate_rows", call, 8 * rows * k, rows=rows, k=k))
         if k <= quantize_ops.FUSED_NORM_ROTATED_WIDTH:

@@ -110,6 +110,36 @@ def test_quantize_kernel_matches_the_twin(
     assert not codes[4, :64].any() and scales[4, 0] == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rot", [32, 64, 128])
+@pytest.mark.parametrize(
+    "k,chunk,scaled,row_wg", [(4096, 4096, False, 64), (1024, 256, True, 64), (640, 640, False, 256)]
+)
+def test_quantize_units_are_the_vec4_quantizer(
+    dev: Device, monkeypatch: pytest.MonkeyPatch, rot: int, k: int, chunk: int, scaled: bool, row_wg: int
+) -> None:
+    """quantize_i8_gpu of rotated rows on quantize_i8_units (units of 16: UNIT_ROWS) gives the codes and scales of
+    the kernel that reads and rotates vec4s, bit for bit: one chunk or several (the rotation's signs from each
+    chunk's first column), times column scales or not, rows on 64 or 256 invocations, rows shorter than the
+    workgroup's units (640 on 256)."""
+    monkeypatch.setattr(quantize_ops, "SHORT_ROW_WORKGROUP", row_wg)
+    rng = np.random.default_rng(k + rot)
+    rows = 3
+    x = (rng.standard_normal((rows, k)) * 2).astype(np.float32)
+    x[:, 5] *= 30.0
+    xb = dev.upload(x)
+    cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32)) if scaled else None
+    got = []
+    for units in (False, True):
+        monkeypatch.setattr(quantize_ops, "UNIT_ROWS", units)
+        out = i8_buffers(dev, rows, k, chunk, f"units {units}")
+        quantize_i8_gpu(dev, xb, out, col_scales=cs, rot=rot)
+        got.append((dev.read(out.codes, np.uint8, (rows * k,)), dev.read(out.scales, np.float32, (rows * k // chunk,))))
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
+    assert got[1][1].min() > 0 and (got[1][0] != 0).mean() > 0.5
+
+
 def _check_gemm_lora(
     dev: Device, m: int, n: int, k: int, r: int, cfg: I8Config | None, layout: str = "rows", **kw
 ) -> float:
@@ -276,8 +306,6 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(
     from gpu.ops import quantize_i8 as ops
     from gpu.ops.rmsnorm import rmsnorm_forward
 
-    monkeypatch.setattr(ops, "UNIT_ROWS", units)
-
     rng = np.random.default_rng(h + rot)
     x = rng.standard_normal((rows, h)).astype(np.float32)
     x[:, 7] *= 40.0
@@ -286,7 +314,9 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(
     y_sep, y_fused = dev.buffer(x.nbytes), dev.buffer(x.nbytes)
     sep, fused = i8_buffers(dev, rows, h, h, "separate"), i8_buffers(dev, rows, h, h, "fused")
     rmsnorm_forward(dev, xb, wb, y_sep, rows, h, 1e-5)
+    monkeypatch.setattr(ops, "UNIT_ROWS", False)  # the reference: the quantizer reading and rotating vec4s
     quantize_i8_gpu(dev, y_sep, sep, rot=rot)
+    monkeypatch.setattr(ops, "UNIT_ROWS", units)
     rmsnorm_i8(dev, xb, wb, y_fused, fused, 1e-5, rot)
     _bitwise_fused(dev, (y_sep, sep), (y_fused, fused))
     if rot:
@@ -359,15 +389,15 @@ def test_glu_i8_is_the_gated_unit_then_the_quantizer(
     from gpu.ops import quantize_i8 as ops
     from gpu.ops.gated import geglu_forward, swiglu_forward
 
-    monkeypatch.setattr(ops, "UNIT_ROWS", units)
-
     rng = np.random.default_rng(f + rot)
     g, u = (rng.standard_normal((rows, f)).astype(np.float32) * 3 for _ in range(2))
     gb, ub = dev.upload(g), dev.upload(u)
     y_sep, y_fused = dev.buffer(g.nbytes), dev.buffer(g.nbytes)
     sep, fused = i8_buffers(dev, rows, f, f, "separate"), i8_buffers(dev, rows, f, f, "fused")
     (swiglu_forward if act == "swiglu" else geglu_forward)(dev, gb, ub, y_sep, rows * f)
+    monkeypatch.setattr(ops, "UNIT_ROWS", False)  # the reference: the quantizer reading and rotating vec4s
     quantize_i8_gpu(dev, y_sep, sep, rot=rot)
+    monkeypatch.setattr(ops, "UNIT_ROWS", units)
     glu_i8(dev, act, gb, ub, y_fused, fused, rot)
     for a, b, n in ((y_sep, y_fused, 4 * rows * f), (sep.codes, fused.codes, rows * f)):
         np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))

@@ -47,7 +47,7 @@ fn row_scale(lid: u32, m: f32) -> f32 {
 
 fn row_main(row: u32, lid: u32) {
     y_base = row * prm.F / 4u;
-    let scale = rotated_unit_codes(lid, prm.F / 16u, row * prm.F / 16u);
+    let scale = rotated_unit_codes(lid, prm.F / 16u, row * prm.F / 16u, 0u);
     if (lid == 0u) {
         S[row] = scale;
     }

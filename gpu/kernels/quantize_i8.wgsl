@@ -2,7 +2,8 @@
 // `chunk` consecutive elements, S[r, c] = max |X[r, chunk c]| / 127 and Q[r, k] = round(X[r, k] / S[r, c])
 // (ties to even, |q| <= 127; an all-zero chunk gives S = 0 and codes 0), four codes per u32 word, little-endian.
 // A workgroup per (chunk, row): the chunk's values held in registers for its absmax (workgroup_reduce.wgsl) and
-// its codes (int8_codes.wgsl codes_of_row). VEC4: X (and CS) read as vec4 (offsets and strides multiples of 4).
+// its codes (int8_codes.wgsl codes_of_row; or, rotated, int8_units.wgsl rotated_unit_codes: units of 16 values, Q as
+// vec4s). VEC4: X (and CS) read as vec4 (offsets and strides multiples of 4).
 
 struct Params {
     k: u32,        // row length (codes per row of Q)
@@ -17,7 +18,7 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> X: array<${X_ELEM}>;
-@group(0) @binding(2) var<storage, read_write> Q: array<u32>;
+@group(0) @binding(2) var<storage, read_write> Q: array<${Q_ELEM}>;
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
 ${CS_BINDING}
 const ABSMAX: bool = true;   // activations: every scale from its absmax (int8_codes.wgsl)
@@ -32,7 +33,7 @@ var<private> k0: u32;   // its column
 fn group4(w: u32) -> vec4<f32> {
 ${GROUP4}
 }
-
+${UNIT_VALUES}
 const WG: u32 = ${WG}u;   // invocations a row (256, or 64 for rows of <= 4096: gpu/ops/quantize_i8.py)
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) lid: u32,
@@ -42,7 +43,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let r = wid.y;
     x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
     k0 = c * prm.chunk;
-    let scale = codes_of_row(lid, prm.chunk / 4u, (r * prm.k + c * prm.chunk) / 4u, k0);
+    let scale = ${CODES};
     if (lid == 0u) {
         S[r * prm.chunks + c] = scale;
     }

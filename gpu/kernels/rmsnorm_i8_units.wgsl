@@ -55,7 +55,7 @@ fn row_main(row: u32, lid: u32) {
     rstd = 1.0 / sqrt(workgroup_reduce(lid, vec2<f32>(s, 0.0)).x / f32(prm.H) + prm.eps);
     workgroupBarrier();   // every invocation has read the sum before the absmax's reduction writes the tree again
     y_base = base / 4u;
-    let scale = rotated_unit_codes(lid, prm.H / 16u, base / 16u);
+    let scale = rotated_unit_codes(lid, prm.H / 16u, base / 16u, 0u);
     if (lid == 0u) {
         S[row] = scale;
     }

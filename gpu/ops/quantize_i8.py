@@ -41,6 +41,12 @@ def check_rotation(rot: int, k: int, what: str) -> None:
         raise DeviceError(f"{what}: rotation {rot} for rows of {k} (one of {ROTATIONS} dividing k <= {ROTATED_MAX})")
 
 
+# rmsnorm_i8, glu_i8 and quantize_i8_gpu of rotated rows on their units kernels (the row read once, as units of 16,
+# rotated once: int8_units.wgsl) instead of int8_codes.wgsl's rotated rows (each vec4 read and rotated twice);
+# the same bits either way (bench/int8_prep.py times both, bench/train_step.py --ab unit-rows-off)
+UNIT_ROWS = True
+
+
 def quantize_i8_gpu(
     dev: Device,
     x: Any,
@@ -68,15 +74,15 @@ def quantize_i8_gpu(
     vec4 = x_offset % 4 == 0 and ldx % 4 == 0 and nbytes(x) % 16 == 0
     vec4 = vec4 and (col_scales is None or nbytes(col_scales) % 16 == 0)
     wg = row_workgroup(out.chunk)
-    pipe = pipeline(dev, "quantize_i8", scaled=col_scales is not None, vec4=vec4, rot=rot, tint=tint(dev), wg=wg)
+    scaled = col_scales is not None
+    if rot and vec4 and UNIT_ROWS and out.chunk <= 64 * wg:  # units of 16 (rot >= 32 divides the chunk)
+        pipe = pipeline(dev, "quantize_i8_units", scaled=scaled, rot=rot, tint=tint(dev), wg=wg)
+    else:
+        pipe = pipeline(dev, "quantize_i8", scaled=scaled, vec4=vec4, rot=rot, tint=tint(dev), wg=wg)
     dev.dispatch(pipe, bindings, (out.chunks, out.rows))
 
 
 FUSED_NORM_ROTATED_WIDTH = 4096  # rmsnorm_i8 holds a rotated row in its 64 invocations' registers: 64 x 16 x 4
-# rmsnorm_i8 and glu_i8 of rotated rows on rmsnorm_i8_units.wgsl / glu_i8_units.wgsl (the row read once, as units
-# of 16, rotated once: int8_units.wgsl) instead of rmsnorm_i8.wgsl / glu_i8.wgsl (each vec4 read and rotated twice);
-# the same bits either way (bench/int8_prep.py times both, bench/train_step.py --ab unit-rows-off)
-UNIT_ROWS = True
 
 
 def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float, rot: int = 0) -> None:
