@@ -217,7 +217,7 @@ _ELEMENTWISE = (*_ITEMS, "elementwise", "sigmoid")
 _ATTENTION = ("attention_common", "attention_kv_tile")
 _HEAD_DIM = {"head_dim": HEAD_DIMS}
 _I8_PARTS = ("int8_pack", "hadamard", "int8_codes")  # int8 codes of a row
-_I8_UNITS = ("int8_pack", "hadamard", "int8_units")  # int8 codes of a rotated row held as units of 16
+_I8_UNITS = ("int8_pack", "hadamard", "int8_units", "int8_unit_rows")  # int8 codes of a rotated row as units of 16
 _I8 = ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS)
 _ROT = {"rot": ROTATIONS, "tint": BOOLS}  # the rotation's block, and the compiler (gpu/ops/quantize_i8.py)
 
@@ -251,7 +251,7 @@ KERNELS: dict[str, Kernel] = {
     "rmsnorm_forward": Kernel(
         ("rmsnorm_forward", "rmsnorm_io", *_ROWS, *_SUM),
         {"half": BOOLS},
-        lambda half: _half_output(half, 4, "base + i"),
+        lambda half: {**_half_output(half, 4, "base + i"), "IO_ELEM": "f32"},
     ),
     "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
     # a gated unit's forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py glu_i8)
@@ -264,7 +264,7 @@ KERNELS: dict[str, Kernel] = {
     # the same for rotated rows held as units of 16 (rows of at most 64 x wg)
     "glu_i8_units": Kernel(
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_UNITS, "sigmoid", "gelu_tanh")
-        + ("glu_i8_units", "rows_rotated"),
+        + ("int8_unit_store", "glu_i8_units", "rows_rotated"),
         {"act": ("swiglu", "geglu"), "rot": ROTATIONS[1:], "tint": BOOLS, "wg": ROW_WORKGROUPS},
         lambda act, rot, tint, wg: {"GATE": _GLU_GATES[act], "ROT": rot, "WG": wg, **_subgroups(tint)},
     ),
@@ -277,15 +277,17 @@ KERNELS: dict[str, Kernel] = {
     ),
     # RMSNorm forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py rmsnorm_i8)
     "rmsnorm_i8": Kernel(
-        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS, "rmsnorm_io", "rmsnorm_i8", "rows_rotated"),
+        ("subgroups_directive", "workgroup_reduce", *_I8_PARTS, "rmsnorm_io", "rmsnorm_pairs", "rmsnorm_i8")
+        + ("rows_rotated",),
         {"rot": ROTATIONS, "tint": BOOLS},
-        lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
+        lambda rot, tint: {"ROT": rot, "IO_ELEM": "f32", **_subgroups(tint)},
     ),
     # the same for rotated rows held as units of 16 (rows of a multiple of 16, at most 4096)
     "rmsnorm_i8_units": Kernel(
-        ("subgroups_directive", "workgroup_reduce", *_I8_UNITS, "rmsnorm_i8_units", "rows_rotated"),
+        ("subgroups_directive", "workgroup_reduce", *_I8_UNITS, "int8_unit_store", "rmsnorm_io", "rmsnorm_pairs")
+        + ("rmsnorm_i8_units", "rows_rotated"),
         {"rot": ROTATIONS[1:], "tint": BOOLS},
-        lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
+        lambda rot, tint: {"ROT": rot, "IO_ELEM": "vec4<f32>", **_subgroups(tint)},
     ),
     # RMSNorm backward (+ a residual) and the int8 codes of its result times a projection's row scales in one pass
     # (gpu/ops/quantize_i8.py rmsnorm_backward_i8); rot: dY arrives rotated in blocks of rot, turned back first
@@ -324,7 +326,8 @@ KERNELS: dict[str, Kernel] = {
         _hadamard_rows_values,
     ),
     "weight_i8_q4_k": Kernel(
-        ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "weight_i8_q4_k"),
+        ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "int8_units")
+        + ("weight_i8_q4_k",),
         {**_ROT, "wg": ROW_WORKGROUPS, "fixed": BOOLS},
         _weight_q4_k_values,
     ),

@@ -1,4 +1,4 @@
-// glu_i8.wgsl for rotated rows, held in registers as units of 16 (int8_units.wgsl; rows of at most 64 WG values):
+// glu_i8.wgsl for rotated rows, held in registers as units of 16 (int8_unit_rows.wgsl; rows of at most 64 WG values):
 // the same Y = act(G) * U (bitwise glu_forward.wgsl's: act(g) = ${GATE}), codes and scale, from one read of G and U
 // as vec4s, each unit rotated once, where glu_i8.wgsl reads and rotates each vec4 twice. One workgroup of WG
 // invocations per row (rows_rotated.wgsl).
@@ -33,12 +33,7 @@ fn value4(i: u32) -> vec4<f32> {
 // Y's unit u, stored
 fn unit_values(u: u32) -> array<vec4<f32>, 4> {
     let i = y_base + 4u * u;
-    let v = array<vec4<f32>, 4>(value4(i), value4(i + 1u), value4(i + 2u), value4(i + 3u));
-    Y[i] = v[0];
-    Y[i + 1u] = v[1];
-    Y[i + 2u] = v[2];
-    Y[i + 3u] = v[3];
-    return v;
+    return stored_unit(i, array<vec4<f32>, 4>(value4(i), value4(i + 1u), value4(i + 2u), value4(i + 3u)));
 }
 
 fn row_scale(lid: u32, m: f32) -> f32 {

@@ -9,12 +9,6 @@
 @group(0) @binding(4) var<storage, read_write> Q: array<u32>;
 @group(0) @binding(5) var<storage, read_write> S: array<f32>;
 
-const WG: u32 = 64u;
-alias Reduced = vec2<f32>;   // (sum of squares, absmax)
-
-fn combine(a: Reduced, b: Reduced) -> Reduced {
-    return vec2<f32>(a.x + b.x, max(a.y, b.y));
-}
 
 var<private> x_base: u32;   // this row's first element of X and Y
 var<private> rstd: f32;

@@ -1,29 +1,12 @@
-// rmsnorm_i8.wgsl for rotated rows, held in registers as units of 16 (int8_units.wgsl; rows of at most 4096): the
+// rmsnorm_i8.wgsl for rotated rows, held in registers as units of 16 (int8_unit_rows.wgsl; rows of at most 4096): the
 // same Y (the sum of squares over X in rmsnorm_forward's order, then x * rstd * w), codes and scale, from one read
 // of the row's units rotated once, where rmsnorm_i8.wgsl reads and rotates each vec4 twice. X is bound twice: as
 // f32 for the sum's order, as vec4s for the units. One workgroup per row (rows_rotated.wgsl).
 
-struct Params {
-    T: u32,
-    H: u32,
-    eps: f32,
-    _pad: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> X: array<f32>;
-@group(0) @binding(2) var<storage, read> Wn: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> Y: array<vec4<f32>>;
+// (Params, X, Wn, Y: rmsnorm_io.wgsl, Wn and Y as vec4s)
 @group(0) @binding(4) var<storage, read_write> Q: array<vec4<u32>>;
 @group(0) @binding(5) var<storage, read_write> S: array<f32>;
 @group(0) @binding(6) var<storage, read> X4: array<vec4<f32>>;
-
-const WG: u32 = 64u;
-alias Reduced = vec2<f32>;   // (sum of squares, absmax)
-
-fn combine(a: Reduced, b: Reduced) -> Reduced {
-    return vec2<f32>(a.x + b.x, max(a.y, b.y));
-}
 
 var<private> y_base: u32;   // this row's first vec4 of X and Y
 var<private> rstd: f32;
@@ -32,13 +15,8 @@ var<private> rstd: f32;
 fn unit_values(u: u32) -> array<vec4<f32>, 4> {
     let i = y_base + 4u * u;
     let k = 4u * u;
-    let v = array<vec4<f32>, 4>(X4[i] * rstd * Wn[k], X4[i + 1u] * rstd * Wn[k + 1u], X4[i + 2u] * rstd * Wn[k + 2u],
-                                X4[i + 3u] * rstd * Wn[k + 3u]);
-    Y[i] = v[0];
-    Y[i + 1u] = v[1];
-    Y[i + 2u] = v[2];
-    Y[i + 3u] = v[3];
-    return v;
+    return stored_unit(i, array<vec4<f32>, 4>(X4[i] * rstd * Wn[k], X4[i + 1u] * rstd * Wn[k + 1u],
+                                              X4[i + 2u] * rstd * Wn[k + 2u], X4[i + 3u] * rstd * Wn[k + 3u]));
 }
 
 fn row_scale(lid: u32, m: f32) -> f32 {

@@ -1,4 +1,5 @@
-// RMSNorm's params, input, weight and output (rmsnorm_forward.wgsl, rmsnorm_i8.wgsl).
+// RMSNorm's params, input, weight and output (rmsnorm_forward.wgsl, rmsnorm_i8.wgsl; weight and output as vec4s:
+// rmsnorm_i8_units.wgsl).
 
 struct Params {
     T: u32,
@@ -9,5 +10,5 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> X: array<f32>;
-@group(0) @binding(2) var<storage, read> Wn: array<f32>;
-@group(0) @binding(3) var<storage, read_write> Y: array<f32>;
+@group(0) @binding(2) var<storage, read> Wn: array<${IO_ELEM}>;
+@group(0) @binding(3) var<storage, read_write> Y: array<${IO_ELEM}>;

@@ -85,17 +85,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         v3 = unit_values(n, lid + 3u * WG);
     }
     if (ROT > 0u) {   // rows of at most 4 WG units (the host's check): all in registers
-        let shuffled = rotation_shuffled(lid, ROT / 16u);
-        rotate_unit(lid, &v0, 16u * lid, shuffled);
-        if (WG < units) {
-            rotate_unit(lid, &v1, 16u * (lid + WG), shuffled);
-        }
-        if (2u * WG < units) {
-            rotate_unit(lid, &v2, 16u * (lid + 2u * WG), shuffled);
-        }
-        if (3u * WG < units) {
-            rotate_unit(lid, &v3, 16u * (lid + 3u * WG), shuffled);
-        }
+        rotate_units(lid, units, 0u, &v0, &v1, &v2, &v3);
     }
     var scale: f32;
     if (FIXED_SCALE) {
@@ -108,18 +98,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         scale = workgroup_reduce(lid, m) / 127.0;
     }
     let q0 = n * units;
-    if (lid < units) {
-        Q[q0 + lid] = pack16(v0, scale);
-    }
-    if (lid + WG < units) {
-        Q[q0 + lid + WG] = pack16(v1, scale);
-    }
-    if (lid + 2u * WG < units) {
-        Q[q0 + lid + 2u * WG] = pack16(v2, scale);
-    }
-    if (lid + 3u * WG < units) {
-        Q[q0 + lid + 3u * WG] = pack16(v3, scale);
-    }
+    store_unit_codes(lid, units, q0, scale, v0, v1, v2, v3);
     for (var u = lid + PER * WG; u < units; u += WG) {
         Q[q0 + u] = pack16(unit_values(n, u), scale);
     }
