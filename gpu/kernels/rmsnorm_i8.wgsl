@@ -21,19 +21,10 @@ fn group4(w: u32) -> vec4<f32> {
 }
 
 const ABSMAX: bool = true;
-fn row_scale(lid: u32, m: f32) -> f32 {
-    return workgroup_reduce(lid, vec2<f32>(0.0, m)).y / 127.0;
-}
 
 fn row_main(row: u32, lid: u32) {
     x_base = row * prm.H;
-    var s = 0.0;
-    for (var i = lid; i < prm.H; i += WG) {   // rmsnorm_forward's order: element i, strided by WG
-        let x = X[x_base + i];
-        s = fma(x, x, s);
-    }
-    rstd = 1.0 / sqrt(workgroup_reduce(lid, vec2<f32>(s, 0.0)).x / f32(prm.H) + prm.eps);
-    workgroupBarrier();   // every invocation has read the sum before the absmax's reduction writes the tree again
+    rstd = row_rstd(lid, x_base);
     for (var w = lid; w < prm.H / 4u; w += WG) {
         let y = group4(w);
         for (var e = 0u; e < 4u; e++) {

@@ -19,19 +19,10 @@ fn unit_values(u: u32) -> array<vec4<f32>, 4> {
                                               X4[i + 2u] * rstd * Wn[k + 2u], X4[i + 3u] * rstd * Wn[k + 3u]));
 }
 
-fn row_scale(lid: u32, m: f32) -> f32 {
-    return workgroup_reduce(lid, vec2<f32>(0.0, m)).y / 127.0;
-}
 
 fn row_main(row: u32, lid: u32) {
     let base = row * prm.H;
-    var s = 0.0;
-    for (var i = lid; i < prm.H; i += WG) {   // rmsnorm_forward's order: element i, strided by WG
-        let x = X[base + i];
-        s = fma(x, x, s);
-    }
-    rstd = 1.0 / sqrt(workgroup_reduce(lid, vec2<f32>(s, 0.0)).x / f32(prm.H) + prm.eps);
-    workgroupBarrier();   // every invocation has read the sum before the absmax's reduction writes the tree again
+    rstd = row_rstd(lid, base);
     y_base = base / 4u;
     let scale = rotated_unit_codes(lid, prm.H / 16u, base / 16u, 0u);
     if (lid == 0u) {

@@ -6,3 +6,21 @@ alias Reduced = vec2<f32>;   // (sum of squares, absmax)
 fn combine(a: Reduced, b: Reduced) -> Reduced {
     return vec2<f32>(a.x + b.x, max(a.y, b.y));
 }
+
+// 1 / sqrt(mean(x^2) + eps) of the row at X[base ..], the squares summed in rmsnorm_forward's order (element i,
+// strided by WG, then the tree); every invocation has read it before it returns (the tree is free again)
+fn row_rstd(lid: u32, base: u32) -> f32 {
+    var s = 0.0;
+    for (var i = lid; i < prm.H; i += WG) {
+        let x = X[base + i];
+        s = fma(x, x, s);
+    }
+    let r = 1.0 / sqrt(workgroup_reduce(lid, vec2<f32>(s, 0.0)).x / f32(prm.H) + prm.eps);
+    workgroupBarrier();
+    return r;
+}
+
+// the row's scale from each invocation's part m of its absmax (int8_codes.wgsl, int8_unit_rows.wgsl)
+fn row_scale(lid: u32, m: f32) -> f32 {
+    return workgroup_reduce(lid, vec2<f32>(0.0, m)).y / 127.0;
+}
