@@ -11,7 +11,19 @@ fn combine(a: Reduced, b: Reduced) -> Reduced {
 // strided by WG, then the tree); every invocation has read it before it returns (the tree is free again)
 fn row_rstd(lid: u32, base: u32) -> f32 {
     var s = 0.0;
-    for (var i = lid; i < prm.H; i += WG) {
+    var i = lid;
+    for (; i + 7u * WG < prm.H; i += 8u * WG) {   // eight loads in flight, then their squares in order
+        let x0 = X[base + i];
+        let x1 = X[base + i + WG];
+        let x2 = X[base + i + 2u * WG];
+        let x3 = X[base + i + 3u * WG];
+        let x4 = X[base + i + 4u * WG];
+        let x5 = X[base + i + 5u * WG];
+        let x6 = X[base + i + 6u * WG];
+        let x7 = X[base + i + 7u * WG];
+        s = fma(x7, x7, fma(x6, x6, fma(x5, x5, fma(x4, x4, fma(x3, x3, fma(x2, x2, fma(x1, x1, fma(x0, x0, s))))))));
+    }
+    for (; i < prm.H; i += WG) {
         let x = X[base + i];
         s = fma(x, x, s);
     }
