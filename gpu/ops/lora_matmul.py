@@ -153,8 +153,24 @@ def lora_matmul(
     out = scratch_for(dev, 4 * splits * m * n) if partial else c
     dev.dispatch(pipeline(dev, "lora_gemm", bn=bn), [params, a.buf, b.buf, out], (gx, gy, splits))
     if partial:
-        rparams = reduce_params(m * n, n, splits, c_off, csm, csn, alpha, accumulate, groups)
-        dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, out, c], grid_1d(math.ceil(m * n / 256)))
+        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
+
+
+def _reduce(
+    dev: Device,
+    partials: Any,
+    c: Any,
+    m: int,
+    n: int,
+    splits: int,
+    c_layout: tuple[int, int, int],
+    alpha: float,
+    accumulate: bool,
+    groups: ColumnGroups | None,
+) -> None:
+    """lora_reduce: C (+)= alpha * the sum of the `splits` partial [m, n] sums, in ascending split order."""
+    rparams = reduce_params(m * n, n, splits, *c_layout, alpha, accumulate, groups)
+    dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, partials, c], grid_1d(math.ceil(m * n / 256)))
 
 
 def fast_path(a: Operand, b: Operand, m: int, n: int, k: int, groups: ColumnGroups | None = None) -> str:
@@ -221,5 +237,4 @@ def _fast(
     name, variant = stream if path == "stream" else ("lora_rows", {"s_kfast": path == "rows_kfast"})
     dev.dispatch(pipeline(dev, name, **variant), [params, a.buf, b.buf, out], (*grid, splits))
     if partial:
-        rparams = reduce_params(m * n, n, splits, c_off, csm, csn, alpha, accumulate, groups)
-        dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, out, c], grid_1d(math.ceil(m * n / 256)))
+        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
