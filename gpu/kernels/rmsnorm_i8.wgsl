@@ -9,7 +9,6 @@
 @group(0) @binding(4) var<storage, read_write> Q: array<u32>;
 @group(0) @binding(5) var<storage, read_write> S: array<f32>;
 
-
 var<private> x_base: u32;   // this row's first element of X and Y
 var<private> rstd: f32;
 
@@ -20,7 +19,7 @@ fn group4(w: u32) -> vec4<f32> {
     return vec4<f32>(X[i], X[i + 1u], X[i + 2u], X[i + 3u]) * rstd * w4;
 }
 
-const ABSMAX: bool = true;
+const ABSMAX: bool = true;   // (row_scale: rmsnorm_pairs.wgsl)
 
 fn row_main(row: u32, lid: u32) {
     x_base = row * prm.H;
