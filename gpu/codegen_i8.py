@@ -18,8 +18,8 @@ MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
 # timing probes (bench/gemm_i8.py; "" for real kernels): without the MMAs, the staging after the first step, the
 # per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C; or
 # "direct": no staging at all, each subgroup loading its matrices straight from storage (results right when M and
-# N are multiples of the tile; no rows are clamped); or "one_store": the vec4 staging storing one word of its four
-PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write", "direct", "one_store")
+# N are multiples of the tile; no rows are clamped)
+PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write", "direct")
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,6 @@ class I8Config(SubgroupTile):
     stages: int = 1  # 1: register prefetch, one buffer; 2: register prefetch, two buffers (one barrier a step)
     group_m: int = 8  # workgroup rows per raster group (L2 reuse), 0: row-major
     probe: str = ""
-    prefetch: int = 1  # steps whose loads are in flight in registers (2: one buffer only; two register sets)
 
     @property
     def ldw(self) -> int:
@@ -59,9 +58,6 @@ class I8Config(SubgroupTile):
             raise ValueError(f"I8Config.fm={self.fm} must divide tm * tn = {self.tm * self.tn}")
         if self.probe not in PROBES:
             raise ValueError(f"I8Config.probe={self.probe!r}: expected one of {PROBES}")
-        if self.prefetch not in (1, 2) or (self.prefetch == 2 and self.stages != 1):
-            raise ValueError(f"I8Config.prefetch={self.prefetch} must be 1, or 2 with stages=1")
-
         self.check_fit(f"I8Config {self.label}", self.workgroup_bytes(lora), max_threads, max_workgroup_bytes)
 
     @property
@@ -73,8 +69,6 @@ class I8Config(SubgroupTile):
             s += f"_s{self.stages}"
         if self.group_m != 8:
             s += f"_g{self.group_m}"
-        if self.prefetch != 1:
-            s += f"_ahead{self.prefetch}"
         return s + (f"_{self.probe}" if self.probe else "")
 
 
@@ -137,21 +131,17 @@ def _units(total: int, threads: int) -> list[tuple[str, bool]]:
     return [(f"lid + {e}u * THREADS", (e + 1) * threads > total) for e in range(-(-total // threads))]
 
 
-def _unit_bytes(op: str, orient: str) -> int:
-    """Bytes of an operand per staging unit: a vec4 of one row (A, and W in "nt"), or 4 rows x 16 columns of W
-    ("nn", transposed)."""
-    return 64 if op == "b" and orient == "nn" else 16
+def _b_unit_bytes(orient: str) -> int:
+    """Bytes of W per staging unit: a vec4 of one row ("nt"), or 4 rows x 16 columns ("nn", transposed)."""
+    return 16 if orient == "nt" else 64
 
 
-def _staging(c: I8Config, orient: str, ind: str, step: str | None, buf: str = "0u", regs: str = "") -> list[str]:
-    """Loads of `step` into the registers (step given), or the stores of the registers into buffer `buf` (regs: the
-    register set's suffix, with two steps' loads in flight)."""
+def _staging(c: I8Config, orient: str, ind: str, step: str | None, buf: str = "0u") -> list[str]:
+    """Loads of `step` into the registers (step given), or the stores of the registers into buffer `buf`."""
     out = []
-    tiles = (("a", c.bm, "m0"), ("b", c.bn, "n0"))
-    for tile, total, origin in ((t, rows * c.bk // _unit_bytes(t, orient), o) for t, rows, o in tiles):
+    for tile, total, origin in (("a", c.bm * c.bk // 16, "m0"), ("b", c.bn * c.bk // _b_unit_bytes(orient), "n0")):
         for e, (u, guard) in enumerate(_units(total, c.threads)):
-            reg = f"r{tile}{e}{regs}"
-            stmt = f"{reg} = ld_{tile}({u}, {origin}, {step});" if step else f"put_{tile}({u}, {reg}, {buf});"
+            stmt = f"r{tile}{e} = ld_{tile}({u}, {origin}, {step});" if step else f"put_{tile}({u}, r{tile}{e}, {buf});"
             out.append(f"{ind}if ({u} < {total}u) {{ {stmt} }}" if guard else ind + stmt)
     return out
 
@@ -167,14 +157,12 @@ def _decls(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
         lines += [f"{ind}var f_{i}_{j}: array<f32, 8>;" for i, j in _pairs(c)]
     if c.probe == "direct":
         return lines
-    n_a = len(_units(c.bm * c.bk // _unit_bytes("a", v.orient), c.threads))
-    n_b = len(_units(c.bn * c.bk // _unit_bytes("b", v.orient), c.threads))
-    row_type = "vec4<u32>"
-    b_type = row_type if v.orient == "nt" else "array<vec4<u32>, 4>"
-    for regs in ("", "_n")[: c.prefetch]:
-        lines += [f"{ind}var ra{e}{regs}: {row_type};" for e in range(n_a)]
-        lines += [f"{ind}var rb{e}{regs}: {b_type};" for e in range(n_b)]
-    return lines
+    n_a = len(_units(c.bm * c.bk // 16, c.threads))
+    n_b = len(_units(c.bn * c.bk // _b_unit_bytes(v.orient), c.threads))
+    b_type = "vec4<u32>" if v.orient == "nt" else "array<vec4<u32>, 4>"
+    return (
+        lines + [f"{ind}var ra{e}: vec4<u32>;" for e in range(n_a)] + [f"{ind}var rb{e}: {b_type};" for e in range(n_b)]
+    )
 
 
 def _compute(c: I8Config, ind: str, d: _Dialect, buf: str) -> list[str]:
@@ -259,8 +247,6 @@ def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
         lines += [f"{i1}let a_base = prm.a_off * 16u + (m0 + sg_m * TM * 16u) * lda_c;"]
         lines += [f"{i1}let w_base = (n0 + sg_n * TN * 16u) * ldw_c;"]
         lines += [f"{i1}for (var t = 0u; t < steps; t++) {{"] + _compute_direct(c, i2)
-    elif c.stages == 1 and c.prefetch == 2:
-        return _main_loop_ahead(c, v, d)
     elif c.stages == 1:
         lines = _staging(c, o, i1, "0u")
         lines += [f"{i1}for (var t = 0u; t < steps; t++) {{", f"{i2}if ({staged}) {{"]
@@ -275,36 +261,10 @@ def _main_loop(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
         lines += [f"{i2}}}", f"{i2}{{"] + _compute(c, i3, d, "cur") + [f"{i2}}}", f"{i2}if ({nxt}) {{"]
         lines += _staging(c, o, i3, None, "1u - cur")
         lines += [f"{i2}}}", f"{i2}workgroupBarrier();"]
-    return lines + _chunk_end(c, v, d, i2, "t") + [f"{i1}}}"]
-
-
-def _chunk_end(c: I8Config, v: I8Variant, d: _Dialect, ind: str, t: str) -> list[str]:
-    """After staged step t (an expression): the chunk's scaling pass where a chunk of K ends there (chunked)."""
-    if not v.chunked or c.probe == "no_scale":
-        return []
-    lines = [f"{ind}if (({t} + 1u) % prm.spc == 0u && {t} + 1u < steps) {{"]
-    return lines + _scale_pass(c, v, d, ind + "    ", f"({t}) / prm.spc", final=False) + [f"{ind}}}"]
-
-
-def _main_loop_ahead(c: I8Config, v: I8Variant, d: _Dialect) -> list[str]:
-    """The one-buffer main loop with two steps' loads in flight (prefetch 2): register sets "" and "_n" hold steps
-    t and t + 1 as step t is staged; step t + 2's loads go into the set just stored. Unrolled by two steps, so
-    each set keeps its names."""
-    i1, i2, i3 = " " * 4, " " * 8, " " * 12
-    o = v.orient
-    lines = _staging(c, o, i1, "0u") + [f"{i1}if (steps > 1u) {{"] + _staging(c, o, i2, "1u", regs="_n") + [f"{i1}}}"]
-    lines.append(f"{i1}for (var t = 0u; t < steps; t += 2u) {{")
-    for half, regs in ((0, ""), (1, "_n")):
-        step = "t" if half == 0 else "t + 1u"
-        ind = i2 if half == 0 else i3
-        if half:
-            lines.append(f"{i2}if (t + 1u < steps) {{")
-        lines += _staging(c, o, ind, None, regs=regs) + [f"{ind}workgroupBarrier();"]
-        lines += [f"{ind}if ({step} + 2u < steps) {{"] + _staging(c, o, ind + "    ", f"{step} + 2u", regs=regs)
-        lines += [f"{ind}}}", f"{ind}{{"] + _compute(c, ind + "    ", d, "0u")
-        lines += [f"{ind}}}", f"{ind}workgroupBarrier();"] + _chunk_end(c, v, d, ind, step)
-        if half:
-            lines.append(f"{i2}}}")
+    if v.chunked and c.probe != "no_scale":
+        lines.append(f"{i2}if ((t + 1u) % prm.spc == 0u && t + 1u < steps) {{")
+        lines += _scale_pass(c, v, d, i3, "t / prm.spc", final=False)
+        lines.append(f"{i2}}}")
     return lines + [f"{i1}}}"]
 
 
@@ -365,14 +325,11 @@ def _lora_operands(c: I8Config, layout: str, ind: str) -> list[str]:
     return lines
 
 
-def _row_staging(op: str, c: I8Config) -> str:
+def _row_staging(op: str) -> str:
     """ld_<op> / put_<op> of a row-major operand: A (op "a"), or W as B = W^T ("b", the "nt" orientation)."""
     a = op == "a"
-    text = kernel_text("matmul_i8_rows.wgsl")
-    if c.probe == "one_store":
-        text = "\n".join(line for line in text.splitlines() if not any(f"v.{x})" in line for x in "yzw"))
     return fill(
-        text, op=op, OP="A" if a else "W", OP_S="As" if a else "Bs",
+        kernel_text("matmul_i8_rows.wgsl"), op=op, OP="A" if a else "W", OP_S="As" if a else "Bs",
         OP_ROWS="M" if a else "N", OP_LD="lda" if a else "ldw", OP_OFF="prm.a_off + " if a else "",
         OP_RB="A_RB" if a else "B_RB", OP_SG="SG_M" if a else "SG_N",
     )  # fmt: skip
@@ -428,8 +385,8 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         LDW=c.ldw,
         OPERAND="i32" if direct else "vec4<u32>",
         STAGE_DECLS="" if direct else _stage_decls(c),
-        A_STAGING="" if direct else _row_staging("a", c),
-        B_STAGING="" if direct else _row_staging("b", c) if v.orient == "nt" else kernel_text("matmul_i8_b_nn.wgsl"),
+        A_STAGING="" if direct else _row_staging("a"),
+        B_STAGING="" if direct else _row_staging("b") if v.orient == "nt" else kernel_text("matmul_i8_b_nn.wgsl"),
         CS_LEN=c.fm * MATRIX * MATRIX,
         STORE_EXPR=store,
         LORA_BINDINGS=fill(

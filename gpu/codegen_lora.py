@@ -5,8 +5,6 @@ of a step is in flight at once."""
 
 from __future__ import annotations
 
-from gpu.codegen import fill, kernel_text
-
 BM = 64  # output rows per workgroup
 LORA_GEMM_BK = {16: 32, 64: 16}  # output tile width -> reduction steps staged per tile
 
@@ -52,7 +50,6 @@ def lora_stream_values(unroll: int) -> dict[str, object]:
         reduce += [f"if (g == {grp}u) {{ {put} }}", barrier, f"if (g == 0u) {{ {add} }}", barrier]
     store = [f"put_out4(m + {i}u, n0 + {4 * q}u, z, acc{i}{q});" for i, q in acc]
     return {
-        "A_ELEM": "vec4<f32>",
         "COLS": STREAM_COLS,
         "ROW_GROUPS": STREAM_ROW_GROUPS,
         "UNROLL": unroll,
@@ -77,7 +74,6 @@ def lora_rows_values(s_kfast: bool) -> dict[str, object]:
         fma += [f"let s{e}{j} = Ss[(4u * q + {e}u) * 4u + {j}u];" for j in range(4)]
         fma += [f"acc{j} = fma(vec4<f32>(x.{_XYZW[e]}), s{e}{j}, acc{j});" for j in range(4)]
     return {
-        "A_ELEM": "vec4<f32>",
         "ROWS": ROWS_ROWS,
         "BK": ROWS_BK,
         "S_KFAST": s_kfast,
@@ -86,90 +82,3 @@ def lora_rows_values(s_kfast: bool) -> dict[str, object]:
         "STAGE": "\n        ".join(f"stage_x(lid + {e * ROWS_ROWS}u, rx{e});" for e in regs),
         "FMA": "\n            ".join(fma),
     }
-
-
-# lora_codes_rows.wgsl: invocations a workgroup, rows an invocation, codes a row a step; lora_codes_across.wgsl:
-# invocations a workgroup (a word of 4 columns each), rows a step
-CODES_ROWS_THREADS, CODES_ROWS_RPT, CODES_ROWS_BK = 64, 4, 64
-CODES_ACROSS_THREADS, CODES_ACROSS_BK = 64, 32
-
-
-def _sums(rows: int) -> list[tuple[int, int]]:
-    return [(j, q) for j in range(rows) for q in range(4)]
-
-
-def lora_codes_rows_values(s_kfast: bool) -> dict[str, object]:
-    """lora_codes_rows.wgsl's constants and its unrolled statements: acc{j}{q} (row lid + THREADS j, columns n0 +
-    4 q ..), a unit's loads (x{j}: 16 codes of row j) and its products (each code against its S row from Ss)."""
-    rpt = CODES_ROWS_RPT
-    load = [f"let x{j} = load_x(m0 + {j * CODES_ROWS_THREADS}u, k0 + 16u * u, k_end);" for j in range(rpt)]
-    fma = []
-    for w in range(4):
-        fma += [f"let c{j}{w} = codes4(x{j}.{_XYZW[w]});" for j in range(rpt)]
-        for e in range(4):
-            fma += [f"let s{w}{e}{q} = Ss[(u * 16u + {4 * w + e}u) * 4u + {q}u];" for q in range(4)]
-            fma += [f"acc{j}{q} = fma(vec4<f32>(c{j}{w}.{_XYZW[e]}), s{w}{e}{q}, acc{j}{q});" for j, q in _sums(rpt)]
-    store = []
-    for j in range(rpt):
-        store.append(f"let f{j} = m_factor(m0 + {j * CODES_ROWS_THREADS}u);")
-        store += [f"put_out4(m0 + {j * CODES_ROWS_THREADS}u, n0 + {4 * q}u, z, acc{j}{q} * f{j});" for q in range(4)]
-    return {
-        "A_ELEM": "vec4<u32>",
-        "THREADS": CODES_ROWS_THREADS,
-        "RPT": rpt,
-        "BK": CODES_ROWS_BK,
-        "S_KFAST": s_kfast,
-        "DECLARE": "\n    ".join(f"var acc{j}{q} = vec4<f32>(0.0);" for j, q in _sums(rpt)),
-        "LOAD": "\n            ".join(load),
-        "FMA": "\n            ".join(fma),
-        "STORE": "\n    ".join(store),
-    }
-
-
-def lora_codes_across_values() -> dict[str, object]:
-    """lora_codes_across.wgsl's constants and its unrolled statements: acc{i}{q} (column 4 w + i, ranks 4 q ..),
-    a step's loads (x{k}: this invocation's word of row k0 + k) and products (each code against its S row)."""
-    bk = CODES_ACROSS_BK
-    load = [f"let x{k} = load_w(w, k0 + {k}u, k_end);" for k in range(bk)]
-    fma = []
-    for k in range(bk):
-        fma.append(f"let c{k} = codes4(x{k});")
-        fma += [f"let s{k}{q} = Ss[{4 * k + q}u];" for q in range(4)]
-        fma += [f"acc{i}{q} = fma(vec4<f32>(c{k}.{_XYZW[i]}), s{k}{q}, acc{i}{q});" for i, q in _sums(4)]
-    store = []
-    for i in range(4):
-        store.append(f"let f{i} = m_factor(4u * w + {i}u);")
-        store += [f"put_out4(4u * w + {i}u, n0 + {4 * q}u, z, acc{i}{q} * f{i});" for q in range(4)]
-    return {
-        "A_ELEM": "u32",
-        "THREADS": CODES_ACROSS_THREADS,
-        "BK": bk,
-        "DECLARE": "\n    ".join(f"var acc{i}{q} = vec4<f32>(0.0);" for i, q in _sums(4)),
-        "LOAD": "\n        ".join(load),
-        "FMA": "\n        ".join(fma),
-        "STORE": "\n    ".join(store),
-    }
-
-
-# lora_codes_tc.wgsl: output rows a workgroup (4 subgroups of 16), reduction steps staged at a time
-CODES_TC_ROWS, CODES_TC_BK = 64, 64
-_TC_DIRECTIVES = (
-    "diagnostic(off, chromium.subgroup_matrix_uniformity);\nenable f16;\nenable subgroups;\n"
-    "enable chromium_experimental_subgroup_matrix;\n"
-)
-
-
-def lora_codes_tc_source(form: str) -> str:
-    """The WGSL of lora_codes_tc.wgsl for one form of product: "rows" / "rows_kfast" (along the codes' rows; S
-    row-major or k-fast) or "across" (across them)."""
-    if form not in ("rows", "rows_kfast", "across"):
-        raise ValueError(f"lora_codes_tc: form {form!r}, expected rows, rows_kfast or across")
-    across = form == "across"
-    lda = (CODES_TC_ROWS if across else CODES_TC_BK) + 8  # f16, padded
-    staged_rows, row_codes = (CODES_TC_BK, CODES_TC_ROWS) if across else (CODES_TC_ROWS, CODES_TC_BK)
-    parts = ("lora_paths_common", "lora_codes_common", "lora_codes_tc")
-    text = _TC_DIRECTIVES + "\n".join(kernel_text(f"{p}.wgsl") for p in parts)
-    return fill(
-        text, A_ELEM="vec4<u32>", BK=CODES_TC_BK, ACROSS=str(across).lower(), S_KFAST=str(form == "rows_kfast").lower(),
-        LDA=lda, A_UNITS=staged_rows * row_codes // 16, UPR=row_codes // 16, A_LEN=staged_rows * lda,
-    )  # fmt: skip

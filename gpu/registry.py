@@ -24,16 +24,7 @@ from typing import Any
 from gpu import codegen_attention_tc as attention_tc
 from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
 from gpu.codegen_i8 import matmul_i8_source
-from gpu.codegen_lora import (
-    LORA_GEMM_BK,
-    STREAM_UNROLLS,
-    lora_codes_across_values,
-    lora_codes_rows_values,
-    lora_codes_tc_source,
-    lora_gemm_values,
-    lora_rows_values,
-    lora_stream_values,
-)
+from gpu.codegen_lora import LORA_GEMM_BK, STREAM_UNROLLS, lora_gemm_values, lora_rows_values, lora_stream_values
 from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
 from gpu.codegen_tc import matmul_tc_source
 from gpu.device import Device
@@ -365,14 +356,6 @@ KERNELS: dict[str, Kernel] = {
     # along them (t, dt; S read k-fast: A's rows)
     "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {"unroll": STREAM_UNROLLS}, lora_stream_values),
     "lora_rows": Kernel(("lora_paths_common", "lora_rows"), {"s_kfast": BOOLS}, lora_rows_values),
-    # the same products over the integer path's int8 codes (gpu/ops/lora_matmul.py Codes): along their rows (t, dt)
-    # and across them (dB, dA^T)
-    "lora_codes_rows": Kernel(
-        ("lora_paths_common", "lora_codes_common", "lora_codes_rows"), {"s_kfast": BOOLS}, lora_codes_rows_values
-    ),
-    "lora_codes_across": Kernel(
-        ("lora_paths_common", "lora_codes_common", "lora_codes_across"), {}, lora_codes_across_values
-    ),
     # LoRA backward's dB and dt in one pass over dY (gpu/ops/lora_dual.py)
     "lora_dual": Kernel(("lora_dual",), {"cr": (256,)}),
     # a LoRA reduction + expansion pair in one dispatch (gpu/ops/lora_fused.py), per rank bucket r <= rb
@@ -399,8 +382,6 @@ _TC_HEAD_DIM = {"head_dim": attention_tc.ATTENTION_TC_HEAD_DIMS}
 # Tensor-core op kernels (Dawn only: subgroup matrices / subgroups): gpu/ops/attention_tc.py, gpu/ops/half.py.
 TC_KERNELS: dict[str, GeneratedKernel] = {
     "pack_f16": GeneratedKernel(attention_tc.pack_source, {"scaled": BOOLS}),
-    # LoRA's products over int8 codes on the f16 tensor cores (gpu/ops/lora_matmul.py Codes)
-    "lora_codes_tc": GeneratedKernel(lora_codes_tc_source, {"form": ("rows", "rows_kfast", "across")}),
     "pack_f16_rope": GeneratedKernel(attention_tc.pack_rope_source, {"neox": BOOLS}),
     "attention_tc_delta": GeneratedKernel(attention_tc.delta_source, _TC_HEAD_DIM),
     "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_HEAD_DIM),

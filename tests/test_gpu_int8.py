@@ -11,7 +11,6 @@ scale error is O(1)).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -461,8 +460,6 @@ EMU_CASES = [  # (m, n, k, chunk, tile): edges in M and N, one and several chunk
     (70, 50, 128, 64, I8Config(2, 1, 1, 2, 32, 1)),
     (33, 40, 192, 64, I8Config(1, 2, 2, 1, 64, 2, stages=2)),
     (16, 16, 64, 32, I8Config(2, 2, 1, 1, 32, 1, pad=0, stages=2)),
-    (70, 50, 160, 160, I8Config(2, 1, 1, 2, 32, 1, prefetch=2)),  # two steps' loads in flight, an odd step count
-    (70, 50, 192, 64, I8Config(2, 1, 1, 2, 32, 1, prefetch=2)),  # chunks of 2 steps
 ]
 
 
@@ -537,8 +534,6 @@ TC_CASES = [  # the preset and candidate tiles, per-row and chunked scales, edge
     (300, 200, 512, 256, I8Config(4, 2, 4, 2, 32, 2, stages=2)),
     (300, 200, 512, 128, I8_TILE_CHUNKED),
     (300, 200, 512, 512, I8Config(4, 2, 4, 4, 32, 1, stages=2)),
-    (300, 200, 576, 576, replace(I8_TILE, prefetch=2)),
-    (300, 200, 512, 128, replace(I8_TILE_CHUNKED, prefetch=2)),
 ]
 
 

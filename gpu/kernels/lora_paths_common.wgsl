@@ -1,7 +1,6 @@
-// The shared part of LoRA's bandwidth paths (lora_stream.wgsl, lora_rows.wgsl, and over int8 codes
-// lora_codes_rows.wgsl, lora_codes_across.wgsl; gpu/ops/lora_matmul.py): their parameters, bindings and output.
-// C(m, n) (+)= alpha * sum_k A(m, k) S(k, n) over k in split z's chunk; A and S are read as vec4s (every offset and
-// stride a multiple of 4 elements, M a multiple of 4; codes: see lora_codes_common.wgsl). S's columns in blocks of
+// The shared part of LoRA's bandwidth paths (lora_stream.wgsl, lora_rows.wgsl; gpu/ops/lora_matmul.py): their
+// parameters, bindings and output. C(m, n) (+)= alpha * sum_k A(m, k) S(k, n) over k in split z's chunk; A and S
+// are read as vec4s (every offset and stride a multiple of 4 elements, M a multiple of 4). S's columns in blocks of
 // 16 (grid x); with column groups (gw > 0, a multiple of 16) block n0 lies in group n0 / gw, whose S starts b_go
 // and whose C starts c_go elements further. Output as lora_gemm.wgsl's: split partials at P[(z M + m) N + n] for
 // lora_reduce.wgsl, else C[c_off + c_go + m csm + (n % gw) csn] = alpha * sum (+ its old value if accumulate).
@@ -22,13 +21,13 @@ struct Params {
     accumulate: u32,
     partial: u32,
     gw: u32,
-    scaling: u32,    // the codes kernels' factors (lora_codes_common.wgsl); 0 elsewhere
+    _pad0: u32,
     b_go: vec4<u32>,
     c_go: vec4<u32>,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> A: array<${A_ELEM}>;
+@group(0) @binding(1) var<storage, read> A: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> B: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> C: array<f32>;
 

@@ -16,20 +16,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpu.codegen_lora import (
-    BM,
-    CODES_ACROSS_BK,
-    CODES_ACROSS_THREADS,
-    CODES_ROWS_BK,
-    CODES_ROWS_RPT,
-    CODES_ROWS_THREADS,
-    CODES_TC_BK,
-    CODES_TC_ROWS,
-    LORA_GEMM_BK,
-    ROWS_BK,
-    ROWS_ROWS,
-    STREAM_COLS,
-)
+from gpu.codegen_lora import BM, LORA_GEMM_BK, ROWS_BK, ROWS_ROWS, STREAM_COLS
 from gpu.device import Device, DeviceError, grid_1d
 from gpu.ops.common import nbytes, pack
 from gpu.ops.strided_matmul import Operand, check_operands
@@ -45,13 +32,6 @@ FAST_MAX_N = 64
 STREAM_WORKGROUPS, STREAM_MIN_ROWS = 400, 64  # lora_stream: split the rows until about this many workgroups run
 STREAM_UNROLL = 4  # lora_stream's rows loaded at a time (its variants: gpu/codegen_lora.py STREAM_UNROLLS)
 ROWS_WORKGROUPS, ROWS_MIN_CHUNK = 800, 128  # lora_rows likewise, chunks of whole ROWS_BK steps
-# the kernels over int8 codes (Codes): split the reduction until about this many workgroups run, chunks of at least
-# this many codes (along the rows) or rows (across them)
-CODES_WORKGROUPS, CODES_ROWS_MIN_CHUNK, CODES_ACROSS_MIN_CHUNK = 1024, 256, 64
-# over codes on the f16 tensor cores where the device has subgroup matrices (lora_codes_tc.wgsl): off, the f32
-# multiply-adds of lora_codes_rows / lora_codes_across everywhere (bench/lora_codes.py --paths)
-CODES_TENSOR_CORES = True
-CODES_TC_WORKGROUPS, CODES_TC_MIN_CHUNK = 1024, 128
 
 _scratch: weakref.WeakKeyDictionary[Device, Any] = weakref.WeakKeyDictionary()
 
@@ -84,28 +64,6 @@ def chunked(k: int, splits: int, bk: int) -> tuple[int, int]:
 
 
 MAX_GROUPS = 4  # column groups of one lora_matmul (lora_gemm.wgsl's b_go / c_go)
-TIMES, DIVIDED = 1, 2  # how lora_matmul's codes use a factor (lora_codes_common.wgsl)
-
-
-@dataclass(frozen=True)
-class Codes:
-    """lora_matmul's A as int8 codes (its Operand's offsets and strides in codes, four to a u32 word), element (i, k)
-    = code * KS[k] with row i's sums times RS[i]: each factor None or (buffer of f32, TIMES or DIVIDED; DIVIDED
-    gives 0 where the factor is 0)."""
-
-    rows: tuple[Any, int] | None = None
-    steps: tuple[Any, int] | None = None
-
-    def scaling(self) -> int:
-        """lora_gemm's prm.scaling: RS's mode in bits 0-1, KS's in bits 2-3."""
-        modes = [0 if f is None else f[1] for f in (self.rows, self.steps)]
-        if any(mode not in (0, TIMES, DIVIDED) for mode in modes):
-            raise DeviceError(f"lora_matmul: codes factors {modes}, expected TIMES or DIVIDED")
-        return modes[0] | modes[1] << 2
-
-    def buffers(self, fallback: Any) -> list[Any]:
-        """RS and KS to bind (fallback where unused)."""
-        return [fallback if f is None else f[0] for f in (self.rows, self.steps)]
 
 
 def reduce_params(
@@ -155,31 +113,23 @@ def lora_matmul(
     csn: int = 1,
     splits: int | None = None,
     groups: ColumnGroups | None = None,
-    codes: Codes | None = None,
 ) -> None:
     """C(i, j) = c[c_off + i * csm + j * csn] (+)= alpha * A[i, :] . B[:, j] for i < m, j < n (csm defaults to n:
     row-major; with groups, as ColumnGroups says). Tile width: 64 when n > 32 (expansions), else 16. `splits`
-    overrides the reduction split (tests); by default pick_splits chooses it from the shape. codes: A is int8 codes
-    with factors (Codes: lora_codes_rows / lora_codes_across)."""
+    overrides the reduction split (tests); by default pick_splits chooses it from the shape."""
     if min(m, n) <= 0:
         return
     csm = n if csm is None else csm
-    a_check = a if codes is None else Operand(a.buf, 0, 0, 0)  # codes: checked in bytes below
     if groups is None:
-        check_operands("lora_matmul", a_check, b, m, n, k)
+        check_operands("lora_matmul", a, b, m, n, k)
         last_c = c_off + (m - 1) * csm + (n - 1) * csn
     else:
         if n != groups.width * len(groups.b_offsets):
             raise DeviceError(f"lora_matmul: {n} columns are not {len(groups.b_offsets)} groups of {groups.width}")
-        check_operands("lora_matmul", a_check, replace(b, off=b.off + max(groups.b_offsets)), m, groups.width, k)
+        check_operands("lora_matmul", a, replace(b, off=b.off + max(groups.b_offsets)), m, groups.width, k)
         last_c = c_off + max(groups.c_offsets) + (m - 1) * csm + (groups.width - 1) * csn
     if nbytes(c) < 4 * (last_c + 1):
         raise DeviceError(f"lora_matmul: output C ({m} x {n}, strides {csm}, {csn}) exceeds its buffer's {nbytes(c)} B")
-    if codes is not None and k > 0 and nbytes(a.buf) < a.last(m, k) + 1:
-        raise DeviceError(f"lora_matmul: codes A ({m} x {k}) read past their buffer's {nbytes(a.buf)} B")
-    if codes is not None:
-        _codes(dev, codes, a, b, c, (m, n, k), alpha, accumulate, (c_off, csm, csn), splits, groups)
-        return
     path = fast_path(a, b, m, n, k, groups)
     if path:
         _fast(dev, path, a, b, c, (m, n, k), alpha, accumulate, (c_off, csm, csn), splits, groups)
@@ -286,107 +236,5 @@ def _fast(
     stream = ("lora_stream", {"unroll": STREAM_UNROLL})
     name, variant = stream if path == "stream" else ("lora_rows", {"s_kfast": path == "rows_kfast"})
     dev.dispatch(pipeline(dev, name, **variant), [params, a.buf, b.buf, out], (*grid, splits))
-    if partial:
-        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
-
-
-def codes_path(a: Operand, b: Operand, m: int, k: int) -> str:
-    """Which kernel multiplies codes A (Operand in codes) by f32 S = B: "rows" (A contiguous along k, rows of whole
-    vec4s of codes; S row-major), "rows_kfast" (S k-fast: A's rows), "across" (A contiguous along m, rows of whole
-    words; S row-major); DeviceError for any other layout."""
-    if a.s1 == 1 and a.off % 16 == 0 and a.s0 % 16 == 0 and k % 16 == 0:
-        if b.s1 == 1:
-            return "rows"
-        if b.s0 == 1:
-            return "rows_kfast"
-    if a.s0 == 1 and a.off % 4 == 0 and a.s1 % 4 == 0 and m % 4 == 0 and b.s1 == 1:
-        return "across"
-    raise DeviceError(
-        f"lora_matmul: codes A (offset {a.off}, strides {a.s0}, {a.s1}; {m} x {k}) with S strides ({b.s0}, {b.s1}): "
-        "expected rows of whole 16-code vec4s read along k, or of whole words read along m, and S with a unit stride"
-    )
-
-
-def _codes(
-    dev: Device,
-    codes: Codes,
-    a: Operand,
-    b: Operand,
-    c: Any,
-    mnk: tuple[int, int, int],
-    alpha: float,
-    accumulate: bool,
-    c_layout: tuple[int, int, int],
-    splits: int | None,
-    groups: ColumnGroups | None,
-) -> None:
-    """lora_matmul over codes: lora_codes_rows / lora_codes_across (and lora_reduce when the reduction is split)."""
-    m, n, k = mnk
-    c_off, csm, csn = c_layout
-    path = codes_path(a, b, m, k)
-    across = path == "across"
-    if CODES_TENSOR_CORES and dev.subgroup_matrix and (not across or (a.off % 16 == 0 and a.s1 % 16 == 0)):
-        _codes_tc(dev, codes, path, a, b, c, mnk, alpha, accumulate, c_layout, splits, groups)
-        return
-    rows, bk = (4 * CODES_ACROSS_THREADS, CODES_ACROSS_BK) if across else (
-        CODES_ROWS_THREADS * CODES_ROWS_RPT, CODES_ROWS_BK)  # fmt: skip
-    grid = (math.ceil(n / 16), math.ceil(m / rows))
-    if splits is None:
-        least = CODES_ACROSS_MIN_CHUNK if across else CODES_ROWS_MIN_CHUNK
-        cap = max(1, min(SCRATCH_CAP, dev.max_binding) // (4 * m * n))
-        splits = min(math.ceil(CODES_WORKGROUPS / (grid[0] * grid[1])), math.ceil(k / least), cap)
-    splits, chunk = chunked(max(k, 1), max(splits, 1), bk)
-    if max(*grid, splits) > 65535:
-        raise DeviceError(f"lora_matmul: {m} x {n} output needs a grid of {grid} x {splits} (max 65535 each)")
-    a_off, lda = (a.off // 4, a.s1 // 4) if across else (a.off // 16, a.s0 // 16)
-    ldb = b.s1 if path == "rows_kfast" else b.s0
-    partial = splits > 1
-    gw, b_go, c_go = _group_words(groups)
-    params = pack(
-        m, n, k, chunk, a_off, lda, b.off, ldb, c_off, csm, csn, alpha, accumulate, partial, gw, codes.scaling(),
-        *b_go, *c_go,
-    )  # fmt: skip
-    out = scratch_for(dev, 4 * splits * m * n) if partial else c
-    pipe = pipeline(dev, "lora_codes_across") if across else pipeline(dev, "lora_codes_rows", s_kfast=path != "rows")
-    dev.dispatch(pipe, [params, a.buf, b.buf, out, *codes.buffers(b.buf)], (*grid, splits))
-    if partial:
-        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
-
-
-def _codes_tc(
-    dev: Device,
-    codes: Codes,
-    path: str,
-    a: Operand,
-    b: Operand,
-    c: Any,
-    mnk: tuple[int, int, int],
-    alpha: float,
-    accumulate: bool,
-    c_layout: tuple[int, int, int],
-    splits: int | None,
-    groups: ColumnGroups | None,
-) -> None:
-    """lora_matmul over codes on the f16 tensor cores (lora_codes_tc, and lora_reduce when the reduction is split)."""
-    m, n, k = mnk
-    c_off, csm, csn = c_layout
-    grid = (math.ceil(n / 16), math.ceil(m / CODES_TC_ROWS))
-    if splits is None:
-        cap = max(1, min(SCRATCH_CAP, dev.max_binding) // (4 * m * n))
-        splits = min(math.ceil(CODES_TC_WORKGROUPS / (grid[0] * grid[1])), math.ceil(k / CODES_TC_MIN_CHUNK), cap)
-    splits, chunk = chunked(max(k, 1), max(splits, 1), CODES_TC_BK)
-    if max(*grid, splits) > 65535:
-        raise DeviceError(f"lora_matmul: {m} x {n} output needs a grid of {grid} x {splits} (max 65535 each)")
-    a_off, lda = a.off // 16, (a.s1 if path == "across" else a.s0) // 16
-    ldb = b.s1 if path == "rows_kfast" else b.s0
-    partial = splits > 1
-    gw, b_go, c_go = _group_words(groups)
-    params = pack(
-        m, n, k, chunk, a_off, lda, b.off, ldb, c_off, csm, csn, alpha, accumulate, partial, gw, codes.scaling(),
-        *b_go, *c_go,
-    )  # fmt: skip
-    out = scratch_for(dev, 4 * splits * m * n) if partial else c
-    bindings = [params, a.buf, b.buf, out, *codes.buffers(b.buf)]
-    dev.dispatch(pipeline(dev, "lora_codes_tc", form=path), bindings, (*grid, splits))
     if partial:
         _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
