@@ -77,6 +77,7 @@ def time_gemm_i8(
     check: bool = True,
     orient: str = "nt",
     lora: int = 0,
+    accumulate: bool = False,
 ) -> dict[str, Any]:
     chunk = chunk or k
     a, (ac, asc) = random_i8(dev, m, k, chunk, rng)
@@ -97,7 +98,7 @@ def time_gemm_i8(
         t16, b16 = ((2 * t).astype(np.float16).astype(np.float64), b.astype(np.float16).astype(np.float64))
 
     def call() -> None:
-        gemm_i8(dev, a, w, c, orient=orient, col_scales=col, cfg=cfg, lora=term)
+        gemm_i8(dev, a, w, c, orient=orient, col_scales=col, cfg=cfg, lora=term, accumulate=accumulate)
 
     timing = time_calls(dev, call, 0.25)
     ops = 2.0 * m * n * k
@@ -109,6 +110,7 @@ def time_gemm_i8(
         "orient": orient,
         "cfg": cfg.label,
         "lora": lora,
+        "accumulate": accumulate,
         "ms": round(timing["seconds"] * 1e3, 4),
         "tops": round(ops / timing["seconds"] / 1e12, 1),
         **{key: timing[key] for key in ("reps", "spread", "first_call_s")},
@@ -117,6 +119,9 @@ def time_gemm_i8(
     if "gpu_us" in row:
         row["gpu_tops"] = round(ops / (row["gpu_us"] * 1e-6) / 1e12, 1)
     if check and cfg.probe in ("", "direct"):  # "direct" computes the real product
+        if accumulate:  # onto zeros: the timing's calls piled up in C
+            dev.clear(c)
+            call()
         rows = np.sort(rng.choice(m, size=min(8, m), replace=False))
         got = np.stack([dev.read(c, np.float32, (n,), offset=int(i) * n * 4) for i in rows]).astype(np.float64)
         if orient == "nt":
@@ -150,6 +155,7 @@ def main() -> None:
     ap.add_argument("--probes", action="store_true", help="also the preset without MMAs / staging / scaling")
     ap.add_argument("--orient", default="nt", choices=("nt", "nn"), help="forward (nt) or input-gradient (nn) GEMM")
     ap.add_argument("--lora", type=int, default=0, help="also each shape with a LoRA term of this rank in the epilogue")
+    ap.add_argument("--accumulate", action="store_true", help="time C += A . B (the summed input gradients)")
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     dev = Device("dawn")
@@ -167,7 +173,9 @@ def main() -> None:
                 ranks = [0, args.lora] if args.lora and not chunk and args.orient == "nt" else [0]
                 for r in ranks:
                     try:
-                        emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng, orient=args.orient, lora=r))
+                        row = time_gemm_i8(dev, m, n, k, chunk, cfg, rng, orient=args.orient, lora=r,
+                                           accumulate=args.accumulate)  # fmt: skip
+                        emit(**row)
                     except Exception as e:  # noqa: BLE001 - one tile's failure leaves the others' figures
                         emit(m=m, n=n, k=k, chunk=chunk, cfg=cfg.label, lora=r, error=str(e)[-400:])
             if args.probes:

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 
 from gpu.model import INT8_CODES
 from gpu.objectives import GpuKd
+from gpu.ops.matmul_i8 import I8_TILE
 from model.engine_spec import EngineSpec, KdBatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -184,6 +186,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
     "lora-fast-paths": ("gpu.ops.lora_matmul", "FAST_PATHS", True),
     "unit-rows-off": ("gpu.ops.quantize_i8", "UNIT_ROWS", False),
+    # the accumulating GEMMs' reads of C as each value is written (a read-modify-write), not two groups ahead
+    "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),

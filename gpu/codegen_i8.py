@@ -15,6 +15,7 @@ from gpu.codegen import fill, kernel_text
 from gpu.codegen_tc import MATRIX, SubgroupTile
 
 MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
+
 # timing probes (bench/gemm_i8.py; "" for real kernels): without the MMAs, the staging after the first step, the
 # per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C; or
 # "direct": no staging at all, each subgroup loading its matrices straight from storage (results right when M and
@@ -31,6 +32,9 @@ class I8Config(SubgroupTile):
     pad: int = 4  # words of padding per staged row
     stages: int = 1  # 1: register prefetch, one buffer; 2: register prefetch, two buffers (one barrier a step)
     group_m: int = 8  # workgroup rows per raster group (L2 reuse), 0: row-major
+    # an accumulating epilogue reads the C values it adds onto this many scaling groups ahead (0: as it writes each
+    # one, a read-modify-write whose latency every group waits out)
+    old_ahead: int = 2
     probe: str = ""
 
     @property
@@ -52,6 +56,8 @@ class I8Config(SubgroupTile):
             raise ValueError(f"I8Config.bk={self.bk} must be a multiple of {MMA_K}")
         if self.pad % 4 or self.pad < 0:
             raise ValueError(f"I8Config.pad={self.pad} must be a non-negative multiple of 4 words (16-byte rows)")
+        if self.old_ahead < 0:
+            raise ValueError(f"I8Config.old_ahead={self.old_ahead} must be >= 0")
         if self.stages not in (1, 2):
             raise ValueError(f"I8Config.stages={self.stages} must be 1 or 2")
         if (self.tm * self.tn) % self.fm:
@@ -69,6 +75,8 @@ class I8Config(SubgroupTile):
             s += f"_s{self.stages}"
         if self.group_m != 8:
             s += f"_g{self.group_m}"
+        if self.old_ahead != 2:
+            s += f"_o{self.old_ahead}"
         return s + (f"_{self.probe}" if self.probe else "")
 
 
@@ -210,8 +218,19 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     emulated = d is _EMU
     if final and v.lora and not emulated:
         lines += _lora_operands(c, v.lora, i2)
-    for g in range(0, len(pairs), c.fm):
-        group = pairs[g : g + c.fm]
+    groups = [pairs[g : g + c.fm] for g in range(0, len(pairs), c.fm)]
+    ahead = c.old_ahead if final and v.accumulate else 0
+
+    def old_reads(g: int) -> list[str]:  # group g's C values, into old{g}_{f}
+        if not ahead or g >= len(groups):
+            return []
+        reads = enumerate(groups[g])
+        return [f"{i2}let old{g}_{f} = old8(ms + {i * MATRIX}u, ns + {j * MATRIX}u);" for f, (i, j) in reads]
+
+    for g in range(ahead):
+        lines += old_reads(g)
+    for gi, group in enumerate(groups):
+        lines += old_reads(gi + ahead)
         lines += [f"{i2}{d.store_cs.format(off=f'{f * 256}u', acc=f'acc_{i}_{j}')};" for f, (i, j) in enumerate(group)]
         if final and v.lora:  # each block's LoRA term beside it (blocks past M or N are never written)
             for f, (i, j) in enumerate(group):
@@ -230,6 +249,7 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
             else:
                 val = f"add8(f_{i}_{j}, {part})" if v.chunked else part
                 lo = f", lora8(sg, {f}u, lane)" if v.lora else ""
+                lo += f", old{gi}_{f}" if ahead else ""
                 lines.append(f"{i2}write8(ms + {i * MATRIX}u, ns + {j * MATRIX}u, {val}{lo});")
         lines += barrier
     if not final:
@@ -361,13 +381,15 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         raise ValueError(f"I8Variant lora={v.lora!r} orient={v.orient!r} chunked={v.chunked}: '', 'rows' or 'cols', "
                          "with 'nt' and one chunk")  # fmt: skip
     out, value = "C[i]", "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
-    store = f"{out} = {out} + ({value});" if v.accumulate else f"{out} = {value};"
+    old = "old[e]" if c.old_ahead else out
+    store = f"{out} = {old} + ({value});" if v.accumulate else f"{out} = {value};"
     if c.probe == "no_write":  # the values stay live, the stores (practically) never happen
         store = f"if (v[e] == 1.2345e-30) {{ {store} }}"
     return fill(
         kernel_text("matmul_i8.wgsl"),
         DIRECTIVES=("enable f16;\n" if v.lora else "") + d.directives,
         WRITE8_LORA=", lo: array<f32, 8>" if v.lora else "",
+        WRITE8_OLD=", old: array<f32, 8>" if v.accumulate and c.old_ahead else "",
         EMULATION=kernel_text("matmul_i8_emulation.wgsl") if emulate else "",
         SG_PARAM=d.sg_param,
         SG_LET=d.sg_let,

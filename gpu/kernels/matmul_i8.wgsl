@@ -11,7 +11,8 @@
 // opaque (no per-row or per-column scaling in registers), so at the end of every chunk of K (CHUNKED) or only
 // at the end (one chunk: per-row scales) each result matrix goes through the subgroup's scratch Cs, FM at a
 // time; each invocation scales its 8 elements (one column, every other row) by SA * SW into f32 registers, and the
-// i32 matrix starts again from zero. Rows past M or N are clamped on load and never written.
+// i32 matrix starts again from zero. Rows past M or N are clamped on load and never written. An accumulating
+// epilogue reads the C values it adds onto a few result matrices ahead (old8), their latency behind the scaling.
 // The LoRA variant adds s * T . L to each value as it is written, computed per result matrix on the f16 tensor cores
 // (matmul_i8_lora.wgsl): the forward's LoRA expansion (and the input gradient's) in the epilogue instead of a pass
 // of its own over C.
@@ -99,8 +100,23 @@ fn add8(a: array<f32, 8>, b: array<f32, 8>) -> array<f32, 8> {
     return v;
 }
 
+// C's values at rows m, m + 2, ..., m + 14 of column n (0 outside): what an accumulating epilogue adds onto, read
+// before the result matrices they belong to come out of Cs (gpu/codegen_i8.py OLD_AHEAD)
+fn old8(m: u32, n: u32) -> array<f32, 8> {
+    var o: array<f32, 8>;
+    if (n < prm.N) {
+        for (var e = 0u; e < 8u; e++) {
+            let row = m + 2u * e;
+            if (row < prm.M) {
+                o[e] = C[prm.c_off + row * prm.ldc + n];
+            }
+        }
+    }
+    return o;
+}
+
 // rows m, m + 2, ..., m + 14 of column n of C (bounds-checked)
-fn write8(m: u32, n: u32, v: array<f32, 8>${WRITE8_LORA}) {
+fn write8(m: u32, n: u32, v: array<f32, 8>${WRITE8_LORA}${WRITE8_OLD}) {
     if (n >= prm.N) {
         return;
     }
