@@ -186,7 +186,6 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
     "lora-fast-paths": ("gpu.ops.lora_matmul", "FAST_PATHS", True),
     "unit-rows-off": ("gpu.ops.quantize_i8", "UNIT_ROWS", False),
-    "rotate-units-off": ("gpu.ops.quantize_i8", "UNIT_ROTATIONS", False),
     # the accumulating GEMMs' reads of C as each value is written (a read-modify-write), not two groups ahead
     "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),

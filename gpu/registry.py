@@ -120,19 +120,17 @@ def _weight_q4_k_values(rot: int, tint: bool, wg: int, fixed: bool) -> dict[str,
     return {"ROT": rot, "WG": wg, "FIXED": fixed, **_subgroups(tint)}
 
 
-def _hadamard_rows_values(rot: int, mode: str, tint: bool, units: bool = False) -> dict[str, object]:
-    """hadamard_rows: X R^T in place ("back"), Y += X R^T ("back_add"), or Y = X R ("forward"); units: the kernel
-    over units of 16 (hadamard_rows_units.wgsl, whose vec4 e of a unit is y[e] at w)."""
-    y, at = ("y[e]", "w") if units else ("y", "base + w")
+def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
+    """hadamard_rows: X R^T in place ("back"), Y += X R^T ("back_add"), or Y = X R ("forward")."""
     if mode == "back":
         bindings = "@group(0) @binding(1) var<storage, read_write> X: array<vec4<f32>>;"
-        store = f"X[{at}] = {y};"
+        store = "X[base + w] = y;"
     else:
         bindings = (
             "@group(0) @binding(1) var<storage, read> X: array<vec4<f32>>;\n"
             "@group(0) @binding(2) var<storage, read_write> Y: array<vec4<f32>>;"
         )
-        store = f"Y[{at}] += {y};" if mode == "back_add" else f"Y[{at}] = {y};"
+        store = "Y[base + w] += y;" if mode == "back_add" else "Y[base + w] = y;"
     back = "false" if mode == "forward" else "true"
     return {"ROT": rot, "BINDINGS": bindings, "STORE": store, "BACK": back, **_subgroups(tint)}
 
@@ -326,12 +324,6 @@ KERNELS: dict[str, Kernel] = {
         ("subgroups_directive", "hadamard", "hadamard_rows", "rows_rotated"),
         {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
         _hadamard_rows_values,
-    ),
-    # the same over units of 16 (gpu/ops/quantize_i8.py rotate_rows, UNIT_ROTATIONS)
-    "hadamard_rows_units": Kernel(
-        ("subgroups_directive", "hadamard", "hadamard_rows_units", "rows_rotated"),
-        {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
-        partial(_hadamard_rows_values, units=True),
     ),
     "weight_i8_q4_k": Kernel(
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "int8_units")

@@ -137,34 +137,6 @@ def test_rotate_rows_in_place_accumulating_and_forward(dev: Device, mode: str) -
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("mode", ["back", "back_add", "forward"])
-@pytest.mark.parametrize("rows,k,rot", [(3, 384, 128), (2, 8192, 64), (2, 12416, 128), (4, 96, 32)])
-def test_rotate_rows_on_units_is_bitwise_the_vec4_kernel(
-    dev: Device, monkeypatch: pytest.MonkeyPatch, mode: str, rows: int, k: int, rot: int
-) -> None:
-    """rotate_rows over units of 16 (hadamard_rows_units.wgsl, UNIT_ROTATIONS) against the vec4 kernel: the same bits,
-    rows of fewer units than invocations, of two per invocation and of a partial fourth; and which kernel ran."""
-    rng = np.random.default_rng(k + rot)
-    x = rng.standard_normal((rows, k)).astype(np.float32)
-    y = rng.standard_normal((rows, k)).astype(np.float32)
-    got, names = [], []
-    real = quantize_ops.pipeline
-    monkeypatch.setattr(quantize_ops, "pipeline", lambda dev, name, **v: names.append(name) or real(dev, name, **v))
-    for units in (True, False):
-        monkeypatch.setattr(quantize_ops, "UNIT_ROTATIONS", units)
-        xb, yb = dev.upload(x), dev.upload(y)
-        rotate_rows(dev, xb, rows, k, rot, out=None if mode == "back" else yb, forward=mode == "forward")
-        got.append(dev.read(xb if mode == "back" else yb, np.float32, (rows, k)))
-    assert names == ["hadamard_rows_units", "hadamard_rows"]
-    np.testing.assert_array_equal(got[0], got[1])
-    want = (
-        hadamard_rows(x, rot)
-        if mode == "forward"
-        else hadamard_rows(x, rot, back=True) + (y if mode == "back_add" else 0)
-    )
-    np.testing.assert_allclose(got[0], want, rtol=0, atol=1e-5 * np.abs(want).max())
-
-
 def test_rotation_refuses_what_it_cannot_hold(dev: Device) -> None:
     out = i8_buffers(dev, 2, 96, 96, "x")
     with pytest.raises(DeviceError, match="rotation 64"):

@@ -76,19 +76,10 @@ fn rotate_group_shared(lid: u32, v: vec4<f32>, col: u32, back: bool) -> vec4<f32
 // forward-rotate one invocation's unit of 16 consecutive values (columns col0 ..; units of invocations lid and
 // lid ^ d adjacent in the row: ROT >= 16); shuffled = rotation_shuffled(lid, ROT / 16)
 fn rotate_unit(lid: u32, v: ptr<function, array<vec4<f32>, 4>>, col0: u32, shuffled: bool) {
-    rotate_unit_to(lid, v, col0, shuffled, false);
-}
-
-// rotate_unit, or (back) its transpose: the signs after the butterflies instead of before (as rotate_group_*)
-fn rotate_unit_to(lid: u32, v: ptr<function, array<vec4<f32>, 4>>, col0: u32, shuffled: bool, back: bool) {
-    let s0 = rotation_signs(col0);
-    let s1 = rotation_signs(col0 + 4u);
-    let s2 = rotation_signs(col0 + 8u);
-    let s3 = rotation_signs(col0 + 12u);
-    var a0 = butterfly4(select((*v)[0] * s0, (*v)[0], back));
-    var a1 = butterfly4(select((*v)[1] * s1, (*v)[1], back));
-    var a2 = butterfly4(select((*v)[2] * s2, (*v)[2], back));
-    var a3 = butterfly4(select((*v)[3] * s3, (*v)[3], back));
+    var a0 = butterfly4((*v)[0] * rotation_signs(col0));
+    var a1 = butterfly4((*v)[1] * rotation_signs(col0 + 4u));
+    var a2 = butterfly4((*v)[2] * rotation_signs(col0 + 8u));
+    var a3 = butterfly4((*v)[3] * rotation_signs(col0 + 12u));
     let b0 = a0 + a1;   // h = 4 between the vec4s i and i ^ 1, h = 8 between i and i ^ 2
     let b1 = a0 - a1;
     let b2 = a2 + a3;
@@ -111,10 +102,5 @@ fn rotate_unit_to(lid: u32, v: ptr<function, array<vec4<f32>, 4>>, col0: u32, sh
         }
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));
-    *v = array<vec4<f32>, 4>(
-        select(a0 * norm, a0 * norm * s0, back),
-        select(a1 * norm, a1 * norm * s1, back),
-        select(a2 * norm, a2 * norm * s2, back),
-        select(a3 * norm, a3 * norm * s3, back),
-    );
+    *v = array<vec4<f32>, 4>(a0 * norm, a1 * norm, a2 * norm, a3 * norm);
 }

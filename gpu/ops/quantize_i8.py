@@ -45,10 +45,6 @@ def check_rotation(rot: int, k: int, what: str) -> None:
 # rotated once: int8_units.wgsl) instead of int8_codes.wgsl's rotated rows (each vec4 read and rotated twice);
 # the same bits either way (bench/int8_prep.py times both, bench/train_step.py --ab unit-rows-off)
 UNIT_ROWS = True
-# rotate_rows over units of 16 held in registers (hadamard_rows_units.wgsl, rows of at most 64 ROTATE_WG values;
-# bench/train_step.py --ab rotate-units-off), else a vec4 at a time (hadamard_rows.wgsl)
-UNIT_ROTATIONS = True
-ROTATE_WG = 256
 
 
 def quantize_i8_gpu(
@@ -276,8 +272,7 @@ def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = Non
         return
     bindings = [pack(rows, k, 0, 0), x] + ([] if out is None else [out])
     mode = "forward" if forward else "back" if out is None else "back_add"
-    name = "hadamard_rows_units" if UNIT_ROTATIONS and k <= 64 * ROTATE_WG else "hadamard_rows"  # rot >= 32: units
-    dev.dispatch(pipeline(dev, name, rot=rot, mode=mode, tint=tint(dev)), bindings, grid(rows, 1))
+    dev.dispatch(pipeline(dev, "hadamard_rows", rot=rot, mode=mode, tint=tint(dev)), bindings, grid(rows, 1))
 
 
 def rotated_back(
