@@ -15,7 +15,6 @@ from gpu.codegen import fill, kernel_text
 from gpu.codegen_tc import MATRIX, SubgroupTile
 
 MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
-
 # timing probes (bench/gemm_i8.py; "" for real kernels): without the MMAs, the staging after the first step, the
 # per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C; or
 # "direct": no staging at all, each subgroup loading its matrices straight from storage (results right when M and

@@ -470,10 +470,11 @@ def test_emulated_gemm_matches_the_reference(dev: Device, m: int, n: int, k: int
 
 
 @pytest.mark.gpu
-def test_emulated_gemm_accumulates_with_alpha_and_strides(dev: Device) -> None:
-    err = _check_gemm(
-        dev, 20, 24, 64, 32, I8Config(2, 1, 1, 2, 32, 1), emulate=True, accumulate=True, alpha=0.5, ldc=30, c_offset=5
-    )
+@pytest.mark.parametrize("chunk,old_ahead", [(32, 2), (64, 2), (64, 0), (32, 1), (64, 4)])
+def test_emulated_gemm_accumulates_with_alpha_and_strides(dev: Device, chunk: int, old_ahead: int) -> None:
+    """C += alpha A . B with C's values read as written (old_ahead 0) or 1, 2, 4 result matrices ahead (of 2)."""
+    cfg = I8Config(2, 1, 1, 2, 32, 1, old_ahead=old_ahead)
+    err = _check_gemm(dev, 20, 24, 64, chunk, cfg, emulate=True, accumulate=True, alpha=0.5, ldc=30, c_offset=5)
     assert err < TOL
 
 
