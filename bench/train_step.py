@@ -181,6 +181,8 @@ def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.
 # run's other flags (name: the module or class and attribute, and the value to try); "baseline" re-times those
 AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "kd-two-pass": ("gpu.ops.kd", "ONE_PASS", False),
+    # the head's vocab chunks decoded to f16 once, both tensor-core products over plain F16 weights
+    "kd-decoded-chunk": ("gpu.ops.kd", "DECODED_CHUNK", True),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),

@@ -26,7 +26,7 @@ from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kerne
 from gpu.codegen_i8 import matmul_i8_source
 from gpu.codegen_lora import LORA_GEMM_BK, STREAM_UNROLLS, lora_gemm_values, lora_rows_values, lora_stream_values
 from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
-from gpu.codegen_tc import matmul_tc_source
+from gpu.codegen_tc import matmul_tc_source, weight_loader
 from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
 from gpu.ops.matmul_i8 import all_i8_variants
@@ -74,6 +74,12 @@ def _embedding_values(wtype: str) -> dict[str, str]:
 def _kd_finish_values(wtype: str, ce: bool) -> dict[str, object]:
     """kd_finish reads the LM head's rows at the teacher ids through its type's decode snippet."""
     return {**_embedding_values(wtype), "CE": ce}
+
+
+def _weight_f16_values(wtype: str) -> dict[str, str]:
+    """weight_f16 reads W through the tensor-core GEMM's loader of its type (gpu/codegen_tc.py weight_loader)."""
+    w_elem, decode = weight_loader(wtype)
+    return {"W_ELEM": w_elem, "DECODE": fill(decode, H4="bitcast<vec4<f16>>")}
 
 
 def _subgroups(tint: bool) -> dict[str, str]:
@@ -232,6 +238,8 @@ KERNELS: dict[str, Kernel] = {
     "scale": Kernel((*_ELEMENTWISE, "scale")),
     "lora_group_sum": Kernel((*_ELEMENTWISE, "lora_group_sum"), {"acc": BOOLS}),
     "lora_pack": Kernel(("lora_pack", *_ITEMS)),
+    # a weight's rows decoded to f16 as the tensor-core GEMM stages them (gpu/ops/half.py weight_to_f16)
+    "weight_f16": Kernel(("weight_f16", *_ITEMS), {"wtype": tuple(WEIGHT_TYPES)}, _weight_f16_values),
     "swiglu_forward": Kernel(
         ("glu_forward", *_ELEMENTWISE), {"half": BOOLS}, partial(_glu_values, _GLU_GATES["swiglu"])
     ),

@@ -86,8 +86,8 @@ def test_kd_head(dev: Device, kind: str, use_tail: bool, tau: float, ce: float, 
 
 
 def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the kernels gpu/ops/kd.py asks for from now on."""
-    from gpu.ops import kd
+    """The names of the kernels gpu/ops/kd.py (and gpu/ops/half.py, which it calls) ask for from now on."""
+    from gpu.ops import half, kd
 
     names: list[str] = []
     real = kd.pipeline
@@ -97,6 +97,7 @@ def _ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return real(dev, name, **variant)
 
     monkeypatch.setattr(kd, "pipeline", spy)
+    monkeypatch.setattr(half, "pipeline", spy)
     return names
 
 
@@ -161,12 +162,14 @@ def test_kd_head_one_pass(
 
 
 @pytest.mark.tensorcore
+@pytest.mark.parametrize("decoded", [False, True], ids=["staged", "decoded"])
 @pytest.mark.parametrize("tau", [1.0, 2.0])
-def test_kd_head_backward_on_tensor_cores(monkeypatch: pytest.MonkeyPatch, tau: float) -> None:
+def test_kd_head_backward_on_tensor_cores(monkeypatch: pytest.MonkeyPatch, tau: float, decoded: bool) -> None:
     """With h16, a quantized head and a scratch built with `hidden`, the backward's products run on tensor cores:
     at tau 1 in one pass (the chunks' probabilities against the running max, f16 times 2^15), at tau 2 with CE in
     two (dlogits scaled into f16's range). Loss and dh within TC_TOL of float64 (logits from the f16-rounded h and
-    the dequantized head, relative to dh's max), masked rows exactly zero, several chunks (a partial last one)."""
+    the dequantized head, relative to dh's max), masked rows exactly zero, several chunks (a partial last one);
+    decoded: each chunk's rows decoded to f16 once (KdScratch w16) for both products, as accurate."""
     tc_dev = tensor_core_device_or_skip()
     rng = np.random.default_rng(9)
     t, h_dim, v, k, chunk = 64, 256, 1000, 16, 384
@@ -181,8 +184,8 @@ def test_kd_head_backward_on_tensor_cores(monkeypatch: pytest.MonkeyPatch, tau: 
     hb, idb, ltb, tailb, tgb, mb = (up(tc_dev, a, a.dtype) for a in (h, ids, lt, tail, targets, mask))
     h16 = tc_dev.buffer(2 * h.size)
     assert to_f16(tc_dev, hb, h16, h.size)
-    scratch = KdScratch.build(tc_dev, t, k, chunk, hidden=h_dim)
-    assert scratch.dz16 is not None
+    scratch = KdScratch.build(tc_dev, t, k, chunk, hidden=h_dim, decoded_chunk=decoded)
+    assert scratch.dz16 is not None and (scratch.w16 is not None) == decoded
     ran = _ran(monkeypatch)
     dh, loss = tc_dev.buffer(h.nbytes), tc_dev.buffer(4)
     kd_head_forward_backward(
@@ -196,8 +199,9 @@ def test_kd_head_backward_on_tensor_cores(monkeypatch: pytest.MonkeyPatch, tau: 
     got_loss = float(tc_dev.read(loss, np.float32, (1,))[0])
     err = rel_err(got_dh, want_dh)
     loss_err = abs(got_loss - want_loss) / abs(want_loss)
-    print(f"kd head on tensor cores, tau {tau}: loss rel err {loss_err:.1e}, dh {err:.1e}")
+    print(f"kd head on tensor cores, tau {tau}, decoded {decoded}: loss rel err {loss_err:.1e}, dh {err:.1e}")
     assert ("kd_stats_probs16" in ran) == (tau == 1.0)
+    assert ("weight_f16" in ran) == decoded
     assert abs(got_loss - want_loss) <= TC_TOL * abs(want_loss)
     assert err <= TC_TOL
     assert np.all(got_dh[mask == 0] == 0)

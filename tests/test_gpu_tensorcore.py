@@ -25,6 +25,7 @@ from gguf.quants import dequantize, quantize
 
 from gpu.codegen_tc import TCConfig
 from gpu.device import Device, DeviceError
+from gpu.ops.half import weight_to_f16
 from gpu.ops.matmul_tc import (
     EMU_TILE,
     TC_TILE,
@@ -35,7 +36,7 @@ from gpu.ops.matmul_tc import (
     linear_input_grad_tc,
     linear_tc,
 )
-from gpu.weights import random_blocks, upload_quant
+from gpu.weights import padded_nbytes, random_blocks, upload_quant
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 from tests.gpu_helpers import gemm_twice
 
@@ -192,6 +193,32 @@ def test_emulated_dedicated_weight_staging(emu_dev: Device, case: tuple) -> None
     qtype, orient, a_dtype, m, n, k, cfg = case
     err = _check_product(emu_dev, qtype, orient, m, n, k, seed=5, a_dtype=a_dtype, cfg=cfg, emulate=True)
     assert err <= TOL, f"{qtype.name} {orient} {a_dtype} {m}x{n}x{k}: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", [T.F32, T.Q4_0, T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda q: q.name)
+def test_emulated_decoded_weight_gives_the_same_products(emu_dev: Device, qtype: T) -> None:
+    """weight_to_f16 (the LM head's vocab chunk decoded once for its two products): the decoded rows are within an
+    f16 ulp of the float64 dequantization, and the GEMMs over them, both orientations (logits "nt", dh "nn"), give
+    bitwise the results of the GEMMs decoding the quantized weight as they stage it."""
+    rng = np.random.default_rng(40 + qtype.value)
+    n, k, m = 40, 256, 19
+    raw, wd = _weight(qtype, n, k, rng)
+    w = upload_quant(emu_dev, raw, qtype, (n, k), name="head")
+    w16 = weight_to_f16(emu_dev, w, emu_dev.buffer(padded_nbytes(T.F16, (n, k))))
+    assert (w16.qtype, w16.shape) == (T.F16, (n, k))
+    got = emu_dev.read(w16.buffer, np.float16, (n, k)).astype(np.float64)
+    ulp = np.spacing(np.abs(wd).astype(np.float16)).astype(np.float64)
+    assert np.all(np.abs(got - wd) <= ulp), float(np.abs(got - wd).max())
+    for orient, r, p in (("nt", k, n), ("nn", n, k)):
+        a = emu_dev.upload(rng.standard_normal((m, r)).astype(np.float16))
+        outs = []
+        for weight in (w, w16):
+            c = emu_dev.upload(np.full((m, p), np.nan, np.float32))
+            gemm_tc(emu_dev, a, weight, c, m, orient=orient, a_dtype="f16", cfg=EMU_TILE, emulate=True)
+            outs.append(emu_dev.read(c, np.float32, (m, p)))
+        assert np.isfinite(outs[0]).all()
+        np.testing.assert_array_equal(outs[1], outs[0], err_msg=orient)
 
 
 @pytest.mark.gpu

@@ -1,15 +1,19 @@
 """f32 -> f16 copies of tensor-core GEMM operands (the pack_f16 kernel, shared with the attention's packs), plain or
 scaled by a power of two for tensors whose values lie far below f16's normal range (dL/dlogits), and the
-unscaling of a product computed from a scaled copy; bf16 copies (two per u32 word) of tensors that need f32's
+unscaling of a product computed from a scaled copy; a quantized weight's rows decoded to f16 as the tensor-core
+GEMM's staging decodes them (weight_to_f16); bf16 copies (two per u32 word) of tensors that need f32's
 range more than its precision (the residual stream's checkpoints) and their f32 values back."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from gguf import GGMLQuantizationType
+
 from gpu.device import Device, DeviceError, grid_1d
 from gpu.ops.common import grid, nbytes, need, pack
 from gpu.registry import pipeline
+from gpu.weights import QuantTensor, padded_nbytes
 
 
 def to_f16(dev: Device, src: Any, dst: Any, n_elems: int) -> bool:
@@ -24,6 +28,22 @@ def to_f16(dev: Device, src: Any, dst: Any, n_elems: int) -> bool:
     units = n_elems // 4
     dev.dispatch(pipeline(dev, "pack_f16", scaled=False), [pack(units, units), src, dst], grid(units, 256))
     return True
+
+
+def weight_to_f16(dev: Device, w: QuantTensor, out: Any) -> QuantTensor:
+    """w's rows (n, k) decoded into `out` as an F16 weight of the same shape (k a multiple of 8), rounded as the
+    tensor-core GEMM rounds w while staging it (gpu/kernels/weight_f16.wgsl): a GEMM over the result multiplies
+    the same f16 values, with the plain F16 staging. For a weight used by several products in a row (the LM head's
+    vocab chunk: its logits, then dh), decoded once."""
+    n, k = w.shape
+    if k % 8:
+        raise DeviceError(f"weight_to_f16 {w.name!r}: rows of {k} are not a multiple of 8")
+    f16 = GGMLQuantizationType.F16
+    if nbytes(out) < padded_nbytes(f16, (n, k)):
+        raise DeviceError(f"weight_to_f16 {w.name!r}: out holds {nbytes(out)} B, needs {padded_nbytes(f16, (n, k))}")
+    items = n * k // 8
+    dev.dispatch(pipeline(dev, "weight_f16", wtype=w.qtype.name), [pack(n, k, 0, 0), w.binding, out], grid(items, 256))
+    return QuantTensor(out, f16, (n, k), f"{w.name} f16")
 
 
 # absmax's scale: grad_scale.wgsl then puts max |x| * sigma in [2^14, 2^15) -- the top of f16's range, so values

@@ -17,8 +17,10 @@ On tensor cores (h16 given, a quantized head, a scratch built with `hidden`) dZ_
 whose values lie far below f16's normal range (~1/T), is packed to f16 times a power of two sigma_c putting its max
 in [2^14, 2^15) (gpu/ops/half.py to_f16_scaled), the product goes to a scratch and dh += it / sigma_c.
 Held by the H200 test tests/test_gpu_kd.py (dh within 1e-2 of float64, relative to its max) and the whole-step
-tensor-core tests. With the scratch's Int8Head (precision int8) both products run on the integer GEMM instead: h
-and each chunk's rows of W rounded to 8 bits of their row's max, dZ_c times W's row scales likewise per row."""
+tensor-core tests. A scratch with w16 (DECODED_CHUNK) decodes each chunk's rows to f16 once for both of its
+tensor-core products (the same values as decoding while staging). With the scratch's Int8Head (precision int8)
+both products run on the integer GEMM instead: h and each chunk's rows of W rounded to 8 bits of their row's max,
+dZ_c times W's row scales likewise per row."""
 
 from __future__ import annotations
 
@@ -26,19 +28,26 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from gguf import GGMLQuantizationType
+
 from gpu.device import Device
 from gpu.ops.common import grid, need, pack
-from gpu.ops.half import add_unscaled, to_f16_scaled
+from gpu.ops.half import add_unscaled, to_f16_scaled, weight_to_f16
 from gpu.ops.head import Int8Head, logits_chunk
 from gpu.ops.matmul import linear_input_grad
 from gpu.ops.matmul_tc import linear_input_grad_tc
 from gpu.ops.reduce import count_nonzero, reduce_sum
 from gpu.ops.strided_matmul import row_major, strided_matmul
 from gpu.registry import pipeline
-from gpu.weights import QuantTensor, check_lm_head, row_slice
+from gpu.weights import QuantTensor, check_lm_head, padded_nbytes, row_slice
 from model.kd import KINDS, LossConfig
 
 ONE_PASS = True  # the one-pass backward where it applies (module docstring; bench/train_step.py --kd-one-pass off)
+# each vocab chunk of a quantized head decoded to f16 once (gpu/ops/half.py weight_to_f16, into the scratch's w16)
+# for its tensor-core products over plain F16 weights, instead of both products decoding it as they stage it: the
+# same f16 values, staged from half the loads. Opt-in (KdScratch.build reads it) until timed on the H200 (bench
+# --ab kd-decoded-chunk).
+DECODED_CHUNK = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class KdScratch:
     dh_part: Any = None  # [T, hidden] f32: dZ_c16 W_c before the unscaling, or P_c W_c (built with `hidden`)
     rescale: Any = None  # [T] the one-pass backward's exp(m_old - m) per row (built with `hidden`)
     int8: Int8Head | None = None  # the head on the integer GEMM (precision int8), else None
+    w16: Any = None  # [chunk, hidden] f16: the vocab chunk's rows decoded once (DECODED_CHUNK, tensor cores), else None
 
     @classmethod
     def build(
@@ -76,17 +86,20 @@ class KdScratch:
         half: bool = True,
         int8_backward: bool = True,
         int8_rot: int = 0,
+        decoded_chunk: bool | None = None,
     ) -> KdScratch:
         """hidden: also the buffers of the one-pass backward (module docstring) and, with half, those of the
         tensor-core backward (for a caller passing h16); int8_hidden: those of the integer head
         (gpu/ops/head.py Int8Head) for rows of int8_hidden, its backward too unless int8_backward is False (the
-        logits only), rotated in blocks of int8_rot."""
+        logits only), rotated in blocks of int8_rot; decoded_chunk (None: DECODED_CHUNK), with the tensor-core
+        buffers and hidden a multiple of 8: a vocab chunk's rows as f16, decoded once for both its products."""
         t = n_tokens
 
         def buf(n: int, label: str) -> Any:
             return dev.buffer(4 * n, label=f"kd {label}")
 
         tc = half and hidden is not None and chunk % 4 == 0
+        decoded = tc and hidden % 8 == 0 and (DECODED_CHUNK if decoded_chunk is None else decoded_chunk)
         return cls(
             t,
             k,
@@ -104,6 +117,9 @@ class KdScratch:
             None
             if int8_hidden is None
             else Int8Head.build(dev, t, int8_hidden, chunk, backward=int8_backward, rot=int8_rot),
+            dev.buffer(padded_nbytes(GGMLQuantizationType.F16, (chunk, hidden)), label="kd head chunk f16")
+            if decoded
+            else None,
         )
 
 
@@ -175,7 +191,8 @@ def kd_head_forward_backward(
     half = one_pass and h16 is not None
     stats_pipe = pipeline(dev, "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else "kd_stats")
     for i, (c0, nv) in enumerate(chunks):
-        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16, i8)
+        wc, r0 = _chunk_head(dev, sc, w, c0, nv, h16, i8)
+        logits_chunk(dev, h, wc, sc.logits, t, hidden, r0, nv, chunk, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
         bind = [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered]
         if one_pass:
@@ -183,7 +200,7 @@ def kd_head_forward_backward(
         dev.dispatch(stats_pipe, bind, grid(t, 1))
         if one_pass:  # dh = U, the running sum of P_c W_c at the running max
             if half:
-                linear_input_grad_tc(dev, sc.dz16, row_slice(w, c0, nv), sc.dh_part, t, lda=chunk, a_dtype="f16")
+                linear_input_grad_tc(dev, sc.dz16, row_slice(wc, r0, nv), sc.dh_part, t, lda=chunk, a_dtype="f16")
             else:
                 linear_input_grad(dev, sc.logits, row_slice(w, c0, nv), sc.dh_part, t, lda=chunk)
             scale = 2.0**-15 if half else 1.0
@@ -208,7 +225,8 @@ def kd_head_forward_backward(
         return sc
     grad_pipe = pipeline(dev, "kd_grad", ce=ce)
     for i, (c0, nv) in enumerate(chunks):
-        logits_chunk(dev, h, w, sc.logits, t, hidden, c0, nv, chunk, h16, i8)
+        wc, r0 = _chunk_head(dev, sc, w, c0, nv, h16, i8)
+        logits_chunk(dev, h, wc, sc.logits, t, hidden, r0, nv, chunk, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
         dev.dispatch(grad_pipe, bind, grid(t, 1))
@@ -218,7 +236,7 @@ def kd_head_forward_backward(
             continue
         if quant and h16 is not None and sc.dz16 is not None:  # tensor cores, dZ_c scaled into f16's range
             to_f16_scaled(dev, sc.logits, sc.dz16, sc.dz_stats, t * chunk)
-            linear_input_grad_tc(dev, sc.dz16, row_slice(w, c0, nv), sc.dh_part, t, lda=chunk, a_dtype="f16")
+            linear_input_grad_tc(dev, sc.dz16, row_slice(wc, r0, nv), sc.dh_part, t, lda=chunk, a_dtype="f16")
             add_unscaled(dev, sc.dh_part, sc.dz_stats, dh, t * hidden, accumulate=acc)
             continue
         if quant:
@@ -227,3 +245,12 @@ def kd_head_forward_backward(
         a, b = row_major(sc.logits, chunk), row_major(w, hidden, off=c0 * hidden)
         strided_matmul(dev, a, b, dh, t, hidden, nv, accumulate=acc)
     return sc
+
+
+def _chunk_head(dev: Device, sc: KdScratch, w: Any, c0: int, nv: int, h16: Any, i8: Int8Head | None) -> tuple[Any, int]:
+    """(head, first row) to read vocab chunk c0 .. c0 + nv from: its rows decoded to f16 into sc.w16 (once for
+    both of the chunk's tensor-core products) where the scratch has w16 and they run on tensor cores, else w."""
+    plain = not isinstance(w, QuantTensor) or w.qtype == GGMLQuantizationType.F16
+    if sc.w16 is None or h16 is None or i8 is not None or plain:
+        return w, c0
+    return weight_to_f16(dev, row_slice(w, c0, nv), sc.w16), 0
