@@ -24,7 +24,8 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
 variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
-adapter is evaluated: bench/precision_quality.py's gate on a CPU, for the forward's rounding alone.
+adapter is evaluated: bench/precision_quality.py's gate on a CPU, for the forward's rounding alone (with
+--eval-exact through the exact products: the trained adapter's quality apart from the evaluation's own rounding).
 """
 
 from __future__ import annotations
@@ -122,6 +123,12 @@ def main() -> None:
         help="train the demo through each variant first (numpy engine: its forward rounded, its gradients exact), "
         "then evaluate the trained adapter (the GPU gate's question with f32 input gradients; minutes a variant)",
     )
+    ap.add_argument(
+        "--eval-exact",
+        action="store_true",
+        help="with --train: evaluate each trained adapter through the exact products (what the adapter carries to "
+        "a higher-precision runtime), not through the variant's rounding",
+    )
     args = ap.parse_args()
     cfg = load_config(args.config, [*args.set, "train.backend=numpy"])
     m = prepare(cfg, args.prepared)
@@ -138,13 +145,15 @@ def main() -> None:
             if args.train:  # the train stage's key has no variant: its checkpoints are deleted and trained afresh
                 shutil.rmtree(stages.train.checkpoint_root(cfg, student, tokens, teacher), ignore_errors=True)
                 trained = stages.train.run(cfg, student, tokens, teacher)[-1]
+                if args.eval_exact:
+                    reference.linear_forward = exact
                 m = evaluate(cfg, **where, checkpoint=trained.path_in(root))
             else:
                 m = evaluate(cfg, **where, checkpoint=None)
         finally:
             reference.linear_forward = exact
         first = first if first is not None else float(m["kl"])
-        row = {k: m.get(k) for k in ("kl", "top1", "ce")}
+        row = {k: m.get(k) for k in ("kl", "top1", "ce")} | ({"evaluated": "exact"} if args.eval_exact else {})
         print(json.dumps({"variant": name, **row, "kl_vs_first": round(float(m["kl"]) / first - 1, 4),
                           "seconds": round(time.perf_counter() - t0, 1)}), flush=True)  # fmt: skip
 

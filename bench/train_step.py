@@ -197,6 +197,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),
     "norm-turns-back": ("gpu.student:GPUStudent", "norm_turns_back", True),
     "rope-pass": ("gpu.model:GPUModel", "rope_in_pack", False),
+    # q, k, v written by their integer GEMMs as attention's f16 operands (q, k RoPE'd), not packed from f32 outputs
+    "qkv-f16-in-gemm": ("gpu.model:GPUModel", "qkv_f16_in_gemm", True),
 }
 
 
