@@ -33,6 +33,7 @@ import stages.train  # noqa: E402
 from schemas.config import RunConfig, load_config  # noqa: E402
 from schemas.manifests import EvalManifest, StudentManifest, TeacherManifest, TokenizeManifest  # noqa: E402
 from stages.layout import workdir  # noqa: E402
+from training import engines  # noqa: E402
 
 PREPARED = {"tokens": TokenizeManifest, "student": StudentManifest, "teacher": TeacherManifest}
 
@@ -131,6 +132,7 @@ def main() -> None:
         emit(
             what="precision",
             precision=precision,
+            eval_precision=engines.eval_precision(pcfg),
             train_seconds=round(trained, 1),
             baseline=baseline,
             epochs=epochs,

@@ -81,9 +81,11 @@ class EngineSpec:
         sequences: int | None = None,
         grad_accum: int | None = None,
         start_layer: int = 0,
+        precision: str | None = None,
     ) -> EngineSpec:
         """The spec of `run` on the student `cfg` for seq_len tokens: sequences per micro-batch (default
-        train.batch_size; a preference batch holds two per pair), grad_accum (default train.grad_accum)."""
+        train.batch_size; a preference batch holds two per pair), grad_accum (default train.grad_accum), precision
+        (default train.precision)."""
         return cls(
             cfg,
             targets=run.lora.targets,
@@ -93,7 +95,7 @@ class EngineSpec:
             seq_len=seq_len,
             layers=run.lora.layers,
             grad_accum=run.train.grad_accum if grad_accum is None else grad_accum,
-            precision=run.train.precision,
+            precision=run.train.precision if precision is None else precision,
             start_layer=start_layer,
             lora_group=run.lora.group,
         )

@@ -381,7 +381,8 @@ class TrainSection(Section):
         description="Matmul path: f32 (portable, strict parity with the reference); tensorcore (f16 operands "
         "in subgroup matrices, f32 accumulation); int8 (opt-in: the frozen projections' GEMMs on integer "
         "subgroup matrices, 8-bit activations and weights with per-row scales after a Walsh-Hadamard rotation; "
-        "the demo's held-out KL ends ~2 % above tensorcore's; README Numerics); auto: "
+        "evaluated through it, the demo's held-out KL ends ~2 % above tensorcore's, the adapter itself ~0.1 %: "
+        "eval.precision; README Numerics); auto: "
         "tensorcore where the adapter supports it, else f32.",
     )
     kept_blocks: KeptBlocks = Field(
@@ -446,6 +447,13 @@ class EvalSection(Section):
     )
     eval_batches: int | None = Field(
         None, ge=1, description="Evaluate on the first N batches of the held-out split (null: all of it)."
+    )
+    precision: Literal["auto", "train", "f32", "tensorcore", "int8"] = Field(
+        "auto",
+        description="Matmul path of the held-out evaluation (as train.precision's values): train: the training's; "
+        "auto: the training's, except that int8 training is evaluated on the f16 tensor cores (int8 is a training "
+        "speed choice: its 8-bit activations round the held-out forward itself, the demo's KL +2 % with no loss "
+        "in the trained adapter; README Numerics).",
     )
 
     @property

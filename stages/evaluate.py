@@ -26,7 +26,14 @@ log = logging.getLogger(__name__)
 
 # What evaluation reads besides its inputs' content: the batching of the held-out split, the engine and its
 # matmul path, and whether the input of the lowest adapted block comes from the float16 prefix cache.
-_EVAL_FIELDS = ("eval.eval_batches", "train.batch_size", "train.precision", "train.backend", "train.prefix_cache")
+_EVAL_FIELDS = (
+    "eval.eval_batches",
+    "eval.precision",
+    "train.batch_size",
+    "train.precision",
+    "train.backend",
+    "train.prefix_cache",
+)
 _EVAL_VERSION = "2"  # 2: + ece (the student's top-1 calibration)
 
 BASELINE_KEY = StageKey(

@@ -132,6 +132,7 @@ def _changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
         ("teacher.top_k=4", {"teacher-plan"}),
         ("model.student_quant=[Q8_0]", {"student"}),
         ("eval.eval_batches=1", {"evaluate-baseline", "evaluate", "evaluate-merged"}),
+        ("eval.precision=f32", {"evaluate-baseline", "evaluate", "evaluate-merged"}),
         ("train.batch_size=2", {"train", "evaluate-baseline", "evaluate", "evaluate-merged"}),
         ("export.merge=false", {"export"}),
         # read by no cached stage: selection, bookkeeping, where things run

@@ -188,19 +188,35 @@ def build_engine(
     seq_len tokens; eval_mode builds it for evaluate_batch (evaluation loss, no gradient accumulation).
     start_layer > 0: the forward starts at that block from the residual stream given to write_batch (the
     frozen-prefix cache); it must not exceed the lowest adapted block. train.backend picks the engine."""
-    if chosen_backend(cfg) == "numpy" and cfg.train.precision in ("tensorcore", "int8"):
-        raise ValueError(
-            f"train.precision: {cfg.train.precision} needs the GPU engine (train.backend=gpu); numpy computes in f32"
-        )
+    field = "eval.precision" if eval_mode else "train.precision"
+    precision = eval_precision(cfg) if eval_mode else cfg.train.precision
+    if chosen_backend(cfg) == "numpy" and precision in ("tensorcore", "int8"):
+        raise ValueError(f"{field}: {precision} needs the GPU engine (train.backend=gpu); numpy computes in f32")
     loss, k = loss_config(cfg, eval_mode), teacher_width(cfg, "eval" if eval_mode else "train")
     grad_accum = 1 if eval_mode else None
+
+    def spec(model_cfg: ModelConfig) -> EngineSpec:
+        return EngineSpec.from_run(
+            cfg, model_cfg, seq_len, grad_accum=grad_accum, start_layer=start_layer, precision=precision
+        )
+
     return objective_engine(
         cfg,
         student_gguf,
-        lambda model_cfg: EngineSpec.from_run(cfg, model_cfg, seq_len, grad_accum=grad_accum, start_layer=start_layer),
+        spec,
         numpy_objective=lambda: _cpu().NumpyKd(loss, k),
         gpu_objective=lambda: _gpu_objectives().GpuKd(loss, k),
     )
+
+
+def eval_precision(cfg: RunConfig) -> str:
+    """The held-out evaluation's precision (eval.precision): the training's, except int8 under auto (tensorcore)."""
+    choice = cfg.eval.precision
+    if choice == "train":
+        return cfg.train.precision
+    if choice == "auto":
+        return "tensorcore" if cfg.train.precision == "int8" else cfg.train.precision
+    return choice
 
 
 def objective_engine(
