@@ -262,7 +262,8 @@ def bench_ours(args: argparse.Namespace) -> None:
     st = None  # frees the student's buffers before the next's (its objective refers back to it: a cycle)
     gc.collect()
     for name in [n for n in args.ab.split(",") if n]:
-        old = None if name == "baseline" else _switch(name)
+        parts = [] if name == "baseline" else name.split("+")  # "a+b": both switches flipped at once
+        olds = [(part, _switch(part)) for part in parts]
         try:
             ab, _ = kd_student(dev, weights, args, rng)
             ab_losses: list[float] = []
@@ -273,8 +274,8 @@ def bench_ours(args: argparse.Namespace) -> None:
             secs = windows(ab_step, args.steps, args.repeats, lambda: None)
             emit(what="train_step_ab", side="ours", variant=name, **_step_row(args, secs, ab_losses))
         finally:
-            if old is not None:
-                _switch(name, old)
+            for part, old in reversed(olds):
+                _switch(part, old)
             ab = None
             gc.collect()
     if args.no_teacher:
@@ -676,7 +677,8 @@ def main() -> None:
         "--ab",
         default="",
         help="ours: after the main timing, time the step again with each of these switches flipped, one at a time, "
-        f"on the same weights (comma-separated; baseline re-times the run's own settings): {', '.join(AB_SWITCHES)}",
+        "on the same weights (comma-separated; a+b flips both at once; baseline re-times the run's own settings): "
+        f"{', '.join(AB_SWITCHES)}",
     )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
@@ -693,7 +695,8 @@ def main() -> None:
         p.error(f"--gguf {args.gguf}: no such file")
     if args.kept_blocks != "auto" and not args.kept_blocks.isdigit():
         p.error(f"--kept-blocks {args.kept_blocks}: expected a number of blocks >= 0 or auto")
-    if unknown := {n for n in args.ab.split(",") if n} - {*AB_SWITCHES, "baseline"}:
+    named = {part for n in args.ab.split(",") if n and n != "baseline" for part in n.split("+")}
+    if unknown := named - set(AB_SWITCHES):
         p.error(f"--ab {','.join(sorted(unknown))}: expected some of baseline, {', '.join(AB_SWITCHES)}")
     if args.side == "ours":
         from gpu.ops import head
