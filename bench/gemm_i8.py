@@ -4,6 +4,7 @@ GEMM and int8 torch._int_mm from the same process.
     python bench/gemm_i8.py                                   # the Llama-3-8B projection shapes, preset tile
     python bench/gemm_i8.py --shapes 4096x4096x4096 --chunks 0,256 --sweep "4,2,4,2,64,2;2,2,4,4,64,2"
     python bench/gemm_i8.py --probes                          # the preset without MMAs / staging / scaling
+    python bench/gemm_i8.py --probes --lora 16 --chunks 0     # + the LoRA epilogue without its products / operands
     python bench/gemm_i8.py --orient nn --shapes 4096x4096x4096,4096x4096x1024,4096x4096x14336,4096x14336x4096
 
 Each row: C[M, N] = A[M, K] . W[N, K]^T over int8 codes with one f32 scale per row and chunk of K (--chunks;
@@ -29,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.gemm_tc import gpu_time, parse_shapes, time_calls, torch_tflops  # noqa: E402
-from gpu.codegen_i8 import PROBES, I8Config  # noqa: E402
+from gpu.codegen_i8 import LORA_PROBES, PROBES, I8Config  # noqa: E402
 from gpu.device import Device  # noqa: E402
 from gpu.ops.lora import lora_rank16, lora_term  # noqa: E402
 from gpu.ops.matmul_i8 import (  # noqa: E402
@@ -181,7 +182,10 @@ def main() -> None:
             if args.probes:
                 for probe in PROBES[1:]:
                     cfg = I8Config(**{**I8_TILE.__dict__, "probe": probe})
-                    emit(**time_gemm_i8(dev, m, n, k, chunk, cfg, rng, check=False, orient=args.orient))
+                    r = args.lora if probe in LORA_PROBES else 0  # the LoRA epilogue's probes, with --lora only
+                    if r or probe not in LORA_PROBES:
+                        row = time_gemm_i8(dev, m, n, k, chunk, cfg, rng, check=False, orient=args.orient, lora=r)
+                        emit(**row)
         for chunk in chunks:
             emit(**time_quantize(dev, m, k, chunk, rng))
     if not args.no_torch:

@@ -18,8 +18,11 @@ MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
 # timing probes (bench/gemm_i8.py; "" for real kernels): without the MMAs, the staging after the first step, the
 # per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C; or
 # "direct": no staging at all, each subgroup loading its matrices straight from storage (results right when M and
-# N are multiples of the tile; no rows are clamped)
-PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write", "direct")
+# N are multiples of the tile; no rows are clamped); with a LoRA term, its epilogue without each block's product
+# (the operands still loaded up front: "no_lora_block") or without the operands' loads too ("no_lora_operands"),
+# the values it adds then whatever the scratch holds
+PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write", "direct", "no_lora_block", "no_lora_operands")
+LORA_PROBES = ("no_lora_block", "no_lora_operands")
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,7 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     lines += [f"{i2}let sw{j} = SW[min(ns + {j * MATRIX}u, prm.N - 1u) * prm.chunks + c];" for j in range(c.tn)]
     pairs = _pairs(c)
     emulated = d is _EMU
-    if final and v.lora and not emulated:
+    if final and v.lora and not emulated and c.probe != "no_lora_operands":
         lines += _lora_operands(c, v.lora, i2)
     groups = [pairs[g : g + c.fm] for g in range(0, len(pairs), c.fm)]
     ahead = c.old_ahead if final and v.accumulate else 0
@@ -234,7 +237,8 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     for gi, group in enumerate(groups):
         lines += old_reads(gi + ahead)
         lines += [f"{i2}{d.store_cs.format(off=f'{f * 256}u', acc=f'acc_{i}_{j}')};" for f, (i, j) in enumerate(group)]
-        if final and v.lora:  # each block's LoRA term beside it (blocks past M or N are never written)
+        if final and v.lora and c.probe not in LORA_PROBES:  # each block's LoRA term beside it (blocks past M or N
+            # are never written)
             for f, (i, j) in enumerate(group):
                 if emulated:
                     mb, nb = f"ms - row + {i * MATRIX}u", f"ns - col + {j * MATRIX}u"
