@@ -7,6 +7,7 @@ tests/test_deploy.py and tests/test_ui.py (tests/conftest.py registers the fixtu
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,10 +38,43 @@ FINAL_STATE_NAMES = {"Completed", "Cached", "Failed", "Crashed", "Cancelled"}
 LAST_STAGES = ("export", "evaluate-merged")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_GIVEN: set[int] = set()  # ports free_ports handed out in this process (never twice)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; its default elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free on 127.0.0.1 for servers a test starts: below the ephemeral range, where no outgoing
+    connection (a health check, a server's own client) can take one between this check and the server's bind (a
+    port the kernel hands out for bind(0) lies inside that range: "address already in use" once in a while), held
+    open together while they are chosen, and none handed out before in this process."""
+    low = _ephemeral_range()[0]
+    rng = random.Random()
+    socks: list[socket.socket] = []
+    try:
+        while len(socks) < n:
+            port = rng.randrange(10_000, low)
+            if port in _GIVEN:
+                continue
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            _GIVEN.add(port)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass(frozen=True)
@@ -97,7 +131,7 @@ def _servers() -> Iterator[Servers]:
 @contextmanager
 def start_servers() -> Iterator[Servers]:
     """infra/up.sh on free ports in a tmp data dir; infra/down.sh on exit."""
-    servers = Servers(Path(tempfile.mkdtemp(prefix="distillery-servers-")), free_port(), free_port())
+    servers = Servers(Path(tempfile.mkdtemp(prefix="distillery-servers-")), *free_ports(2))
     env = {
         **os.environ,
         "PREFECT_PORT": str(servers.prefect_port),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -14,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.server_fixtures import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _group_alive(pgid: int) -> bool:
@@ -33,7 +28,7 @@ def _group_alive(pgid: int) -> bool:
 
 def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> None:
     data = tmp_path / "servers"
-    ports = {"PREFECT_PORT": str(_free_port()), "MLFLOW_PORT": str(_free_port())}
+    ports = dict(zip(("PREFECT_PORT", "MLFLOW_PORT"), map(str, free_ports(2)), strict=True))
     env = {**os.environ, **ports, "SERVER_WAIT_S": "240"}
     env.pop("PREFECT_UI_API_URL", None)
     try:
@@ -78,7 +73,7 @@ def _status(url: str, auth: str | None = None, post: bool = True) -> int:
 
 def test_up_with_auth_refuses_the_apis_without_their_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = tmp_path / "servers"
-    ports = {"PREFECT_PORT": str(_free_port()), "MLFLOW_PORT": str(_free_port())}
+    ports = dict(zip(("PREFECT_PORT", "MLFLOW_PORT"), map(str, free_ports(2)), strict=True))
     env = {**os.environ, **ports, "SERVER_WAIT_S": "240", "DISTILLERY_AUTH": "1"}
     env.pop("PREFECT_UI_API_URL", None)
     api = f"http://127.0.0.1:{ports['PREFECT_PORT']}/api"

@@ -33,6 +33,7 @@ import pytest
 import yaml
 
 from tests.pipeline_fixtures import tiny_config
+from tests.server_fixtures import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -40,12 +41,6 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # a run that keeps crashing ends Failed (flows/attempts.py), so Crashed is not where a retried run stops
 AFTER_RETRIES = FINAL - {"CRASHED"}
 WORKERS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(path: Path, workdir: Path, lr: float, **train: object) -> Path:
@@ -134,7 +129,7 @@ class Team:
 def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
     base = tmp_path_factory.mktemp("team")
     data, work = base / "servers", base / "work"
-    ports = {k: str(_free_port()) for k in ("PREFECT_PORT", "MLFLOW_PORT", "POSTGRES_PORT")}
+    ports = dict(zip(("PREFECT_PORT", "MLFLOW_PORT", "POSTGRES_PORT"), map(str, free_ports(3)), strict=True))
     env = {
         **os.environ,
         **ports,
