@@ -375,17 +375,21 @@ def _epilogue(c: TCConfig, d: _Dialect) -> list[str]:
     return lines + [f"{ind}}}"]
 
 
-def weight_loader(wtype: str, *, wide: bool = False, generic: bool = False) -> tuple[str, str]:
-    """(W's binding element, WGSL defining `w_vec8(n, k, K) -> H8` = W[n, k..k+7] as f16 with ${H4} unfilled) for a
-    weight type: the 8-wide F16 loader (wide), the type's dedicated loader (W_STAGING, unless generic), else two
-    calls of its decode4. The GEMM's staging and gpu/kernels/weight_f16.wgsl share it, so both round alike."""
+def weight_loader(wtype: str, *, wide: bool = False, generic: bool = False, emulate: bool = False) -> tuple[str, str]:
+    """(W's binding element, WGSL defining `w_vec8(n, k, K) -> H8` = W[n, k..k+7] as f16) for a weight type: the
+    8-wide F16 loader (wide), the type's dedicated loader (W_STAGING, unless generic), else two calls of its
+    decode4; its f16 reinterpretations those of the emulation (emulate) or of Tint. The GEMM's staging and
+    gpu/kernels/weight_f16.wgsl share it, so both round alike."""
     if wide:
-        return "vec4<u32>", kernel_text("matmul_tc_w_f16x8.wgsl")
-    if wtype in W_STAGING and not generic:
+        w_elem, text = "vec4<u32>", kernel_text("matmul_tc_w_f16x8.wgsl")
+    elif wtype in W_STAGING and not generic:
         w_elem, snippet, with_decode = W_STAGING[wtype]
         helpers = decode_snippet(wtype) + "\n" + kernel_text("matmul_tc_w_bytes8.wgsl") + "\n"
-        return w_elem, (helpers if with_decode else "") + kernel_text(snippet)
-    return WEIGHT_TYPES[wtype].w_elem, decode_snippet(wtype) + "\n" + kernel_text("matmul_tc_w_generic.wgsl")
+        text = (helpers if with_decode else "") + kernel_text(snippet)
+    else:
+        w_elem = WEIGHT_TYPES[wtype].w_elem
+        text = decode_snippet(wtype) + "\n" + kernel_text("matmul_tc_w_generic.wgsl")
+    return w_elem, fill(text, H4=(_EMU if emulate else _TC).h4)
 
 
 def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
@@ -401,7 +405,7 @@ def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
         raise ValueError(f"TCVariant.w_wide applies to F16 weights, not {v.wtype}")
     c.validate(v.orient, max_threads=1 << 16, max_workgroup_bytes=1 << 30)
     a_elem, a_file = _A_ACCESS[(v.a_type, v.a_width)]
-    w_elem, decode = weight_loader(v.wtype, wide=v.w_wide, generic=v.w_generic)
+    w_elem, decode = weight_loader(v.wtype, wide=v.w_wide, generic=v.w_generic, emulate=emulate)
     out = "C[base + p + c]"
     store_expr = f"{out} = {out} + prm.alpha * v;" if v.accumulate else f"{out} = prm.alpha * v;"
     return fill(
@@ -410,7 +414,7 @@ def matmul_tc_source(v: TCVariant, *, emulate: bool = False) -> str:
         EMULATION=kernel_text("matmul_tc_emulation.wgsl") if emulate else "",
         SG_PARAM=d.sg_param,
         SG_LET=d.sg_let,
-        DECODE=fill(decode, H4=d.h4),
+        DECODE=decode,
         PARAMS=kernel_text(MATMUL_PARAMS),
         W_ELEM=w_elem,
         A_ELEM=a_elem,

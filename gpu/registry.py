@@ -79,7 +79,7 @@ def _kd_finish_values(wtype: str, ce: bool) -> dict[str, object]:
 def _weight_f16_values(wtype: str) -> dict[str, str]:
     """weight_f16 reads W through the tensor-core GEMM's loader of its type (gpu/codegen_tc.py weight_loader)."""
     w_elem, decode = weight_loader(wtype)
-    return {"W_ELEM": w_elem, "DECODE": fill(decode, H4="bitcast<vec4<f16>>")}
+    return {"W_ELEM": w_elem, "DECODE": decode}
 
 
 def _subgroups(tint: bool) -> dict[str, str]:

@@ -105,7 +105,7 @@ fn add8(a: array<f32, 8>, b: array<f32, 8>) -> array<f32, 8> {
 }
 
 // C's values at rows m, m + 2, ..., m + 14 of column n (0 outside): what an accumulating epilogue adds onto, read
-// before the result matrices they belong to come out of Cs (gpu/codegen_i8.py OLD_AHEAD)
+// before the result matrices they belong to come out of Cs (I8Config.old_ahead groups ahead)
 fn old8(m: u32, n: u32) -> array<f32, 8> {
     var o: array<f32, 8>;
     if (n < prm.N) {
