@@ -243,6 +243,7 @@ def bench_ours(args: argparse.Namespace) -> None:
         side="ours",
         impl="distillery",
         precision=st.precision,
+        switches=args.switch,
         backend=dev.backend,
         adapter=dev.adapter.summary,
         **_step_row(args, secs, losses),
@@ -680,6 +681,12 @@ def main() -> None:
         "on the same weights (comma-separated; a+b flips both at once; baseline re-times the run's own settings): "
         f"{', '.join(AB_SWITCHES)}",
     )
+    p.add_argument(
+        "--switch",
+        default="",
+        help="ours: switches of --ab flipped for the whole run, a+b for several (a change timed against the peers "
+        "before it becomes the default)",
+    )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--no-torch", action="store_true")
@@ -698,6 +705,8 @@ def main() -> None:
     named = {part for n in args.ab.split(",") if n and n != "baseline" for part in n.split("+")}
     if unknown := named - set(AB_SWITCHES):
         p.error(f"--ab {','.join(sorted(unknown))}: expected some of baseline, {', '.join(AB_SWITCHES)}")
+    if unknown := {n for n in args.switch.split("+") if n} - set(AB_SWITCHES):
+        p.error(f"--switch {'+'.join(sorted(unknown))}: expected some of {', '.join(AB_SWITCHES)}")
     if args.side == "ours":
         from gpu.ops import head
 
@@ -732,6 +741,8 @@ def main() -> None:
             from gpu.ops import lora
 
             lora.FUSED = args.lora_path == "fused"
+        for name in [n for n in args.switch.split("+") if n]:
+            _switch(name)
         bench_ours(args)
     elif args.side is not None:
         bench_torch(args, args.side.removeprefix("hf-"))

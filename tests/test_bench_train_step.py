@@ -23,12 +23,13 @@ def test_our_side_prints_the_step_and_its_ab_variants() -> None:
     device_or_skip()
     cmd = [sys.executable, str(ROOT / "bench" / "train_step.py"), "--shape", "tiny", "--batch", "1", "--seq", "32"]
     cmd += ["--no-torch", "--no-teacher", "--steps", "1", "--repeats", "1", "--kept-blocks", "1"]
-    cmd += ["--ab", "baseline,kd-two-pass,kd-two-pass+lora-dual"]
+    cmd += ["--ab", "baseline,kd-two-pass,kd-two-pass+lora-dual", "--switch", "lora-fast-paths"]
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     step = next(r for r in rows if r.get("what") == "train_step")
+    assert step["switches"] == "lora-fast-paths"
     assert step["kept_blocks"] == 1 and step["kept_bytes"] > 0 and step["skipped_steps"] == 0
     ab = {r["variant"]: r for r in rows if r.get("what") == "train_step_ab"}
     assert set(ab) == {"baseline", "kd-two-pass", "kd-two-pass+lora-dual"}
