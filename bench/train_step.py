@@ -181,8 +181,8 @@ def kd_student(dev: Any, weights: Any, args: argparse.Namespace, rng: np.random.
 # run's other flags (name: the module or class and attribute, and the value to try); "baseline" re-times those
 AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "kd-two-pass": ("gpu.ops.kd", "ONE_PASS", False),
-    # the head's vocab chunks decoded to f16 once, both tensor-core products over plain F16 weights
-    "kd-decoded-chunk": ("gpu.ops.kd", "DECODED_CHUNK", True),
+    # the head's tensor-core products decoding its quantized vocab chunks as they stage them, not once to f16
+    "kd-staged-chunk": ("gpu.ops.kd", "DECODED_CHUNK", False),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
@@ -197,8 +197,6 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),
     "norm-turns-back": ("gpu.student:GPUStudent", "norm_turns_back", True),
     "rope-pass": ("gpu.model:GPUModel", "rope_in_pack", False),
-    # q, k, v written by their integer GEMMs as attention's f16 operands (q, k RoPE'd), not packed from f32 outputs
-    "qkv-f16-in-gemm": ("gpu.model:GPUModel", "qkv_f16_in_gemm", True),
 }
 
 
@@ -256,10 +254,11 @@ def bench_ours(args: argparse.Namespace) -> None:
         device_memory_bytes=dev.memory_bytes(),
     )
     if args.profile:
-        with Profiler(dev) as prof:
+        with Profiler(dev, by_grid=args.profile_grids) as prof:
             for _ in range(args.profile_steps):
                 st.train_step(lr=args.lr)
-        emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=60))
+        top = 300 if args.profile_grids else 60
+        emit(what="profile", side="ours", of="train_step", **prof.summary(args.profile_steps, top=top))
     st = None  # frees the student's buffers before the next's (its objective refers back to it: a cycle)
     gc.collect()
     for name in [n for n in args.ab.split(",") if n]:
@@ -689,6 +688,11 @@ def main() -> None:
     )
     p.add_argument("--profile", action="store_true", help="per-kernel-class GPU time of our step (timestamps)")
     p.add_argument("--profile-steps", type=int, default=2)
+    p.add_argument(
+        "--profile-grids",
+        action="store_true",
+        help="with --profile: each kernel's calls split by their workgroup grid (by shape), the 300 slowest listed",
+    )
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--no-ours", action="store_true")
     p.add_argument("--no-teacher", action="store_true")

@@ -19,10 +19,9 @@ MMA_K = 32  # codes per multiply-accumulate (the 16 x 16 x 32 i8 config)
 # per-chunk scaling, the epilogue's barriers (results wrong across subgroups), or the epilogue's stores to C; or
 # "direct": no staging at all, each subgroup loading its matrices straight from storage (results right when M and
 # N are multiples of the tile; no rows are clamped); with a LoRA term, its epilogue without each block's product
-# (the operands still loaded up front: "no_lora_block") or without the operands' loads too ("no_lora_operands"),
-# the values it adds then whatever the scratch holds
-PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write", "direct", "no_lora_block", "no_lora_operands")
-LORA_PROBES = ("no_lora_block", "no_lora_operands")
+# (the operands still loaded up front: "no_lora_block"; the values it adds then whatever the scratch holds)
+PROBES = ("", "no_mma", "no_stage", "no_scale", "no_ebar", "no_write", "direct", "no_lora_block")
+LORA_PROBES = ("no_lora_block",)
 
 
 @dataclass(frozen=True)
@@ -93,9 +92,6 @@ class I8Variant:
     # C also gets s T . L ("nt", one chunk; T [M, r]): L = LB^T with LB [N, r] ("rows": the forward's t = x A^T
     # and B), or L [r, N] ("cols": the input gradient's dt = s dY B and A)
     lora: str = ""
-    # C written as attention's f16 operand ("nt", one chunk, not accumulating): "plain", or "rope" (RoPE'd column
-    # pairs of each head, llama's adjacent pairs); "" C in f32
-    out16: str = ""
 
     @property
     def key(self) -> tuple:
@@ -221,7 +217,7 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     lines += [f"{i2}let sw{j} = SW[min(ns + {j * MATRIX}u, prm.N - 1u) * prm.chunks + c];" for j in range(c.tn)]
     pairs = _pairs(c)
     emulated = d is _EMU
-    if final and v.lora and not emulated and c.probe != "no_lora_operands":
+    if final and v.lora and not emulated:
         lines += _lora_operands(c, v.lora, i2)
     groups = [pairs[g : g + c.fm] for g in range(0, len(pairs), c.fm)]
     ahead = c.old_ahead if final and v.accumulate else 0
@@ -301,25 +297,6 @@ _L16 = {
     "cols": ("{q} * prm.N + {nb}", "false", "prm.N", "k * prm.N + nb + col"),
 }
 
-
-OUT16 = ("", "plain", "rope")
-# write8's f16 values y[e] (every lane, before the bounds checks): the value, or its RoPE with the pair's value from
-# the neighbouring lane (column n ^ 1), as pack_f16_rope.wgsl computes it
-_OUT16_VALUES = {
-    "plain": """    var y: array<f32, 8>;
-    for (var e = 0u; e < 8u; e++) {
-        y[e] = ${VALUE};
-    }""",
-    "rope": """    var y: array<f32, 8>;
-    let pair = (n % prm.hd) / 2u;
-    let even = (n & 1u) == 0u;
-    for (var e = 0u; e < 8u; e++) {
-        let x = ${VALUE};
-        let p = subgroupShuffleXor(x, 1u);
-        let cs = RR[min(m + 2u * e, prm.M - 1u) * (prm.hd / 2u) + pair];
-        y[e] = select(p * cs.y + x * cs.x, x * cs.x - p * cs.y, even);
-    }""",
-}
 
 _T16_LEFT = "subgroup_matrix_left<f16, 16, 16>"
 _L16_RIGHT = "subgroup_matrix_right<f16, 16, 16>"
@@ -405,27 +382,14 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     if v.lora not in ("", "rows", "cols") or (v.lora and (v.orient != "nt" or v.chunked)):
         raise ValueError(f"I8Variant lora={v.lora!r} orient={v.orient!r} chunked={v.chunked}: '', 'rows' or 'cols', "
                          "with 'nt' and one chunk")  # fmt: skip
-    if v.out16 not in OUT16 or (v.out16 and (v.orient != "nt" or v.chunked or v.accumulate)):
-        raise ValueError(f"I8Variant out16={v.out16!r}: one of {OUT16}, an f16 output only with 'nt', one chunk and "
-                         "no accumulation")  # fmt: skip
     out, value = "C[i]", "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
     old = "old[e]" if c.old_ahead else out
     store = f"{out} = {old} + ({value});" if v.accumulate else f"{out} = {value};"
-    values, row_index = "", "row"
-    if v.out16:
-        store, row_index = f"{out} = f16(y[e]);", "((row / prm.seq) * prm.seq_p + row % prm.seq)"
-        values = fill(_OUT16_VALUES[v.out16], VALUE=value)
     if c.probe == "no_write":  # the values stay live, the stores (practically) never happen
         store = f"if (v[e] == 1.2345e-30) {{ {store} }}"
     return fill(
         kernel_text("matmul_i8.wgsl"),
-        DIRECTIVES=("enable f16;\n" if v.lora or v.out16 else "") + d.directives,
-        C_ELEM="f16" if v.out16 else "f32",
-        WRITE8_VALUES=values,
-        ROW_INDEX=row_index,
-        ROPE_BINDING=f"@group(0) @binding({8 if v.lora else 6}) var<storage, read> RR: array<vec2<f32>>;"
-        if v.out16 == "rope"
-        else "",
+        DIRECTIVES=("enable f16;\n" if v.lora else "") + d.directives,
         WRITE8_LORA=", lo: array<f32, 8>" if v.lora else "",
         WRITE8_OLD=", old: array<f32, 8>" if v.accumulate and c.old_ahead else "",
         EMULATION=kernel_text("matmul_i8_emulation.wgsl") if emulate else "",

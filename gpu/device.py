@@ -533,7 +533,7 @@ class Device:
         """One dispatch into rec (the current step's recorder); submits every submit_every of them."""
         if self.profiler is not None:  # its own pass, timestamped (gpu/profile.py)
             rec.end_pass()
-            cp = rec.encoder.begin_compute_pass(timestamp_writes=self.profiler.timestamp_writes(pipeline.label))
+            cp = rec.encoder.begin_compute_pass(timestamp_writes=self.profiler.timestamp_writes(pipeline.label, g))
         else:
             cp = rec.compute_pass()
         cp.set_pipeline(pipeline)

@@ -29,13 +29,13 @@ from gpu.device import BufferView, Device, DeviceError, Tape
 from gpu.headroom import free_bytes
 from gpu.ops.add import add, add_bias, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
-from gpu.ops.attention_tc import RopeAt, attention_backward_tc, attention_forward_tc, padded_rows, scratch_for
+from gpu.ops.attention_tc import RopeAt, attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_project_group, lora_rank16, lora_term
 from gpu.ops.matmul import linear, linear_input_grad
-from gpu.ops.matmul_i8 import F16Output, Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
+from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.quantize_i8 import (
     FUSED_NORM_ROTATED_WIDTH,
@@ -47,7 +47,7 @@ from gpu.ops.quantize_i8 import (
     weight_to_i8,
 )
 from gpu.ops.rmsnorm import rmsnorm_forward
-from gpu.ops.rope import RopeTable, rope_forward, rope_rows
+from gpu.ops.rope import RopeTable, rope_forward
 from gpu.weights import QuantTensor, upload_quant
 from model.config import BIAS_TARGETS, LORA_TARGETS, ModelConfig
 from model.engine_spec import PRECISIONS
@@ -275,11 +275,6 @@ class GPUModel:
     # tensor-core attention: q and k RoPE'd as they are packed to f16 (the same operands, bitwise) instead of a
     # RoPE pass writing f32 copies that the pack reads back
     rope_in_pack = True
-    # int8 + tensor-core attention: the q, k, v projections' integer GEMMs write attention's f16 operands themselves
-    # (q and k RoPE'd, gpu/ops/matmul_i8.py F16Output: bitwise the packs of their f32 outputs) instead of f32
-    # outputs that the packs read back (llama's adjacent RoPE pairs; no q/k norm, no biases). Opt-in until timed on
-    # the H200 (bench/train_step.py --ab qkv-f16-in-gemm)
-    qkv_f16_in_gemm = False
 
     def __init__(
         self,
@@ -436,7 +431,6 @@ class GPUModel:
         # the block being worked on (_use_block)
         self._scratch = self.a
         self._kept: dict[int, dict[str, Any]] = {}
-        self._rope_rows: dict[int, Any] = {}  # per RoPE table: each row's pairs (_prepare_rope_rows)
         self.delta = b("attention delta", cfg.n_heads * self.seq_len)
         r = self.layout.r
         if self.saves_lora_t:  # the forward's t of every adapted (layer, target), for the backward
@@ -635,12 +629,10 @@ class GPUModel:
         gemm_input: tuple[Any, dict] | None = None,
         *,
         t_ready: bool = False,
-        out16: F16Output | None = None,
     ) -> None:
         """y = x W^T (+ bias) (+ LoRA); gemm_input: x's GEMM operand when the caller has it (shared between
         projections, or written by x's producer), else packed here by _gemm_input. t_ready: the LoRA's t = x A^T
-        is already in its slot (_lora_t_shared, or a recompute's replay). out16: y is attention's f16 operand,
-        written by the integer GEMM (_qkv_in_gemm says where it may be)."""
+        is already in its slot (_lora_t_shared, or a recompute's replay)."""
         t_ready = t_ready or self._replay_lora_t
         d_out, d_in = self.cfg.target_shape(target)
         a, kw = gemm_input or self._forward_input(x, d_in)
@@ -652,11 +644,7 @@ class GPUModel:
                 if not t_ready:
                     lora_project(self.dev, x, ab[0], t, self.rows, d_in, r)
                 fused = lora_term(self.dev, t, ab[1], self.rows, d_out, r, self.scale, "rows", *self.lora16)
-            if out16 is not None and ab is not None and fused is None:
-                raise DeviceError(f"block {layer} {target}: an f16 output needs the LoRA term in the GEMM")
-            gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused, out16=out16)
-        elif out16 is not None:
-            raise DeviceError(f"block {layer} {target}: an f16 output needs the integer GEMM")
+            gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused)
         else:
             self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
         bias = self.w.biases.get((layer, target))
@@ -717,45 +705,13 @@ class GPUModel:
         RoPE'd q and k): batched tensor-core attention, and not a kept block (whose backward packs them again)."""
         return self.rope_in_pack and self.batched_attention and layer not in self._kept
 
-    def _qkv_in_gemm(self, layer: int) -> bool:
-        """Whether block `layer`'s q, k, v integer GEMMs write attention's f16 operands (qkv_f16_in_gemm): RoPE in
-        the pack (tensor-core attention, not a kept block), llama's RoPE pairs, no q/k norm, int8 codes, no bias,
-        any LoRA term in the epilogue, whole 16-row blocks."""
-        cfg, qkv = self.cfg, ("q", "k", "v")
-        if not (self.qkv_f16_in_gemm and self._rope_in_pack(layer)) or cfg.qk_norm or self._rope_table(layer).neox:
-            return False
-        if any(t not in self._w8_slots or (layer, t) in self.w.biases for t in qkv) or self.rows % 16:
-            return False
-        return all((layer, t) not in self.layout.slots or self._lora_in_gemm(cfg.target_shape(t)[0]) for t in qkv)
-
-    def _prepare_rope_rows(self) -> None:
-        """Each row's RoPE pairs (rope_rows, at this batch's positions) for the blocks whose q and k GEMMs apply
-        RoPE as they write attention's operands (_qkv_in_gemm): once per forward, before its blocks."""
-        tables = {id(t): t for t in (self._rope_table(i) for i in range(self.cfg.n_layers) if self._qkv_in_gemm(i))}
-        for key, table in tables.items():
-            if key not in self._rope_rows:
-                self._rope_rows[key] = self.dev.buffer(4 * self.rows * table.head_dim, label="rope rows")
-            rope_rows(self.dev, table, self._b.bufs["positions"], self._rope_rows[key], self.rows)
-
-    def _qkv_operands(self, layer: int, n1: tuple[Any, dict], t_ready: bool) -> None:
-        """Block `layer`'s q, k, v written by their integer GEMMs as attention's f16 operands (_qkv_in_gemm)."""
-        cfg, a = self.cfg, self.a
-        s = scratch_for(self.dev, self.seq_len, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, self.batch)
-        plain = F16Output(self.seq_len, padded_rows(self.seq_len))
-        roped = replace(plain, rope=self._rope_rows[id(self._rope_table(layer))], head_dim=cfg.head_dim)
-        for target, out, how in (("q", s.q16, roped), ("k", s.k16, roped), ("v", s.v16, plain)):
-            self._proj(a["n1"], layer, target, out, n1, t_ready=t_ready, out16=how)
-
     def _rope_table(self, layer: int) -> RopeTable:
         """Block `layer`'s RoPE table: the sliding-window blocks' own (gemma3) or the model's."""
         return self._local_rope if self._local_rope is not None and self.cfg.window(layer) else self.rope
 
-    def _attention(
-        self, q: Any, k: Any, v: Any, out: Any, layer: int, rope: RopeAt | None = None, *, packed: bool = False
-    ) -> None:
+    def _attention(self, q: Any, k: Any, v: Any, out: Any, layer: int, rope: RopeAt | None = None) -> None:
         """out = attention of block `layer` over q, k, v (rope: q and k before RoPE, applied as the tensor-core
-        kernels pack them; only where _rope_in_pack says so; packed: their f16 operands are written already,
-        _qkv_operands)."""
+        kernels pack them; only where _rope_in_pack says so)."""
         cfg, seq_len = self.cfg, self.seq_len
         if self.batched_attention:
             self._attention_fwd(
@@ -770,7 +726,6 @@ class GPUModel:
                 n_seqs=self.batch,
                 lse_stride=self.seq_lse,
                 rope=rope,
-                packed=packed,
             )
             return
         ins = ((q, "aq"), (k, "ak"), (v, "av"))
@@ -796,16 +751,29 @@ class GPUModel:
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
         h, f = cfg.hidden, cfg.ffn
         x, x_next = self._x(layer), self._x(layer + 1)
+        pos = self._b.bufs["positions"]
         n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"])
         ready = self._lora_t_shared(a["n1"], layer, ("q", "k", "v"))
-        if self._qkv_in_gemm(layer):
-            self._qkv_operands(layer, n1, ready)
-            self._attention(a["q"], a["k"], a["v"], a["att"], layer, packed=True)
+        self._proj(a["n1"], layer, "q", a["q"], n1, t_ready=ready)
+        self._proj(a["n1"], layer, "k", a["k"], n1, t_ready=ready)
+        self._proj(a["n1"], layer, "v", a["v"], n1, t_ready=ready)
+        q, k = a["q"], a["k"]
+        if cfg.qk_norm:  # per-head RMSNorm: rows of head_dim
+            norm = self.w.norms
+            rmsnorm_forward(
+                dev, q, norm[f"blk.{layer}.attn_q_norm.weight"], a["qn"], rows * cfg.n_heads, cfg.head_dim, cfg.eps
+            )
+            rmsnorm_forward(
+                dev, k, norm[f"blk.{layer}.attn_k_norm.weight"], a["kn"], rows * cfg.n_kv_heads, cfg.head_dim, cfg.eps
+            )
+            q, k = a["qn"], a["kn"]
+        rope = self._rope_table(layer)
+        if self._rope_in_pack(layer):
+            self._attention(q, k, a["v"], a["att"], layer, rope=RopeAt(rope, pos))
         else:
-            self._proj(a["n1"], layer, "q", a["q"], n1, t_ready=ready)
-            self._proj(a["n1"], layer, "k", a["k"], n1, t_ready=ready)
-            self._proj(a["n1"], layer, "v", a["v"], n1, t_ready=ready)
-            self._attention_of_projections(layer)
+            rope_forward(dev, rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
+            rope_forward(dev, rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
+            self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
         self._post_normed(layer, "o", "post_attention_norm")
         add(dev, x, a["tmp"], a["hres"], rows * h)
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
@@ -827,28 +795,6 @@ class GPUModel:
             return
         self._post_normed(layer, "down", "post_ffw_norm", s_input)
         add(dev, a["hres"], a["tmp"], x_next, rows * h)
-
-    def _attention_of_projections(self, layer: int) -> None:
-        """a["att"] = attention over the f32 q, k, v in a (their per-head norms and RoPE first)."""
-        cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
-        pos = self._b.bufs["positions"]
-        q, k = a["q"], a["k"]
-        if cfg.qk_norm:  # per-head RMSNorm: rows of head_dim
-            norm = self.w.norms
-            rmsnorm_forward(
-                dev, q, norm[f"blk.{layer}.attn_q_norm.weight"], a["qn"], rows * cfg.n_heads, cfg.head_dim, cfg.eps
-            )
-            rmsnorm_forward(
-                dev, k, norm[f"blk.{layer}.attn_k_norm.weight"], a["kn"], rows * cfg.n_kv_heads, cfg.head_dim, cfg.eps
-            )
-            q, k = a["qn"], a["kn"]
-        rope = self._rope_table(layer)
-        if self._rope_in_pack(layer):
-            self._attention(q, k, a["v"], a["att"], layer, rope=RopeAt(rope, pos))
-        else:
-            rope_forward(dev, rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
-            rope_forward(dev, rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
-            self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
 
     def _use_block(self, layer: int) -> None:
         """Point self.a at block `layer`'s buffers: its kept set (the shared scratch with its own buffers in place
@@ -887,7 +833,6 @@ class GPUModel:
         self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
         self.dev.write(bufs["positions"], np.tile(np.arange(self.seq_len, dtype=np.uint32), self.batch))
         with self.dev.step():
-            self._prepare_rope_rows()
             self._embed(bufs["ids"])
             for block in range(layer):
                 self._block_forward(block)
@@ -906,7 +851,6 @@ class GPUModel:
         (gpu/ops/head.py; written by the norm itself, valid until the next f16 operand), else None. checkpoint:
         keep the block inputs a backward needs (bf16 checkpoints; f32 ones stay in xs anyway)."""
         cfg = self.cfg
-        self._prepare_rope_rows()
         if self.start_layer == 0:
             self._embed(self._b.bufs["ids"])
         for layer in range(self.start_layer, cfg.n_layers):

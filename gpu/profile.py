@@ -75,12 +75,14 @@ def kernel_class(label: str, scope: str | None = None) -> str:
 
 
 class Profiler:
-    """Timestamps around every dispatch recorded while attached to a Device; durations keyed by (class, label)."""
+    """Timestamps around every dispatch recorded while attached to a Device; durations keyed by (class, label).
+    by_grid: the label starts with the dispatch's workgroup grid, so one kernel's calls split by shape."""
 
-    def __init__(self, dev: Device) -> None:
+    def __init__(self, dev: Device, *, by_grid: bool = False) -> None:
         if "timestamp-query" not in dev.features:
             raise DeviceError(f"profiling needs the timestamp-query feature, which {dev.adapter.summary} lacks")
         self.dev = dev
+        self.by_grid = by_grid
         self._sets: list[tuple[Any, Any]] = []  # (query set, resolve buffer), reused across submits
         self._pending: list[tuple[str, str]] = []  # (class, label) of the dispatches recorded since the last submit
         self._scope: str | None = None
@@ -110,15 +112,16 @@ class Profiler:
             self._scope = outer
 
     # ---- Device hooks ---------------------------------------------------------------------------------
-    def timestamp_writes(self, label: str) -> dict[str, Any]:
-        """The timestamp_writes of the compute pass of the next dispatch (called by Device.dispatch)."""
+    def timestamp_writes(self, label: str, grid: tuple[int, ...] = ()) -> dict[str, Any]:
+        """The timestamp_writes of the compute pass of the next dispatch over `grid` (called by Device.dispatch)."""
         i = len(self._pending)
         s, q = divmod(2 * i, QUERIES_PER_SET)
         if s == len(self._sets):
             qs = self.dev.device.create_query_set(type="timestamp", count=QUERIES_PER_SET)
             usage = self.dev.wgpu.BufferUsage.QUERY_RESOLVE | self.dev.wgpu.BufferUsage.COPY_SRC
             self._sets.append((qs, self.dev.device.create_buffer(size=8 * QUERIES_PER_SET, usage=usage)))
-        self._pending.append((kernel_class(label, self._scope), label))
+        shown = f"grid={'x'.join(map(str, grid))} {label}" if self.by_grid else label
+        self._pending.append((kernel_class(label, self._scope), shown))
         return {"query_set": self._sets[s][0], "beginning_of_pass_write_index": q, "end_of_pass_write_index": q + 1}
 
     def resolve(self, encoder: Any) -> None:

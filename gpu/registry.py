@@ -352,7 +352,6 @@ KERNELS: dict[str, Kernel] = {
     "embedding": Kernel(("embedding", "row_vec4"), {"wtype": tuple(WEIGHT_TYPES)}, _embedding_values),
     "rope": Kernel(("rope", "rope_position_offset"), {"neox": BOOLS}),
     "rope_positions": Kernel(("rope", "rope_position_buffer"), {"neox": BOOLS}),
-    "rope_rows": Kernel(("rope_rows", *_ITEMS)),
     # tiled
     "attention_forward": Kernel((*_ATTENTION, "attention_forward"), _HEAD_DIM, _attention_values),
     "attention_backward_dq": Kernel((*_ATTENTION, "attention_backward_dq"), _HEAD_DIM, _attention_values),

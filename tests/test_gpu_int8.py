@@ -22,16 +22,7 @@ import gpu.ops.quantize_i8 as quantize_ops
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_rank16, lora_term
-from gpu.ops.matmul_i8 import (
-    I8_TILE,
-    I8_TILE_CHUNKED,
-    F16Output,
-    Int8Matrix,
-    LoraTerm,
-    gemm_i8,
-    i8_buffers,
-    upload_i8,
-)
+from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, Int8Matrix, LoraTerm, gemm_i8, i8_buffers, upload_i8
 from gpu.ops.quantize_i8 import (
     glu_i8,
     quantize_i8_gpu,
@@ -198,73 +189,6 @@ def test_gemm_lora_epilogue_emulated(dev: Device, m: int, n: int, k: int, r: int
         gemm_i8(dev, a, w, c, emulate=True, lora=LoraTerm(term.t16, term.l16, 32, layout))
     with pytest.raises(DeviceError, match="lora_term: layout 'diag'"):
         lora_term(dev, c, c, 16, 16, 4, 1.0, "diag", term.t16, term.l16)
-
-
-def _check_f16_output(dev: Device, rope: bool, lora: bool, cfg: I8Config | None, emulate: bool) -> None:
-    """The GEMM writing attention's f16 operand: bitwise the f16 pack of its own f32 output (pack_f16 / pack_f16_rope
-    at each row's position: the path it replaces), each sequence's rows at the padded stride, the padding rows
-    untouched; with a LoRA term in the epilogue too."""
-    from gpu.ops.attention_tc import RopeAt, _pack, _pack_roped, padded_rows
-    from gpu.ops.rope import RopeTable, rope_rows
-
-    rng = np.random.default_rng(31 + 2 * rope + lora)
-    seqs, seq, heads, hd, k, r = 3, 48, 3, 32, 128, 16
-    m, n, seq_p = seqs * seq, heads * hd, padded_rows(seq)
-    x, w = rng.standard_normal((m, k)).astype(np.float32), rng.standard_normal((n, k)).astype(np.float32)
-    wq, a = upload_i8(dev, w, k, "w"), i8_buffers(dev, m, k, k, "x")
-    quantize_i8_gpu(dev, dev.upload(x), a)
-    term = None
-    if lora:
-        t, lo = rng.standard_normal((m, r)).astype(np.float32), rng.standard_normal((n, r)).astype(np.float32)
-        bufs = dev.buffer(2 * m * r), dev.buffer(2 * n * r)
-        term = lora_term(dev, dev.upload(t), dev.upload(lo), m, n, r, 0.5, "rows", *bufs)
-    c32 = dev.buffer(4 * m * n)
-    gemm_i8(dev, a, wq, c32, lora=term, cfg=cfg, emulate=emulate)
-    table = RopeTable.build(dev, hd, 10000.0, 64)
-    positions = dev.upload(rng.integers(0, 70, m).astype(np.uint32))  # past the table's 64: clamped, as rope_forward
-    want = dev.buffer(2 * seqs * seq_p * n)
-    if rope:
-        _pack_roped(dev, c32, want, RopeAt(table, positions), seq, heads, hd, seqs)
-    else:
-        _pack(dev, c32, want, seq, heads, hd, seqs)
-    sentinel = np.full((seqs, seq_p, n), 7.5, np.float16)
-    got = dev.upload(sentinel)
-    rows = None
-    if rope:
-        rows = dev.buffer(4 * m * hd)
-        rope_rows(dev, table, positions, rows, m)
-    gemm_i8(dev, a, wq, got, lora=term, cfg=cfg, emulate=emulate, out16=F16Output(seq, seq_p, rows, hd))
-    got_h = dev.read(got, np.float16, (seqs, seq_p, n))
-    want_h = dev.read(want, np.float16, (seqs, seq_p, n))
-    np.testing.assert_array_equal(got_h[:, :seq], want_h[:, :seq])
-    assert np.all(got_h[:, seq:] == sentinel[:, seq:]), "the padding rows are left alone"
-    assert np.abs(want_h[:, :seq].astype(np.float32)).max() > 1.0, "a real product"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
-@pytest.mark.parametrize("lora", [False, True], ids=["", "lora"])
-def test_gemm_f16_output_emulated(dev: Device, rope: bool, lora: bool) -> None:
-    """The f16 output variants (3 sequences of 48 rows into 176-row slots, 3 heads of 32, tiles past M and N) are
-    bitwise the f16 packs of the f32 output; a mismatched request is refused."""
-    _check_f16_output(dev, rope, lora, I8Config(2, 1, 1, 2, 32, 1), emulate=True)
-    a, w = i8_buffers(dev, 32, 64, 64, "x"), upload_i8(dev, np.ones((32, 64), np.float32), 64, "w")
-    c = dev.buffer(2 * 64 * 32)
-    with pytest.raises(DeviceError, match="whole sequences of 24"):
-        gemm_i8(dev, a, w, c, emulate=True, out16=F16Output(24, 32))
-    with pytest.raises(DeviceError, match="no accumulation"):
-        gemm_i8(dev, a, w, c, emulate=True, accumulate=True, out16=F16Output(16, 32))
-    with pytest.raises(DeviceError, match="RoPE over heads of 12 for 32 columns"):
-        gemm_i8(dev, a, w, c, emulate=True, out16=F16Output(16, 32, c, 12))
-    with pytest.raises(DeviceError, match="output C has 4096 bytes"):
-        gemm_i8(dev, a, w, c, emulate=True, out16=F16Output(16, 64))
-
-
-@pytest.mark.tensorcore
-@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
-def test_gemm_f16_output_on_tensor_cores(rope: bool) -> None:
-    """The f16 output variants with the preset tile and a LoRA term on the H200's tensor cores."""
-    _check_f16_output(tensor_core_device_or_skip(), rope, True, None, emulate=False)
 
 
 @pytest.mark.tensorcore

@@ -68,3 +68,18 @@ def test_kernel_classes() -> None:
     assert kernel_class("('rmsnorm_i8', (('rot', 128),))") == "norms"
     assert kernel_class("('kd_finish', (('ce', False),))") == kernel_class("('kd_rescaled_add', ())") == "kd head"
     assert kernel_class("('strided_matmul', ())", scope="kd head") == "kd head"
+
+
+def test_profiled_by_grid_splits_a_kernel_by_its_grid() -> None:
+    dev = device_or_skip()
+    if "timestamp-query" not in dev.features:
+        pytest.skip(f"{dev.adapter.summary} has no timestamp-query")
+    x = dev.upload(np.ones(ROWS * H, np.float32))
+    with Profiler(dev, by_grid=True) as prof, dev.step():
+        scale_inplace(dev, x, 0.5, ROWS * H)
+        scale_inplace(dev, x, 0.5, 64)
+        scale_inplace(dev, x, 0.5, 64)
+    labels = {label: prof.calls[(cls, label)] for cls, label in prof.calls}
+    assert len(labels) == 2 and sorted(labels.values()) == [1, 2], labels
+    assert all(label.startswith("grid=") and "x1x1 " in label for label in labels)
+    assert np.allclose(dev.read(x, np.float32, (ROWS * H,))[:64], 0.125)

@@ -380,33 +380,6 @@ def test_tensorcore_rope_in_pack_is_bitwise_the_rope_pass(monkeypatch: pytest.Mo
 
 
 @pytest.mark.tensorcore
-def test_int8_qkv_f16_in_gemm_matches_the_packs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The int8 step (head dim 64: tensor-core attention) with q, k, v written by their integer GEMMs as attention's
-    f16 operands (qkv_f16_in_gemm, opt-in) against packs of their f32 outputs: the same loss and gradients (bitwise
-    where the GEMM's RoPE rounds as pack_f16_rope does: printed), and in the forward and the recompute every block's
-    q and k packs (pack_f16_rope) and v's (pack_f16) gone (H200 only)."""
-    import dataclasses
-    import sys
-
-    from gpu import model as gpu_model
-    from gpu.ops import attention_tc
-
-    wide = dataclasses.replace(CFG, hidden=128, n_heads=2, n_kv_heads=1, head_dim=64)
-    monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
-    runs, ran = _spied_runs(
-        monkeypatch, attention_tc, ("qkv_f16_in_gemm",), lambda name, v: (name, v.get("scaled")), emulated=False
-    )
-    assert not gpu_model.GPUModel.qkv_f16_in_gemm
-    passes = 2 * wide.n_layers - 1  # the forward's blocks and the recomputed ones (not the top block)
-    assert [r.count(("pack_f16_rope", None)) for r in ran] == [0, 2 * passes]
-    assert [r.count(("pack_f16", False)) for r in ran] == [0, passes]
-    (loss_on, grads_on), (loss_off, grads_off) = runs
-    print(f"qkv f16 in the GEMM: bitwise {loss_on == loss_off and np.array_equal(grads_on, grads_off)}")
-    assert abs(loss_on - loss_off) <= 1e-5 * abs(loss_off)
-    assert float(np.abs(grads_on - grads_off).max()) <= 1e-3 * float(np.abs(grads_off).max())
-
-
-@pytest.mark.tensorcore
 @pytest.mark.parametrize(
     "qtype,int8_grads", [(Q.Q4_0, True), (Q.Q8_0, True), (Q.Q4_0, False)], ids=["Q4_0", "Q8_0", "Q4_0-f16-grads"]
 )
@@ -534,17 +507,14 @@ def _spied_runs(
     switches: tuple[str, ...],
     record: Any,
     precision: str = "int8",
-    emulated: bool = True,
     **fixed: bool,
 ) -> tuple[list, list]:
-    """The step of _kd_problem(3) on `precision` (int8: its integer GEMMs emulated unless `emulated` is False;
-    tensorcore and int8 not emulated: Dawn only) with the student's attributes `switches` on, then off (`fixed` set
-    as given in both): (loss and packed gradients of each, record(name, variant) of each pipeline that module
-    `spied` asked for in each)."""
+    """The step of _kd_problem(3) on `precision` (int8: its integer GEMMs emulated; tensorcore: Dawn only) with the
+    student's attributes `switches` on, then off (`fixed` set as given in both): (loss and packed gradients of each,
+    record(name, variant) of each pipeline that module `spied` asked for in each)."""
     from gpu.ops.matmul_i8 import int8_emulation
 
-    emulated = emulated and precision == "int8"
-    dev = device_or_skip() if emulated else tensor_core_device_or_skip()
+    dev = tensor_core_device_or_skip() if precision == "tensorcore" else device_or_skip()
     w, lora, batch = _kd_problem(3, Q.Q4_0)
     weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
     runs, ran = [], []
@@ -555,7 +525,7 @@ def _spied_runs(
         return real(dev, name, **variant)
 
     monkeypatch.setattr(spied, "pipeline", spy)
-    with int8_emulation(dev) if emulated else contextlib.nullcontext():
+    with int8_emulation(dev) if precision == "int8" else contextlib.nullcontext():
         for on in (True, False):
             ran.append([])
             st = _precision_student(dev, weights, precision, FORWARD_KL)

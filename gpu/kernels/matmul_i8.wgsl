@@ -16,9 +16,6 @@
 // The LoRA variant adds s * T . L to each value as it is written, computed per result matrix on the f16 tensor cores
 // (matmul_i8_lora.wgsl): the forward's LoRA expansion (and the input gradient's) in the epilogue instead of a pass
 // of its own over C.
-// The f16 output variants write C as attention's f16 operand instead ([b, seq_p, ldc]: a sequence's rows padded to
-// seq_p, the padding left alone), "rope" with RoPE applied to column pairs (2 j, 2 j + 1) of each head from RR,
-// each row's (cos, sin) per pair (gpu/ops/rope.py rope_rows): the f32 arithmetic of pack_f16_rope.wgsl.
 // The "direct" timing probe (gpu/codegen_i8.py) stages nothing: A and W bound as i32 words, each subgroup loads its
 // matrices straight from storage.
 // K must be a multiple of BK and of the chunk (gpu/ops/matmul_i8.py checks). Dollar-brace placeholders are
@@ -39,10 +36,10 @@ struct I8Params {
     chunks: u32,   // scales per row: K / chunk
     spc: u32,      // staged steps per chunk: chunk / BK
     lr: u32,       // LoRA variant: T16's row length (the rank rounded up to 16)
-    seq: u32,      // f16 output (attention's operand): rows of a sequence in C's rows ...
-    seq_p: u32,    // ... and in the output's (padded), and its head dim (RoPE pairs within each head)
-    hd: u32,
     _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+    _pad3: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: I8Params;
@@ -50,9 +47,8 @@ struct I8Params {
 @group(0) @binding(2) var<storage, read> W: array<${OPERAND}>;
 @group(0) @binding(3) var<storage, read> SA: array<f32>;
 @group(0) @binding(4) var<storage, read> SW: array<f32>;
-@group(0) @binding(5) var<storage, read_write> C: array<${C_ELEM}>;
+@group(0) @binding(5) var<storage, read_write> C: array<f32>;
 ${LORA_BINDINGS}
-${ROPE_BINDING}
 
 const TM: u32 = ${TM}u;
 const TN: u32 = ${TN}u;
@@ -112,24 +108,22 @@ fn old8(m: u32, n: u32) -> array<f32, 8> {
         for (var e = 0u; e < 8u; e++) {
             let row = m + 2u * e;
             if (row < prm.M) {
-                o[e] = f32(C[prm.c_off + row * prm.ldc + n]);
+                o[e] = C[prm.c_off + row * prm.ldc + n];
             }
         }
     }
     return o;
 }
 
-// rows m, m + 2, ..., m + 14 of column n of C (bounds-checked; every lane calls it, in step: the f16 output's RoPE
-// takes each value's pair from the neighbouring lane, which holds column n ^ 1 of the same rows)
+// rows m, m + 2, ..., m + 14 of column n of C (bounds-checked)
 fn write8(m: u32, n: u32, v: array<f32, 8>${WRITE8_LORA}${WRITE8_OLD}) {
-${WRITE8_VALUES}
     if (n >= prm.N) {
         return;
     }
     for (var e = 0u; e < 8u; e++) {
         let row = m + 2u * e;
         if (row < prm.M) {
-            let i = prm.c_off + ${ROW_INDEX} * prm.ldc + n;
+            let i = prm.c_off + row * prm.ldc + n;
             ${STORE_EXPR}
         }
     }

@@ -187,20 +187,16 @@ def attention_forward_tc(
     n_seqs: int = 1,
     lse_stride: int | None = None,
     rope: RopeAt | None = None,
-    packed: bool = False,
 ) -> None:
     """out [T, Hq, D] = causal softmax(q k^T / sqrt(D)) v on tensor cores; lse [Hq, T] (f32) for the backward.
     Same arguments as gpu.ops.attention.attention_forward, plus a batch: n_seqs sequences of seq_len laid end
     to end in q, k, v, out, and lse's [Hq, T] per sequence lse_stride floats apart (default Hq T). rope: q and k
-    are given before RoPE, applied as they are packed (the f16 operands bitwise those of rope_forward's output).
-    packed: the scratch's f16 q, k, v (scratch_for) hold the operands already, written by their producers (the
-    integer GEMMs' f16 output, gpu/ops/matmul_i8.py F16Output); q, k, v are not read."""
+    are given before RoPE, applied as they are packed (the f16 operands bitwise those of rope_forward's output)."""
     t, hq, hkv, d, b = seq_len, n_heads, n_kv_heads, head_dim, n_seqs
     _check(dev, t, hq, hkv, d, b)
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, q=q, k=k, v=v, out=out)
     s = scratch_for(dev, t, hq, hkv, d, b)
-    if not packed:
-        _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b, rope)
+    _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b, rope)
     wide = FORWARD_SUBGROUPS == WIDE_FORWARD_SUBGROUPS and d == 128
     pipe = pipeline(dev, "attention_tc_forward8" if wide else "attention_tc_forward", head_dim=d)
     grid_rows = (math.ceil(t / workgroup_rows(FORWARD_SUBGROUPS if wide else 4)), hq, b)

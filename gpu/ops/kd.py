@@ -45,9 +45,9 @@ from model.kd import KINDS, LossConfig
 ONE_PASS = True  # the one-pass backward where it applies (module docstring; bench/train_step.py --kd-one-pass off)
 # each vocab chunk of a quantized head decoded to f16 once (gpu/ops/half.py weight_to_f16, into the scratch's w16)
 # for its tensor-core products over plain F16 weights, instead of both products decoding it as they stage it: the
-# same f16 values, staged from half the loads. Opt-in (KdScratch.build reads it) until timed on the H200 (bench
-# --ab kd-decoded-chunk).
-DECODED_CHUNK = False
+# same f16 values, staged from half the loads; +1.4 % on the Llama-3-8B step (H100, 2026-12-06, docs/benchmarks.md;
+# bench --ab kd-staged-chunk puts the staging decode back). KdScratch.build reads it.
+DECODED_CHUNK = True
 
 
 @dataclass(frozen=True)

@@ -47,19 +47,6 @@ class LoraTerm:
 
 
 @dataclass(frozen=True)
-class F16Output:
-    """gemm_i8's C written as attention's f16 operand (gpu/ops/attention_tc.py's packed q, k, v) instead of f32: C's
-    rows in sequences of `seq`, each sequence's rows at `seq_p` rows' stride (the padding rows left alone), and with
-    `rope` (f32 (cos, sin) pairs per row and pair, [rows, head_dim / 2]: gpu/ops/rope.py rope_rows) RoPE applied to
-    each head's adjacent column pairs as pack_f16_rope does (llama's pairs, not NEOX's halves)."""
-
-    seq: int
-    seq_p: int
-    rope: Any = None
-    head_dim: int = 0
-
-
-@dataclass(frozen=True)
 class Int8Matrix:
     """An int8 operand on the GPU: codes [rows, k] packed four per u32 word, f32 scales [rows, k / chunk]."""
 
@@ -129,27 +116,18 @@ def pick_i8_config(chunks: int, chunk: int) -> I8Config:
 
 def all_i8_variants() -> list[I8Variant]:
     """Every variant gemm_i8 dispatches with its presets (the kernel registry compiles them)."""
-    return (
-        [
-            I8Variant(pick_i8_config(chunks, chunk), chunked=chunks > 1, accumulate=acc, orient=orient)
-            for orient, all_chunks in (("nt", (1, 2)), ("nn", (1,)))
-            for chunks in all_chunks
-            for chunk in (64, 32)
-            for acc in (False, True)
-        ]
-        + [
-            I8Variant(pick_i8_config(1, chunk), chunked=False, accumulate=acc, orient="nt", lora=layout)
-            for chunk in (64, 32)
-            for acc in (False, True)
-            for layout in ("rows", "cols")
-        ]
-        + [
-            I8Variant(pick_i8_config(1, chunk), chunked=False, orient="nt", lora=layout, out16=out16)
-            for chunk in (64, 32)
-            for layout in ("", "rows")
-            for out16 in ("plain", "rope")
-        ]
-    )
+    return [
+        I8Variant(pick_i8_config(chunks, chunk), chunked=chunks > 1, accumulate=acc, orient=orient)
+        for orient, all_chunks in (("nt", (1, 2)), ("nn", (1,)))
+        for chunks in all_chunks
+        for chunk in (64, 32)
+        for acc in (False, True)
+    ] + [
+        I8Variant(pick_i8_config(1, chunk), chunked=False, accumulate=acc, orient="nt", lora=layout)
+        for chunk in (64, 32)
+        for acc in (False, True)
+        for layout in ("rows", "cols")
+    ]
 
 
 def _check_lora(lora: LoraTerm, name: str, orient: str, chunks: int, m: int, p: int) -> None:
@@ -182,7 +160,6 @@ def gemm_i8(
     cfg: I8Config | None = None,
     emulate: bool = False,
     lora: LoraTerm | None = None,
-    out16: F16Output | None = None,
 ) -> None:
     """C[m, P] (+)= alpha * A . B over the int8 operands, m = a.rows: "nt" (the forward) B = W^T, P = w.rows, A
     and W with the same k and chunks; "nn" (the input gradient) B = W, P = w.k (a multiple of 16), A's k =
@@ -190,7 +167,7 @@ def gemm_i8(
     the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
     matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk, m and P multiples of 16): C also gets t . L
     (lora_term; its products on the f16 tensor cores), added as C is written (with accumulate: C + (alpha * A . B
-    + t . L)). out16 ("nt", one chunk, not accumulating): C is f16, attention's operand (F16Output)."""
+    + t . L))."""
     name = w.name or "int8 weight"
     emulate = emulate or dev in _emulated
     if not emulate and (problem := int8_problem(dev)) is not None:
@@ -207,10 +184,7 @@ def gemm_i8(
     m, r = a.rows, a.k
     p = w.rows if orient == "nt" else w.k
     ldc = p if ldc is None else ldc
-    last_row, c_bytes = m - 1, 4
-    if out16 is not None:
-        last_row, c_bytes = _check_out16(out16, name, orient, a.chunks, accumulate, m, p), 2
-    if m > 0 and nbytes(c) < c_bytes * (c_offset + last_row * ldc + p):
+    if m > 0 and nbytes(c) < 4 * (c_offset + (m - 1) * ldc + p):
         raise DeviceError(f"gemm_i8 with {name!r}: output C has {nbytes(c)} bytes for {m} x {p} (ldc {ldc})")
     if m > 0 and (nbytes(a.codes) < m * r or nbytes(a.scales) < 4 * m * a.chunks):
         raise DeviceError(f"gemm_i8 with {name!r}: A's codes or scales hold fewer than {m} rows of {r}")
@@ -228,35 +202,16 @@ def gemm_i8(
         max_workgroup_bytes=int(dev.limits["max-compute-workgroup-storage-size"]),
         lora=lora is not None,
     )
-    out16_kind = "" if out16 is None else "plain" if out16.rope is None else "rope"
-    layout = lora.layout if lora is not None else ""
-    variant = I8Variant(cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient, lora=layout, out16=out16_kind)
+    variant = I8Variant(
+        cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient, lora=lora.layout if lora is not None else ""
+    )
     pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_i8_source(variant, emulate=emulate))
     grid = (-(-p // cfg.bn), -(-m // cfg.bm))
     alpha_bits = int(np.float32(alpha).view(np.uint32))
     ldw = r // 16 if orient == "nt" else p // 16
     lr = lora.lr if lora is not None else 0
     head = [m, p, r, r // 16, ldw, 0, ldc, c_offset, alpha_bits, a.chunks, a.chunk // cfg.bk, lr]
-    seq = (out16.seq, out16.seq_p, out16.head_dim) if out16 is not None else (0, 0, 0)
-    prm = np.array([*head, *seq, 0], np.uint32)
+    prm = np.array([*head, 0, 0, 0, 0], np.uint32)
     sw = w.scales if orient == "nt" else col_scales
     extra = [lora.t16, lora.l16] if lora is not None else []
-    extra += [out16.rope] if out16 is not None and out16.rope is not None else []
     dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, sw, c, *extra], grid)
-
-
-def _check_out16(out: F16Output, name: str, orient: str, chunks: int, accumulate: bool, m: int, p: int) -> int:
-    """An f16 output fits the GEMM ("nt", one chunk, whole sequences, RoPE over whole heads with a row of pairs per
-    row of C); returns the last output row C's rows reach."""
-    if orient != "nt" or chunks != 1 or accumulate or out.seq <= 0 or m % out.seq or out.seq_p < out.seq:
-        raise DeviceError(
-            f"gemm_i8 with {name!r}: an f16 output needs 'nt', one chunk, no accumulation and {m} rows in whole "
-            f"sequences of {out.seq} (padded to {out.seq_p})"
-        )
-    if out.rope is not None:
-        hd = out.head_dim
-        if hd <= 0 or hd % 2 or p % hd:
-            raise DeviceError(f"gemm_i8 with {name!r}: RoPE over heads of {hd} for {p} columns")
-        if nbytes(out.rope) < 4 * m * hd:
-            raise DeviceError(f"gemm_i8 with {name!r}: the RoPE rows hold fewer than {m} rows of {hd // 2} pairs")
-    return (m // out.seq - 1) * out.seq_p + out.seq - 1

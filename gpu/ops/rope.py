@@ -98,14 +98,3 @@ def rope_backward(
 ) -> None:
     """dx = dy rotated by the opposite angle."""
     _rope(dev, table, dy, dx, n_tokens, n_heads, -1.0, positions, start)
-
-
-def rope_rows(dev: Device, table: RopeTable, positions: Any, out: Any, n_tokens: int) -> None:
-    """out [T, D/2] (f32 pairs) = the table's (cos, sin) at each row's position (positions u32 [T], clamped to the
-    table): per-row pairs for the integer GEMM that writes attention's RoPE'd f16 operands (gpu/ops/matmul_i8.py
-    F16Output)."""
-    half = table.head_dim // 2
-    need(positions, n_tokens, "rope_rows positions")
-    need(out, 2 * n_tokens * half, "rope_rows out")
-    params = pack(n_tokens, half, table.n_positions, 0)
-    dev.dispatch(pipeline(dev, "rope_rows"), [params, table.buffer, positions, out], grid(n_tokens * half, 256))
