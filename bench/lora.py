@@ -141,9 +141,9 @@ class DispatchProfiler(Profiler):
         super().__init__(dev)
         self.count = 0
 
-    def timestamp_writes(self, label: str) -> dict[str, Any]:
+    def timestamp_writes(self, label: str, grid: tuple[int, ...] = ()) -> dict[str, Any]:
         self.count += 1
-        return super().timestamp_writes(f"{self.count:02d} {label}")
+        return super().timestamp_writes(f"{self.count:02d} {label}", grid)
 
 
 def _gpu_time(dev: Device, forward: Callable[[], None], backward: Callable[[], None]) -> dict[str, Any]:

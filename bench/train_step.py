@@ -187,6 +187,10 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
     "lora-fast-paths": ("gpu.ops.lora_matmul", "FAST_PATHS", True),
+    # lora_gemm's reduction split over more workgroups (pick_splits' target, default 1024) or shorter chunks
+    "lora-wg-2048": ("gpu.ops.lora_matmul", "TARGET_WORKGROUPS", 2048),
+    "lora-wg-4096": ("gpu.ops.lora_matmul", "TARGET_WORKGROUPS", 4096),
+    "lora-chunk-64": ("gpu.ops.lora_matmul", "MIN_CHUNK", 64),
     "unit-rows-off": ("gpu.ops.quantize_i8", "UNIT_ROWS", False),
     # the accumulating GEMMs' reads of C as each value is written (a read-modify-write), not two groups ahead
     "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),
