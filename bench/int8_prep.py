@@ -8,7 +8,6 @@ not, at the Llama-3-8B shapes of a B4 x T1024 step.
     python bench/int8_prep.py
     python bench/int8_prep.py --shapes 4096x4096,4096x14336
     python bench/int8_prep.py --row-wg 64,256     # rows of <= 4096 on 64 or 256 invocations (quantize_i8.py)
-    python bench/int8_prep.py --weights-only --decode-loop 0,512,1024,2048   # Q4_K's decode looping over rows
 
 GB/s counts the bytes each kernel must move once (the weights' GGML bytes read + a code byte written per weight;
 an activation's f32 read + a code byte written; rotate_rows' f32 read + write): against the GPU's memory
@@ -61,24 +60,16 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(f"{r}x{k}" for r, k in SHAPES), help="ROWSxWIDTH,...")
     ap.add_argument("--backend", default="dawn", help="wgpu or dawn")
     ap.add_argument("--row-wg", default="", help="invocations a row for rows of <= 4096 (64, 256), comma-separated")
-    ap.add_argument(
-        "--decode-loop",
-        default="0",
-        help="Q4_K's decode: 0 one workgroup a row, N workgroups looping over the rows (weight_i8_q4_k_loop); "
-        "comma-separated, each timed",
-    )
-    ap.add_argument("--weights-only", action="store_true", help="the weights' decode alone, not the activations' ops")
     args = ap.parse_args()
     dev = Device(args.backend)
     emit(device=dev.adapter.summary)
     for wg in [int(x) for x in args.row_wg.split(",") if x] or [quantize_ops.SHORT_ROW_WORKGROUP]:
         quantize_ops.SHORT_ROW_WORKGROUP = wg
-        run_shapes(dev, args.shapes, [int(x) for x in args.decode_loop.split(",") if x], args.weights_only)
+        run_shapes(dev, args.shapes)
 
 
-def run_shapes(dev: Device, shapes: str, loops: list[int], weights_only: bool) -> None:
-    """Every op at every shape, as JSON lines (each with the workgroup size its rows ran on; Q4_K's decode once for
-    each of `loops`: 0 a workgroup a row, else that many workgroups looping over the rows)."""
+def run_shapes(dev: Device, shapes: str) -> None:
+    """Every op at every shape, as JSON lines (each with the workgroup size its rows ran on)."""
     rng = np.random.default_rng(0)
     for text in shapes.split(","):
         rows, k = (int(x) for x in text.split("x"))
@@ -86,16 +77,11 @@ def run_shapes(dev: Device, shapes: str, loops: list[int], weights_only: bool) -
             w = upload_quant(dev, random_blocks(qtype, (rows, k), rng), qtype, (rows, k), name="w")
             out = i8_buffers(dev, rows, k, k, "w")
             n_bytes = rows * row_bytes(qtype, k) + rows * k
-            for loop in loops if qtype == T.Q4_K else [0]:
-                quantize_ops.DECODE_LOOP, quantize_ops.LOOP_WORKGROUPS = loop > 0, loop or quantize_ops.LOOP_WORKGROUPS
-                for rot, fixed in ((0, False), (128, False), (128, True)):
-                    call = partial(weight_to_i8, dev, w, out, rot=rot, fixed_scales=fixed)
-                    wg = row_workgroup(k) if qtype == T.Q4_K else 256
-                    fields = {"wtype": qtype.name, "rows": rows, "k": k, "rot": rot, "wg": wg, "fixed": fixed}
-                    emit(**timed(dev, "weight_to_i8", call, n_bytes, **fields, loop_workgroups=loop))
-            quantize_ops.DECODE_LOOP = False
-        if weights_only:
-            continue
+            for rot, fixed in ((0, False), (128, False), (128, True)):
+                call = partial(weight_to_i8, dev, w, out, rot=rot, fixed_scales=fixed)
+                wg = row_workgroup(k) if qtype == T.Q4_K else 256
+                fields = {"wtype": qtype.name, "rows": rows, "k": k, "rot": rot, "wg": wg, "fixed": fixed}
+                emit(**timed(dev, "weight_to_i8", call, n_bytes, **fields))
         x = dev.upload(rng.standard_normal((rows, k), dtype=np.float32))
         cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32))
         a = i8_buffers(dev, rows, k, k, "x")

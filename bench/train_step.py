@@ -196,10 +196,6 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # the accumulating GEMMs' reads of C as each value is written (a read-modify-write), not two groups ahead
     "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
-    # Q4_K's decode on quantize_i8.LOOP_WORKGROUPS workgroups looping over the rows (the next row's words loaded ahead)
-    "decode-loop": ("gpu.ops.quantize_i8", "DECODE_LOOP", True),
-    "decode-loop-wg-2048": ("gpu.ops.quantize_i8", "LOOP_WORKGROUPS", 2048),
-    "decode-loop-wg-512": ("gpu.ops.quantize_i8", "LOOP_WORKGROUPS", 512),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),

@@ -225,11 +225,7 @@ _HEAD_DIM = {"head_dim": HEAD_DIMS}
 _I8_PARTS = ("int8_pack", "hadamard", "int8_codes")  # int8 codes of a row
 _I8_UNITS = ("int8_pack", "hadamard", "int8_units", "int8_unit_rows")  # int8 codes of a rotated row as units of 16
 _I8 = ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS)
-# weight_i8_q4_k's parts before its entry point (a workgroup a row, or looping over rows: gpu/ops/quantize_i8.py)
-_Q4_K_UNITS = ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "int8_units")
-_Q4_K_UNITS += ("weight_i8_q4_k_units",)
 _ROT = {"rot": ROTATIONS, "tint": BOOLS}  # the rotation's block, and the compiler (gpu/ops/quantize_i8.py)
-_Q4_K_PARAMS = {**_ROT, "wg": ROW_WORKGROUPS, "fixed": BOOLS}
 
 KERNELS: dict[str, Kernel] = {
     # elementwise skeleton + body
@@ -337,8 +333,12 @@ KERNELS: dict[str, Kernel] = {
         {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
         _hadamard_rows_values,
     ),
-    "weight_i8_q4_k": Kernel((*_Q4_K_UNITS, "weight_i8_q4_k"), _Q4_K_PARAMS, _weight_q4_k_values),
-    "weight_i8_q4_k_loop": Kernel((*_Q4_K_UNITS, "weight_i8_q4_k_loop"), _Q4_K_PARAMS, _weight_q4_k_values),
+    "weight_i8_q4_k": Kernel(
+        ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "int8_units")
+        + ("weight_i8_q4_k",),
+        {**_ROT, "wg": ROW_WORKGROUPS, "fixed": BOOLS},
+        _weight_q4_k_values,
+    ),
     "transpose_i8": Kernel(("transpose_i8",)),
     "count_nonzero": Kernel((*_SUM, "reduce_sum", "reduce_term_nonzero")),
     "grad_norm_partial": Kernel((*_SUM, "grad_norm_partial")),

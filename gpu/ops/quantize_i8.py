@@ -28,11 +28,6 @@ def tint(dev: Device) -> bool:
 # per multiprocessor: the 8B step on an H100, 2026-12-06, 4,854 against 4,808 tokens/s; the decode 25.5 against
 # 42.5 ms), or 256; longer rows 256.
 SHORT_ROW_WORKGROUP = 64
-# Q4_K's decode (weight_i8_q4_k) on LOOP_WORKGROUPS workgroups looping over the rows, each loading its next row's
-# words during this row's work (weight_i8_q4_k_loop.wgsl), instead of one workgroup a row: opt-in until timed
-# (bench/train_step.py --ab decode-loop; bench/int8_prep.py --decode-loop)
-DECODE_LOOP = False
-LOOP_WORKGROUPS = 1024
 
 
 def row_workgroup(k: int) -> int:
@@ -230,8 +225,7 @@ def weight_to_i8(
     dev: Device, w: QuantTensor, out: Int8Matrix | None = None, rot: int = 0, *, fixed_scales: bool = False
 ) -> Int8Matrix:
     """The int8 codes and per-row scales of a frozen weight (n, k), decoded on the GPU from its GGML type
-    (gpu/kernels/weight_i8.wgsl; Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl, or looping over
-    the rows with DECODE_LOOP) and
+    (gpu/kernels/weight_i8.wgsl; Q4_K from whole 16-byte pieces of its blocks, weight_i8_q4_k.wgsl) and
     rotated in blocks of rot into `out` (n rows of k, one chunk) or new buffers; k must be a multiple of 32 (one
     integer multiply-accumulate step). fixed_scales: out.scales hold this weight's row scales already (an earlier
     decode's, with the same rot): the codes alone, without the absmax over each row (the same codes)."""
@@ -244,14 +238,9 @@ def weight_to_i8(
     elif (out.rows, out.k, out.chunks) != (n, k, 1):
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
     variant = {"rot": rot, "tint": tint(dev), "fixed": fixed_scales}
-    workgroups = n
-    if w.qtype.name == "Q4_K":
-        name, variant = ("weight_i8_q4_k_loop" if DECODE_LOOP else "weight_i8_q4_k"), variant | {"wg": row_workgroup(k)}
-        workgroups = min(n, LOOP_WORKGROUPS) if DECODE_LOOP else n
-    else:
-        name, variant = "weight_i8", variant | {"wtype": w.qtype.name}
-    bindings = [pack(n, k, 0, 0), w.binding, out.codes, out.scales]
-    dev.dispatch(pipeline(dev, name, **variant), bindings, grid(workgroups, 1))
+    name = "weight_i8_q4_k" if w.qtype.name == "Q4_K" else "weight_i8"
+    variant |= {"wg": row_workgroup(k)} if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
+    dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
     return out
 
 
