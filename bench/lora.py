@@ -227,8 +227,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = Device()
     lora_matmul.DEEP_STEPS = args.deep_steps
-    head = {"adapter": dev.adapter.summary, "backend": dev.backend, "deep_steps": args.deep_steps}
-    print(json.dumps(head), flush=True)
+    print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend, "deep_steps": args.deep_steps}), flush=True)
     splits = [tuple(int(v) for v in c.split(":")) for c in args.splits.split(",") if c]
     for shape in args.shapes.split(","):
         d_in, d_out = (int(v) for v in shape.lower().split("x"))
