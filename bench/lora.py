@@ -211,9 +211,6 @@ def main() -> None:
     ap.add_argument("--no-old", action="store_true", help="skip the strided_matmul baseline")
     ap.add_argument("--no-split", action="store_true", help="skip the two-product lora_matmul path")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument(
-        "--deep-steps", action="store_true", help="lora_gemm staging twice the reduction steps a tile (DEEP_STEPS)"
-    )
     ap.add_argument("--splits", default="", help="sweep lora_gemm's split: TARGET_WORKGROUPS:MIN_CHUNK,...")
     ap.add_argument(
         "--paths", default="fast,gemm",
@@ -226,8 +223,7 @@ def main() -> None:
     )  # fmt: skip
     args = ap.parse_args()
     dev = Device()
-    lora_matmul.DEEP_STEPS = args.deep_steps
-    print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend, "deep_steps": args.deep_steps}), flush=True)
+    print(json.dumps({"adapter": dev.adapter.summary, "backend": dev.backend}), flush=True)
     splits = [tuple(int(v) for v in c.split(":")) for c in args.splits.split(",") if c]
     for shape in args.shapes.split(","):
         d_in, d_out = (int(v) for v in shape.lower().split("x"))

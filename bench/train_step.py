@@ -191,7 +191,6 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "lora-wg-2048": ("gpu.ops.lora_matmul", "TARGET_WORKGROUPS", 2048),
     "lora-wg-4096": ("gpu.ops.lora_matmul", "TARGET_WORKGROUPS", 4096),
     "lora-chunk-64": ("gpu.ops.lora_matmul", "MIN_CHUNK", 64),
-    "lora-deep-steps": ("gpu.ops.lora_matmul", "DEEP_STEPS", True),
     "unit-rows-off": ("gpu.ops.quantize_i8", "UNIT_ROWS", False),
     # the accumulating GEMMs' reads of C as each value is written (a read-modify-write), not two groups ahead
     "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),

@@ -9,16 +9,9 @@ BM = 64  # output rows per workgroup
 LORA_GEMM_BK = {16: 32, 64: 16}  # output tile width -> reduction steps staged per tile
 
 
-def lora_gemm_bk(bn: int, deep: bool = False) -> int:
-    """Reduction steps staged per tile of width bn; deep: twice as many (each operand row read in runs twice as
-    long a step)."""
-    return LORA_GEMM_BK[bn] * (2 if deep else 1)
-
-
-def lora_gemm_values(bn: int, deep: bool = False) -> dict[str, object]:
-    """${BN}, ${BK} and the unrolled ${DECLARE}, ${LOAD}, ${STAGE} statements for tile width bn (deep: see
-    lora_gemm_bk)."""
-    bk = lora_gemm_bk(bn, deep)
+def lora_gemm_values(bn: int) -> dict[str, object]:
+    """${BN}, ${BK} and the unrolled ${DECLARE}, ${LOAD}, ${STAGE} statements for tile width bn."""
+    bk = LORA_GEMM_BK[bn]
     tm, tn = BM // 4, bn // 4
     threads = tm * tn
     units = {"a": bk * tm // threads, "b": bk * tn // threads}

@@ -358,7 +358,7 @@ KERNELS: dict[str, Kernel] = {
     "attention_backward_dkv": Kernel(("attention_common", "attention_backward_dkv"), _HEAD_DIM, _attention_values),
     "strided_matmul": Kernel(("strided_matmul",)),
     # LoRA products (gpu/ops/lora_matmul.py): output tiles 16 wide (x A^T, dy B, dB, dA^T) or 64 (t B^T, dt A)
-    "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK), "deep": BOOLS}, lora_gemm_values),
+    "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, lora_gemm_values),
     "lora_reduce": Kernel((*_ITEMS, "lora_reduce")),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)

@@ -124,27 +124,6 @@ def test_lora_matmul(dev: Device, kind: str, t: int, d: int, r: int, splits: int
     assert rel_err(got, want) <= TOL
 
 
-@pytest.mark.parametrize(
-    "kind,t,d,r,splits",
-    [
-        ("x_wT", 37, 259, 3, 3),
-        ("dy_w", 65, 203, 32, 2),
-        ("dyT_t", 300, 130, 16, None),
-        ("xT_t_into_rd", 300, 259, 3, None),
-        ("t_wT", 70, 130, 16, None),  # 130 columns: the 64-wide tile
-        ("t_w", 65, 259, 32, None),
-    ],
-)
-def test_lora_matmul_deep_steps(
-    dev: Device, monkeypatch: pytest.MonkeyPatch, kind: str, t: int, d: int, r: int, splits: int | None
-) -> None:
-    """lora_gemm staging twice the reduction steps a tile (DEEP_STEPS) holds the same tolerance, split and not."""
-    from gpu.ops import lora_matmul as lm
-
-    monkeypatch.setattr(lm, "DEEP_STEPS", True)
-    test_lora_matmul(dev, kind, t, d, r, splits, accumulate=True)
-
-
 def test_splits_cover_the_long_reductions() -> None:
     """The shapes below split their reductions (so the tests above exercise lora_reduce), chunks of whole
     staged steps whose count covers k exactly."""

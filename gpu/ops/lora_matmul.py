@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpu.codegen_lora import BM, ROWS_BK, ROWS_ROWS, STREAM_COLS, lora_gemm_bk
+from gpu.codegen_lora import BM, LORA_GEMM_BK, ROWS_BK, ROWS_ROWS, STREAM_COLS
 from gpu.device import Device, DeviceError, grid_1d
 from gpu.ops.common import nbytes, pack
 from gpu.ops.strided_matmul import Operand, check_operands
@@ -25,9 +25,6 @@ from gpu.registry import pipeline
 TARGET_WORKGROUPS = 1024  # split the reduction until about this many workgroups run (an H200 has 132 SMs)
 MIN_CHUNK = 128  # reduction steps per split at least (fewer would spend more on partials than on products)
 SCRATCH_CAP = 32 << 20  # bytes of partial sums at most (fewer splits beyond it)
-# lora_gemm staging twice the reduction steps a tile (each row of an operand read in runs twice as long: 256 B of a
-# row a step at width 16): bench/train_step.py --ab lora-deep-steps
-DEEP_STEPS = False
 # the bandwidth paths (lora_stream.wgsl, lora_rows.wgsl) for thin outputs (n <= FAST_MAX_N) whose operands read
 # as vec4s; off: every product on lora_gemm (bench/lora.py --paths, bench/train_step.py --ab lora-gemm-only)
 FAST_PATHS = False  # measured slower on an H100 (2026-12-06, docs/benchmarks.md): opt-in
@@ -52,7 +49,7 @@ def scratch_for(dev: Device, n_bytes: int) -> Any:
 def pick_splits(m: int, n: int, k: int, bn: int, max_bytes: int = SCRATCH_CAP) -> tuple[int, int]:
     """(splits, chunk) of the reduction axis for an m x n output: enough workgroups to fill the GPU, chunks of
     at least MIN_CHUNK whole BK steps, partials within max_bytes."""
-    bk = lora_gemm_bk(bn, DEEP_STEPS)
+    bk = LORA_GEMM_BK[bn]
     if k <= MIN_CHUNK:
         return 1, max(k, 1)
     tiles = math.ceil(m / BM) * math.ceil(n / bn)
@@ -138,7 +135,7 @@ def lora_matmul(
         _fast(dev, path, a, b, c, (m, n, k), alpha, accumulate, (c_off, csm, csn), splits, groups)
         return
     bn = 64 if n > 32 else 16
-    bk = lora_gemm_bk(bn, DEEP_STEPS)
+    bk = LORA_GEMM_BK[bn]
     if splits is None:
         splits, chunk = pick_splits(m, n, k, bn, min(SCRATCH_CAP, dev.max_binding))
     else:
@@ -154,7 +151,7 @@ def lora_matmul(
         a_kfast, b_kfast, gw, 0, *b_go, *c_go,
     )  # fmt: skip
     out = scratch_for(dev, 4 * splits * m * n) if partial else c
-    dev.dispatch(pipeline(dev, "lora_gemm", bn=bn, deep=DEEP_STEPS), [params, a.buf, b.buf, out], (gx, gy, splits))
+    dev.dispatch(pipeline(dev, "lora_gemm", bn=bn), [params, a.buf, b.buf, out], (gx, gy, splits))
     if partial:
         _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
 
