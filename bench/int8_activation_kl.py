@@ -20,7 +20,8 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
   `hadamardN:inputs` one operand rounded; `orthogonal`: a dense random orthogonal rotation of the whole input
   instead (what a rotation can do at best); `hadamardN:residual`: x as two 8-bit terms (its codes,
   then those of what they miss: two integer GEMMs); any variant `:onlyW` / `:shapeOxI`: only the projections with
-  inputs of width W / weights of that shape;
+  inputs of width W / weights of that shape; any variant ending in `:head`: the student's logits rounded too (the
+  LM head's forward product; its backward stays exact, as on the GPU);
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
 variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import stages.train  # noqa: E402
 from bench.precision_quality import prepare  # noqa: E402
+from cpu.head import VocabHead  # noqa: E402
 from model import reference  # noqa: E402
 from model.int8 import dequantize_i8, hadamard_rows, quantize_i8  # noqa: E402
 from schemas.config import load_config  # noqa: E402
@@ -70,12 +72,16 @@ def _orthogonal(k: int) -> np.ndarray:
 
 
 def variant_linear(variant: str, vocab: int, exact: Linear) -> Linear:
-    """The projection product for `variant` (the LM head, W with `vocab` rows, stays exact)."""
-    name, _, only = variant.partition(":only")  # only the projections with inputs of this width rounded
+    """The projection product for `variant` (the LM head, W with `vocab` rows, stays exact unless the variant ends
+    in `:head`: its logits rounded like the projections, as gpu/ops/head.py INT8_STUDENT_LOGITS)."""
+    head = variant.endswith(":head")
+    name, _, only = variant.removesuffix(":head").partition(":only")  # only the inputs of this width rounded
     name, _, shape = name.partition(":shape")  # only the projections of this OUTxIN weight shape rounded
 
     def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        if name == "exact" or w.shape[0] == vocab or x.shape[1] % 32 or (only and x.shape[1] != int(only)):
+        if name == "exact" or (w.shape[0] == vocab and not head) or x.shape[1] % 32:
+            return exact(x, w)
+        if only and x.shape[1] != int(only):
             return exact(x, w)
         if shape and "x".join(map(str, w.shape)) != shape:
             return exact(x, w)
@@ -136,22 +142,25 @@ def main() -> None:
     root = workdir(cfg)
     where = {"student_gguf": student.path_in(root), "token_dir": tokens.path_in(root)}
     where["topk_dir"] = teacher.path_in(root)
-    exact = reference.linear_forward
+    exact, exact_logits = reference.linear_forward, VocabHead.__dict__["logits"]  # the staticmethod itself
     first = None
     for name in (v for v in args.variants.split(",") if v):
         reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
+        if name.endswith(":head"):  # the numpy engine's chunked head: each chunk's logits through the rounding
+            rounded_head = variant_linear(name, tokens.vocab_size, lambda x, w: x @ w.T)
+            VocabHead.logits = staticmethod(lambda h, w_c, out, f=rounded_head: np.copyto(out, f(h, w_c)))
         t0 = time.perf_counter()
         try:
             if args.train:  # the train stage's key has no variant: its checkpoints are deleted and trained afresh
                 shutil.rmtree(stages.train.checkpoint_root(cfg, student, tokens, teacher), ignore_errors=True)
                 trained = stages.train.run(cfg, student, tokens, teacher)[-1]
                 if args.eval_exact:
-                    reference.linear_forward = exact
+                    reference.linear_forward, VocabHead.logits = exact, exact_logits
                 m = evaluate(cfg, **where, checkpoint=trained.path_in(root))
             else:
                 m = evaluate(cfg, **where, checkpoint=None)
         finally:
-            reference.linear_forward = exact
+            reference.linear_forward, VocabHead.logits = exact, exact_logits
         first = first if first is not None else float(m["kl"])
         row = {k: m.get(k) for k in ("kl", "top1", "ce")} | ({"evaluated": "exact"} if args.eval_exact else {})
         print(json.dumps({"variant": name, **row, "kl_vs_first": round(float(m["kl"]) / first - 1, 4),

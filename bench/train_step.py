@@ -183,6 +183,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "kd-two-pass": ("gpu.ops.kd", "ONE_PASS", False),
     # the head's tensor-core products decoding its quantized vocab chunks as they stage them, not once to f16
     "kd-staged-chunk": ("gpu.ops.kd", "DECODED_CHUNK", False),
+    # int8: the student's logits on the integer GEMM too (its backward's dlogits . W stays on f16): --int8-head logits
+    "int8-logits": ("gpu.ops.head", "INT8_STUDENT_LOGITS", True),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),

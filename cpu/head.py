@@ -80,6 +80,12 @@ class VocabHead:
         self.chunk = max(1, min(chunk, self.vocab))
         self._buffers: dict[tuple[str, int, int], np.ndarray] = {}
 
+    @staticmethod
+    def logits(h: np.ndarray, w_c: np.ndarray, out: np.ndarray) -> None:
+        """out = h W_c^T, the logits of one vocabulary chunk (a study may round its operands:
+        bench/int8_activation_kl.py `:head`)."""
+        np.matmul(h, w_c.T, out=out)
+
     def _buf(self, name: str, n: int, nv: int) -> np.ndarray:
         key = (name, n, nv)
         if key not in self._buffers:
@@ -107,7 +113,7 @@ class VocabHead:
             nv = min(self.chunk, self.vocab - c0)
             w_c = self.w[c0 : c0 + nv]
             z = self._buf("z", n, nv)
-            np.matmul(h, w_c.T, out=z)
+            self.logits(h, w_c, z)
             hit = (cols >= c0) & (cols < c0 + nv)
             if hit.any():
                 gathered[hit] = z[np.broadcast_to(row_idx, cols.shape)[hit], cols[hit] - c0]
