@@ -4,7 +4,7 @@ GEMM and int8 torch._int_mm from the same process.
     python bench/gemm_i8.py                                   # the Llama-3-8B projection shapes, preset tile
     python bench/gemm_i8.py --shapes 4096x4096x4096 --chunks 0,256 --sweep "4,2,4,2,64,2;2,2,4,4,64,2"
     python bench/gemm_i8.py --probes                          # the preset without MMAs / staging / scaling
-    python bench/gemm_i8.py --probes --lora 16 --chunks 0     # + the LoRA epilogue without its products / operands
+    python bench/gemm_i8.py --probes --lora 16 --chunks 0     # + the LoRA epilogue without its blocks' products
     python bench/gemm_i8.py --orient nn --shapes 4096x4096x4096,4096x4096x1024,4096x4096x14336,4096x14336x4096
 
 Each row: C[M, N] = A[M, K] . W[N, K]^T over int8 codes with one f32 scale per row and chunk of K (--chunks;
