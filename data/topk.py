@@ -66,6 +66,7 @@ _HEADER_KEYS = (
     "seed",
     "eval_k",
     "topk_format",
+    "engine",
 )
 # manifests written before these fields
 _HEADER_DEFAULTS = {
@@ -74,6 +75,7 @@ _HEADER_DEFAULTS = {
     "seed": "0",
     "eval_k": "0",
     "topk_format": "plain",
+    "engine": "",
 }
 _manifest_lock = threading.Lock()
 
@@ -505,6 +507,7 @@ def read_manifest(out_dir: str | Path) -> TeacherManifest | None:
             seed=int(header["seed"]),
             eval_k=int(header["eval_k"]),
             topk_format=header["topk_format"],
+            engine=header["engine"],
             k=int(header["k"]),
             temperature=float(header["temperature"]),
             vocab_size=int(header["vocab_size"]),

@@ -237,7 +237,7 @@ class _Buffers:
         return self.bufs[name]
 
 
-def _resolve_precision(dev: Device, precision: str) -> str:
+def resolve_precision(dev: Device, precision: str) -> str:
     """f32 (portable, strict parity), tensorcore (f16 operands, f32 accumulation), int8 (tensorcore with the
     frozen projections' forward on the integer tensor cores: int8 activations and weights with per-row scales,
     rotated in Walsh-Hadamard blocks; opt-in), or auto (tensorcore when the device has subgroup matrices)."""
@@ -292,7 +292,7 @@ class GPUModel:
     ) -> None:
         self.dev, self.w, self.cfg = dev, weights, weights.cfg
         cfg = self.cfg
-        self.precision = _resolve_precision(dev, precision)
+        self.precision = resolve_precision(dev, precision)
         # f16 tensor cores: tensorcore, and int8 beside its integer GEMMs (f32 where those run emulated, in tests)
         self.tensor_cores = self.precision == "tensorcore" or (self.precision == "int8" and not int8_emulated(dev))
         self._linear, self._linear_grad = (

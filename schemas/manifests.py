@@ -204,6 +204,11 @@ class TeacherManifest(Located):
         description="how the train split's top-k shards are coded: plain topk_shard/1, compact topk_shard/3 "
         "(the eval split is plain: format_of)",
     )
+    engine: str = Field(
+        "",
+        description="what computes the rows (training.teacher.teacher_engine: numpy, or gpu/<backend>/<precision>): "
+        "each writes its own bytes, so the plan's key folds it in and every shard is computed by it",
+    )
     shards: tuple[ShardRecord, ...]
 
     @property

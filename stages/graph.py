@@ -90,6 +90,10 @@ def _shard_problem(cfg: RunConfig, inputs: Mapping[str, Any], cached: Any) -> st
     return stages.teacher.shard_problem(cfg, inputs["plan"], inputs["shard"])
 
 
+def _teacher_plan_inputs(cfg: RunConfig, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    return stages.teacher.key_inputs(cfg, inputs["tokens"])
+
+
 def _reference_inputs(cfg: RunConfig, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
     return stages.reference.key_inputs(cfg, inputs["student"], inputs["pairs"])
 
@@ -102,7 +106,7 @@ def _preference_eval_inputs(cfg: RunConfig, inputs: Mapping[str, Any]) -> Mappin
 # ---- distillation ---------------------------------------------------------------------------------------------
 TOKENIZE = Node("tokenize", stages.tokenize.KEY)
 STUDENT = Node("student", stages.student.KEY)
-TEACHER_PLAN = Node("teacher-plan", stages.teacher.KEY)
+TEACHER_PLAN = Node("teacher-plan", stages.teacher.KEY, _teacher_plan_inputs)
 TEACHER_RAY = Node("teacher-ray", None)  # teacher.runner=ray: the missing shards as Ray tasks, then recorded below
 TEACHER_SHARD = Node("teacher-shard-{shard.shard}", stages.teacher.SHARD_KEY, verify=_shard_problem)
 PREFIX = Node("prefix-cache-block-{layer}", stages.prefix.KEY)

@@ -35,7 +35,7 @@ from stages.keys import StageKey, file_sha256
 from stages.layout import stage_dir, workdir
 from stages.progress import BarFactory, no_bar
 from training.engines import teacher_width
-from training.teacher import release_teacher, teacher_fn
+from training.teacher import Teacher, release_teacher, teacher_engine, teacher_fn
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ KEY = StageKey(
         ("teacher.topk_format", "compact", ("teacher.topk_format",)),
     ),
     files=("model.teacher",),
-    inputs=("tokens",),
+    inputs=("tokens", "engine"),  # engine: training.teacher.teacher_engine, resolved on the planning machine
 )
 # A shard's key: the plan's content (teacher, k, temperature, token shards, every shard's range) and its own row.
 SHARD_KEY = StageKey(stage="teacher-shard", version="1", inputs=("plan", "shard"))
@@ -66,6 +66,7 @@ def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
         teacher_tokens = list(t.metadata.get("tokenizer.ggml.tokens") or [])
         check_vocab(teacher_tokens, list(s.metadata.get("tokenizer.ggml.tokens") or []), t.path, s.path)
     root = workdir(cfg)
+    engine = teacher_engine(cfg)
     token_dir = tokens.path_in(root)
     train = read_token_table(token_dir, "train", tokens, root)
     held_out = read_token_table(token_dir, "eval", tokens, root)
@@ -82,12 +83,29 @@ def plan(cfg: RunConfig, tokens: TokenizeManifest) -> TeacherManifest:
         temperature=cfg.teacher.temperature,
         vocab_size=len(teacher_tokens),
         token_shards_hash=tokens.shards_hash(),
+        engine=engine,
         shards=tuple(plan_all(train, held_out, cfg.teacher.shard_tokens)),
     )
-    out = stage_dir(cfg, FOLDER, KEY.key(cfg, {"tokens": tokens}))
+    out = stage_dir(cfg, FOLDER, KEY.key(cfg, key_inputs(cfg, tokens, engine)))
     open_manifest(out, planned)
     log.info("teacher top-k: %d shards planned in %s", len(planned.shards), out)
     return planned.at(out, root)
+
+
+def key_inputs(cfg: RunConfig, tokens: TokenizeManifest, engine: str | None = None) -> dict:
+    """What the plan's key folds in besides the config: the token manifest and the teacher engine (resolved here
+    when not given)."""
+    return {"tokens": tokens, "engine": teacher_engine(cfg) if engine is None else engine}
+
+
+def check_engine(planned: TeacherManifest, teacher: Teacher) -> None:
+    """Refuse to add rows computed by another engine than the plan's (another machine's auto, a changed setting)."""
+    if planned.engine and teacher.engine != planned.engine:
+        raise ValueError(
+            f"teacher.backend: this machine computes the teacher on {teacher.engine}, the plan's shards on "
+            f"{planned.engine} (each writes its own bytes); run the shards where the plan was made, or set "
+            "teacher.backend / train.precision so both resolve alike"
+        )
 
 
 def shard_problem(cfg: RunConfig, planned: TeacherManifest, record: ShardRecord) -> str | None:
@@ -124,6 +142,7 @@ def shard(
     split = read_token_table(tokens.path_in(root), record.split)
     n_seq = record.seq_end - record.seq_start
     teacher = teacher_fn(cfg, planned.store_of(record.split))
+    check_engine(planned, teacher)
     with bar(f"teacher shard {record.shard}", n_seq) as b:
         try:
             rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call, lambda n: b.advance(n))

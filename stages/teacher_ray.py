@@ -156,6 +156,7 @@ def compute_shard(
     """The body of one shard's Ray task: rows of shard `record` by the worker's teacher of its split's store
     (planned.store_of), written under out_uri. Arguments and result travel as JSON (the manifests' own format);
     returns the complete record as JSON."""
+    from stages.teacher import check_engine
     from training.cluster import pin_assigned_gpu
     from training.teacher import teacher_fn
 
@@ -167,6 +168,7 @@ def compute_shard(
     _injected_fault(fault, record.shard, out_uri)
     split = read_token_table(tokens.path_in(workdir(cfg)), record.split)
     teacher = teacher_fn(cfg, planned.store_of(record.split))
+    check_engine(planned, teacher)  # a worker whose teacher resolves otherwise than the driver's plan
     try:
         rows = compute_shard_rows(split, record, teacher, teacher.rows_per_call)
     except ValueError as exc:  # e.g. logits not finite: the teacher's weights are at fault, not the shard

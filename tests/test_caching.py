@@ -27,7 +27,9 @@ from stages import keys
 from stages.graph import Node
 from tasks import caching, evaluate, export, student, teacher, tokenize, train
 from tasks.records import record_key
+from tests.gpu_fixtures import device_or_skip
 from tests.pipeline_fixtures import tiny_config, tiny_inputs, write_texts, write_tiny_llama
+from training.teacher import teacher_engine
 
 POLICIES = {
     t.cache_policy.stage: t.cache_policy
@@ -135,10 +137,10 @@ def _changed(a: dict[str, str], b: dict[str, str]) -> set[str]:
         ("eval.precision=f32", {"evaluate-baseline", "evaluate", "evaluate-merged"}),
         ("train.batch_size=2", {"train", "evaluate-baseline", "evaluate", "evaluate-merged"}),
         ("export.merge=false", {"export"}),
-        # read by no cached stage: selection, bookkeeping, where things run
+        # read by no cached stage: selection, bookkeeping
         ("eval.best_metric=top1", set()),
         ("train.checkpoint_every=3", set()),
-        ("teacher.backend=gpu", set()),
+        ("train.precision=auto", {"train", "evaluate-baseline", "evaluate", "evaluate-merged"}),  # numpy teacher
         ("run.experiment=other", set()),
     ],
 )
@@ -146,6 +148,19 @@ def test_one_field_changes_exactly_the_stages_that_read_it(config_file: Path, ov
     before = _keys(load_config(config_file))
     after = _keys(load_config(config_file, [override]))
     assert _changed(before, after) == stages
+
+
+@pytest.mark.gpu
+def test_the_teacher_plan_is_keyed_by_the_engine_that_computes_it(config_file: Path) -> None:
+    """numpy and GPU teachers write different bytes: the plan's key holds the resolved engine (a GPU teacher's
+    precision as resolved on the adapter: auto is f32 on wgpu-native, so it keeps the key)."""
+    device_or_skip()
+    assert teacher_engine(load_config(config_file, ["teacher.backend=gpu"])) == "gpu/wgpu/f32"
+    assert teacher_engine(load_config(config_file)) == "numpy"
+    gpu = _keys(load_config(config_file, ["teacher.backend=gpu"]))
+    assert _changed(_keys(load_config(config_file)), gpu) == {"teacher-plan"}
+    auto = _keys(load_config(config_file, ["teacher.backend=gpu", "train.precision=auto"]))
+    assert _changed(gpu, auto) == {"train", "evaluate-baseline", "evaluate", "evaluate-merged"}
 
 
 def test_keys_follow_file_and_data_contents_not_paths(config_file: Path, tmp_path: Path) -> None:

@@ -184,7 +184,7 @@ def test_gpu_teacher_topk_matches_numpy_teacher(dev: Device) -> None:
 def test_gpu_precision_auto_is_the_same_for_gemma3(dev: Device) -> None:
     """precision auto resolves for gemma3 as for the other families (its tensor-core step passed on the H200:
     test_tensor_core_step_matches_reference)."""
-    from gpu.model import GPUModel, ModelWeights, _resolve_precision
+    from gpu.model import GPUModel, ModelWeights, resolve_precision
 
     weights = ModelWeights.from_arrays(dev, CFG, _weights(14))
-    assert GPUModel(dev, weights, batch=1, seq_len=8, precision="auto").precision == _resolve_precision(dev, "auto")
+    assert GPUModel(dev, weights, batch=1, seq_len=8, precision="auto").precision == resolve_precision(dev, "auto")

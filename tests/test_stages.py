@@ -147,7 +147,8 @@ def test_student_is_requantized_and_verifies(chain: Chain) -> None:
 def test_teacher_shards_are_complete_and_verify(chain: Chain) -> None:
     c, t = chain, chain.teacher
     out = t.path_in(c.root)
-    assert out == _folder(c, stages.teacher, {"tokens": c.tokens})
+    assert out == _folder(c, stages.teacher, stages.teacher.key_inputs(c.cfg, c.tokens))
+    assert t.engine == "numpy"  # teacher.backend numpy: recorded, and folded into the plan's key
     assert t.complete and len(t.shards) >= 4 and t.k == 8 and t.vocab_size == c.tokens.vocab_size
     assert read_manifest(out) == t.model_copy(update={"dir": ""})
     for split in ("train", "eval"):
@@ -185,6 +186,28 @@ def test_teacher_rebuilds_a_corrupt_shard_to_the_same_bytes(chain: Chain, monkey
     assert stages.teacher.run(c.cfg, c.tokens) == t
     assert sum(calls) == victim.seq_end - victim.seq_start  # only the corrupt shard's sequences, batched
     assert len(calls) < sum(calls)
+    assert sha256_file(path) == victim.sha256
+
+
+def test_teacher_refuses_rows_of_another_engine(chain: Chain, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard recomputed by a teacher that resolves to another engine than the plan's (another machine's auto, a
+    Ray worker with a GPU) is refused, naming both; the plan's own engine then rebuilds it to the same bytes."""
+    c, t = chain, chain.teacher
+    victim = t.shards[1]
+    path = t.path_in(c.root) / victim.file
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    real = stages.teacher.teacher_fn
+
+    def elsewhere(cfg: RunConfig, store: str | None = None) -> Teacher:
+        return dataclasses.replace(real(cfg, store), engine="gpu/dawn/int8")
+
+    monkeypatch.setattr(stages.teacher, "teacher_fn", elsewhere)
+    with pytest.raises(ValueError, match=r"teacher.backend: .* on gpu/dawn/int8, the plan's shards on numpy"):
+        stages.teacher.run(c.cfg, c.tokens)
+    monkeypatch.undo()
+    assert stages.teacher.run(c.cfg, c.tokens) == t
     assert sha256_file(path) == victim.sha256
 
 

@@ -37,9 +37,23 @@ class Teacher:
     rows_per_call: int
     backend: str
     store: str = "topk"  # sampled: fn(ids, mask, seq_ids) -> (ids, logp codes, counts) [N, T, n] (data.topk)
+    engine: str = "numpy"  # teacher_engine's name of what computes the rows (the plan records and checks it)
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray, *seq_ids: np.ndarray) -> tuple[np.ndarray, ...]:
         return self.fn(ids, mask, *seq_ids)
+
+
+def teacher_engine(cfg: RunConfig) -> str:
+    """What computes this run's teacher rows on this machine, as the teacher plan records and keys it: "numpy"
+    (float32 BLAS, whatever train.precision), or "gpu/<wgpu backend>/<precision>" (train.precision resolved on the
+    adapter: auto takes tensorcore where Dawn has subgroup matrices). Each writes its own bytes."""
+    backend, _ = resolve_backend(cfg.teacher.backend, cfg.run.gpu_backend, "teacher.backend")
+    if backend == "numpy":
+        return "numpy"
+    from gpu.model import resolve_precision
+
+    dev = get_device(cfg.run.gpu_backend)
+    return f"gpu/{dev.backend}/{resolve_precision(dev, cfg.train.precision)}"
 
 
 def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None) -> Teacher:
@@ -72,6 +86,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None
     weights = load_gpu_weights(teacher_gguf, cfg.run.gpu_backend)
     dev = get_device(cfg.run.gpu_backend)
     batch = cfg.train.batch_size
+    engine = teacher_engine(cfg)
     teachers: dict[int, GPUTeacher] = {}
 
     def gpu_teacher(t: int) -> GPUTeacher:
@@ -121,7 +136,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None
                 a[dropped] = 0
             return tuple(out)
 
-        return Teacher(gpu_sampled_fn, batch * cfg.data.seq_len, "gpu", "sampled")  # type: ignore[arg-type]
+        return Teacher(gpu_sampled_fn, batch * cfg.data.seq_len, "gpu", "sampled", engine)  # type: ignore[arg-type]
 
     def gpu_fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids = np.asarray(ids)
@@ -132,7 +147,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None
             parts.append((out_ids[:m].astype(np.int64), lp[:m], tail[:m]))
         return tuple(np.concatenate(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
-    return Teacher(gpu_fn, batch * cfg.data.seq_len, "gpu")
+    return Teacher(gpu_fn, batch * cfg.data.seq_len, "gpu", engine=engine)
 
 
 # One teacher per process and store, kept across the shards of a run (loading it is the expensive part); the
@@ -162,7 +177,7 @@ def teacher_fn(cfg: RunConfig, store: str | None = None) -> Teacher:
     t = cfg.teacher
     store = store or t.store
     key = (str(path), st.st_size, st.st_mtime_ns, t.top_k, t.temperature, t.backend, cfg.train.batch_size)
-    key += (store, t.samples, t.seed)
+    key += (cfg.train.precision, cfg.train.int8_codes, cfg.run.gpu_backend, store, t.samples, t.seed)
     if key not in _TEACHER:
         if any(k[:-3] != key[:-3] for k in _TEACHER):  # another teacher: drop the old one
             _TEACHER.clear()
