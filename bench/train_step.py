@@ -199,6 +199,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # the integer GEMM's tile 128 x 256 (2 x 4 subgroups of 4 x 4) instead of 256 x 128 (+2 % alone at 4096^3, H100)
     "i8-tile-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_m=2, sg_n=4)),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
+    # the input gradients' quantizer (dY times W's row scales): 4 rows a workgroup, the scales read once for them
+    "quantize-rows-4": ("gpu.ops.quantize_i8", "SCALED_ROWS_PER_WORKGROUP", 4),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),

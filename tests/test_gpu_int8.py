@@ -111,6 +111,29 @@ def test_quantize_kernel_matches_the_twin(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("off,rot", [(3, 0), (4, 0), (0, 64)])
+def test_quantize_rows_per_workgroup_give_the_same_bits(
+    dev: Device, off: int, rot: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows times column scales quantized 4 to a workgroup, one after the other (SCALED_ROWS_PER_WORKGROUP; 9 rows:
+    the last workgroup has one), give the codes and scales of one row a workgroup, bit for bit: f32 and vec4 reads,
+    rotated units."""
+    rng = np.random.default_rng(off + rot)
+    rows, k, ldx = 9, 256, 264
+    full = dev.upload((rng.standard_normal((rows, ldx)) * 3).astype(np.float32).ravel())
+    cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32))
+    got = []
+    for per_wg in (1, 4):
+        monkeypatch.setattr(quantize_ops, "SCALED_ROWS_PER_WORKGROUP", per_wg)
+        out = i8_buffers(dev, rows, k, 128, f"rows {per_wg}")
+        quantize_i8_gpu(dev, full, out, ldx=ldx, x_offset=off, col_scales=cs, rot=rot)
+        got.append((dev.read(out.codes, np.int8, (rows, k)), dev.read(out.scales, np.float32, (rows, 2))))
+    assert np.any(got[0][0]) and np.all(got[0][1] > 0)
+    np.testing.assert_array_equal(got[1][0], got[0][0])
+    np.testing.assert_array_equal(got[1][1], got[0][1])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rot", [32, 64, 128])
 @pytest.mark.parametrize(
     "k,chunk,scaled,row_wg", [(4096, 4096, False, 64), (1024, 256, True, 64), (640, 640, False, 256)]

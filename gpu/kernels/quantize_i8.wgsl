@@ -1,7 +1,7 @@
 // Activations to int8 for the integer GEMM (model/int8.py quantize_i8 is the numpy twin): per row r and chunk c of
 // `chunk` consecutive elements, S[r, c] = max |X[r, chunk c]| / 127 and Q[r, k] = round(X[r, k] / S[r, c])
 // (ties to even, |q| <= 127; an all-zero chunk gives S = 0 and codes 0), four codes per u32 word, little-endian.
-// A workgroup per (chunk, row): the chunk's values held in registers for its absmax (workgroup_reduce.wgsl) and
+// A workgroup per (chunk, per_wg rows; the rows one after the other): each chunk's values held in registers for its absmax (workgroup_reduce.wgsl) and
 // its codes (int8_codes.wgsl codes_of_row; or, rotated, int8_units.wgsl rotated_unit_codes: units of 16 values, Q as
 // vec4s). VEC4: X (and CS) read as vec4 (offsets and strides multiples of 4).
 
@@ -11,8 +11,8 @@ struct Params {
     x_off: u32,    // first element of X
     chunk: u32,    // elements per scale (multiple of 4)
     chunks: u32,   // k / chunk
-    _pad0: u32,
-    _pad1: u32,
+    rows: u32,     // rows of X
+    per_wg: u32,   // rows a workgroup takes, one after the other (the column scales then read once per row group)
     _pad2: u32,
 };
 
@@ -40,11 +40,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         @builtin(subgroup_size) sg: u32) {
     rot_subgroup = sg;
     let c = wid.x;
-    let r = wid.y;
-    x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
-    k0 = c * prm.chunk;
-    let scale = ${CODES};
-    if (lid == 0u) {
-        S[r * prm.chunks + c] = scale;
+    for (var i = 0u; i < prm.per_wg; i++) {
+        let r = wid.y * prm.per_wg + i;
+        if (r >= prm.rows) {   // uniform: the workgroup's rows end together
+            break;
+        }
+        if (i > 0u) {
+            workgroupBarrier();   // the last row's reduction read by every invocation before this row's
+        }
+        x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
+        k0 = c * prm.chunk;
+        let scale = ${CODES};
+        if (lid == 0u) {
+            S[r * prm.chunks + c] = scale;
+        }
     }
 }

@@ -6,6 +6,7 @@ Weight codes transposed (gpu/kernels/transpose_i8.wgsl) for the input gradient o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +46,10 @@ def check_rotation(rot: int, k: int, what: str) -> None:
 # rotated once: int8_units.wgsl) instead of int8_codes.wgsl's rotated rows (each vec4 read and rotated twice);
 # the same bits either way (bench/int8_prep.py times both, bench/train_step.py --ab unit-rows-off)
 UNIT_ROWS = True
+# rows a workgroup of quantize_i8_gpu quantizes one after the other when they are times column scales (the input
+# gradients' dY * W's row scales): each invocation reads the same scales for every row (bench/train_step.py --ab
+# quantize-rows-4); the same bits whatever the value
+SCALED_ROWS_PER_WORKGROUP = 1
 
 
 def quantize_i8_gpu(
@@ -68,7 +73,8 @@ def quantize_i8_gpu(
         raise DeviceError(f"quantize_i8 of {out.name!r}: col_scales hold fewer than {out.k} values")
     if out.rows > int(dev.limits.get("max-compute-workgroups-per-dimension", 65535)):
         raise DeviceError(f"quantize_i8 of {out.name!r}: {out.rows} rows exceed the workgroups per dimension")
-    prm = np.array([out.k, ldx, x_offset, out.chunk, out.chunks, 0, 0, 0], np.uint32)
+    per_wg = SCALED_ROWS_PER_WORKGROUP if col_scales is not None else 1
+    prm = np.array([out.k, ldx, x_offset, out.chunk, out.chunks, out.rows, per_wg, 0], np.uint32)
     bindings = [prm, x, out.codes, out.scales] + ([] if col_scales is None else [col_scales])
     # vec4 loads where every row's chunks start on a 16-byte boundary (and the bound views are whole vec4s)
     vec4 = x_offset % 4 == 0 and ldx % 4 == 0 and nbytes(x) % 16 == 0
@@ -79,7 +85,7 @@ def quantize_i8_gpu(
         pipe = pipeline(dev, "quantize_i8_units", scaled=scaled, rot=rot, tint=tint(dev), wg=wg)
     else:
         pipe = pipeline(dev, "quantize_i8", scaled=scaled, vec4=vec4, rot=rot, tint=tint(dev), wg=wg)
-    dev.dispatch(pipe, bindings, (out.chunks, out.rows))
+    dev.dispatch(pipe, bindings, (out.chunks, math.ceil(out.rows / per_wg)))
 
 
 FUSED_NORM_ROTATED_WIDTH = 4096  # rmsnorm_i8 holds a rotated row in its 64 invocations' registers: 64 x 16 x 4
