@@ -31,6 +31,7 @@ from schemas.manifests import (
     CheckpointManifest,
     EvalManifest,
     ExportManifest,
+    ShardRecord,
     StudentManifest,
     TeacherManifest,
     TokenizeManifest,
@@ -168,13 +169,19 @@ def test_teacher_second_call_reuses_complete_shards(chain: Chain, monkeypatch: p
     assert stages.teacher.run(chain.cfg, chain.tokens) == chain.teacher
 
 
-def test_teacher_rebuilds_a_corrupt_shard_to_the_same_bytes(chain: Chain, monkeypatch: pytest.MonkeyPatch) -> None:
-    c, t = chain, chain.teacher
-    victim = t.shards[2]
-    path = t.path_in(c.root) / victim.file
+def _corrupt(c: Chain, shard: ShardRecord) -> Path:
+    """Flip a byte in the middle of the teacher shard's file; its path."""
+    path = c.teacher.path_in(c.root) / shard.file
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     path.write_bytes(bytes(blob))
+    return path
+
+
+def test_teacher_rebuilds_a_corrupt_shard_to_the_same_bytes(chain: Chain, monkeypatch: pytest.MonkeyPatch) -> None:
+    c, t = chain, chain.teacher
+    victim = t.shards[2]
+    path = _corrupt(c, victim)
     assert "corrupt shard" in (stages.teacher.shard_problem(c.cfg, t, victim) or "")
     real, calls = stages.teacher.teacher_fn, []
 
@@ -194,10 +201,7 @@ def test_teacher_refuses_rows_of_another_engine(chain: Chain, monkeypatch: pytes
     Ray worker with a GPU) is refused, naming both; the plan's own engine then rebuilds it to the same bytes."""
     c, t = chain, chain.teacher
     victim = t.shards[1]
-    path = t.path_in(c.root) / victim.file
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0xFF
-    path.write_bytes(bytes(blob))
+    path = _corrupt(c, victim)
     real = stages.teacher.teacher_fn
 
     def elsewhere(cfg: RunConfig, store: str | None = None) -> Teacher:
