@@ -287,6 +287,7 @@ def serve_tiny(servers: Servers) -> Iterator[Served]:
     cfg = tiny_config(workdir, train={"max_steps_per_epoch": 4}, run={"mlflow_uri": servers.mlflow_url})
     config.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     env = {**os.environ, "PREFECT_API_URL": servers.api_url, "PREFECT_HOME": str(home)}
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"  # Prefect's default 10 s: each run the tests create starts sooner
     command = [str(Path(sys.executable).parent / "distillery"), "serve", str(config)]
     with open(log, "wb") as out:
         process = subprocess.Popen(

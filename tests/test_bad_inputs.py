@@ -7,7 +7,7 @@ stage that failed, no remembered run). Broken stage outputs, by contrast, are no
 
 Cases refused by the preflight cost an interpreter start each; those that fail inside a stage run the flow on
 the session's Prefect test server; the recoveries start from a copy of the session's reference run. Cases run
-three at a time.
+three at a time, beside the making of the reference run.
 """
 
 from __future__ import annotations
@@ -750,15 +750,21 @@ def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, di
 
 @pytest.fixture(scope="module")
 def outcomes(
-    prefect_harness: None, reference_run: tuple[dict, dict], tmp_path_factory: pytest.TempPathFactory
+    prefect_harness: None, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> list[Outcome]:
+    """Every case and recovery, three at a time: the cases that reach a stage first (the longest), then those the
+    preflight refuses, all while the session's reference run is made (if it is not yet); the recoveries once it
+    is there. The outcomes in the order of CASES, then RECOVERIES."""
     import prefect.settings as ps
 
     api_url = str(ps.PREFECT_API_URL.value())
     root = tmp_path_factory.mktemp("bad-inputs")
     with ThreadPoolExecutor(max_workers=3) as pool:
-        done = list(pool.map(lambda case: _run_case(case, root, api_url), CASES))
-        done += list(pool.map(lambda item: _recover(item, root, api_url, reference_run), RECOVERIES))
+        longest_first = sorted(CASES, key=lambda c: c.stage is None)
+        started = {id(c): pool.submit(_run_case, c, root, api_url) for c in longest_first}
+        reference_run = request.getfixturevalue("reference_run")  # meanwhile, in this thread
+        recovered = [pool.submit(_recover, item, root, api_url, reference_run) for item in RECOVERIES]
+        done = [started[id(c)].result() for c in CASES] + [f.result() for f in recovered]
     _write_report(done, {str(root): "<tmp>", str(tiny_inputs()): "<inputs>"})
     return done
 

@@ -6,7 +6,9 @@ manifest: no shard missing or duplicated). Two concurrent runs on a new workdir 
 its run is killed, interrupted by SIGTERM or SIGHUP (exit 143 / 129, the resume hint) or ends.
 
 One shared tiny config (the reference run's, in a workdir of its own); most runs use the session's Prefect test
-server (PREFECT_API_URL), those that check the temporary server start their own.
+server (PREFECT_API_URL), those that check the temporary server start their own. The crash chain (one process at a
+time) runs in a thread while the other tests run theirs: each test owns a folder and looks only at processes naming
+it; the chain is checked by the module's last test.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +87,16 @@ def _processes_naming(text: str) -> list[str]:
     return found
 
 
-def _no_orphans(root: Path, within: float = 20.0) -> None:
+def _orphans(root: Path, within: float = 20.0) -> list[str]:
+    """The processes naming `root` still alive after waiting up to `within` seconds for them to go."""
     deadline = time.monotonic() + within
     while (alive := _processes_naming(str(root))) and time.monotonic() < deadline:
         time.sleep(0.25)
+    return alive
+
+
+def _no_orphans(root: Path, within: float = 20.0) -> None:
+    alive = _orphans(root, within)
     assert not alive, alive
 
 
@@ -119,38 +131,50 @@ CRASHES = [
 ]
 
 
-def test_killed_at_every_boundary_and_mid_write_resumes_to_the_reference_bytes(
-    reference_run: tuple[dict, dict], api_url: str, tmp_path: Path
-) -> None:
-    ref_cfg, ref = reference_run
-    config = _config(tmp_path, ref_cfg)
-    wd = tmp_path / "run"
+@dataclass
+class Step:
+    """One run of the crash chain: its fault (None: the last, clean run), exit status, output, and the processes
+    naming the chain's folder still alive after it (looked for after the runs on a temporary server)."""
+
+    fault: str | None
+    code: int
+    out: str
+    orphans: list[str]
+
+
+def _crash_chain(config: Path, api_url: str, stop: threading.Event) -> list[Step]:
+    """The runs of CRASHES one after another on one workdir, then one without a fault; stops at the first run
+    that does not die as planned (or when `stop` is set)."""
+    steps: list[Step] = []
     for fault, temporary in CRASHES:
+        if stop.is_set():
+            return steps
         code, out = _finish(_cli(config, fault=fault, server=None if temporary else api_url))
-        assert code == KILLED, (fault, out[-3000:])
-        if temporary:
-            _no_orphans(tmp_path)  # the killed run's temporary server went with it
+        steps.append(Step(fault, code, out, _orphans(config.parent) if temporary else []))
+        if code != KILLED:
+            return steps
     code, out = _finish(_cli(config))  # the last run: the temporary server, nothing injected
-    assert code == 0, out[-3000:]
-    _no_orphans(tmp_path)
-    ran = out.split("ran: ", 1)[1].splitlines()[0]
-    assert ran == "evaluate-merged", out[-2000:]  # every other stage was done by a killed run
-
-    # the end state is the uninterrupted run's, byte for byte
-    ref_wd = Path(ref["workdir"])
-    last = CheckpointManifest.model_validate(ref["checkpoints"][-1])
-    assert sha256_file(wd / last.adapter.path) == last.adapter.sha256
-    exported = ExportManifest.model_validate(ref["export"])
-    for ref_file in exported.outputs():
-        assert sha256_file(wd / ref_file.path) == ref_file.sha256, ref_file.path
-    topk = next((wd / "teacher").iterdir())
-    manifest = read_manifest(topk)
-    assert manifest == read_manifest(ref_wd / topk.relative_to(wd))
-    assert [s.shard for s in manifest.shards] == list(range(len(manifest.shards)))  # none missing, none twice
-    assert all(s.complete for s in manifest.shards)
-    assert sorted(p.name for p in topk.glob("topk-*.parquet")) == sorted(s.file for s in manifest.shards)
+    steps.append(Step(None, code, out, _orphans(config.parent)))
+    return steps
 
 
+@pytest.fixture(scope="module")
+def crash_chain(
+    reference_run: tuple[dict, dict], api_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, Future[list[Step]]]]:
+    """(workdir, the crash chain's steps to come): the chain runs in a thread from the first test of this module
+    that asks for it, its CLI processes one at a time, while the module's other tests run theirs beside it (each
+    test looks only for processes naming its own folder); the test at the module's end checks it."""
+    root = tmp_path_factory.mktemp("crashes")
+    config = _config(root, reference_run[0])
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(_crash_chain, config, api_url, stop)
+        yield root / "run", future
+        stop.set()  # when the checking test did not run (deselected): end after the run under way
+
+
+@pytest.mark.usefixtures("crash_chain")  # started first: it runs meanwhile
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_and_sighup_stop_the_run_and_its_server_with_the_resume_hint(
     reference_run: tuple[dict, dict], tmp_path: Path, signum: signal.Signals
@@ -170,6 +194,7 @@ def test_sigterm_and_sighup_stop_the_run_and_its_server_with_the_resume_hint(
     _no_orphans(tmp_path)
 
 
+@pytest.mark.usefixtures("crash_chain")
 def test_concurrent_runs_on_a_new_and_on_a_used_workdir(reference_run: tuple[dict, dict], tmp_path: Path) -> None:
     """Two runs at once on a new workdir (each would start a temporary server on the same new Prefect
     database): both succeed, the second after waiting for the first. Then two on the now used workdir.
@@ -198,3 +223,34 @@ def test_a_full_disk_is_one_line_naming_the_file(tmp_path: Path, monkeypatch: py
     assert str(err.value) == f"[Errno 28] {target}: cannot write: No space left on device"
     assert err.value.errno == errno.ENOSPC and isinstance(err.value, OSError)
     assert list(target.parent.iterdir()) == []  # the temporary file is gone, nothing in place
+
+
+def test_killed_at_every_boundary_and_mid_write_resumes_to_the_reference_bytes(
+    reference_run: tuple[dict, dict], crash_chain: tuple[Path, Future[list[Step]]]
+) -> None:
+    wd, future = crash_chain
+    steps = future.result(timeout=len(CRASHES) * 300 + 600)
+    for step, (fault, _) in zip(steps, CRASHES, strict=False):
+        assert (step.fault, step.code) == (fault, KILLED), (fault, step.out[-3000:])
+        assert not step.orphans, (fault, step.orphans)  # the killed run's temporary server went with it
+    assert len(steps) == len(CRASHES) + 1, [s.fault for s in steps]
+    final = steps[-1]  # the clean run on the temporary server
+    assert final.code == 0, final.out[-3000:]
+    assert not final.orphans, final.orphans
+    ran = final.out.split("ran: ", 1)[1].splitlines()[0]
+    assert ran == "evaluate-merged", final.out[-2000:]  # every other stage was done by a killed run
+
+    # the end state is the uninterrupted run's, byte for byte
+    ref = reference_run[1]
+    ref_wd = Path(ref["workdir"])
+    last = CheckpointManifest.model_validate(ref["checkpoints"][-1])
+    assert sha256_file(wd / last.adapter.path) == last.adapter.sha256
+    exported = ExportManifest.model_validate(ref["export"])
+    for ref_file in exported.outputs():
+        assert sha256_file(wd / ref_file.path) == ref_file.sha256, ref_file.path
+    topk = next((wd / "teacher").iterdir())
+    manifest = read_manifest(topk)
+    assert manifest == read_manifest(ref_wd / topk.relative_to(wd))
+    assert [s.shard for s in manifest.shards] == list(range(len(manifest.shards)))  # none missing, none twice
+    assert all(s.complete for s in manifest.shards)
+    assert sorted(p.name for p in topk.glob("topk-*.parquet")) == sorted(s.file for s in manifest.shards)

@@ -137,6 +137,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         "DISTILLERY_WORKERS": str(WORKERS),
         "SERVER_WAIT_S": "240",
         "DISTILLERY_HEARTBEAT_GRACE_S": "45",  # 1.5 heartbeats (default 3): a shorter test
+        "PREFECT_WORKER_QUERY_SECONDS": "1",  # infra/worker.sh's default 5: a new run waits less for a worker's poll
         "PREFECT_API_URL": f"http://127.0.0.1:{ports['PREFECT_PORT']}/api",
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{ports['MLFLOW_PORT']}",
         "PYTHONPATH": str(ROOT),
@@ -166,11 +167,19 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
         assert f"{WORKERS} workers on work pool 'distillery'" in up.stdout
-        # the deployments (c hangs at step 3 on its first attempt: its worker is killed there)
+        # the deployments (c hangs at step 3 on its first attempt: its worker is killed there; the hang comes from
+        # the deployment's environment, PREFECT job variables of c only), in one interpreter
         t.python(
             "from flows.serve import deploy\n"
+            "from prefect.client.orchestration import get_client\n"
+            "from prefect.client.schemas.actions import DeploymentUpdate\n"
             f"deploy({str(configs['a'])!r}, pool='distillery', name='a')\n"
             f"deploy({str(configs['b'])!r}, pool='distillery', name='b')\n"
+            f"deploy({str(configs['c'])!r}, pool='distillery', name='c')\n"
+            "with get_client(sync_client=True) as c:\n"
+            "    d = c.read_deployment_by_name('distill/c')\n"
+            "    env = {**d.job_variables['env'], 'DISTILLERY_FAULT': 'train.step=3:hang'}\n"
+            "    c.update_deployment(d.id, DeploymentUpdate(job_variables={**d.job_variables, 'env': env}))\n"
         )
         yield t
     finally:
@@ -205,18 +214,8 @@ def test_four_runs_on_two_workers_match_serial_runs(team: Team) -> None:
 
 
 def test_killed_worker_is_retried_elsewhere_and_cron_fires_meanwhile(team: Team) -> None:
-    cfg_c, cfg_d = team.configs["c"], team.configs["d"]
-    team.python(f"from flows.serve import deploy\ndeploy({str(cfg_c)!r}, pool='distillery', name='c')\n")
-    # the hang comes from the deployment's environment: PREFECT job variables of c only
-    team.python(
-        "from prefect.client.orchestration import get_client\n"
-        "from prefect.client.schemas.actions import DeploymentUpdate\n"
-        "with get_client(sync_client=True) as c:\n"
-        "    d = c.read_deployment_by_name('distill/c')\n"
-        "    env = {**d.job_variables['env'], 'DISTILLERY_FAULT': 'train.step=3:hang'}\n"
-        "    c.update_deployment(d.id, DeploymentUpdate(job_variables={**d.job_variables, 'env': env}))\n"
-    )
-    run_id = team.run("c")
+    cfg_d = team.configs["d"]
+    run_id = team.run("c")  # deployed by the fixture, with the hang in its environment
     deadline = time.monotonic() + 180
     while not list(team.work.glob("train/*/step-00000002")) or team.flow_run(run_id)["state_type"] != "RUNNING":
         assert time.monotonic() < deadline, team.flow_run(run_id)["state"]
