@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stop what infra/up.sh started from DATA_DIR (default runs/servers): exactly the process groups in its pid files,
-# TERM first, KILL after 20 s - team mode's workers (together), then the servers (together) - and last team mode's
-# local PostgreSQL. Exits non-zero when something did not stop.
+# TERM first, TERM again after 5 s, KILL after 20 s - team mode's workers (together), then the servers (together) -
+# and last team mode's local PostgreSQL. Exits non-zero when something did not stop.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 data="$(realpath -m "${1:-runs/servers}")"
@@ -12,7 +12,11 @@ stop() {  # NAME: the process group in DATA_DIR/NAME.pid; returns 1 when it did 
   pid=$(cat "$pidfile")
   if kill -0 "$pid" 2>/dev/null; then
     kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
-    for _ in $(seq 80); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    if kill -0 "$pid" 2>/dev/null; then  # a Prefect worker waits on the first TERM and ends on the second
+      kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid"
+      for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
+    fi
     if kill -0 "$pid" 2>/dev/null; then
       kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid"
       for _ in $(seq 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.25; done
