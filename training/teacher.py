@@ -46,14 +46,19 @@ class Teacher:
 def teacher_engine(cfg: RunConfig) -> str:
     """What computes this run's teacher rows on this machine, as the teacher plan records and keys it: "numpy"
     (float32 BLAS, whatever train.precision), or "gpu/<wgpu backend>/<precision>" (train.precision resolved on the
-    adapter: auto takes tensorcore where Dawn has subgroup matrices). Each writes its own bytes."""
+    adapter: auto takes tensorcore where Dawn has subgroup matrices). Each writes its own bytes. Where the GPU
+    cannot run it, the settings as written: the teacher itself then says why, when it starts."""
     backend, _ = resolve_backend(cfg.teacher.backend, cfg.run.gpu_backend, "teacher.backend")
     if backend == "numpy":
         return "numpy"
+    from gpu.device import DeviceError
     from gpu.model import resolve_precision
 
-    dev = get_device(cfg.run.gpu_backend)
-    return f"gpu/{dev.backend}/{resolve_precision(dev, cfg.train.precision)}"
+    try:
+        dev = get_device(cfg.run.gpu_backend)
+        return f"gpu/{dev.backend}/{resolve_precision(dev, cfg.train.precision)}"
+    except DeviceError:
+        return f"gpu/{cfg.run.gpu_backend}/{cfg.train.precision}"
 
 
 def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None) -> Teacher:

@@ -1,9 +1,10 @@
 // Activations to int8 for the integer GEMM (model/int8.py quantize_i8 is the numpy twin): per row r and chunk c of
 // `chunk` consecutive elements, S[r, c] = max |X[r, chunk c]| / 127 and Q[r, k] = round(X[r, k] / S[r, c])
 // (ties to even, |q| <= 127; an all-zero chunk gives S = 0 and codes 0), four codes per u32 word, little-endian.
-// A workgroup per (chunk, per_wg rows; the rows one after the other): each chunk's values held in registers for its absmax (workgroup_reduce.wgsl) and
-// its codes (int8_codes.wgsl codes_of_row; or, rotated, int8_units.wgsl rotated_unit_codes: units of 16 values, Q as
-// vec4s). VEC4: X (and CS) read as vec4 (offsets and strides multiples of 4).
+// A workgroup per (chunk, per_wg rows, one after the other): each chunk's values held in registers for its absmax
+// (workgroup_reduce.wgsl) and its codes (int8_codes.wgsl codes_of_row; or, rotated, int8_units.wgsl
+// rotated_unit_codes: units of 16 values, Q as vec4s). VEC4: X (and CS) read as vec4 (offsets and strides multiples
+// of 4).
 
 struct Params {
     k: u32,        // row length (codes per row of Q)
