@@ -31,13 +31,17 @@ NUMPY_ROWS_PER_CALL = 1024
 class Teacher:
     """A batched teacher: fn(ids [N, T], mask [N, T]) -> (ids [N, T, k], logprobs [N, T, k], tail [N, T]) at
     cfg.teacher.temperature (rows whose mask is 0 hold anything), best called with about rows_per_call
-    positions (N * T) at a time; backend says where it runs."""
+    positions (N * T) at a time; engine says what computes it (backend: numpy or gpu)."""
 
     fn: TeacherFn
     rows_per_call: int
-    backend: str
+    engine: str  # teacher_engine's name of what computes the rows (the plan records and checks it)
     store: str = "topk"  # sampled: fn(ids, mask, seq_ids) -> (ids, logp codes, counts) [N, T, n] (data.topk)
-    engine: str = "numpy"  # teacher_engine's name of what computes the rows (the plan records and checks it)
+
+    @property
+    def backend(self) -> str:
+        """numpy or gpu."""
+        return self.engine.split("/", 1)[0]
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray, *seq_ids: np.ndarray) -> tuple[np.ndarray, ...]:
         return self.fn(ids, mask, *seq_ids)
@@ -141,7 +145,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None
                 a[dropped] = 0
             return tuple(out)
 
-        return Teacher(gpu_sampled_fn, batch * cfg.data.seq_len, "gpu", "sampled", engine)  # type: ignore[arg-type]
+        return Teacher(gpu_sampled_fn, batch * cfg.data.seq_len, engine, "sampled")  # type: ignore[arg-type]
 
     def gpu_fn(ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids = np.asarray(ids)
@@ -152,7 +156,7 @@ def make_teacher_fn(cfg: RunConfig, teacher_gguf: Path, store: str | None = None
             parts.append((out_ids[:m].astype(np.int64), lp[:m], tail[:m]))
         return tuple(np.concatenate(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
 
-    return Teacher(gpu_fn, batch * cfg.data.seq_len, "gpu", engine=engine)
+    return Teacher(gpu_fn, batch * cfg.data.seq_len, engine)
 
 
 # One teacher per process and store, kept across the shards of a run (loading it is the expensive part); the
