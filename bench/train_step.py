@@ -198,6 +198,11 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),
     # the integer GEMM's tile 128 x 256 (2 x 4 subgroups of 4 x 4) instead of 256 x 128 (+2 % alone at 4096^3, H100)
     "i8-tile-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_m=2, sg_n=4)),
+    # 16 subgroups of 4 x 2 (or 2 x 4) result matrices on the same tile: twice the warps to hide the staging's
+    # latency, each staging half as much; the scaling scratch in the staging buffers, so the LoRA variants fit
+    "i8-tile-16sg": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tn=2, cs_in_stage=True)),
+    "i8-tile-16sg-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tm=2, cs_in_stage=True)),
+    "cs-in-stage": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, cs_in_stage=True)),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
     # the input gradients' quantizer (dY times W's row scales): 4 rows a workgroup, the scales read once for them
     "quantize-rows-4": ("gpu.ops.quantize_i8", "SCALED_ROWS_PER_WORKGROUP", 4),

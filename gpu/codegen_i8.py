@@ -36,6 +36,9 @@ class I8Config(SubgroupTile):
     # an accumulating epilogue reads the C values it adds onto this many scaling groups ahead (0: as it writes each
     # one, a read-modify-write whose latency every group waits out)
     old_ahead: int = 2
+    # the scaling scratch Cs in the staging buffers (free between a step's last barrier and the next step's stores;
+    # one buffer only): 8 KB (16 subgroups: 16 KB) less workgroup memory, for tiles that do not fit beside it
+    cs_in_stage: bool = False
     probe: str = ""
 
     @property
@@ -45,8 +48,19 @@ class I8Config(SubgroupTile):
 
     def workgroup_bytes(self, lora: bool = False) -> int:
         """Staging buffers and the epilogue's scratch (twice with a LoRA term: its f32 blocks beside Cs)."""
-        scratch = self.subgroups * self.fm * MATRIX * MATRIX * (2 if lora else 1)
+        scratch = self.subgroups * self.fm * MATRIX * MATRIX * ((0 if self.cs_in_stage else 1) + (1 if lora else 0))
         return 4 * (self.stages * (self.bm + self.bn) * self.ldw + scratch)
+
+    def cs_home(self) -> tuple[str, int, int]:
+        """Where Cs lives with cs_in_stage: the staging array (As or Bs), its block length in words and how many
+        subgroups' scratch each block holds."""
+        cs_len = self.fm * MATRIX * MATRIX
+        for name, rows, blocks in (("As", self.bm // self.sg_m, self.sg_m), ("Bs", self.bn // self.sg_n, self.sg_n)):
+            per = rows * self.ldw // cs_len
+            if per * blocks >= self.subgroups:
+                return name, rows * self.ldw, per
+        raise ValueError(f"I8Config {self.label}: cs_in_stage, but neither staging buffer holds "
+                         f"{self.subgroups} x {cs_len} words of scratch")  # fmt: skip
 
     def validate(self, max_threads: int = 1024, max_workgroup_bytes: int = 49152, lora: bool = False) -> None:
         """Raise ValueError when the tile cannot be generated or exceeds the given device limits."""
@@ -61,6 +75,10 @@ class I8Config(SubgroupTile):
             raise ValueError(f"I8Config.old_ahead={self.old_ahead} must be >= 0")
         if self.stages not in (1, 2):
             raise ValueError(f"I8Config.stages={self.stages} must be 1 or 2")
+        if self.cs_in_stage:
+            if self.stages != 1:
+                raise ValueError(f"I8Config.cs_in_stage needs stages=1 (got {self.stages}): two buffers are never free")
+            self.cs_home()
         if (self.tm * self.tn) % self.fm:
             raise ValueError(f"I8Config.fm={self.fm} must divide tm * tn = {self.tm * self.tn}")
         if self.probe not in PROBES:
@@ -78,6 +96,8 @@ class I8Config(SubgroupTile):
             s += f"_g{self.group_m}"
         if self.old_ahead != 2:
             s += f"_o{self.old_ahead}"
+        if self.cs_in_stage:
+            s += "_cs"
         return s + (f"_{self.probe}" if self.probe else "")
 
 
@@ -109,7 +129,7 @@ class _Dialect:
     load_a: str  # format(off=...)
     load_b: str
     mma: str  # format(a=..., b=..., acc=...)
-    store_cs: str  # format(off=..., acc=...)
+    store_cs: str  # format(off=..., acc=..., arr=..., base=...): arr[base off ..] is the scratch (_cs_scratch)
 
 
 _TC = _Dialect(
@@ -121,7 +141,7 @@ _TC = _Dialect(
     load_a="subgroupMatrixLoad<subgroup_matrix_left<i8, 32, 16>>(&As[ablk], {off}, false, LDW * 4u)",
     load_b="subgroupMatrixLoad<subgroup_matrix_right<i8, 16, 32>>(&Bs[bblk], {off}, {cm}, {stride})",
     mma="subgroupMatrixMultiplyAccumulate({a}, {b}, {acc})",
-    store_cs="subgroupMatrixStore(&Cs[sg], {off}, {acc}, false, 16u)",
+    store_cs="subgroupMatrixStore(&{arr}, {base}{off}, {acc}, false, 16u)",
 )
 _EMU = _Dialect(
     directives="",
@@ -153,6 +173,15 @@ def _staging(c: I8Config, orient: str, ind: str, step: str | None, buf: str = "0
             stmt = f"r{tile}{e} = ld_{tile}({u}, {origin}, {step});" if step else f"put_{tile}({u}, r{tile}{e}, {buf});"
             out.append(f"{ind}if ({u} < {total}u) {{ {stmt} }}" if guard else ind + stmt)
     return out
+
+
+def _cs_scratch(c: I8Config) -> tuple[str, str]:
+    """This subgroup's scratch Cs as (array expression, its first word as a prefix to an offset): its own array, or
+    a block of a staging buffer (cs_in_stage)."""
+    if not c.cs_in_stage:
+        return "Cs[sg]", ""
+    name, _, per = c.cs_home()
+    return f"{name}[sg / {per}u]", f"(sg % {per}u) * {c.fm * MATRIX * MATRIX}u + "
 
 
 def _pairs(c: I8Config) -> list[tuple[int, int]]:
@@ -232,7 +261,12 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
         lines += old_reads(g)
     for gi, group in enumerate(groups):
         lines += old_reads(gi + ahead)
-        lines += [f"{i2}{d.store_cs.format(off=f'{f * 256}u', acc=f'acc_{i}_{j}')};" for f, (i, j) in enumerate(group)]
+        arr, base = _cs_scratch(c)
+        stores = [
+            d.store_cs.format(off=f"{f * 256}u", acc=f"acc_{i}_{j}", arr=arr, base=base)
+            for f, (i, j) in enumerate(group)
+        ]
+        lines += [f"{i2}{st};" for st in stores]
         if final and v.lora and c.probe not in LORA_PROBES:  # each block's LoRA term beside it (blocks past M or N
             # are never written)
             for f, (i, j) in enumerate(group):
@@ -382,6 +416,7 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     if v.lora not in ("", "rows", "cols") or (v.lora and (v.orient != "nt" or v.chunked)):
         raise ValueError(f"I8Variant lora={v.lora!r} orient={v.orient!r} chunked={v.chunked}: '', 'rows' or 'cols', "
                          "with 'nt' and one chunk")  # fmt: skip
+    cs_arr, cs_base = _cs_scratch(c)
     out, value = "C[i]", "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
     old = "old[e]" if c.old_ahead else out
     store = f"{out} = {old} + ({value});" if v.accumulate else f"{out} = {value};"
@@ -392,7 +427,13 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         DIRECTIVES=("enable f16;\n" if v.lora else "") + d.directives,
         WRITE8_LORA=", lo: array<f32, 8>" if v.lora else "",
         WRITE8_OLD=", old: array<f32, 8>" if v.accumulate and c.old_ahead else "",
-        EMULATION=kernel_text("matmul_i8_emulation.wgsl") if emulate else "",
+        EMULATION=fill(kernel_text("matmul_i8_emulation.wgsl"), CS_ARR=cs_arr, CS_BASE=cs_base) if emulate else "",
+        CS_ARR=cs_arr,
+        CS_BASE=cs_base,
+        CS_DECL=""
+        if c.cs_in_stage
+        else f"var<workgroup> Cs: array<array<i32, {c.fm * MATRIX * MATRIX}>, NSG>;   "
+        "// FM result matrices per subgroup (the scaling)",
         SG_PARAM=d.sg_param,
         SG_LET=d.sg_let,
         TM=c.tm,
@@ -411,7 +452,6 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
         STAGE_DECLS="" if direct else _stage_decls(c),
         A_STAGING="" if direct else _row_staging("a"),
         B_STAGING="" if direct else _row_staging("b") if v.orient == "nt" else kernel_text("matmul_i8_b_nn.wgsl"),
-        CS_LEN=c.fm * MATRIX * MATRIX,
         STORE_EXPR=store,
         LORA_BINDINGS=fill(
             kernel_text("matmul_i8_lora.wgsl"), LORA_BLOCK=_lora_block(v.lora, emulate), LS_LEN=c.fm * MATRIX * MATRIX

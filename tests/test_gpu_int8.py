@@ -199,6 +199,10 @@ def test_gemm_lora_epilogue_emulated(dev: Device, m: int, n: int, k: int, r: int
     for acc in (False, True):
         kw = {"alpha": 0.5, "ldc": n + 6, "c_offset": 3, "accumulate": acc}
         assert _check_gemm_lora(dev, m, n, k, r, cfg, layout, emulate=True, **kw) < TOL
+    if k % 64 == 0:  # the scaling scratch in the staging buffers, beside the LoRA blocks' own
+        kw = {"alpha": 0.5, "ldc": n + 6, "c_offset": 3, "accumulate": True}
+        cs_cfg = I8Config(2, 1, 2, 2, 64, 1, cs_in_stage=True)
+        assert _check_gemm_lora(dev, m, n, k, r, cs_cfg, layout, emulate=True, **kw) < TOL
     a, w = i8_buffers(dev, 16, 64, 64, "x"), upload_i8(dev, np.ones((16, 64), np.float32), 64, "w")
     term = LoraTerm(dev.buffer(2 * 16 * 16), dev.buffer(2 * 16 * 16), 16, layout)
     c = dev.buffer(4 * 256)
@@ -219,9 +223,27 @@ def test_gemm_lora_epilogue_emulated(dev: Device, m: int, n: int, k: int, r: int
 @pytest.mark.parametrize("acc,r", [(False, 16), (True, 16), (False, 40)])
 def test_gemm_lora_epilogue_on_tensor_cores(layout: str, acc: bool, r: int) -> None:
     """The LoRA variants with the preset tile on the integer tensor cores, the term on the f16 ones (tiles past M
-    and N, ranks past the first 16; Dawn only)."""
+    and N, ranks past the first 16; Dawn only); and with 16 subgroups, the scaling scratch in the staging buffers."""
     kw = {"accumulate": acc, "ldc": 280, "c_offset": 5}
-    assert _check_gemm_lora(tensor_core_device_or_skip(), 304, 272, 256, r, None, layout, **kw) < TOL
+    dev = tensor_core_device_or_skip()
+    assert _check_gemm_lora(dev, 304, 272, 256, r, None, layout, **kw) < TOL
+    assert _check_gemm_lora(dev, 304, 272, 256, r, I8Config(4, 4, 4, 2, 64, 1, cs_in_stage=True), layout, **kw) < TOL
+
+
+def test_scratch_in_the_staging_buffers_is_checked() -> None:
+    """cs_in_stage frees the scratch's workgroup memory (a 16-subgroup tile with a LoRA term fits 48 KiB only so);
+    it is refused with two buffers (never free) and where neither staging buffer's blocks hold every subgroup's."""
+    tile = I8Config(4, 4, 4, 2, 64, 1)
+    with pytest.raises(ValueError, match="needs 6.* B of workgroup memory"):
+        tile.validate(lora=True)
+    fitted = I8Config(4, 4, 4, 2, 64, 1, cs_in_stage=True)
+    fitted.validate(lora=True)
+    assert tile.workgroup_bytes(lora=True) - fitted.workgroup_bytes(lora=True) == 16 * 256 * 4
+    assert fitted.cs_home() == ("As", 64 * 20, 5) and fitted.label.endswith("_cs")
+    with pytest.raises(ValueError, match="cs_in_stage needs stages=1"):
+        I8Config(4, 2, 4, 4, 32, 1, stages=2, cs_in_stage=True).validate()
+    with pytest.raises(ValueError, match="neither staging buffer holds 2 x 256 words"):
+        I8Config(2, 1, 1, 2, 32, 1, cs_in_stage=True).validate()
 
 
 @pytest.mark.gpu
@@ -483,6 +505,11 @@ EMU_CASES = [  # (m, n, k, chunk, tile): edges in M and N, one and several chunk
     (70, 50, 128, 64, I8Config(2, 1, 1, 2, 32, 1)),
     (33, 40, 192, 64, I8Config(1, 2, 2, 1, 64, 2, stages=2)),
     (16, 16, 64, 32, I8Config(2, 2, 1, 1, 32, 1, pad=0, stages=2)),
+    # the scaling scratch in the staging buffers: in As's blocks (one and several chunks, the scaling between
+    # steps), and in Bs's when As's are too small
+    (70, 50, 128, 128, I8Config(2, 1, 2, 2, 64, 1, cs_in_stage=True)),
+    (70, 90, 256, 64, I8Config(2, 1, 4, 2, 64, 2, cs_in_stage=True)),
+    (40, 70, 128, 64, I8Config(1, 2, 1, 4, 64, 1, cs_in_stage=True)),
 ]
 
 
@@ -538,7 +565,11 @@ def _check_gemm_nn(dev: Device, m: int, r: int, p: int, cfg: I8Config | None, *,
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "m,r,p,cfg",
-    [(70, 64, 96, I8Config(2, 1, 1, 2, 32, 1)), (33, 128, 160, I8Config(1, 2, 2, 1, 64, 2, stages=2))],
+    [
+        (70, 64, 96, I8Config(2, 1, 1, 2, 32, 1)),
+        (33, 128, 160, I8Config(1, 2, 2, 1, 64, 2, stages=2)),
+        (70, 128, 96, I8Config(2, 1, 2, 2, 64, 1, cs_in_stage=True)),
+    ],
     ids=lambda v: getattr(v, "label", str(v)),
 )
 def test_emulated_input_gradient_gemm(dev: Device, m: int, r: int, p: int, cfg: I8Config) -> None:
@@ -558,6 +589,8 @@ TC_CASES = [  # the preset and candidate tiles, per-row and chunked scales, edge
     (300, 200, 512, 256, I8Config(4, 2, 4, 2, 32, 2, stages=2)),
     (300, 200, 512, 128, I8_TILE_CHUNKED),
     (300, 200, 512, 512, I8Config(4, 2, 4, 4, 32, 1, stages=2)),
+    (300, 200, 512, 512, I8Config(4, 4, 4, 2, 64, 1, cs_in_stage=True)),
+    (300, 200, 512, 128, I8Config(2, 4, 4, 4, 64, 2, cs_in_stage=True)),
 ]
 
 

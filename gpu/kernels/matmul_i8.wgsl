@@ -66,7 +66,7 @@ const B_RB: u32 = BN / SG_N;        // rows of W per B block (one per subgroup c
 const LDW: u32 = ${LDW}u;           // staged row stride in words (BK / 4 + padding)
 
 ${STAGE_DECLS}
-var<workgroup> Cs: array<array<i32, ${CS_LEN}>, NSG>;   // FM result matrices per subgroup (the scaling)
+${CS_DECL}
 ${EMULATION}
 
 ${A_STAGING}
@@ -87,7 +87,7 @@ fn sa8(m: u32, c: u32) -> array<f32, 8> {
 fn scaled8(sg: u32, f: u32, lane: u32, sa: array<f32, 8>, sw: f32) -> array<f32, 8> {
     var v: array<f32, 8>;
     for (var e = 0u; e < 8u; e++) {
-        v[e] = f32(Cs[sg][f * 256u + e * 32u + lane]) * (sa[e] * sw);
+        v[e] = f32(${CS_ARR}[${CS_BASE}f * 256u + e * 32u + lane]) * (sa[e] * sw);
     }
     return v;
 }

@@ -42,6 +42,6 @@ fn emu_mma(a: EmuOp, b: EmuOp, acc: EmuI) -> EmuI {
 
 fn emu_store_cs(sg: u32, off: u32, m: EmuI) {
     for (var e = 0u; e < 8u; e++) {
-        Cs[sg][off + emu_lane * 8u + e] = m.v[e];
+        ${CS_ARR}[${CS_BASE}off + emu_lane * 8u + e] = m.v[e];
     }
 }
