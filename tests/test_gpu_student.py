@@ -621,29 +621,38 @@ def test_shared_lora_inputs_is_one_product_per_input(monkeypatch: pytest.MonkeyP
     assert _rel(runs[0][1], runs[1][1]) <= 1e-5
 
 
-def test_int8_student_logits_alone_with_emulated_integer_gemms(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["emulated", pytest.param("tensor cores", marks=pytest.mark.tensorcore)])
+def test_int8_student_logits_alone(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """INT8_STUDENT_LOGITS: the student's logits on the integer GEMM (rotated), its backward dlogits . W on the
-    other path: the step within INT8_REL of the float64 reference, and its KD scratch without the integer
-    backward's buffers (lavapipe, integer GEMMs emulated)."""
+    other path: the step within INT8_REL of the float64 reference, its KD scratch without the integer backward's
+    buffers, and the logits computed once (the one-pass backward; on tensor cores its P_c W_c over the decoded f16
+    chunk). Lavapipe with the integer GEMMs emulated, and Dawn's tensor cores."""
+    from contextlib import nullcontext
+
     from gpu.ops import head
     from gpu.ops.matmul_i8 import int8_emulation
 
     monkeypatch.setattr(head, "INT8_STUDENT_LOGITS", True)
-    dev = device_or_skip()
+    calls = []
+    real_logits = head.Int8Head.logits
+    monkeypatch.setattr(head.Int8Head, "logits", lambda self, *a: calls.append(a[3]) or real_logits(self, *a))
+    dev = device_or_skip() if where == "emulated" else tensor_core_device_or_skip()
     loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
     w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
     tids, tlp, ttail = _teacher(rng, 1.0)
-    with int8_emulation(dev):
+    with int8_emulation(dev) if where == "emulated" else nullcontext():
         st = _precision_student(dev, ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0), "int8", loss_cfg, vocab_chunk=256)
-        i8 = st.objective.scratch.int8
-        assert i8 is not None and i8.dz is None and i8.rot == 32
+        sc = st.objective.scratch
+        assert sc.int8 is not None and sc.int8.dz is None and sc.int8.rot == 32
+        assert (sc.w16 is not None) == (where != "emulated"), "tensor cores: the chunk decoded to f16 for P_c W_c"
         st.set_adapter(lora)
         st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
         loss = st.loss_and_grads()
         got = st.get_grads()
+    assert calls == [0], "one chunk of 256 on the integer head (the last, 44 wide, on the other), its logits once"
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, tids, tlp, ttail, loss_cfg, 2.0)
     worst = max(max(_rel(got[k].A, da), _rel(got[k].B, db)) for k, (da, db) in want.items())
-    print(f"emulated int8 logits: loss rel err {abs(loss - want_loss) / abs(want_loss):.2e}, worst grad {worst:.2e}")
+    print(f"{where} int8 logits: loss rel err {abs(loss - want_loss) / abs(want_loss):.2e}, worst grad {worst:.2e}")
     assert abs(loss - want_loss) / abs(want_loss) < INT8_REL
     assert worst < INT8_REL
 

@@ -20,7 +20,8 @@ Held by the H200 test tests/test_gpu_kd.py (dh within 1e-2 of float64, relative 
 tensor-core tests. A scratch with w16 (DECODED_CHUNK) decodes each chunk's rows to f16 once for both of its
 tensor-core products (the same values as decoding while staging). With the scratch's Int8Head (precision int8)
 both products run on the integer GEMM instead: h and each chunk's rows of W rounded to 8 bits of their row's max,
-dZ_c times W's row scales likewise per row."""
+dZ_c times W's row scales likewise per row (two passes). An Int8Head of the logits alone (no dz) computes Z_c on
+the integer GEMM and leaves the one-pass backward's P_c W_c where it was (tensor cores, over the decoded chunk)."""
 
 from __future__ import annotations
 
@@ -186,13 +187,14 @@ def kd_head_forward_backward(
         i8.quantize(dev, h)
 
     count_nonzero(dev, mask, sc.row_info, t, out_index=4 * t)
-    one_pass = ONE_PASS and backward and not accumulate_dh and quant and i8 is None and sc.rescale is not None
+    int8_backward = i8 is not None and i8.dz is not None  # dZ_c . W_c on the integer GEMM too (else the logits only)
+    one_pass = ONE_PASS and backward and not accumulate_dh and quant and not int8_backward and sc.rescale is not None
     one_pass = one_pass and (not ce or cfg.tau == 1.0) and (h16 is None or sc.dz16 is not None)
     half = one_pass and h16 is not None
     stats_pipe = pipeline(dev, "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else "kd_stats")
     for i, (c0, nv) in enumerate(chunks):
         wc, r0 = _chunk_head(dev, sc, w, c0, nv, h16, i8)
-        logits_chunk(dev, h, wc, sc.logits, t, hidden, r0, nv, chunk, h16, i8)
+        _logits(dev, sc, h, w, c0, wc, r0, nv, hidden, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
         bind = [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered]
         if one_pass:
@@ -226,12 +228,12 @@ def kd_head_forward_backward(
     grad_pipe = pipeline(dev, "kd_grad", ce=ce)
     for i, (c0, nv) in enumerate(chunks):
         wc, r0 = _chunk_head(dev, sc, w, c0, nv, h16, i8)
-        logits_chunk(dev, h, wc, sc.logits, t, hidden, r0, nv, chunk, h16, i8)
+        _logits(dev, sc, h, w, c0, wc, r0, nv, hidden, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
         dev.dispatch(grad_pipe, bind, grid(t, 1))
         acc = accumulate_dh or i > 0
-        if i8 is not None and i8.dz is not None and i8.covers(w, nv):  # the integer GEMM, on the rows just decoded
+        if int8_backward and i8.covers(w, nv):  # the integer GEMM, on the rows just decoded
             i8.input_grad(dev, sc.logits, chunk, nv, dh, acc)
             continue
         if quant and h16 is not None and sc.dz16 is not None:  # tensor cores, dZ_c scaled into f16's range
@@ -249,8 +251,30 @@ def kd_head_forward_backward(
 
 def _chunk_head(dev: Device, sc: KdScratch, w: Any, c0: int, nv: int, h16: Any, i8: Int8Head | None) -> tuple[Any, int]:
     """(head, first row) to read vocab chunk c0 .. c0 + nv from: its rows decoded to f16 into sc.w16 (once for
-    both of the chunk's tensor-core products) where the scratch has w16 and they run on tensor cores, else w."""
+    the chunk's tensor-core products) where the scratch has w16 and they run on tensor cores (with an integer
+    head of the logits only, its backward's product), else w."""
     plain = not isinstance(w, QuantTensor) or w.qtype == GGMLQuantizationType.F16
-    if sc.w16 is None or h16 is None or i8 is not None or plain:
+    if sc.w16 is None or h16 is None or (i8 is not None and i8.dz is not None) or plain:
         return w, c0
     return weight_to_f16(dev, row_slice(w, c0, nv), sc.w16), 0
+
+
+def _logits(
+    dev: Device,
+    sc: KdScratch,
+    h: Any,
+    w: Any,
+    c0: int,
+    wc: Any,
+    r0: int,
+    nv: int,
+    hidden: int,
+    h16: Any,
+    i8: Int8Head | None,
+) -> None:
+    """sc.logits = chunk c0 .. c0 + nv of h . W^T: on the integer head from W's own rows where it covers them,
+    else from (wc, r0), _chunk_head's choice."""
+    if i8 is not None and i8.covers(w, nv):
+        i8.logits(dev, w, sc.logits, c0, nv, sc.chunk)
+        return
+    logits_chunk(dev, h, wc, sc.logits, sc.n_tokens, hidden, r0, nv, sc.chunk, h16)
