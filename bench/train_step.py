@@ -207,6 +207,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # the input gradients' quantizer (dY times W's row scales): 4 rows a workgroup, the scales read once for them
     "quantize-rows-4": ("gpu.ops.quantize_i8", "SCALED_ROWS_PER_WORKGROUP", 4),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
+    # the block's residual adds in the o and down projections' integer GEMM epilogues (C = R + ...)
+    "residual-in-gemm": ("gpu.model:GPUModel", "residual_in_gemm_i8", True),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
     "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),

@@ -112,10 +112,16 @@ class I8Variant:
     # C also gets s T . L ("nt", one chunk; T [M, r]): L = LB^T with LB [N, r] ("rows": the forward's t = x A^T
     # and B), or L [r, N] ("cols": the input gradient's dt = s dY B and A)
     lora: str = ""
+    residual: bool = False  # C = R + alpha * (...) with R [M, N] bound beside C, read like an accumulating C
 
     @property
     def key(self) -> tuple:
         return ("matmul_i8", self)
+
+    @property
+    def adds_old(self) -> bool:
+        """Whether each value is added onto one read as it is written (C's own, or R's)."""
+        return self.accumulate or self.residual
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,7 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
     if final and v.lora and not emulated:
         lines += _lora_operands(c, v.lora, i2)
     groups = [pairs[g : g + c.fm] for g in range(0, len(pairs), c.fm)]
-    ahead = c.old_ahead if final and v.accumulate else 0
+    ahead = c.old_ahead if final and v.adds_old else 0
 
     def old_reads(g: int) -> list[str]:  # group g's C values, into old{g}_{f}
         if not ahead or g >= len(groups):
@@ -416,17 +422,24 @@ def matmul_i8_source(v: I8Variant, *, emulate: bool = False) -> str:
     if v.lora not in ("", "rows", "cols") or (v.lora and (v.orient != "nt" or v.chunked)):
         raise ValueError(f"I8Variant lora={v.lora!r} orient={v.orient!r} chunked={v.chunked}: '', 'rows' or 'cols', "
                          "with 'nt' and one chunk")  # fmt: skip
+    if v.residual and v.accumulate:
+        raise ValueError("I8Variant: residual and accumulate are exclusive (C = R + ... or C += ...)")
     cs_arr, cs_base = _cs_scratch(c)
     out, value = "C[i]", "prm.alpha * v[e] + lo[e]" if v.lora else "prm.alpha * v[e]"
-    old = "old[e]" if c.old_ahead else out
-    store = f"{out} = {old} + ({value});" if v.accumulate else f"{out} = {value};"
+    old_src = "R" if v.residual else "C"
+    old = "old[e]" if c.old_ahead else f"{old_src}[i]"
+    store = f"{out} = {old} + ({value});" if v.adds_old else f"{out} = {value};"
     if c.probe == "no_write":  # the values stay live, the stores (practically) never happen
         store = f"if (v[e] == 1.2345e-30) {{ {store} }}"
     return fill(
         kernel_text("matmul_i8.wgsl"),
         DIRECTIVES=("enable f16;\n" if v.lora else "") + d.directives,
         WRITE8_LORA=", lo: array<f32, 8>" if v.lora else "",
-        WRITE8_OLD=", old: array<f32, 8>" if v.accumulate and c.old_ahead else "",
+        WRITE8_OLD=", old: array<f32, 8>" if v.adds_old and c.old_ahead else "",
+        OLD_SRC=old_src,
+        RESIDUAL_BINDING=f"@group(0) @binding({8 if v.lora else 6}) var<storage, read> R: array<f32>;"
+        if v.residual
+        else "",
         EMULATION=fill(kernel_text("matmul_i8_emulation.wgsl"), CS_ARR=cs_arr, CS_BASE=cs_base) if emulate else "",
         CS_ARR=cs_arr,
         CS_BASE=cs_base,

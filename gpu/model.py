@@ -272,6 +272,9 @@ class GPUModel:
     # int8: the block's RMSNorms and gated unit give their outputs' int8 codes in the same pass (gpu/ops/quantize_i8.py
     # rmsnorm_i8, glu_i8; bitwise the separate quantizer's) instead of a quantizer reading them back
     fused_codes_i8 = True
+    # int8, no post-norms: the block's two residual adds (x + o, h + down) in the o and down projections' integer
+    # GEMM epilogues (C = R + ..., the same sums bitwise) instead of add passes over their outputs
+    residual_in_gemm_i8 = False
     # tensor-core attention: q and k RoPE'd as they are packed to f16 (the same operands, bitwise) instead of a
     # RoPE pass writing f32 copies that the pack reads back
     rope_in_pack = True
@@ -489,11 +492,16 @@ class GPUModel:
         rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
         return self._forward_input(y, h) if int8 else self._operand(y, y16)
 
+    def _forward_int8(self, width: int) -> bool:
+        """Whether the frozen forward GEMMs over inputs of `width` run on the integer GEMM (widths that are no
+        multiple of one integer step keep the f16 path)."""
+        return bool(self._w8_slots) and width % MMA_K == 0
+
     def _forward_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand of the frozen forward GEMMs over x [rows, width]: with int8, x's codes and per-row
         scales (into self.a8, valid until the next int8 operand; widths that are no multiple of one integer
         step keep the f16 path), else as _gemm_input."""
-        if not self._w8_slots or width % MMA_K:
+        if not self._forward_int8(width):
             return self._gemm_input(x, width)
         a = Int8Matrix(*self.a8, self.rows, width, width, "gemm input")
         quantize_i8_gpu(self.dev, x, a, rot=self._rotation(width))
@@ -629,13 +637,17 @@ class GPUModel:
         gemm_input: tuple[Any, dict] | None = None,
         *,
         t_ready: bool = False,
+        residual: Any = None,
     ) -> None:
         """y = x W^T (+ bias) (+ LoRA); gemm_input: x's GEMM operand when the caller has it (shared between
         projections, or written by x's producer), else packed here by _gemm_input. t_ready: the LoRA's t = x A^T
-        is already in its slot (_lora_t_shared, or a recompute's replay)."""
+        is already in its slot (_lora_t_shared, or a recompute's replay). residual (an integer GEMM only): y =
+        residual + that, added in the GEMM's epilogue."""
         t_ready = t_ready or self._replay_lora_t
         d_out, d_in = self.cfg.target_shape(target)
         a, kw = gemm_input or self._forward_input(x, d_in)
+        if residual is not None and not kw.get("int8"):
+            raise DeviceError(f"blk.{layer}.{target}: a residual in the epilogue needs the integer GEMM")
         ab = self._lora(layer, target, self.params)
         t, r = (self._lora_t(layer, target), self.layout.r) if ab is not None else (None, 0)
         fused = None
@@ -644,7 +656,7 @@ class GPUModel:
                 if not t_ready:
                     lora_project(self.dev, x, ab[0], t, self.rows, d_in, r)
                 fused = lora_term(self.dev, t, ab[1], self.rows, d_out, r, self.scale, "rows", *self.lora16)
-            gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused)
+            gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused, residual=residual)
         else:
             self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
         bias = self.w.biases.get((layer, target))
@@ -749,7 +761,7 @@ class GPUModel:
         backward reads s, never the down projection's output or x_{l+1}: 28 % of a Llama block's GEMM work)."""
         self._use_block(layer)
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
-        h, f = cfg.hidden, cfg.ffn
+        f = cfg.ffn
         x, x_next = self._x(layer), self._x(layer + 1)
         pos = self._b.bufs["positions"]
         n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"])
@@ -774,8 +786,7 @@ class GPUModel:
             rope_forward(dev, rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
             rope_forward(dev, rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
             self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
-        self._post_normed(layer, "o", "post_attention_norm")
-        add(dev, x, a["tmp"], a["hres"], rows * h)
+        self._post_normed(layer, "o", "post_attention_norm", x, a["hres"])
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
         ready = self._lora_t_shared(a["n2"], layer, ("gate", "up"))
         self._proj(a["n2"], layer, "gate", a["g"], n2, t_ready=ready)
@@ -793,17 +804,30 @@ class GPUModel:
             s_input = None if self._w8_slots else self._operand(a["s"], s16)
         if stop:
             return
-        self._post_normed(layer, "down", "post_ffw_norm", s_input)
-        add(dev, a["hres"], a["tmp"], x_next, rows * h)
+        self._post_normed(layer, "down", "post_ffw_norm", a["hres"], x_next, s_input)
 
     def _use_block(self, layer: int) -> None:
         """Point self.a at block `layer`'s buffers: its kept set (the shared scratch with its own buffers in place
         of those it keeps) or the shared scratch."""
         self.a = self._kept.get(layer, self._scratch)
 
-    def _post_normed(self, layer: int, target: str, norm: str, gemm_input: tuple[Any, dict] | None = None) -> None:
-        """a["tmp"] = the o / down projection's output (its input: att / s), through blk.N.<norm> when the model
-        has post-norms (gemma3; the output before the norm stays in a[target] for the backward)."""
+    def _post_normed(
+        self, layer: int, target: str, norm: str, residual: Any, out: Any, gemm_input: tuple[Any, dict] | None = None
+    ) -> None:
+        """out = residual + the o / down projection's output (its input: att / s), through blk.N.<norm> when the
+        model has post-norms (gemma3; the output before the norm stays in a[target] for the backward); the add in
+        the integer GEMM's epilogue with residual_in_gemm_i8, else a pass of its own over a["tmp"]."""
+        a = self.a
+        x = a["att"] if target == "o" else a["s"]
+        width = self.cfg.q_dim if target == "o" else self.cfg.ffn
+        if not self.cfg.post_norms and self.residual_in_gemm_i8 and self._forward_int8(width):
+            self._proj(x, layer, target, out, gemm_input, residual=residual)
+            return
+        self._post_normed_alone(layer, target, norm, gemm_input)
+        add(self.dev, residual, a["tmp"], out, self.rows * self.cfg.hidden)
+
+    def _post_normed_alone(self, layer: int, target: str, norm: str, gemm_input: tuple[Any, dict] | None) -> None:
+        """a["tmp"] = the o / down projection's output, through blk.N.<norm> when the model has post-norms."""
         a = self.a
         x = a["att"] if target == "o" else a["s"]
         if not self.cfg.post_norms:

@@ -485,8 +485,8 @@ def _check_gemm(dev: Device, m: int, n: int, k: int, chunk: int, cfg: I8Config |
 
 def _run_into_c(dev: Device, rng: np.random.Generator, ref: np.ndarray, call, **kw) -> float:
     """Run call(c) on a random C [c_offset + m * ldc] (gemm_i8's keywords in kw) and check it against
-    alpha * ref [m, n] (+ C's old values with accumulate): nothing written outside the m x n block; returns the
-    worst error relative to the result's max."""
+    alpha * ref [m, n] (+ C's old values with accumulate, + the residual buffer's, laid out as C, with residual):
+    nothing written outside the m x n block; returns the worst error relative to the result's max."""
     m, n = ref.shape
     ldc, c_off, alpha = kw.get("ldc", n), kw.get("c_offset", 0), kw.get("alpha", 1.0)
     c0 = rng.standard_normal(c_off + m * ldc).astype(np.float32)
@@ -495,6 +495,8 @@ def _run_into_c(dev: Device, rng: np.random.Generator, ref: np.ndarray, call, **
     got = dev.read(c, np.float32, (c_off + m * ldc,))
     before, out = c0[c_off:].reshape(m, ldc), got[c_off:].reshape(m, ldc)
     want = alpha * ref + (before[:, :n] if kw.get("accumulate", False) else 0.0)
+    if kw.get("residual") is not None:
+        want = want + dev.read(kw["residual"], np.float32, (c_off + m * ldc,))[c_off:].reshape(m, ldc)[:, :n]
     assert np.array_equal(out[:, n:], before[:, n:]), "wrote past the last column"
     assert np.array_equal(got[:c_off], c0[:c_off]), "wrote before c_offset"
     return float(np.abs(out[:, :n] - want).max() / np.abs(want).max())
@@ -526,6 +528,23 @@ def test_emulated_gemm_accumulates_with_alpha_and_strides(dev: Device, chunk: in
     cfg = I8Config(2, 1, 1, 2, 32, 1, old_ahead=old_ahead)
     err = _check_gemm(dev, 20, 24, 64, chunk, cfg, emulate=True, accumulate=True, alpha=0.5, ldc=30, c_offset=5)
     assert err < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("old_ahead", [2, 0])
+def test_emulated_gemm_adds_a_residual(dev: Device, old_ahead: int) -> None:
+    """C = R + alpha A . B (R laid out as C, read as an accumulating epilogue reads C, ahead or as written; C's own
+    values ignored), with and without the LoRA term; with accumulate it is refused."""
+    rng = np.random.default_rng(old_ahead)
+    kw = {"alpha": 0.5, "ldc": 40, "c_offset": 3}
+    res = dev.upload(rng.standard_normal(3 + 48 * 40).astype(np.float32))
+    cfg = I8Config(2, 1, 1, 2, 32, 1, old_ahead=old_ahead)
+    assert _check_gemm(dev, 48, 32, 64, 64, cfg, emulate=True, residual=res, **kw) < TOL
+    assert _check_gemm_lora(dev, 48, 32, 64, 16, cfg, "rows", emulate=True, residual=res, **kw) < TOL
+    w = upload_i8(dev, np.ones((32, 64), np.float32), 64, "w")
+    with pytest.raises(DeviceError, match="residual is read like C"):
+        gemm_i8(dev, i8_buffers(dev, 48, 64, 64, "x"), w, dev.buffer(4 * 48 * 32), emulate=True, residual=res,
+                accumulate=True)  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -615,6 +634,10 @@ def test_gemm_on_tensor_cores_accumulates() -> None:
     assert (
         _check_gemm(dev, 260, 130, 256, 128, None, emulate=False, accumulate=True, alpha=2.0, ldc=140, c_offset=4) < TOL
     )
+    res = dev.upload(np.random.default_rng(1).standard_normal(4 + 272 * 280).astype(np.float32))
+    kw = {"ldc": 280, "c_offset": 4, "residual": res}
+    assert _check_gemm(dev, 260, 130, 256, 128, None, emulate=False, alpha=2.0, **kw) < TOL
+    assert _check_gemm_lora(tensor_core_device_or_skip(), 272, 256, 256, 16, None, "rows", **kw) < TOL
 
 
 @pytest.mark.gpu

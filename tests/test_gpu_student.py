@@ -537,6 +537,21 @@ def _spied_runs(
     return runs, ran
 
 
+def test_int8_residual_in_gemm_is_bitwise_the_add_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block's residual adds in the o and down projections' integer GEMM epilogues (residual_in_gemm_i8, off by
+    default) against add passes over their outputs: bitwise the same loss and gradients (emulated integer GEMMs;
+    the LoRA terms in the epilogues too), two add passes fewer a block in the forward and one in a recompute."""
+    from gpu.model import GPUModel
+    from gpu.ops import add as add_ops
+
+    runs, ran = _spied_runs(monkeypatch, add_ops, ("residual_in_gemm_i8",), lambda name, variant: name)
+    assert not GPUModel.residual_in_gemm_i8
+    blocks = CFG.n_layers
+    assert ran[1].count("add") - ran[0].count("add") == 2 * blocks + (blocks - 1)
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
 def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The int8 step with the RMSNorms and the SwiGLU giving their outputs' codes in the same pass, the SwiGLU's
     backward its gradients', and the RMSNorms' backward the o and down projections' dY operands (fused_codes_i8, the

@@ -12,7 +12,8 @@
 // at the end (one chunk: per-row scales) each result matrix goes through the subgroup's scratch Cs, FM at a
 // time; each invocation scales its 8 elements (one column, every other row) by SA * SW into f32 registers, and the
 // i32 matrix starts again from zero. Rows past M or N are clamped on load and never written. An accumulating
-// epilogue reads the C values it adds onto a few result matrices ahead (old8), their latency behind the scaling.
+// epilogue reads the C values it adds onto a few result matrices ahead (old8), their latency behind the scaling;
+// the residual variant reads them from R (C = R + alpha * ...: a block's residual add in its projection).
 // The LoRA variant adds s * T . L to each value as it is written, computed per result matrix on the f16 tensor cores
 // (matmul_i8_lora.wgsl): the forward's LoRA expansion (and the input gradient's) in the epilogue instead of a pass
 // of its own over C.
@@ -49,6 +50,7 @@ struct I8Params {
 @group(0) @binding(4) var<storage, read> SW: array<f32>;
 @group(0) @binding(5) var<storage, read_write> C: array<f32>;
 ${LORA_BINDINGS}
+${RESIDUAL_BINDING}
 
 const TM: u32 = ${TM}u;
 const TN: u32 = ${TN}u;
@@ -100,15 +102,16 @@ fn add8(a: array<f32, 8>, b: array<f32, 8>) -> array<f32, 8> {
     return v;
 }
 
-// C's values at rows m, m + 2, ..., m + 14 of column n (0 outside): what an accumulating epilogue adds onto, read
-// before the result matrices they belong to come out of Cs (I8Config.old_ahead groups ahead)
+// C's values (R's, the residual variant's) at rows m, m + 2, ..., m + 14 of column n (0 outside): what an
+// accumulating epilogue adds onto, read before the result matrices they belong to come out of Cs (I8Config.old_ahead
+// groups ahead)
 fn old8(m: u32, n: u32) -> array<f32, 8> {
     var o: array<f32, 8>;
     if (n < prm.N) {
         for (var e = 0u; e < 8u; e++) {
             let row = m + 2u * e;
             if (row < prm.M) {
-                o[e] = C[prm.c_off + row * prm.ldc + n];
+                o[e] = ${OLD_SRC}[prm.c_off + row * prm.ldc + n];
             }
         }
     }

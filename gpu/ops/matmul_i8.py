@@ -160,6 +160,7 @@ def gemm_i8(
     cfg: I8Config | None = None,
     emulate: bool = False,
     lora: LoraTerm | None = None,
+    residual: Any = None,
 ) -> None:
     """C[m, P] (+)= alpha * A . B over the int8 operands, m = a.rows: "nt" (the forward) B = W^T, P = w.rows, A
     and W with the same k and chunks; "nn" (the input gradient) B = W, P = w.k (a multiple of 16), A's k =
@@ -167,7 +168,7 @@ def gemm_i8(
     the caller folds into A). C is f32, row stride ldc (default P). emulate=True runs the same kernel with the
     matrix builtins emulated (slow; lavapipe). lora ("nt", one chunk, m and P multiples of 16): C also gets t . L
     (lora_term; its products on the f16 tensor cores), added as C is written (with accumulate: C + (alpha * A . B
-    + t . L))."""
+    + t . L)). residual (f32, laid out as C; not with accumulate): C = residual + (...), the values C held unread."""
     name = w.name or "int8 weight"
     emulate = emulate or dev in _emulated
     if not emulate and (problem := int8_problem(dev)) is not None:
@@ -192,6 +193,10 @@ def gemm_i8(
         raise DeviceError(f"gemm_i8 with {name!r}: col_scales hold fewer than {p} values")
     if lora is not None:
         _check_lora(lora, name, orient, a.chunks, m, p)
+    if residual is not None and (accumulate or (m > 0 and nbytes(residual) < 4 * (c_offset + (m - 1) * ldc + p))):
+        raise DeviceError(
+            f"gemm_i8 with {name!r}: a residual is read like C ({m} x {p}, ldc {ldc}) and excludes accumulate"
+        )
     if m <= 0 or p <= 0:
         return
     cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk))
@@ -203,7 +208,12 @@ def gemm_i8(
         lora=lora is not None,
     )
     variant = I8Variant(
-        cfg, chunked=a.chunks > 1, accumulate=accumulate, orient=orient, lora=lora.layout if lora is not None else ""
+        cfg,
+        chunked=a.chunks > 1,
+        accumulate=accumulate,
+        orient=orient,
+        lora=lora.layout if lora is not None else "",
+        residual=residual is not None,
     )
     pipe = dev.pipeline((*variant.key, emulate), lambda: matmul_i8_source(variant, emulate=emulate))
     grid = (-(-p // cfg.bn), -(-m // cfg.bm))
@@ -213,5 +223,5 @@ def gemm_i8(
     head = [m, p, r, r // 16, ldw, 0, ldc, c_offset, alpha_bits, a.chunks, a.chunk // cfg.bk, lr]
     prm = np.array([*head, 0, 0, 0, 0], np.uint32)
     sw = w.scales if orient == "nt" else col_scales
-    extra = [lora.t16, lora.l16] if lora is not None else []
+    extra = ([lora.t16, lora.l16] if lora is not None else []) + ([residual] if residual is not None else [])
     dev.dispatch(pipe, [prm, a.codes, w.codes, a.scales, sw, c, *extra], grid)
