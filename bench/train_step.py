@@ -183,8 +183,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "kd-two-pass": ("gpu.ops.kd", "ONE_PASS", False),
     # the head's tensor-core products decoding its quantized vocab chunks as they stage them, not once to f16
     "kd-staged-chunk": ("gpu.ops.kd", "DECODED_CHUNK", False),
-    # int8: the student's logits on the integer GEMM too (its backward's dlogits . W stays on f16): --int8-head logits
-    "int8-logits": ("gpu.ops.head", "INT8_STUDENT_LOGITS", True),
+    # int8: the student's logits on the f16 tensor cores (the default: on the integer GEMM, --int8-head logits)
+    "int8-logits-off": ("gpu.ops.head", "INT8_STUDENT_LOGITS", False),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
@@ -202,13 +202,13 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # latency, each staging half as much; the scaling scratch in the staging buffers, so the LoRA variants fit
     "i8-tile-16sg": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tn=2, cs_in_stage=True)),
     "i8-tile-16sg-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tm=2, cs_in_stage=True)),
-    "cs-in-stage": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, cs_in_stage=True)),
+    "cs-own": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, cs_in_stage=False)),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
     # the input gradients' quantizer (dY times W's row scales): 4 rows a workgroup, the scales read once for them
     "quantize-rows-4": ("gpu.ops.quantize_i8", "SCALED_ROWS_PER_WORKGROUP", 4),
     "fused-codes-off": ("gpu.model:GPUModel", "fused_codes_i8", False),
-    # the block's residual adds in the o and down projections' integer GEMM epilogues (C = R + ...)
-    "residual-in-gemm": ("gpu.model:GPUModel", "residual_in_gemm_i8", True),
+    # the block's residual adds as passes of their own (the default: in the o and down projections' epilogues)
+    "residual-pass": ("gpu.model:GPUModel", "residual_in_gemm_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
     "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),
@@ -581,8 +581,9 @@ _CHOICES = (
     (
         "--int8-head",
         ("on", "logits", "off"),
-        "off",
-        "int8: the student's LM head on the integer GEMM (logits: its logits only, the backward on f16)",
+        "logits",
+        "int8: the student's LM head on the integer GEMM (logits, the engine's default: its logits only, the "
+        "backward on f16; on: both; off: neither)",
     ),
     ("--int8-teacher-head", ("on", "off"), "on", "int8: the teacher's LM head on integer GEMMs"),
     (

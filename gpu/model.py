@@ -273,8 +273,9 @@ class GPUModel:
     # rmsnorm_i8, glu_i8; bitwise the separate quantizer's) instead of a quantizer reading them back
     fused_codes_i8 = True
     # int8, no post-norms: the block's two residual adds (x + o, h + down) in the o and down projections' integer
-    # GEMM epilogues (C = R + ..., the same sums bitwise) instead of add passes over their outputs
-    residual_in_gemm_i8 = False
+    # GEMM epilogues (C = R + ..., the same sums bitwise) instead of add passes over their outputs (+0.4 % on the
+    # Llama-3-8B step, H100 A/B 2026-12-06; bench --ab residual-pass)
+    residual_in_gemm_i8 = True
     # tensor-core attention: q and k RoPE'd as they are packed to f16 (the same operands, bitwise) instead of a
     # RoPE pass writing f32 copies that the pack reads back
     rope_in_pack = True

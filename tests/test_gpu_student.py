@@ -538,14 +538,14 @@ def _spied_runs(
 
 
 def test_int8_residual_in_gemm_is_bitwise_the_add_pass(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The block's residual adds in the o and down projections' integer GEMM epilogues (residual_in_gemm_i8, off by
+    """The block's residual adds in the o and down projections' integer GEMM epilogues (residual_in_gemm_i8, the
     default) against add passes over their outputs: bitwise the same loss and gradients (emulated integer GEMMs;
     the LoRA terms in the epilogues too), two add passes fewer a block in the forward and one in a recompute."""
     from gpu.model import GPUModel
     from gpu.ops import add as add_ops
 
     runs, ran = _spied_runs(monkeypatch, add_ops, ("residual_in_gemm_i8",), lambda name, variant: name)
-    assert not GPUModel.residual_in_gemm_i8
+    assert GPUModel.residual_in_gemm_i8
     blocks = CFG.n_layers
     assert ran[1].count("add") - ran[0].count("add") == 2 * blocks + (blocks - 1)
     assert runs[0][0] == runs[1][0]

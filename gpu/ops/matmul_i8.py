@@ -25,8 +25,10 @@ from model.int8 import check_chunk, pack_i8, quantize_i8
 # (one chunk): 4 x 2 subgroups of 4 x 4 matrices, a 256 x 128 tile, 64 codes staged per step with register
 # prefetch: 438 / 450 TOPS at 4096 x 4096 x 4096 / 4096 x 14336 x 4096 (2 x 4 subgroups: 455 / 461, but slower
 # on the "nn" GEMM; 128 x 128 tiles: 280-413). Several chunks keep f32 partials in registers beside the i32
-# matrices, so 4 x 2 matrices: 139 / 148 TOPS at chunk 256 (2026-12-04, before the epilogue rework).
-I8_TILE = I8Config(sg_m=4, sg_n=2, tm=4, tn=4, bk=64, fm=1)
+# matrices, so 4 x 2 matrices: 139 / 148 TOPS at chunk 256 (2026-12-04, before the epilogue rework). The scaling
+# scratch in the staging buffers (cs_in_stage): 8 KB less workgroup memory, +0.6 % on the Llama-3-8B step (H100,
+# 2026-12-06; bench --ab cs-own puts it back in its own array).
+I8_TILE = I8Config(sg_m=4, sg_n=2, tm=4, tn=4, bk=64, fm=1, cs_in_stage=True)
 I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
 # Lavapipe-sized tile for the emulated kernel.
 EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
