@@ -256,6 +256,7 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
         lines += _lora_operands(c, v.lora, i2)
     groups = [pairs[g : g + c.fm] for g in range(0, len(pairs), c.fm)]
     ahead = c.old_ahead if final and v.adds_old else 0
+    arr, base = _cs_scratch(c)
 
     def old_reads(g: int) -> list[str]:  # group g's C values, into old{g}_{f}
         if not ahead or g >= len(groups):
@@ -267,7 +268,6 @@ def _scale_pass(c: I8Config, v: I8Variant, d: _Dialect, ind: str, chunk: str, fi
         lines += old_reads(g)
     for gi, group in enumerate(groups):
         lines += old_reads(gi + ahead)
-        arr, base = _cs_scratch(c)
         stores = [
             d.store_cs.format(off=f"{f * 256}u", acc=f"acc_{i}_{j}", arr=arr, base=base)
             for f, (i, j) in enumerate(group)

@@ -818,25 +818,19 @@ class GPUModel:
         """out = residual + the o / down projection's output (its input: att / s), through blk.N.<norm> when the
         model has post-norms (gemma3; the output before the norm stays in a[target] for the backward); the add in
         the integer GEMM's epilogue with residual_in_gemm_i8, else a pass of its own over a["tmp"]."""
-        a = self.a
+        a, cfg = self.a, self.cfg
         x = a["att"] if target == "o" else a["s"]
-        width = self.cfg.q_dim if target == "o" else self.cfg.ffn
-        if not self.cfg.post_norms and self.residual_in_gemm_i8 and self._forward_int8(width):
+        width = cfg.q_dim if target == "o" else cfg.ffn
+        if not cfg.post_norms and self.residual_in_gemm_i8 and self._forward_int8(width):
             self._proj(x, layer, target, out, gemm_input, residual=residual)
             return
-        self._post_normed_alone(layer, target, norm, gemm_input)
-        add(self.dev, residual, a["tmp"], out, self.rows * self.cfg.hidden)
-
-    def _post_normed_alone(self, layer: int, target: str, norm: str, gemm_input: tuple[Any, dict] | None) -> None:
-        """a["tmp"] = the o / down projection's output, through blk.N.<norm> when the model has post-norms."""
-        a = self.a
-        x = a["att"] if target == "o" else a["s"]
-        if not self.cfg.post_norms:
+        if cfg.post_norms:  # the output before the norm stays in a[target]
+            self._proj(x, layer, target, a[target], gemm_input)
+            weight = self.w.norms[f"blk.{layer}.{norm}.weight"]
+            rmsnorm_forward(self.dev, a[target], weight, a["tmp"], self.rows, cfg.hidden, cfg.eps)
+        else:
             self._proj(x, layer, target, a["tmp"], gemm_input)
-            return
-        self._proj(x, layer, target, a[target], gemm_input)
-        weight = self.w.norms[f"blk.{layer}.{norm}.weight"]
-        rmsnorm_forward(self.dev, a[target], weight, a["tmp"], self.rows, self.cfg.hidden, self.cfg.eps)
+        add(self.dev, residual, a["tmp"], out, self.rows * cfg.hidden)
 
     # ---- whole model -----------------------------------------------------------------------------------
     def write_prefix(self, x: np.ndarray) -> None:
