@@ -51,14 +51,14 @@ class I8Config(SubgroupTile):
         scratch = self.subgroups * self.fm * MATRIX * MATRIX * ((0 if self.cs_in_stage else 1) + (1 if lora else 0))
         return 4 * (self.stages * (self.bm + self.bn) * self.ldw + scratch)
 
-    def cs_home(self) -> tuple[str, int, int]:
-        """Where Cs lives with cs_in_stage: the staging array (As or Bs), its block length in words and how many
-        subgroups' scratch each block holds."""
+    def cs_home(self) -> tuple[str, int]:
+        """Where Cs lives with cs_in_stage: the staging array (As or Bs) and how many subgroups' scratch each of
+        its blocks holds."""
         cs_len = self.fm * MATRIX * MATRIX
         for name, rows, blocks in (("As", self.bm // self.sg_m, self.sg_m), ("Bs", self.bn // self.sg_n, self.sg_n)):
             per = rows * self.ldw // cs_len
             if per * blocks >= self.subgroups:
-                return name, rows * self.ldw, per
+                return name, per
         raise ValueError(f"I8Config {self.label}: cs_in_stage, but neither staging buffer holds "
                          f"{self.subgroups} x {cs_len} words of scratch")  # fmt: skip
 
@@ -186,7 +186,7 @@ def _cs_scratch(c: I8Config) -> tuple[str, str]:
     a block of a staging buffer (cs_in_stage)."""
     if not c.cs_in_stage:
         return "Cs[sg]", ""
-    name, _, per = c.cs_home()
+    name, per = c.cs_home()
     return f"{name}[sg / {per}u]", f"(sg % {per}u) * {c.fm * MATRIX * MATRIX}u + "
 
 

@@ -239,7 +239,7 @@ def test_scratch_in_the_staging_buffers_is_checked() -> None:
     fitted = I8Config(4, 4, 4, 2, 64, 1, cs_in_stage=True)
     fitted.validate(lora=True)
     assert tile.workgroup_bytes(lora=True) - fitted.workgroup_bytes(lora=True) == 16 * 256 * 4
-    assert fitted.cs_home() == ("As", 64 * 20, 5) and fitted.label.endswith("_cs")
+    assert fitted.cs_home() == ("As", 64 * 20 // 256) and fitted.label.endswith("_cs")
     with pytest.raises(ValueError, match="cs_in_stage needs stages=1"):
         I8Config(4, 2, 4, 4, 32, 1, stages=2, cs_in_stage=True).validate()
     with pytest.raises(ValueError, match="neither staging buffer holds 2 x 256 words"):

@@ -193,7 +193,9 @@ def kd_head_forward_backward(
     half = one_pass and h16 is not None
     stats_pipe = pipeline(dev, "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else "kd_stats")
     for i, (c0, nv) in enumerate(chunks):
-        wc, r0 = _chunk_head(dev, sc, w, c0, nv, h16, i8)
+        # the f16 chunk only where a product reads it (pass 1 of two, with the integer logits: none)
+        integer_logits = i8 is not None and i8.covers(w, nv)
+        wc, r0 = (w, c0) if integer_logits and not one_pass else _chunk_head(dev, sc, w, c0, nv, h16, int8_backward)
         _logits(dev, sc, h, w, c0, wc, r0, nv, hidden, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
         bind = [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered]
@@ -227,7 +229,7 @@ def kd_head_forward_backward(
         return sc
     grad_pipe = pipeline(dev, "kd_grad", ce=ce)
     for i, (c0, nv) in enumerate(chunks):
-        wc, r0 = _chunk_head(dev, sc, w, c0, nv, h16, i8)
+        wc, r0 = _chunk_head(dev, sc, w, c0, nv, h16, int8_backward)
         _logits(dev, sc, h, w, c0, wc, r0, nv, hidden, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, 0, 0)
         bind = [params, mask, teacher_ids, sc.da, sc.row_info, targets, sc.logits]
@@ -249,12 +251,12 @@ def kd_head_forward_backward(
     return sc
 
 
-def _chunk_head(dev: Device, sc: KdScratch, w: Any, c0: int, nv: int, h16: Any, i8: Int8Head | None) -> tuple[Any, int]:
+def _chunk_head(dev: Device, sc: KdScratch, w: Any, c0: int, nv: int, h16: Any, int8_backward: bool) -> tuple[Any, int]:
     """(head, first row) to read vocab chunk c0 .. c0 + nv from: its rows decoded to f16 into sc.w16 (once for
     the chunk's tensor-core products) where the scratch has w16 and they run on tensor cores (with an integer
-    head of the logits only, its backward's product), else w."""
+    head of the logits only, its backward's product; int8_backward: none do), else w."""
     plain = not isinstance(w, QuantTensor) or w.qtype == GGMLQuantizationType.F16
-    if sc.w16 is None or h16 is None or (i8 is not None and i8.dz is not None) or plain:
+    if sc.w16 is None or h16 is None or int8_backward or plain:
         return w, c0
     return weight_to_f16(dev, row_slice(w, c0, nv), sc.w16), 0
 
