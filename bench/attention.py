@@ -8,7 +8,8 @@ Ours runs as the model calls it: the tensor-core kernels take the whole batch in
 the f32 kernels one call per sequence (views into the batch's buffers), all recorded in one step. Times are the
 median of 3 windows after a warm-up window (wall time of `reps` batches, submit + wait; torch: CUDA events).
 TFLOP/s counts the causal half of the products: forward 4 B H T^2 D / 2, backward 2.5x that (5 products;
-our backward recomputes S and dP in its dQ pass, so it does 7, which is not counted). Each of our results
+our backward recomputes S and dP, in its dQ pass, so it does 7, or with the dS store (--dq-from-ds) 5 plus the
+store; neither extra is counted). Each of our results
 carries max_rel_err vs the float64 reference on sequence 0 (|x - ref| / max |ref|, per output, the worst),
 and gpu_ms: the GPU time of one batch by timestamp queries (each dispatch in its own pass; no CPU recording),
 with its per-kernel split.
@@ -211,6 +212,11 @@ def main() -> None:
         default="off",
         help="tensor cores: the backward with S and dP side by side: off, on, or off,on for both",
     )
+    ap.add_argument(
+        "--dq-from-ds",
+        default="off",
+        help="tensor cores: dQ from the dS the dK/dV pass stores (the paired pass): off, on, or off,on for both",
+    )
     args = ap.parse_args()
     dev = Device()
     problem = tensor_core_problem(dev)
@@ -221,15 +227,22 @@ def main() -> None:
         for kind in kinds:
             tc = kind == "tc"
             for sg in [int(x) for x in args.forward_subgroups.split(",")] if tc else [0]:
-                for paired in args.paired_backward.split(",") if tc else ["off"]:
+                for paired, ds in _backwards(args) if tc else [("off", "off")]:
                     attention_tc.FORWARD_SUBGROUPS = sg or attention_tc.FORWARD_SUBGROUPS
                     attention_tc.PAIRED_BACKWARD = paired == "on"
-                    tag = {"forward_subgroups": sg, "paired_backward": paired} if tc else {}
+                    attention_tc.DQ_FROM_DS = ds == "on"
+                    tag = {"forward_subgroups": sg, "paired_backward": paired, "dq_from_ds": ds} if tc else {}
                     for res in ours(dev, kind, *shape, args.seconds):
                         print(json.dumps(res | tag))
         if not args.no_torch:
             for res in torch_sdpa(*shape, args.seconds):
                 print(json.dumps(res))
+
+
+def _backwards(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The (paired, dq-from-ds) backward settings to time: the paired ones, and the stored dS (paired) ones."""
+    runs = [(p, "off") for p in args.paired_backward.split(",")]
+    return runs + [("on", "on")] * ("on" in args.dq_from_ds.split(","))
 
 
 if __name__ == "__main__":

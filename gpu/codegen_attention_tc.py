@@ -17,11 +17,15 @@ ATTENTION_TC_HEAD_DIMS = (64, 128)
 SUBGROUPS = 4  # subgroups per workgroup: 64 rows (queries, or keys in the dK/dV pass)
 WIDE_FORWARD_SUBGROUPS = 8  # attention_tc_forward8: 128 query rows a workgroup share each staged key tile (D 128)
 THREADS = SUBGROUPS * 32
+DS_BLOCK = SUBGROUPS * MATRIX  # keys a row block of the dS store holds: one dK/dV workgroup's (see ds_store_halves)
 
 
 def tile_columns(kernel: str, head_dim: int) -> int:
     """BC, the streamed rows per tile: keys for the forward and dQ (64 at D = 64, else 32), queries for dK/dV
-    (32). Keeps the staged tiles and the per-subgroup blocks within 48 KiB of workgroup memory."""
+    (32), keys for dQ from the stored dS ("dqs": 64, one key block of the dS store). Keeps the staged tiles and the
+    per-subgroup blocks within 48 KiB of workgroup memory."""
+    if kernel == "dqs":
+        return DS_BLOCK
     return 64 if kernel != "dkv" and head_dim <= 64 else 32
 
 
@@ -110,14 +114,17 @@ def _scores(left: str, tile: str, nc: int, nd: int, out: str = "Ss") -> list[str
     return lines + ["}"]
 
 
-def _accumulate(pairs: list[tuple[str, str, str]], nc: int, nd: int) -> list[str]:
+def _accumulate(pairs: list[tuple[str, str, str]], nc: int, nd: int, then: dict[str, str] | None = None) -> list[str]:
     """For each (this subgroup's f16 block array, staged tile, result prefix): R_n += sum_kk block[:, 16 kk..]
-    . tile_kk[:, 16 n..] (tile blocks read row-major)."""
+    . tile_kk[:, 16 n..] (tile blocks read row-major). then: a statement by block array, run after each of its
+    blocks is loaded ({a}: the loaded matrix, {kk}: its block)."""
     lines = ["{"]
     for kk in range(nc):
         for src, tile, acc in pairs:
             a = f"a_{src}_{kk}"
             lines.append(f"    let {a} = {_load(LEFT, f'{src}[sg]', f'{kk * MATRIX}u', False, 'LDP')};")
+            if then and src in then:
+                lines.append("    " + then[src].format(a=a, kk=kk))
             for n in range(nd):
                 b = _load(RIGHT, f"{tile}[{kk}]", f"{n * MATRIX}u", False, "LDH")
                 lines.append(f"    {_mma(a, b, f'{acc}{n}')}")
@@ -223,6 +230,7 @@ _FILES = {
     "forward": "attention_tc_forward.wgsl",
     "dq": "attention_tc_backward_dq.wgsl",
     "dkv": "attention_tc_backward_dkv.wgsl",
+    "dqs": "attention_tc_backward_dqs.wgsl",
 }
 
 
@@ -392,15 +400,40 @@ def backward_dq_source(head_dim: int, paired: bool = False) -> str:
     )
 
 
-def backward_dkv_source(head_dim: int, paired: bool = False) -> str:
-    """attention_tc_backward_dkv for one head dim; paired: S^T and dP^T side by side (_tile_body)."""
+def backward_dkv_source(head_dim: int, paired: bool = False, store_ds: bool = False) -> str:
+    """attention_tc_backward_dkv for one head dim; paired: S^T and dP^T side by side (_tile_body); store_ds (paired
+    only): each dS^T block, as loaded for dK += dS^T Q, also stored to the dS store DSt (binding 5; L read from
+    stats' copy), for attention_tc_backward_dqs."""
     nd, nc = _blocks("dkv", head_dim)
+    if store_ds and not paired:
+        raise ValueError("the dS store is generated for the paired dK/dV pass only")
+    # each dS^T block, once loaded for dK, to the store: its keys' rows, query columns t BC + 16 kk on
+    put = "subgroupMatrixStore(&DSt, ds_row + t * BC + {kk}u * 16u, {a}, false, ds_ld);"
+    store = {"dSs": put} if store_ds else None
+    grad_mma = _accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd, store)
     return _source(
         "dkv",
         head_dim,
         STAGE_FNS=_staging_fns(
             [(a, b) for a in ("Qs", "dOs") for b in ("K16", "V16")], [("Qs", "Q16"), ("dOs", "dO16")]
-        ),
+        )
+        + (_DS_FNS if store_ds else ""),
+        L_BINDING="@group(0) @binding(5) var<storage, read_write> DSt: array<f16>;   // the dS store"
+        if store_ds
+        else "@group(0) @binding(5) var<storage, read> L: array<f32>;",
+        NWG_PARAM="    @builtin(num_workgroups) nwg: vec3<u32>,\n" if store_ds else "",
+        DS_SETUP=_ind(
+            [
+                "let ds_nw = ds_blocks();",
+                "let ds_ld = (ds_nw - wid.x) * DS_BLOCK;   // this key block's row length in the store",
+                "let ds_row = ds_plane(z, h, ds_nw) + ds_block_start(wid.x, ds_nw) + sg * 16u * ds_ld;",
+            ],
+            4,
+        )
+        + "\n"
+        if store_ds
+        else "",
+        LSE_AT="stats.delta[(nwg.z + z) * prm.HQ * prm.T + row]" if store_ds else "L[z * prm.LS + row]",
         K_LOAD=_left_staged("kl", "K16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         V_LOAD=_left_staged("vl", "V16", ("Qs", "dOs"), "zr + w0", "g", "prm.HKV", nd, nc),
         DKV_DECL=_decl([f"dk{n}" for n in range(nd)] + [f"dv{n}" for n in range(nd)]),
@@ -409,7 +442,7 @@ def backward_dkv_source(head_dim: int, paired: bool = False) -> str:
             nc * MATRIX,
             _scores("kl", "Qs", nc, nd),
             _scores("vl", "dOs", nc, nd, "Ds" if paired else "Ss"),
-            _accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd),
+            grad_mma,
             paired,
         ),
         DP_ARRAY=_DP_ARRAY if paired else "",
@@ -421,6 +454,70 @@ def backward_dkv_source(head_dim: int, paired: bool = False) -> str:
             _units(nc * MATRIX, head_dim),
             rows=("zr + w0", "zr + i0 + BC"),
         ),  # fmt: skip
+    )
+
+
+# The dS store (f16, dS^T * scale * sigma as the dK/dV pass rounds it): per sequence z and query head h a plane of
+# key blocks of DS_BLOCK keys; block w holds its keys' rows of the queries from its first key on (causal: the
+# others are zero), (nw - w) DS_BLOCK halves each, nw = ceil(T / DS_BLOCK). Element (key j, query i >= DS_BLOCK w)
+# lies at ds_plane + ds_block_start(w) + (j - DS_BLOCK w) (nw - w) DS_BLOCK + i - DS_BLOCK w.
+_DS_FNS = f"""
+const DS_BLOCK: u32 = {DS_BLOCK}u;
+
+fn ds_blocks() -> u32 {{
+    return (prm.T + DS_BLOCK - 1u) / DS_BLOCK;
+}}
+
+fn ds_block_start(w: u32, nw: u32) -> u32 {{   // halves before key block w of a plane (w = nw: the plane's size)
+    return DS_BLOCK * DS_BLOCK * (w * nw - w * (w - 1u) / 2u);
+}}
+
+fn ds_plane(z: u32, h: u32, nw: u32) -> u32 {{
+    return (z * prm.HQ + h) * ds_block_start(nw, nw);
+}}
+"""
+
+
+def ds_store_halves(seq_len: int, n_heads: int, n_seqs: int) -> int:
+    """Halves of the dS store for n_seqs sequences of seq_len and n_heads query heads (_DS_FNS's layout)."""
+    nw = -(-seq_len // DS_BLOCK)
+    return n_seqs * n_heads * DS_BLOCK * DS_BLOCK * (nw * nw - nw * (nw - 1) // 2)
+
+
+def backward_dqs_source(head_dim: int) -> str:
+    """attention_tc_backward_dqs for one head dim: dQ = dS K from the dS store (attention_tc_backward_dkv with
+    store_ds run first), K's key tiles of DS_BLOCK staged through registers, this subgroup's dS blocks of the next
+    tile loaded from the store during this tile's products."""
+    nd, nc = _blocks("dqs", head_dim)
+
+    def ds_loads(tile: str) -> list[str]:
+        """This subgroup's dS blocks of key tile `tile` (key block `tile` of the store) into dn0 ..: dS [16 queries,
+        16 keys] read column-major from the store's dS^T rows."""
+        lines = [
+            f"let ds_t = {tile};",
+            "let ds_ld = (ds_nw - ds_t) * DS_BLOCK;",
+            "let ds_at = ds_base + ds_block_start(ds_t, ds_nw) + i0 - ds_t * DS_BLOCK;",
+        ]
+        return lines + [
+            f"dn{kk} = {_load(LEFT, 'DSt', f'ds_at + {kk * MATRIX}u * ds_ld', True, 'ds_ld')};" for kk in range(nc)
+        ]
+
+    mma = ["{"]
+    for kk in range(nc):
+        for n in range(nd):
+            mma.append(f"    {_mma(f'da{kk}', _load(RIGHT, f'Ks[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'dq{n}')}")
+    mma.append("}")
+    return _source(
+        "dqs",
+        head_dim,
+        STAGE_FNS=_staging_fns([], [("Ks", "K16")]) + _DS_FNS,
+        DQ_DECL=_decl([f"dq{n}" for n in range(nd)]),
+        DS_FIRST=_ind([f"var dn{kk}: {LEFT};" for kk in range(nc)] + ["{", *ds_loads("0u"), "}"], 4),
+        DS_TAKE=_ind([f"let da{kk} = dn{kk};" for kk in range(nc)], 8),
+        DS_NEXT=_ind(ds_loads("t + 1u"), 12),
+        DQ_MMA=_ind(mma, 8),
+        DQ_STORE=_store_rows([("dq", "dQ")], nd, "i < prm.T"),
+        **_prefetch([("Ks", "K16", "kr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim), rows=("zr", "zr + j0 + BC")),
     )
 
 

@@ -406,6 +406,11 @@ TC_KERNELS: dict[str, GeneratedKernel] = {
     "attention_tc_backward_dkv_paired": GeneratedKernel(
         partial(attention_tc.backward_dkv_source, paired=True), _TC_HEAD_DIM
     ),
+    # dQ from the dS the dK/dV pass stores (gpu/ops/attention_tc.py DQ_FROM_DS)
+    "attention_tc_backward_dkv_ds": GeneratedKernel(
+        partial(attention_tc.backward_dkv_source, paired=True, store_ds=True), _TC_HEAD_DIM
+    ),
+    "attention_tc_backward_dqs": GeneratedKernel(attention_tc.backward_dqs_source, _TC_HEAD_DIM),
     "attention_tc_reduce": GeneratedKernel(attention_tc.reduce_source),
 }
 

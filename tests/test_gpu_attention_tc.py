@@ -132,6 +132,8 @@ def test_attention_tc_paired_backward_is_the_sequential_one(
     rng = np.random.default_rng(t + hq + d)
     q, do = (rng.standard_normal((t, hq, d)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((t, hkv, d)).astype(np.float32) for _ in range(2))
+    monkeypatch.setattr(attention_tc, "DQ_FROM_DS", False)
+    monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", False)
     plain = _run(tc_dev, q, k, v, do)
     monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", True)
     paired = _run(tc_dev, q, k, v, do)
@@ -141,10 +143,51 @@ def test_attention_tc_paired_backward_is_the_sequential_one(
 
 
 @pytest.mark.tensorcore
+@pytest.mark.parametrize("t,hq,hkv,d,spread,gscale,ramp", CASES)
+def test_attention_tc_dq_from_stored_ds(
+    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int, spread: float,
+    gscale: float, ramp: float,
+) -> None:  # fmt: skip
+    """DQ_FROM_DS: the dK/dV pass stores dS and dQ = dS K reads it back (attention_tc_backward_dkv_ds, _dqs). dK and
+    dV are the paired pass's bitwise (the same products of the same values; L from the delta pass's copy), dQ holds
+    the reference tolerance (the same f16 dS, summed in another order); the ramps' cases too."""
+    from gpu.ops import attention_tc
+
+    rng = np.random.default_rng(t + hq + d + 1)
+    q, do = (rng.standard_normal((t, hq, d)) * s for s in (spread, gscale))
+    k = rng.standard_normal((t, hkv, d)) * spread
+    if ramp:
+        q[:, :, 0], k[:, :, 0] = 1.0, (ramp * (np.arange(t) // 64))[:, None]
+    v = rng.standard_normal((t, hkv, d))
+    q, k, v, do = (x.astype(np.float32) for x in (q, k, v, do))
+    monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", True)
+    monkeypatch.setattr(attention_tc, "DQ_FROM_DS", False)
+    tc_dev._pipelines.pop(("attention_tc_backward_dqs", (("head_dim", d),)), None)
+    paired = _run(tc_dev, q, k, v, do)
+    assert ("attention_tc_backward_dqs", (("head_dim", d),)) not in tc_dev._pipelines
+    monkeypatch.setattr(attention_tc, "DQ_FROM_DS", True)
+    stored = _run(tc_dev, q, k, v, do)
+    assert ("attention_tc_backward_dqs", (("head_dim", d),)) in tc_dev._pipelines
+    for name in ("out", "lse", "dk", "dv"):
+        np.testing.assert_array_equal(stored[name], paired[name], err_msg=name)
+    want = _expected(q, k, v, do)
+    err, err_paired = _rel(stored["dq"], want["dq"]), _rel(paired["dq"], want["dq"])
+    print(f"T={t} Hq={hq} Hkv={hkv} D={d} ramp={ramp}: dq from the store {err:.2e}, recomputed {err_paired:.2e}")
+    assert err <= (max(TOL, 2 * err_paired) if ramp else TOL), (err, err_paired)
+
+
+@pytest.mark.tensorcore
 @pytest.mark.parametrize("d", [64, 128])
-def test_attention_tc_batch_matches_reference(tc_dev: Device, d: int) -> None:
+@pytest.mark.parametrize("from_ds", [False, True])
+def test_attention_tc_batch_matches_reference(
+    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, d: int, from_ds: bool
+) -> None:
     """Three sequences in one call (grid z), lse at a padded per-sequence stride: each sequence matches its own
-    float64 reference within TOL, and the lse padding between sequences stays unwritten."""
+    float64 reference within TOL, and the lse padding between sequences stays unwritten (from_ds: dQ from the
+    dS store, whose planes and lse copy are per sequence too)."""
+    from gpu.ops import attention_tc
+
+    monkeypatch.setattr(attention_tc, "DQ_FROM_DS", from_ds)
     b, t, hq, hkv = 3, 150, 8, 2
     stride = hq * t + 64
     rng = np.random.default_rng(d)

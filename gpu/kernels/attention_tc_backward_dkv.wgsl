@@ -5,14 +5,16 @@
 //   S^T = K Q^T -> P^T = exp(S^T * scale - L) (masked, f16, Ps);  dP^T = V dO^T (f32, Ss);
 //   dS^T = P^T (dP^T - delta) * scale (f16, dSs);   dV += P^T dO,   dK += dS^T Q   (f32 result matrices).
 // The results are per query head, [T, HQ, D] (attention_tc_reduce.wgsl sums each kv head's group in a fixed
-// order; with HQ = HKV they are dK, dV themselves), unscaled by sigma like dQ.
+// order; with HQ = HKV they are dK, dV themselves), unscaled by sigma like dQ. The variant with the dS store
+// (gpu/codegen_attention_tc.py store_ds) also writes each dS^T block to DSt for attention_tc_backward_dqs, in
+// binding 5's place (L, then, comes from the copy attention_tc_delta.wgsl puts after delta in stats).
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> Q16: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> K16: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> V16: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> dO16: array<vec4<u32>>;
-@group(0) @binding(5) var<storage, read> L: array<f32>;
+${L_BINDING}
 @group(0) @binding(6) var<storage, read> stats: Stats;
 @group(0) @binding(7) var<storage, read_write> dK: array<vec4<f32>>;
 @group(0) @binding(8) var<storage, read_write> dV: array<vec4<f32>>;
@@ -34,7 +36,7 @@ ${STAGE_FNS}
 @compute @workgroup_size(THREADS)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,
+${NWG_PARAM}    @builtin(local_invocation_index) lid: u32,
     @builtin(subgroup_id) sg: u32,
     @builtin(subgroup_invocation_id) lane: u32,
 ) {
@@ -49,7 +51,7 @@ fn main(
     let xb = r * LDS + 2u * half;   // this lane's first column pair of a row of Ss
     let j = j0 + r;
     let sigma = grad_scale(stats.max_bits);
-${K_LOAD}
+${DS_SETUP}${K_LOAD}
 ${V_LOAD}
 ${DKV_DECL}
     let n_tiles = (prm.T - w0 + BC - 1u) / BC;
@@ -61,7 +63,7 @@ ${PREFETCH_FIRST}
 ${PREFETCH_STORE}
         for (var e = lid; e < BC; e += THREADS) {
             let row = h * prm.T + min(i0 + e, prm.T - 1u);
-            Lc[e] = L[z * prm.LS + row];
+            Lc[e] = ${LSE_AT};
             Dc[e] = stats.delta[z * prm.HQ * prm.T + row] * sigma;
         }
         workgroupBarrier();

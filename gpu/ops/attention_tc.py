@@ -6,9 +6,10 @@ kernel one dispatch with the sequence in grid z. Forward: pack q, k, v to f16 (z
 flash-style kernel (QK^T and PV as 16 x 16 x 16 MMAs; one pass over the key tiles, O accumulated in its
 result matrices against a lazy reference max, rescaled through workgroup memory only when a row's max passes it
 by more than 8: gpu/kernels/attention_tc_forward.wgsl). Backward: delta = rowsum(dO * O) and max |dO| (f32), pack dO
-scaled by a power of two sigma (so small gradients keep f16's precision), a dQ pass and a dK/dV pass per
-query head (products S, dP, dS K, P^T dO, dS^T Q on tensor cores), then the sum of each kv head's query heads
-in a fixed order. Every pass streams its tiles through registers (the next tile's loads in flight during this
+scaled by a power of two sigma (so small gradients keep f16's precision), a dK/dV pass per query head (products
+S^T, dP^T, P^T dO, dS^T Q on tensor cores) that also stores its f16 dS, and a dQ pass reading it back (dS K;
+DQ_FROM_DS, else a dQ pass recomputing S, P, dP and dS itself), then the sum of each kv head's query heads in a
+fixed order. Every pass streams its tiles through registers (the next tile's loads in flight during this
 one's products). No [H, T, T] buffer; deterministic (no atomics on results).
 
 Numerics: q, k, v, dO (scaled), P and dS are rounded to f16 for the products; everything else is f32. Held to
@@ -25,7 +26,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS, MATRIX, WIDE_FORWARD_SUBGROUPS, workgroup_rows
+from gpu.codegen_attention_tc import (
+    ATTENTION_TC_HEAD_DIMS,
+    MATRIX,
+    WIDE_FORWARD_SUBGROUPS,
+    ds_store_halves,
+    workgroup_rows,
+)
 from gpu.device import Device, DeviceError
 from gpu.ops.attention import check_tensors
 from gpu.ops.common import grid, need, pack
@@ -42,6 +49,12 @@ FORWARD_SUBGROUPS = 8
 # the dQ pass at head dim 128 only; bench/attention.py --paired-backward): on, the H100's 8B step 4,839 against
 # 4,808 tokens/s, the backward 59.4 against 66.2 ms
 PAIRED_BACKWARD = True
+# dQ from the dS the dK/dV pass stores (attention_tc_backward_dkv_ds, then attention_tc_backward_dqs: dQ = dS K
+# with nothing recomputed; with PAIRED_BACKWARD) instead of a dQ pass recomputing S, P, dP and dS. The store costs
+# 2 B per causal (query, key) pair of a batch's query heads (ds_store_halves: 143 MB at B 4, T 1024, 32 heads) and
+# is used only where it fits one binding. On: the H100's 8B step 5,823 / 5,826 against 5,769 / 5,778 tokens/s
+# (2026-12-06), the backward 53.6 against 59.6 ms (dK/dV 40.9 with its stores, dQ 9.4 against 21.4)
+DQ_FROM_DS = True
 
 
 @dataclass(frozen=True)
@@ -65,9 +78,10 @@ class AttentionTCScratch:
     k16: Any
     v16: Any
     do16: Any
-    stats: Any  # u32 max |dO| bits, then delta [Hq, T] f32
+    stats: Any  # u32 max |dO| bits, then delta [B, Hq, T] f32, then a copy of lse [B, Hq, T]
     dkh: Any  # per-query-head dK, dV [T, Hq, D] (None when Hq == Hkv)
     dvh: Any
+    ds: Any = None  # the dS store (DQ_FROM_DS; made on first use)
 
     @classmethod
     def build(cls, dev: Device, t: int, hq: int, hkv: int, d: int, b: int = 1) -> AttentionTCScratch:
@@ -79,7 +93,7 @@ class AttentionTCScratch:
             k16=dev.buffer(per_kv, label="attention tc k16"),
             v16=dev.buffer(per_kv, label="attention tc v16"),
             do16=dev.buffer(per_q, label="attention tc do16"),
-            stats=dev.buffer(4 * (1 + b * hq * t), label="attention tc stats"),
+            stats=dev.buffer(4 * (1 + 2 * b * hq * t), label="attention tc stats"),
             dkh=dev.buffer(4 * b * t * hq * d, label="attention tc dk per head") if grouped else None,
             dvh=dev.buffer(4 * b * t * hq * d, label="attention tc dv per head") if grouped else None,
         )
@@ -236,17 +250,33 @@ def attention_backward_tc(
         _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b)
     dev.clear(s.stats, 0, 4)
     delta_pipe = pipeline(dev, "attention_tc_delta", head_dim=d)
-    dev.dispatch(delta_pipe, [pack(t, hq, b), dout, out, s.stats], grid(b * t * hq, 64))
+    dev.dispatch(delta_pipe, [pack(t, hq, b, stride), dout, out, s.stats, lse], grid(b * t * hq, 64))
     _pack(dev, dout, s.do16, t, hq, d, b, stats=s.stats)
-    operands = [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, s.do16, lse, s.stats]
+    params = _params(t, hq, hkv, d, stride)
     rows = (math.ceil(t / workgroup_rows()), hq, b)
-    paired_dq = "_paired" if PAIRED_BACKWARD and d == 128 else ""
-    dev.dispatch(pipeline(dev, f"attention_tc_backward_dq{paired_dq}", head_dim=d), [*operands, dq], rows)
-    dkv = pipeline(dev, "attention_tc_backward_dkv" + ("_paired" if PAIRED_BACKWARD else ""), head_dim=d)
+    dkh, dvh = (dk, dv) if hq == hkv else (s.dkh, s.dvh)
+    if DQ_FROM_DS and PAIRED_BACKWARD and _ds_store(dev, s, t, hq, b):
+        dkv = pipeline(dev, "attention_tc_backward_dkv_ds", head_dim=d)
+        dev.dispatch(dkv, [params, s.q16, s.k16, s.v16, s.do16, s.ds, s.stats, dkh, dvh], rows)
+        dev.dispatch(pipeline(dev, "attention_tc_backward_dqs", head_dim=d), [params, s.k16, s.ds, s.stats, dq], rows)
+    else:
+        operands = [params, s.q16, s.k16, s.v16, s.do16, lse, s.stats]
+        paired_dq = "_paired" if PAIRED_BACKWARD and d == 128 else ""
+        dev.dispatch(pipeline(dev, f"attention_tc_backward_dq{paired_dq}", head_dim=d), [*operands, dq], rows)
+        dkv = pipeline(dev, "attention_tc_backward_dkv" + ("_paired" if PAIRED_BACKWARD else ""), head_dim=d)
+        dev.dispatch(dkv, [*operands, dkh, dvh], rows)
     if hq == hkv:
-        dev.dispatch(dkv, [*operands, dk, dv], rows)
         return
-    dev.dispatch(dkv, [*operands, s.dkh, s.dvh], rows)
     units = b * t * hkv * d // 4
     red = pipeline(dev, "attention_tc_reduce")
     dev.dispatch(red, [pack(units, hq // hkv, d // 4), s.dkh, s.dvh, dk, dv], grid(units, 256))
+
+
+def _ds_store(dev: Device, s: AttentionTCScratch, t: int, hq: int, b: int) -> bool:
+    """Whether the dS store of this shape fits one binding (and its offsets 32 bits); made on first use."""
+    n_bytes = 2 * ds_store_halves(t, hq, b)
+    if n_bytes > min(dev.max_binding, 1 << 32):
+        return False
+    if s.ds is None:
+        s.ds = dev.buffer(n_bytes, label="attention tc dS store")
+    return True
