@@ -407,8 +407,8 @@ def backward_dkv_source(head_dim: int, paired: bool = False, store_ds: bool = Fa
     nd, nc = _blocks("dkv", head_dim)
     if store_ds and not paired:
         raise ValueError("the dS store is generated for the paired dK/dV pass only")
-    # each dS^T block, once loaded for dK, to the store: its keys' rows, query columns t BC + 16 kk on
-    put = "subgroupMatrixStore(&DSt, ds_row + t * BC + {kk}u * 16u, {a}, false, ds_ld);"
+    # each dS^T block, once loaded for dK, to the store: this subgroup's keys, query tile t BC / 16 + kk
+    put = "subgroupMatrixStore(&DSt, ds_row + (t * (BC / 16u) + {kk}u) * 256u, {a}, false, 16u);"
     store = {"dSs": put} if store_ds else None
     grad_mma = _accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd, store)
     return _source(
@@ -425,8 +425,8 @@ def backward_dkv_source(head_dim: int, paired: bool = False, store_ds: bool = Fa
         DS_SETUP=_ind(
             [
                 "let ds_nw = ds_blocks();",
-                "let ds_ld = (ds_nw - wid.x) * DS_BLOCK;   // this key block's row length in the store",
-                "let ds_row = ds_plane(z, h, ds_nw) + ds_block_start(wid.x, ds_nw) + sg * 16u * ds_ld;",
+                "let ds_nq = (ds_nw - wid.x) * (DS_BLOCK / 16u);   // query tiles of this key block in the store",
+                "let ds_row = ds_plane(z, h, ds_nw) + ds_block_start(wid.x, ds_nw) + sg * ds_nq * 256u;",
             ],
             4,
         )
@@ -458,9 +458,11 @@ def backward_dkv_source(head_dim: int, paired: bool = False, store_ds: bool = Fa
 
 
 # The dS store (f16, dS^T * scale * sigma as the dK/dV pass rounds it): per sequence z and query head h a plane of
-# key blocks of DS_BLOCK keys; block w holds its keys' rows of the queries from its first key on (causal: the
-# others are zero), (nw - w) DS_BLOCK halves each, nw = ceil(T / DS_BLOCK). Element (key j, query i >= DS_BLOCK w)
-# lies at ds_plane + ds_block_start(w) + (j - DS_BLOCK w) (nw - w) DS_BLOCK + i - DS_BLOCK w.
+# key blocks of DS_BLOCK keys, nw = ceil(T / DS_BLOCK) of them; block w holds its keys against the queries from its
+# first key on (causal: the others are zero) as 16 x 16 tiles of 256 contiguous halves (row-major, [key][query]:
+# one subgroup matrix each, stored and loaded whole), tile (key tile a, query tile q) at ds_plane +
+# ds_block_start(w) + (a nq + q) 256, nq = (nw - w) DS_BLOCK / 16, for keys DS_BLOCK w + 16 a .. and queries
+# DS_BLOCK w + 16 q ...
 _DS_FNS = f"""
 const DS_BLOCK: u32 = {DS_BLOCK}u;
 
@@ -492,14 +494,14 @@ def backward_dqs_source(head_dim: int) -> str:
 
     def ds_loads(tile: str) -> list[str]:
         """This subgroup's dS blocks of key tile `tile` (key block `tile` of the store) into dn0 ..: dS [16 queries,
-        16 keys] read column-major from the store's dS^T rows."""
+        16 keys] read column-major from the store's dS^T tiles."""
         lines = [
             f"let ds_t = {tile};",
-            "let ds_ld = (ds_nw - ds_t) * DS_BLOCK;",
-            "let ds_at = ds_base + ds_block_start(ds_t, ds_nw) + i0 - ds_t * DS_BLOCK;",
+            "let ds_nq = (ds_nw - ds_t) * (DS_BLOCK / 16u);",
+            "let ds_at = ds_base + ds_block_start(ds_t, ds_nw) + (i0 - ds_t * DS_BLOCK) / 16u * 256u;",
         ]
         return lines + [
-            f"dn{kk} = {_load(LEFT, 'DSt', f'ds_at + {kk * MATRIX}u * ds_ld', True, 'ds_ld')};" for kk in range(nc)
+            f"dn{kk} = {_load(LEFT, 'DSt', f'ds_at + {kk}u * ds_nq * 256u', True, '16u')};" for kk in range(nc)
         ]
 
     mma = ["{"]

@@ -152,6 +152,8 @@ class GpuKd:
             int8_backward=head.INT8_STUDENT_HEAD,
             int8_rot=st._rotation(st.cfg.hidden),
         )
+        if self.scratch.int8 is not None:
+            self.scratch.int8.keep_row_scales(dev, st.w.lm_head, st.cfg.vocab)
         self.top1 = TopKState.build(dev, rows, 1)
         self.top1_lp = dev.buffer(4 * rows, label="student top-1 logprob")
         self.top1_tail = dev.buffer(4 * rows, label="student top-1 tail")

@@ -50,6 +50,8 @@ class GPUTeacher(GPUModel):
             if self.precision == "int8" and head.INT8_HEAD
             else None
         )
+        if self.int8_head is not None:
+            self.int8_head.keep_row_scales(dev, self.w.lm_head, self.cfg.vocab)
         self.keep_codes(int8_codes)
 
     def topk(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -672,6 +672,40 @@ def test_int8_student_logits_alone(monkeypatch: pytest.MonkeyPatch, where: str) 
     assert worst < INT8_REL
 
 
+def test_int8_head_decodes_a_chunk_with_its_kept_row_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The integer head decodes each vocab chunk's rows with their absmax once, as the student is built, and every
+    step with the row scales kept from it (weight_to_i8 fixed_scales): loss and gradients bitwise those of a step
+    decoding with the absmax (the scales not kept), twice in a row (emulated)."""
+    from gpu.ops import head
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    monkeypatch.setattr(head, "INT8_STUDENT_LOGITS", True)
+    fixed, real_decode, real_keep = [], head.weight_to_i8, head.Int8Head.keep_row_scales
+    monkeypatch.setattr(
+        head, "weight_to_i8", lambda *a, **kw: fixed.append(kw.get("fixed_scales")) or real_decode(*a, **kw)
+    )
+    dev = device_or_skip()
+    loss_cfg = LossConfig("forward_kl", tau=1.0, use_tail=True)
+    w, lora, ids, targets, mask, rng = _problem(3, Q.Q4_0)
+    tids, tlp, ttail = _teacher(rng, 1.0)
+    runs = []
+    with int8_emulation(dev):
+        weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+        for keep in (True, False):
+            keeper = real_keep if keep else (lambda *a: None)
+            monkeypatch.setattr(head.Int8Head, "keep_row_scales", keeper)
+            fixed.clear()
+            st = _precision_student(dev, weights, "int8", loss_cfg, vocab_chunk=256)
+            st.set_adapter(lora)
+            st.write_batch(KdBatch(ids, targets, mask, tids, tlp, ttail))
+            for _ in range(2):
+                runs.append((st.loss_and_grads(), st.layout.pack(st.get_grads())))
+            assert fixed == ([None, True] if keep else [False]), fixed  # one chunk of 256 on the integer head
+    for loss, grads in runs[1:]:
+        assert loss == runs[0][0]
+        np.testing.assert_array_equal(grads, runs[0][1])
+
+
 def _int8_teacher_vs_f32(dev) -> tuple[float, float]:
     """(worst top-k log-prob error relative to the max, top-1 agreement) of the int8 teacher against the f32 one
     on the same weights; vocab chunks of 256 put the first chunk on the integer head, the last (44) on the other."""

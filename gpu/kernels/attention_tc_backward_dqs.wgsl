@@ -3,7 +3,7 @@
 // recomputed. Workgroup = BR query rows of head h (reads kv head h / (HQ / HKV)) of sequence z; subgroup sg owns
 // 16 of them. Per key tile of BC = DS_BLOCK keys (one key block of the store; K staged through registers, the
 // next tile's loads in flight during this one's products, and so are this subgroup's dS blocks of the next tile,
-// read column-major from the store's dS^T rows): dQ += dS K into the result matrices. The store holds
+// read column-major from the store's dS^T tiles): dQ += dS K into the result matrices. The store holds
 // dS * scale * sigma rounded to f16, the values the dQ pass computes; dQ is unscaled by sigma at the end.
 
 @group(0) @binding(0) var<uniform> prm: Params;

@@ -24,6 +24,7 @@ struct Params {
 const WG: u32 = ${WG}u;   // invocations a row (256, or 64 for rows of <= 4096: gpu/ops/quantize_i8.py)
 const PER: u32 = 4u;
 const FIXED_SCALE: bool = ${FIXED};
+const HOIST: bool = ${HOIST};   // gpu/ops/quantize_i8.py HOISTED_DECODE
 
 // byte i (0 .. 11) of a block's scales (bytes 4 .. 15 of its first word)
 fn scale_byte(h: vec4<u32>, i: u32) -> u32 {
@@ -33,11 +34,19 @@ fn scale_byte(h: vec4<u32>, i: u32) -> u32 {
 
 // the 16 weights of unit u of row n, as four vec4 (weights 16 h + 4 e .. of sub-block s)
 fn unit_values(n: u32, u: u32) -> array<vec4<f32>, 4> {
-    let b = u / 16u;
+    return unit_decoded(unit_words(n, u), u);
+}
+
+// the two 16-byte pieces unit u of row n decodes from: its block's first word (d, dmin, scales) and its qs
+fn unit_words(n: u32, u: u32) -> array<vec4<u32>, 2> {
     let s = (u % 16u) / 2u;
-    let half = u % 2u;
-    let blk = (n * (prm.K / 256u) + b) * 9u;
-    let h = W[blk];
+    let blk = (n * (prm.K / 256u) + u / 16u) * 9u;
+    return array<vec4<u32>, 2>(W[blk], W[blk + 1u + (s / 2u) * 2u + u % 2u]);
+}
+
+fn unit_decoded(words: array<vec4<u32>, 2>, u: u32) -> array<vec4<f32>, 4> {
+    let s = (u % 16u) / 2u;
+    let h = words[0];
     let dd = unpack2x16float(h.x);
     var sc: u32;
     var mn: u32;
@@ -49,7 +58,7 @@ fn unit_values(n: u32, u: u32) -> array<vec4<f32>, 4> {
         sc = (md & 15u) | ((scale_byte(h, s - 4u) >> 6u) << 4u);
         mn = (md >> 4u) | ((scale_byte(h, s) >> 6u) << 4u);
     }
-    let q = W[blk + 1u + (s / 2u) * 2u + half];
+    let q = words[1];
     let sh = (s & 1u) * 4u;
     let a = dd.x * f32(sc);
     let c = vec4<f32>(dd.y * f32(mn));
@@ -72,17 +81,36 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var v1: array<vec4<f32>, 4>;
     var v2: array<vec4<f32>, 4>;
     var v3: array<vec4<f32>, 4>;
-    if (lid < units) {
-        v0 = unit_values(n, lid);
-    }
-    if (lid + WG < units) {
-        v1 = unit_values(n, lid + WG);
-    }
-    if (lid + 2u * WG < units) {
-        v2 = unit_values(n, lid + 2u * WG);
-    }
-    if (lid + 3u * WG < units) {
-        v3 = unit_values(n, lid + 3u * WG);
+    if (HOIST) {   // the PER units' 16-byte pieces loaded up front, all in flight at once (clamped inside the row)
+        let w0 = unit_words(n, min(lid, units - 1u));
+        let w1 = unit_words(n, min(lid + WG, units - 1u));
+        let w2 = unit_words(n, min(lid + 2u * WG, units - 1u));
+        let w3 = unit_words(n, min(lid + 3u * WG, units - 1u));
+        if (lid < units) {
+            v0 = unit_decoded(w0, lid);
+        }
+        if (lid + WG < units) {
+            v1 = unit_decoded(w1, lid + WG);
+        }
+        if (lid + 2u * WG < units) {
+            v2 = unit_decoded(w2, lid + 2u * WG);
+        }
+        if (lid + 3u * WG < units) {
+            v3 = unit_decoded(w3, lid + 3u * WG);
+        }
+    } else {
+        if (lid < units) {
+            v0 = unit_values(n, lid);
+        }
+        if (lid + WG < units) {
+            v1 = unit_values(n, lid + WG);
+        }
+        if (lid + 2u * WG < units) {
+            v2 = unit_values(n, lid + 2u * WG);
+        }
+        if (lid + 3u * WG < units) {
+            v3 = unit_values(n, lid + 3u * WG);
+        }
     }
     if (ROT > 0u) {   // rows of at most 4 WG units (the host's check): all in registers
         rotate_units(lid, units, 0u, &v0, &v1, &v2, &v3);

@@ -5,7 +5,7 @@ strided_matmul."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,10 @@ class Int8Head:
     ones: Any  # hidden f32 ones: the backward's column scales (W's row scales are in dz)
     rot: int = 0  # h and W rotated in Walsh-Hadamard blocks of rot (model/int8.py hadamard_rows), 0: not
     dh_rot: Any = None  # [T, hidden] f32: a rotated chunk's dh R before its rotation back (backward with rot)
+    # each decoded chunk's row scales by (weight, first row, rows), kept from its first decode: later decodes of the
+    # chunk write the codes alone (weight_to_i8 fixed_scales: no absmax over each row; the same codes)
+    chunk_scales: dict[tuple[str, int, int], Any] = field(default_factory=dict)
+    decoded: list[Any] = field(default_factory=list)  # [the row scales of the chunk decoded last]
 
     @classmethod
     def build(
@@ -66,14 +70,32 @@ class Int8Head:
         return isinstance(w, QuantTensor) and nv % MMA_K == 0
 
     def chunk_rows(self, nv: int) -> Int8Matrix:
-        """The decoded chunk's first nv rows (valid after logits() of that chunk)."""
+        """The decoded chunk's first nv rows (valid after logits() of that chunk: its scales are the last decoded's)."""
         r = self.rows
-        return Int8Matrix(r.codes, r.scales, nv, r.k, r.chunk, r.name)
+        return Int8Matrix(r.codes, self.decoded[0] if self.decoded else r.scales, nv, r.k, r.chunk, r.name)
+
+    def keep_row_scales(self, dev: Device, w: Any, vocab: int) -> None:
+        """Decode every chunk of W this head covers once now (chunks of self.rows.rows rows), keeping its row scales
+        for the decodes of every later step (a recorded step then replays the codes-alone decode)."""
+        with dev.step():
+            for c0 in range(0, vocab, self.rows.rows):
+                nv = min(self.rows.rows, vocab - c0)
+                if self.covers(w, nv) and (w.name, c0, nv) not in self.chunk_scales:
+                    scales = self.chunk_scales[(w.name, c0, nv)] = dev.buffer(4 * nv, label=f"lm_head {c0}.. scales")
+                    rows = self.chunk_rows(nv)
+                    weight_to_i8(dev, row_slice(w, c0, nv), replace(rows, scales=scales), rot=self.rot)
 
     def logits(self, dev: Device, w: QuantTensor, out: Any, c0: int, nv: int, ldc: int) -> None:
-        """out [T, ldc] columns 0..nv-1 = h . W[c0:c0+nv]^T over the codes (the chunk's rows decoded first)."""
+        """out [T, ldc] columns 0..nv-1 = h . W[c0:c0+nv]^T over the codes (the chunk's rows decoded first: their
+        row scales kept from the chunk's first decode, the codes alone after it)."""
+        key = (w.name, c0, nv)
+        scales = self.chunk_scales.get(key)
+        fixed = scales is not None
+        if not fixed:
+            scales = self.chunk_scales[key] = dev.buffer(4 * nv, label=f"lm_head rows {c0}.. scales")
+        self.decoded[:] = [scales]
         rows = self.chunk_rows(nv)
-        weight_to_i8(dev, row_slice(w, c0, nv), rows, rot=self.rot)
+        weight_to_i8(dev, row_slice(w, c0, nv), rows, rot=self.rot, fixed_scales=fixed)
         gemm_i8(dev, self.h, rows, out, ldc=ldc)
 
     def input_grad(self, dev: Device, dz: Any, ldz: int, nv: int, dh: Any, accumulate: bool) -> None:
