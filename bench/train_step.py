@@ -196,6 +196,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "lora-wg-4096": ("gpu.ops.lora_matmul", "TARGET_WORKGROUPS", 4096),
     "lora-chunk-64": ("gpu.ops.lora_matmul", "MIN_CHUNK", 64),
     "unit-rows-off": ("gpu.ops.quantize_i8", "UNIT_ROWS", False),
+    # the RMSNorm backward on its scalar kernel (the row read twice) instead of rmsnorm_backward4's vec4s
+    "norm-backward-scalar": ("gpu.ops.rmsnorm", "VEC4_BACKWARD", False),
     # the Q4_K weight decode's loads of all its units up front (every load of an invocation in flight at once)
     "hoisted-decode": ("gpu.ops.quantize_i8", "HOISTED_DECODE", True),
     # the accumulating GEMMs' reads of C as each value is written (a read-modify-write), not two groups ahead

@@ -262,6 +262,8 @@ KERNELS: dict[str, Kernel] = {
         lambda half: {**_half_output(half, 4, "base + i"), "IO_ELEM": "f32"},
     ),
     "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
+    # rows of a multiple of 4 read as vec4s, once (gpu/ops/rmsnorm.py VEC4_BACKWARD)
+    "rmsnorm_backward4": Kernel((*_ROWS, *_SUM, "rmsnorm_backward4")),
     # a gated unit's forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py glu_i8)
     "glu_i8": Kernel(
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS, "sigmoid", "gelu_tanh", "glu_i8")

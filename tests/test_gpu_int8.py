@@ -381,16 +381,19 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(
      (4096, 2, True, 128), (96, 3, False, 32)],
 )  # fmt: skip
 def test_rmsnorm_backward_i8_is_the_norm_backward_then_the_quantizer(
-    dev: Device, h: int, rows: int, residual: bool, dy_rot: int
+    dev: Device, h: int, rows: int, residual: bool, dy_rot: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """rmsnorm_backward_i8 (the norm's input gradient, plus a residual, and its codes times column scales in one pass):
     bitwise rmsnorm_backward's gradient (dx holding the residual, accumulate) and quantize_i8_gpu's codes and scales
     of it with col_scales, within the registers and longer (re-read); the residual as dx refused. dy_rot: dy given
     rotated (dY R), turned back in the kernel: bitwise rotate_rows then the same, dy itself untouched; rows longer
-    than NORM_TURNED_MAX refused."""
+    than NORM_TURNED_MAX refused. (Its sums run in the scalar rmsnorm_backward's order, not rmsnorm_backward4's.)"""
+    from gpu.ops import rmsnorm
     from gpu.ops.quantize_i8 import rotate_rows
     from gpu.ops.rmsnorm import rmsnorm_backward
     from model.int8 import NORM_TURNED_MAX, hadamard_rows
+
+    monkeypatch.setattr(rmsnorm, "VEC4_BACKWARD", False)
 
     rng = np.random.default_rng(h + rows + dy_rot)
     x, dy, r = (rng.standard_normal((rows, h)).astype(np.float32) for _ in range(3))

@@ -48,8 +48,14 @@ def test_embedding(dev: Device, qtype: str) -> None:
     assert rel_err(got, want) <= 1e-6
 
 
-@pytest.mark.parametrize("t,h", [(1, 72), (5, 72), (3, 200)])
-def test_rmsnorm(dev: Device, t: int, h: int) -> None:
+@pytest.mark.parametrize("t,h", [(1, 72), (5, 72), (3, 200), (2, 4100), (2, 77)])
+@pytest.mark.parametrize("vec4", [True, False])
+def test_rmsnorm(dev: Device, t: int, h: int, vec4: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forward and input gradient (set and accumulated) against float64; the gradient on rmsnorm_backward4 (vec4s,
+    rows within its registers and longer: 4100 > 4096 values; 77 takes the scalar kernel) and the scalar kernel."""
+    from gpu.ops import rmsnorm
+
+    monkeypatch.setattr(rmsnorm, "VEC4_BACKWARD", vec4)
     rng = np.random.default_rng(t * 1000 + h)
     x = rng.standard_normal((t, h)) * 2.0
     w = 1.0 + 0.1 * rng.standard_normal(h)

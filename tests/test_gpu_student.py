@@ -511,8 +511,14 @@ def _spied_runs(
 ) -> tuple[list, list]:
     """The step of _kd_problem(3) on `precision` (int8: its integer GEMMs emulated; tensorcore: Dawn only) with the
     student's attributes `switches` on, then off (`fixed` set as given in both): (loss and packed gradients of each,
-    record(name, variant) of each pipeline that module `spied` asked for in each)."""
+    record(name, variant) of each pipeline that module `spied` asked for in each). With fused_grad_codes_i8 among
+    them, the separate RMSNorm backward on the scalar kernel, whose sums' order the fused one (rmsnorm_back_i8)
+    follows, not rmsnorm_backward4's."""
+    from gpu.ops import rmsnorm
     from gpu.ops.matmul_i8 import int8_emulation
+
+    if "fused_grad_codes_i8" in (*switches, *fixed):
+        monkeypatch.setattr(rmsnorm, "VEC4_BACKWARD", False)
 
     dev = tensor_core_device_or_skip() if precision == "tensorcore" else device_or_skip()
     w, lora, batch = _kd_problem(3, Q.Q4_0)

@@ -99,7 +99,7 @@ fn row_main(row: u32, lid: u32) {
     }
     var sxx = 0.0;
     var sgx = 0.0;
-    for (var i = lid; i < prm.H; i += WG) {   // rmsnorm_backward's order: element i, strided by WG
+    for (var i = lid; i < prm.H; i += WG) {   // the scalar rmsnorm_backward's order: element i, strided by WG
         let x = X[x_base + i];
         sxx = fma(x, x, sxx);
         sgx = fma(dy_at(i) * Wn[i], x, sgx);

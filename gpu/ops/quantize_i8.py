@@ -129,11 +129,11 @@ def rmsnorm_backward_i8(
     dy_rot: int = 0,
 ) -> None:
     """dx[out.rows, out.k] = the RMSNorm's input gradient (weight w, rstd recomputed from x) applied to dy, plus
-    residual when given (bitwise rmsnorm_backward's with dx = residual and accumulate), and out <- the int8 codes and
-    per-row scales of dx * col_scales (the consuming projection's weight row scales; bitwise quantize_i8_gpu's with
-    col_scales), in one pass over each row (gpu/kernels/rmsnorm_back_i8.wgsl). residual must not be dx. dy_rot: dy
-    holds dY R, rotated in blocks of dy_rot (rows of at most NORM_TURNED_MAX): turned back first, bitwise
-    rotate_rows's, dy itself unchanged."""
+    residual when given (bitwise the scalar rmsnorm_backward's, VEC4_BACKWARD off, with dx = residual and
+    accumulate), and out <- the int8 codes and per-row scales of dx * col_scales (the consuming projection's
+    weight row scales; bitwise quantize_i8_gpu's with col_scales), in one pass over each row
+    (gpu/kernels/rmsnorm_back_i8.wgsl). residual must not be dx. dy_rot: dy holds dY R, rotated in blocks of dy_rot
+    (rows of at most NORM_TURNED_MAX): turned back first, bitwise rotate_rows's, dy itself unchanged."""
     rows, h = out.rows, out.k
     if h % 4 or out.chunks != 1:
         raise DeviceError(f"rmsnorm_backward_i8 of {out.name!r}: rows of {h} in {out.chunks} chunks")
