@@ -9,7 +9,6 @@ not, at the Llama-3-8B shapes of a B4 x T1024 step.
     python bench/int8_prep.py --shapes 4096x4096,4096x14336
     python bench/int8_prep.py --row-wg 64,256     # rows of <= 4096 on 64 or 256 invocations (quantize_i8.py)
 
-The Q4_K decode runs with its units' loads up front (hoist: quantize_i8.HOISTED_DECODE) and unit after unit.
 GB/s counts the bytes each kernel must move once (the weights' GGML bytes read + a code byte written per weight;
 an activation's f32 read + a code byte written; rotate_rows' f32 read + write): against the GPU's memory
 bandwidth (H100 SXM ~3.35 TB/s, H200 ~4.8) they say how far these passes are from streaming. Times: wall
@@ -78,14 +77,11 @@ def run_shapes(dev: Device, shapes: str) -> None:
             w = upload_quant(dev, random_blocks(qtype, (rows, k), rng), qtype, (rows, k), name="w")
             out = i8_buffers(dev, rows, k, k, "w")
             n_bytes = rows * row_bytes(qtype, k) + rows * k
-            hoists = (False, True) if qtype == T.Q4_K else (False,)
-            for rot, fixed, hoist in ((r, f, h) for r, f in ((0, False), (128, False), (128, True)) for h in hoists):
-                quantize_ops.HOISTED_DECODE = hoist
+            for rot, fixed in ((0, False), (128, False), (128, True)):
                 call = partial(weight_to_i8, dev, w, out, rot=rot, fixed_scales=fixed)
                 wg = row_workgroup(k) if qtype == T.Q4_K else 256
                 fields = {"wtype": qtype.name, "rows": rows, "k": k, "rot": rot, "wg": wg, "fixed": fixed}
-                emit(**timed(dev, "weight_to_i8", call, n_bytes, **fields, hoist=hoist))
-            quantize_ops.HOISTED_DECODE = False
+                emit(**timed(dev, "weight_to_i8", call, n_bytes, **fields))
         x = dev.upload(rng.standard_normal((rows, k), dtype=np.float32))
         cs = dev.upload(rng.uniform(0.5, 2.0, k).astype(np.float32))
         a = i8_buffers(dev, rows, k, k, "x")

@@ -198,8 +198,6 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "unit-rows-off": ("gpu.ops.quantize_i8", "UNIT_ROWS", False),
     # the RMSNorm backward on its scalar kernel (the row read twice) instead of rmsnorm_backward4's vec4s
     "norm-backward-scalar": ("gpu.ops.rmsnorm", "VEC4_BACKWARD", False),
-    # the Q4_K weight decode's loads of all its units up front (every load of an invocation in flight at once)
-    "hoisted-decode": ("gpu.ops.quantize_i8", "HOISTED_DECODE", True),
     # the accumulating GEMMs' reads of C as each value is written (a read-modify-write), not two groups ahead
     "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),
     # the integer GEMM's tile 128 x 256 (2 x 4 subgroups of 4 x 4) instead of 256 x 128 (+2 % alone at 4096^3, H100)

@@ -122,8 +122,8 @@ def _weight_i8_values(wtype: str, rot: int, tint: bool, fixed: bool) -> dict[str
     return {**_embedding_values(wtype), "ROT": rot, "FIXED": fixed, **_subgroups(tint)}
 
 
-def _weight_q4_k_values(rot: int, tint: bool, wg: int, fixed: bool, hoist: bool) -> dict[str, object]:
-    return {"ROT": rot, "WG": wg, "FIXED": fixed, "HOIST": hoist, **_subgroups(tint)}
+def _weight_q4_k_values(rot: int, tint: bool, wg: int, fixed: bool) -> dict[str, object]:
+    return {"ROT": rot, "WG": wg, "FIXED": fixed, **_subgroups(tint)}
 
 
 def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
@@ -338,7 +338,7 @@ KERNELS: dict[str, Kernel] = {
     "weight_i8_q4_k": Kernel(
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "int8_units")
         + ("weight_i8_q4_k",),
-        {**_ROT, "wg": ROW_WORKGROUPS, "fixed": BOOLS, "hoist": BOOLS},
+        {**_ROT, "wg": ROW_WORKGROUPS, "fixed": BOOLS},
         _weight_q4_k_values,
     ),
     "transpose_i8": Kernel(("transpose_i8",)),

@@ -300,18 +300,15 @@ def test_weight_codes_match_the_twin(dev: Device, qtype: T) -> None:
     [(256, 0, 3, 256), (4352, 0, 11, 256), (16640, 0, 3, 256), (256, 128, 11, 256), (4352, 128, 3, 256),
      (14336, 128, 17, 256), (2048, 0, 5, 64), (4096, 128, 5, 64)],
 )  # fmt: skip
-@pytest.mark.parametrize("hoist", [False, True])
 def test_q4_k_codes_equal_the_generic_decode(
-    dev: Device, k: int, rot: int, n: int, row_wg: int, hoist: bool, monkeypatch: pytest.MonkeyPatch
+    dev: Device, k: int, rot: int, n: int, row_wg: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """weight_i8_q4_k (whole 16-byte pieces of the blocks) gives the generic weight_i8 decode's codes and scales,
     bit for bit, on rows whose units fill one slot, two, and more than the registers hold; rotated too (the same
     butterflies in the same order, in units of 16 instead of groups of 4); rows of at most 4096 on 64 invocations
-    too (quantize_i8.SHORT_ROW_WORKGROUP: 2 and 4 units each); each with the row scales given (fixed) too; with
-    the units' loads up front or unit after unit (HOISTED_DECODE: the same codes, rows whose last slot is partly
-    empty included)."""
+    too (quantize_i8.SHORT_ROW_WORKGROUP: 2 and 4 units each), rows whose last slot is partly empty (their loads
+    clamped inside the row); each with the row scales given (fixed) too."""
     monkeypatch.setattr(quantize_ops, "SHORT_ROW_WORKGROUP", row_wg)
-    monkeypatch.setattr(quantize_ops, "HOISTED_DECODE", hoist)
     from gpu.ops.common import grid, pack
     from gpu.registry import pipeline
 

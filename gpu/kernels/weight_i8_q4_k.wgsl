@@ -4,7 +4,8 @@
 // Q4_K: 256 weights in 144 bytes = 9 vec4 words: word 0 = d, dmin (f16) and scales[12] (8 x 6-bit scale + 6-bit
 // min); words 1 .. 8 = qs[128]. Sub-block s (32 weights) has scale sc[s], min m[s]; weight j of sub-block s is the
 // nibble (qs[32 (s / 2) + j] >> 4 (s % 2)) & 15; w = d sc[s] q - dmin m[s]. A unit is 16 weights (half a
-// sub-block: one vec4 of qs). A workgroup per row; each invocation keeps PER units in registers between the
+// sub-block: one vec4 of qs). A workgroup per row; each invocation loads its PER units' pieces up front (all in
+// flight at once: 4-11 % faster on an H100, 2026-12-06) and keeps them in registers between the
 // absmax and the packing (a longer row decodes the rest twice), rotated first when ROT > 0 (hadamard.wgsl
 // rotate_unit; ROT >= 16, rows of at most 4 WG units). FIXED_SCALE: S[n] holds the row's scale already (an earlier
 // decode's): the codes alone, no absmax (the same codes).
@@ -24,7 +25,6 @@ struct Params {
 const WG: u32 = ${WG}u;   // invocations a row (256, or 64 for rows of <= 4096: gpu/ops/quantize_i8.py)
 const PER: u32 = 4u;
 const FIXED_SCALE: bool = ${FIXED};
-const HOIST: bool = ${HOIST};   // gpu/ops/quantize_i8.py HOISTED_DECODE
 
 // byte i (0 .. 11) of a block's scales (bytes 4 .. 15 of its first word)
 fn scale_byte(h: vec4<u32>, i: u32) -> u32 {
@@ -81,36 +81,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var v1: array<vec4<f32>, 4>;
     var v2: array<vec4<f32>, 4>;
     var v3: array<vec4<f32>, 4>;
-    if (HOIST) {   // the PER units' 16-byte pieces loaded up front, all in flight at once (clamped inside the row)
-        let w0 = unit_words(n, min(lid, units - 1u));
-        let w1 = unit_words(n, min(lid + WG, units - 1u));
-        let w2 = unit_words(n, min(lid + 2u * WG, units - 1u));
-        let w3 = unit_words(n, min(lid + 3u * WG, units - 1u));
-        if (lid < units) {
-            v0 = unit_decoded(w0, lid);
-        }
-        if (lid + WG < units) {
-            v1 = unit_decoded(w1, lid + WG);
-        }
-        if (lid + 2u * WG < units) {
-            v2 = unit_decoded(w2, lid + 2u * WG);
-        }
-        if (lid + 3u * WG < units) {
-            v3 = unit_decoded(w3, lid + 3u * WG);
-        }
-    } else {
-        if (lid < units) {
-            v0 = unit_values(n, lid);
-        }
-        if (lid + WG < units) {
-            v1 = unit_values(n, lid + WG);
-        }
-        if (lid + 2u * WG < units) {
-            v2 = unit_values(n, lid + 2u * WG);
-        }
-        if (lid + 3u * WG < units) {
-            v3 = unit_values(n, lid + 3u * WG);
-        }
+    // the PER units' 16-byte pieces loaded up front (clamped inside the row), all in flight at once, then decoded
+    let w0 = unit_words(n, min(lid, units - 1u));
+    let w1 = unit_words(n, min(lid + WG, units - 1u));
+    let w2 = unit_words(n, min(lid + 2u * WG, units - 1u));
+    let w3 = unit_words(n, min(lid + 3u * WG, units - 1u));
+    if (lid < units) {
+        v0 = unit_decoded(w0, lid);
+    }
+    if (lid + WG < units) {
+        v1 = unit_decoded(w1, lid + WG);
+    }
+    if (lid + 2u * WG < units) {
+        v2 = unit_decoded(w2, lid + 2u * WG);
+    }
+    if (lid + 3u * WG < units) {
+        v3 = unit_decoded(w3, lid + 3u * WG);
     }
     if (ROT > 0u) {   // rows of at most 4 WG units (the host's check): all in registers
         rotate_units(lid, units, 0u, &v0, &v1, &v2, &v3);

@@ -31,11 +31,6 @@ def tint(dev: Device) -> bool:
 SHORT_ROW_WORKGROUP = 64
 
 
-# weight_i8_q4_k loads the 16-byte pieces of all its units before decoding any (every load of an invocation in flight
-# at once) instead of unit after unit; the same codes
-HOISTED_DECODE = False
-
-
 def row_workgroup(k: int) -> int:
     """The workgroup size a row of k values runs with in quantize_i8 / weight_i8_q4_k."""
     return SHORT_ROW_WORKGROUP if k <= SHORT_ROW else 256
@@ -250,8 +245,7 @@ def weight_to_i8(
         raise DeviceError(f"weight_to_i8 {w.name!r}: {n} x {k} into int8 buffers of {out.rows} x {out.k}")
     variant = {"rot": rot, "tint": tint(dev), "fixed": fixed_scales}
     name = "weight_i8_q4_k" if w.qtype.name == "Q4_K" else "weight_i8"
-    q4k = {"wg": row_workgroup(k), "hoist": HOISTED_DECODE}
-    variant |= q4k if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
+    variant |= {"wg": row_workgroup(k)} if name == "weight_i8_q4_k" else {"wtype": w.qtype.name}
     dev.dispatch(pipeline(dev, name, **variant), [pack(n, k, 0, 0), w.binding, out.codes, out.scales], grid(n, 1))
     return out
 
