@@ -261,9 +261,11 @@ KERNELS: dict[str, Kernel] = {
         {"half": BOOLS},
         lambda half: {**_half_output(half, 4, "base + i"), "IO_ELEM": "f32"},
     ),
-    "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward")),
+    "rmsnorm_backward": Kernel((*_ROWS, *_SUM, "rmsnorm_backward_io", "rmsnorm_backward"), {}, lambda: {"ELEM": "f32"}),
     # rows of a multiple of 4 read as vec4s, once (gpu/ops/rmsnorm.py VEC4_BACKWARD)
-    "rmsnorm_backward4": Kernel((*_ROWS, *_SUM, "rmsnorm_backward4")),
+    "rmsnorm_backward4": Kernel(
+        (*_ROWS, *_SUM, "rmsnorm_backward_io", "rmsnorm_backward4"), {}, lambda: {"ELEM": "vec4<f32>"}
+    ),
     # a gated unit's forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py glu_i8)
     "glu_i8": Kernel(
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS, "sigmoid", "gelu_tanh", "glu_i8")

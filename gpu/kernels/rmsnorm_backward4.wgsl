@@ -1,20 +1,6 @@
-// RMSNorm backward as rmsnorm_backward.wgsl, over rows of H = 4 n values read as vec4s: each of the WG threads
+// RMSNorm backward over rows of H = 4 n values read as vec4s (rmsnorm_backward_io.wgsl): each of the WG threads
 // keeps up to PER of its row's vec4s of X and g = dY * w in registers between the two sums and the output (a
-// longer row reads the rest twice), so the row is read once; the sums in one fixed-order tree as there.
-// accumulate != 0: dX += instead of dX =.
-
-struct Params {
-    T: u32,
-    H: u32,
-    eps: f32,
-    accumulate: u32,
-};
-
-@group(0) @binding(0) var<uniform> prm: Params;
-@group(0) @binding(1) var<storage, read> dY: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> X: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> Wn: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read_write> dX: array<vec4<f32>>;
+// longer row reads the rest twice), so the row is read once.
 
 const WG: u32 = 256u;
 const PER: u32 = 4u;
