@@ -5,7 +5,7 @@ strided_matmul."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,23 +80,24 @@ class Int8Head:
         with dev.step():
             for c0 in range(0, vocab, self.rows.rows):
                 nv = min(self.rows.rows, vocab - c0)
-                if self.covers(w, nv) and (w.name, c0, nv) not in self.chunk_scales:
-                    scales = self.chunk_scales[(w.name, c0, nv)] = dev.buffer(4 * nv, label=f"lm_head {c0}.. scales")
-                    rows = self.chunk_rows(nv)
-                    weight_to_i8(dev, row_slice(w, c0, nv), replace(rows, scales=scales), rot=self.rot)
+                if self.covers(w, nv):
+                    self.decode(dev, w, c0, nv)
 
-    def logits(self, dev: Device, w: QuantTensor, out: Any, c0: int, nv: int, ldc: int) -> None:
-        """out [T, ldc] columns 0..nv-1 = h . W[c0:c0+nv]^T over the codes (the chunk's rows decoded first: their
-        row scales kept from the chunk's first decode, the codes alone after it)."""
+    def decode(self, dev: Device, w: QuantTensor, c0: int, nv: int) -> Int8Matrix:
+        """W[c0:c0+nv]'s codes into the chunk's rows: with their absmax the first time (the row scales kept by
+        (weight, c0, nv)), the codes alone with the kept scales after it (the same codes)."""
         key = (w.name, c0, nv)
-        scales = self.chunk_scales.get(key)
-        fixed = scales is not None
+        fixed = key in self.chunk_scales
         if not fixed:
-            scales = self.chunk_scales[key] = dev.buffer(4 * nv, label=f"lm_head rows {c0}.. scales")
-        self.decoded[:] = [scales]
+            self.chunk_scales[key] = dev.buffer(4 * nv, label=f"lm_head rows {c0}.. scales")
+        self.decoded[:] = [self.chunk_scales[key]]
         rows = self.chunk_rows(nv)
         weight_to_i8(dev, row_slice(w, c0, nv), rows, rot=self.rot, fixed_scales=fixed)
-        gemm_i8(dev, self.h, rows, out, ldc=ldc)
+        return rows
+
+    def logits(self, dev: Device, w: QuantTensor, out: Any, c0: int, nv: int, ldc: int) -> None:
+        """out [T, ldc] columns 0..nv-1 = h . W[c0:c0+nv]^T over the codes (the chunk's rows decoded first)."""
+        gemm_i8(dev, self.h, self.decode(dev, w, c0, nv), out, ldc=ldc)
 
     def input_grad(self, dev: Device, dz: Any, ldz: int, nv: int, dh: Any, accumulate: bool) -> None:
         """dh [T, hidden] (+)= dz [T, nv] (row stride ldz) . W_c for the chunk logits() decoded last: dz times
