@@ -205,7 +205,7 @@ def main() -> None:
         "--forward-subgroups",
         default="4",
         help="tensor cores: subgroups a workgroup of the forward, comma-separated (8: 128 query rows sharing each "
-        "staged key tile; head dim 128 only)",
+        "staged key tile of 32 at either head dim)",
     )
     ap.add_argument(
         "--paired-backward",

@@ -186,6 +186,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # int8: the student's logits on the f16 tensor cores (the default: on the integer GEMM, --int8-head logits)
     "int8-logits-off": ("gpu.ops.head", "INT8_STUDENT_LOGITS", False),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
+    # the forward on 4 subgroups (key tiles of 64) at head dim 64 only, 8 at 128
+    "attention-forward4-d64": ("gpu.ops.attention_tc", "WIDE_FORWARD_HEAD_DIMS", (128,)),
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     # the attention backward's dQ pass recomputing S, P and dP (the default: dQ from the dS the dK/dV pass stores)
     "attention-dq-pass": ("gpu.ops.attention_tc", "DQ_FROM_DS", False),

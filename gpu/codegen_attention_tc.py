@@ -15,18 +15,18 @@ RIGHT = "subgroup_matrix_right<f16, 16, 16>"
 RESULT = "subgroup_matrix_result<f32, 16, 16>"
 ATTENTION_TC_HEAD_DIMS = (64, 128)
 SUBGROUPS = 4  # subgroups per workgroup: 64 rows (queries, or keys in the dK/dV pass)
-WIDE_FORWARD_SUBGROUPS = 8  # attention_tc_forward8: 128 query rows a workgroup share each staged key tile (D 128)
+WIDE_FORWARD_SUBGROUPS = 8  # attention_tc_forward8: 128 query rows a workgroup share each staged key tile
 THREADS = SUBGROUPS * 32
 DS_BLOCK = SUBGROUPS * MATRIX  # keys a row block of the dS store holds: one dK/dV workgroup's (see ds_store_halves)
 
 
-def tile_columns(kernel: str, head_dim: int) -> int:
-    """BC, the streamed rows per tile: keys for the forward and dQ (64 at D = 64, else 32), queries for dK/dV
-    (32), keys for dQ from the stored dS ("dqs": 64, one key block of the dS store). Keeps the staged tiles and the
-    per-subgroup blocks within 48 KiB of workgroup memory."""
+def tile_columns(kernel: str, head_dim: int, subgroups: int = SUBGROUPS) -> int:
+    """BC, the streamed rows per tile: keys for the forward and dQ (64 at D = 64 on 4 subgroups, else 32), queries
+    for dK/dV (32), keys for dQ from the stored dS ("dqs": 64, one key block of the dS store). Keeps the staged tiles
+    and the per-subgroup blocks within 48 KiB of workgroup memory."""
     if kernel == "dqs":
         return DS_BLOCK
-    return 64 if kernel != "dkv" and head_dim <= 64 else 32
+    return 64 if kernel != "dkv" and head_dim <= 64 and subgroups == SUBGROUPS else 32
 
 
 def workgroup_rows(subgroups: int = SUBGROUPS) -> int:
@@ -221,7 +221,7 @@ def _prefetch(
 
 
 def _common(kernel: str, head_dim: int, subgroups: int = SUBGROUPS) -> str:
-    bc = tile_columns(kernel, head_dim)
+    bc = tile_columns(kernel, head_dim, subgroups)
     common = fill(kernel_text("attention_tc_common.wgsl"), D=head_dim, BC=bc, NSG=subgroups)
     return common + "\n" + kernel_text("grad_scale.wgsl")
 
@@ -234,12 +234,12 @@ _FILES = {
 }
 
 
-def _blocks(kernel: str, head_dim: int) -> tuple[int, int]:
+def _blocks(kernel: str, head_dim: int, subgroups: int = SUBGROUPS) -> tuple[int, int]:
     """(nd, nc) of `kernel` ("forward", "dq" or "dkv"): 16-wide blocks across the head dim and across a streamed
     tile (ValueError for a head dim no kernel is generated for)."""
     if head_dim not in ATTENTION_TC_HEAD_DIMS:
         raise ValueError(f"tensor-core attention: head_dim={head_dim}; generated for {ATTENTION_TC_HEAD_DIMS}")
-    return head_dim // MATRIX, tile_columns(kernel, head_dim) // MATRIX
+    return head_dim // MATRIX, tile_columns(kernel, head_dim, subgroups) // MATRIX
 
 
 def _source(kernel: str, head_dim: int, subgroups: int = SUBGROUPS, **values: str) -> str:
@@ -349,9 +349,9 @@ _DP_ARRAY = "var<workgroup> Ds: array<array<f32, 16 * LDS>, NSG>;   // dP beside
 
 def forward_source(head_dim: int, subgroups: int = SUBGROUPS) -> str:
     """attention_tc_forward for one head dim, with `subgroups` of 16 query rows a workgroup (4; or
-    WIDE_FORWARD_SUBGROUPS at head dim 128, whose staged tiles and per-subgroup blocks still fit 48 KiB)."""
-    nd, nc = _blocks("forward", head_dim)
-    if subgroups != SUBGROUPS and (subgroups, head_dim) != (WIDE_FORWARD_SUBGROUPS, 128):
+    WIDE_FORWARD_SUBGROUPS, on key tiles of 32 so that the staged tiles and per-subgroup blocks still fit 48 KiB)."""
+    nd, nc = _blocks("forward", head_dim, subgroups)
+    if subgroups not in (SUBGROUPS, WIDE_FORWARD_SUBGROUPS):
         raise ValueError(f"tensor-core attention forward: {subgroups} subgroups at head_dim={head_dim}")
     soft_max, soft_p = _softmax_rows(nc * MATRIX)
     threads = subgroups * 32

@@ -397,9 +397,9 @@ TC_KERNELS: dict[str, GeneratedKernel] = {
     "pack_f16_rope": GeneratedKernel(attention_tc.pack_rope_source, {"neox": BOOLS}),
     "attention_tc_delta": GeneratedKernel(attention_tc.delta_source, _TC_HEAD_DIM),
     "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_HEAD_DIM),
-    # 8 subgroups (128 query rows) sharing each staged key tile, head dim 128 (attention_tc.py FORWARD_SUBGROUPS)
+    # 8 subgroups (128 query rows) sharing each staged key tile (attention_tc.py FORWARD_SUBGROUPS)
     "attention_tc_forward8": GeneratedKernel(
-        partial(attention_tc.forward_source, subgroups=attention_tc.WIDE_FORWARD_SUBGROUPS), {"head_dim": (128,)}
+        partial(attention_tc.forward_source, subgroups=attention_tc.WIDE_FORWARD_SUBGROUPS), _TC_HEAD_DIM
     ),
     "attention_tc_backward_dq": GeneratedKernel(attention_tc.backward_dq_source, _TC_HEAD_DIM),
     "attention_tc_backward_dkv": GeneratedKernel(attention_tc.backward_dkv_source, _TC_HEAD_DIM),

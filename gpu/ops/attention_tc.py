@@ -41,10 +41,12 @@ from gpu.ops.rope import RopeTable
 from gpu.registry import pipeline
 
 PAD_ROWS = 128  # packed operands carry this many zero rows past T rounded up to 16 (a workgroup's rows at most)
-# the forward's subgroups a workgroup at head dim 128: 4 (64 query rows), or WIDE_FORWARD_SUBGROUPS (128 rows sharing
-# each staged key tile: attention_tc_forward8; bench/attention.py --forward-subgroups measures both). 8: the 8B step
-# on an H100 (2026-12-06) 4,831 against 4,808 tokens/s, the forward 25.0 against 30.8 ms
+# the forward's subgroups a workgroup: 4 (64 query rows), or WIDE_FORWARD_SUBGROUPS (128 rows sharing each staged
+# key tile of 32: attention_tc_forward8; bench/attention.py --forward-subgroups measures both) at the head dims of
+# WIDE_FORWARD_HEAD_DIMS. 8: the 8B step on an H100 (2026-12-06) 4,831 against 4,808 tokens/s, the forward 25.0
+# against 30.8 ms
 FORWARD_SUBGROUPS = 8
+WIDE_FORWARD_HEAD_DIMS = (64, 128)
 # the backward's passes with S and dP side by side in workgroup memory (4 barriers a key or query tile instead of 6;
 # the dQ pass at head dim 128 only; bench/attention.py --paired-backward): on, the H100's 8B step 4,839 against
 # 4,808 tokens/s, the backward 59.4 against 66.2 ms
@@ -211,7 +213,7 @@ def attention_forward_tc(
     stride = _check_batch(t, hq, hkv, d, b, lse_stride, lse, q=q, k=k, v=v, out=out)
     s = scratch_for(dev, t, hq, hkv, d, b)
     _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b, rope)
-    wide = FORWARD_SUBGROUPS == WIDE_FORWARD_SUBGROUPS and d == 128
+    wide = FORWARD_SUBGROUPS == WIDE_FORWARD_SUBGROUPS and d in WIDE_FORWARD_HEAD_DIMS
     pipe = pipeline(dev, "attention_tc_forward8" if wide else "attention_tc_forward", head_dim=d)
     grid_rows = (math.ceil(t / workgroup_rows(FORWARD_SUBGROUPS if wide else 4)), hq, b)
     dev.dispatch(pipe, [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, out, lse], grid_rows)
