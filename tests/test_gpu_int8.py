@@ -22,7 +22,18 @@ import gpu.ops.quantize_i8 as quantize_ops
 from gpu.codegen_i8 import I8Config
 from gpu.device import Device, DeviceError
 from gpu.ops.lora import lora_rank16, lora_term
-from gpu.ops.matmul_i8 import I8_TILE, I8_TILE_CHUNKED, Int8Matrix, LoraTerm, gemm_i8, i8_buffers, upload_i8
+from gpu.ops.matmul_i8 import (
+    I8_TILE,
+    I8_TILE_CHUNKED,
+    NARROW_TILE,
+    Int8Matrix,
+    LoraTerm,
+    all_i8_variants,
+    gemm_i8,
+    i8_buffers,
+    pick_i8_config,
+    upload_i8,
+)
 from gpu.ops.quantize_i8 import (
     glu_i8,
     quantize_i8_gpu,
@@ -222,11 +233,13 @@ def test_gemm_lora_epilogue_emulated(dev: Device, m: int, n: int, k: int, r: int
 @pytest.mark.parametrize("layout", ["rows", "cols"])
 @pytest.mark.parametrize("acc,r", [(False, 16), (True, 16), (False, 40)])
 def test_gemm_lora_epilogue_on_tensor_cores(layout: str, acc: bool, r: int) -> None:
-    """The LoRA variants with the preset tile on the integer tensor cores, the term on the f16 ones (tiles past M
-    and N, ranks past the first 16; Dawn only); and with 16 subgroups, the scaling scratch in the staging buffers."""
+    """The LoRA variants with the preset tile and the narrow one on the integer tensor cores, the term on the f16
+    ones (tiles past M and N, ranks past the first 16; Dawn only); and with 16 subgroups, the scaling scratch in the
+    staging buffers."""
     kw = {"accumulate": acc, "ldc": 280, "c_offset": 5}
     dev = tensor_core_device_or_skip()
-    assert _check_gemm_lora(dev, 304, 272, 256, r, None, layout, **kw) < TOL
+    assert _check_gemm_lora(dev, 304, 272, 256, r, I8_TILE, layout, **kw) < TOL
+    assert _check_gemm_lora(dev, 304, 272, 256, r, NARROW_TILE, layout, **kw) < TOL
     assert _check_gemm_lora(dev, 304, 272, 256, r, I8Config(4, 4, 4, 2, 64, 1, cs_in_stage=True), layout, **kw) < TOL
 
 
@@ -607,6 +620,8 @@ def test_emulated_input_gradient_gemm_accumulates(dev: Device) -> None:
 
 TC_CASES = [  # the preset and candidate tiles, per-row and chunked scales, edges in M and N
     (4096, 1024, 4096, 4096, None),
+    (4096, 256, 2048, 2048, None),  # the narrow tile, as picked for a k / v projection of the TinyLlama shape
+    (300, 200, 512, 512, NARROW_TILE),
     (300, 200, 512, 512, I8_TILE),
     (300, 200, 512, 128, I8_TILE),
     (300, 200, 512, 256, I8Config(4, 2, 4, 2, 32, 2, stages=2)),
@@ -624,8 +639,24 @@ def test_gemm_on_tensor_cores(m: int, n: int, k: int, chunk: int, cfg: I8Config 
     assert _check_gemm(dev, m, n, k, chunk, cfg, emulate=False) < TOL
 
 
+def test_narrow_products_pick_the_narrow_tile() -> None:
+    """pick_i8_config: the narrow tile where the preset's grid has fewer than NARROW_WORKGROUPS workgroups (k / v of
+    the TinyLlama and SmolLM2 shapes), the preset at the Llama-3-8B's, never for chunked scales; BK 32 for chunks of
+    32; every pick is a registered variant's tile."""
+    assert NARROW_TILE is not None and NARROW_TILE.bm * NARROW_TILE.bn < I8_TILE.bm * I8_TILE.bn
+    for m, p in ((4096, 256), (4096, 192), (4096, 576), (300, 200)):
+        assert pick_i8_config(1, 64, m, p) == NARROW_TILE, (m, p)
+        assert pick_i8_config(1, 32, m, p).bk == 32
+        assert pick_i8_config(2, 64, m, p) == I8_TILE_CHUNKED
+    for m, p in ((4096, 1024), (4096, 4096), (4096, 14336), (4096, 2048)):
+        assert pick_i8_config(1, 64, m, p) == I8_TILE, (m, p)
+    assert pick_i8_config(1, 64) == I8_TILE
+    tiles = {v.cfg for v in all_i8_variants()}
+    assert {pick_i8_config(1, c, 4096, 256) for c in (32, 64)} <= tiles
+
+
 @pytest.mark.tensorcore
-@pytest.mark.parametrize("m,r,p", [(4096, 4096, 1024), (300, 512, 224), (260, 96, 64)])
+@pytest.mark.parametrize("m,r,p", [(4096, 4096, 1024), (300, 512, 224), (260, 96, 64), (4096, 2048, 256)])
 def test_input_gradient_gemm_on_tensor_cores(m: int, r: int, p: int) -> None:
     dev = tensor_core_device_or_skip()
     assert _check_gemm_nn(dev, m, r, p, None, emulate=False) < TOL
@@ -635,9 +666,9 @@ def test_input_gradient_gemm_on_tensor_cores(m: int, r: int, p: int) -> None:
 @pytest.mark.tensorcore
 def test_gemm_on_tensor_cores_accumulates() -> None:
     dev = tensor_core_device_or_skip()
-    assert (
-        _check_gemm(dev, 260, 130, 256, 128, None, emulate=False, accumulate=True, alpha=2.0, ldc=140, c_offset=4) < TOL
-    )
+    for cfg in (I8_TILE, NARROW_TILE):
+        kw = {"accumulate": True, "alpha": 2.0, "ldc": 140, "c_offset": 4}
+        assert _check_gemm(dev, 260, 130, 256, 128, cfg, emulate=False, **kw) < TOL
     res = dev.upload(np.random.default_rng(1).standard_normal(4 + 272 * 280).astype(np.float32))
     kw = {"ldc": 280, "c_offset": 4, "residual": res}
     assert _check_gemm(dev, 260, 130, 256, 128, None, emulate=False, alpha=2.0, **kw) < TOL

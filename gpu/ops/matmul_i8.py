@@ -30,6 +30,12 @@ from model.int8 import check_chunk, pack_i8, quantize_i8
 # 2026-12-06; bench --ab cs-own puts it back in its own array).
 I8_TILE = I8Config(sg_m=4, sg_n=2, tm=4, tn=4, bk=64, fm=1, cs_in_stage=True)
 I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
+# Narrow products (the k / v projections of the TinyLlama and SmolLM2 shapes, N 192 .. 576 at 4,096 rows) get a
+# grid of fewer workgroups than the GPU has multiprocessors from the preset's 256 x 128 tiles (N 256: 32 of the
+# H100's 132): where the preset's grid has fewer than NARROW_WORKGROUPS, the smaller NARROW_TILE fills more of them
+# at fewer products per staged byte (one scale per row only; None: the preset everywhere).
+NARROW_TILE: I8Config | None = I8Config(sg_m=4, sg_n=2, tm=2, tn=2, bk=64, fm=1, cs_in_stage=True)
+NARROW_WORKGROUPS = 100
 # Lavapipe-sized tile for the emulated kernel.
 EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
 
@@ -109,15 +115,41 @@ def int8_problem(dev: Device) -> str | None:
     return _problems[dev]
 
 
-def pick_i8_config(chunks: int, chunk: int) -> I8Config:
-    """The tile preset for operands with `chunks` scales per row of `chunk` codes each: BK 64, or 32 where the
-    chunk is no multiple of 64 (4 x 2 of 4 x 4 with BK 32: 259 / 281 TOPS at the sizes above)."""
+def pick_i8_config(chunks: int, chunk: int, m: int = 0, p: int = 0) -> I8Config:
+    """The tile preset for operands with `chunks` scales per row of `chunk` codes each, for an m x p product (0:
+    any): BK 64, or 32 where the chunk is no multiple of 64 (4 x 2 of 4 x 4 with BK 32: 259 / 281 TOPS at the sizes
+    above); NARROW_TILE where the preset's grid is narrower than NARROW_WORKGROUPS."""
     cfg = I8_TILE if chunks == 1 else I8_TILE_CHUNKED
-    return cfg if chunk % cfg.bk == 0 else replace(cfg, bk=MMA_K)
+    if chunks == 1 and NARROW_TILE is not None and m and p and _workgroups(cfg, m, p) < NARROW_WORKGROUPS:
+        cfg = NARROW_TILE
+    return cfg if chunk % cfg.bk == 0 else _short_steps(cfg)
+
+
+def _short_steps(cfg: I8Config) -> I8Config:
+    """cfg staging MMA_K codes a step, the scaling scratch in its own array where the staging buffers are then too
+    small for it."""
+    short = replace(cfg, bk=MMA_K)
+    if short.cs_in_stage:
+        try:
+            short.cs_home()
+        except ValueError:
+            return replace(short, cs_in_stage=False)
+    return short
+
+
+def _workgroups(cfg: I8Config, m: int, p: int) -> int:
+    return -(-m // cfg.bm) * -(-p // cfg.bn)
 
 
 def all_i8_variants() -> list[I8Variant]:
     """Every variant gemm_i8 dispatches with its presets (the kernel registry compiles them)."""
+    wide = _preset_variants()
+    narrow_tiles = {t.bk: t for t in (NARROW_TILE, _short_steps(NARROW_TILE))} if NARROW_TILE else {}
+    narrow = [replace(v, cfg=narrow_tiles[v.cfg.bk]) for v in wide if not v.chunked and narrow_tiles]
+    return wide + narrow
+
+
+def _preset_variants() -> list[I8Variant]:
     return [
         I8Variant(pick_i8_config(chunks, chunk), chunked=chunks > 1, accumulate=acc, orient=orient)
         for orient, all_chunks in (("nt", (1, 2)), ("nn", (1,)))
@@ -201,7 +233,7 @@ def gemm_i8(
         )
     if m <= 0 or p <= 0:
         return
-    cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk))
+    cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk, m, p))
     if a.chunk % cfg.bk or r % cfg.bk:
         raise DeviceError(f"gemm_i8 with {name!r}: chunk {a.chunk} and k {r} must be multiples of bk={cfg.bk}")
     cfg.validate(
