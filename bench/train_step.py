@@ -210,7 +210,7 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "i8-tile-16sg-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tm=2, cs_in_stage=True)),
     "cs-own": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, cs_in_stage=False)),
     # narrow products (the preset's grid under NARROW_WORKGROUPS workgroups) on the preset too, or on other tiles
-    "i8-narrow-off": ("gpu.ops.matmul_i8", "NARROW_TILE", None),
+    "i8-narrow-off": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 0),
     "i8-narrow-256x64": ("gpu.ops.matmul_i8", "NARROW_TILE", replace(I8_TILE, tn=2)),
     "i8-narrow-128x128": ("gpu.ops.matmul_i8", "NARROW_TILE", replace(I8_TILE, sg_m=2, sg_n=2)),
     "i8-narrow-below-200": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 200),

@@ -639,11 +639,14 @@ def test_gemm_on_tensor_cores(m: int, n: int, k: int, chunk: int, cfg: I8Config 
     assert _check_gemm(dev, m, n, k, chunk, cfg, emulate=False) < TOL
 
 
-def test_narrow_products_pick_the_narrow_tile() -> None:
-    """pick_i8_config: the narrow tile where the preset's grid has fewer than NARROW_WORKGROUPS workgroups (k / v of
-    the TinyLlama and SmolLM2 shapes), the preset at the Llama-3-8B's, never for chunked scales; BK 32 for chunks of
-    32; every pick is a registered variant's tile."""
-    assert NARROW_TILE is not None and NARROW_TILE.bm * NARROW_TILE.bn < I8_TILE.bm * I8_TILE.bn
+def test_narrow_products_pick_the_narrow_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pick_i8_config: the narrow tile where the preset's grid has fewer than NARROW_WORKGROUPS (100) workgroups (k / v
+    of the TinyLlama and SmolLM2 shapes), the preset at the Llama-3-8B's, never for chunked scales; BK 32 for chunks
+    of 32; every pick is a registered variant's tile; NARROW_WORKGROUPS 0 the preset everywhere."""
+    from gpu.ops import matmul_i8
+
+    monkeypatch.setattr(matmul_i8, "NARROW_WORKGROUPS", 100)
+    assert NARROW_TILE.bm * NARROW_TILE.bn < I8_TILE.bm * I8_TILE.bn
     for m, p in ((4096, 256), (4096, 192), (4096, 576), (300, 200)):
         assert pick_i8_config(1, 64, m, p) == NARROW_TILE, (m, p)
         assert pick_i8_config(1, 32, m, p).bk == 32
@@ -653,6 +656,8 @@ def test_narrow_products_pick_the_narrow_tile() -> None:
     assert pick_i8_config(1, 64) == I8_TILE
     tiles = {v.cfg for v in all_i8_variants()}
     assert {pick_i8_config(1, c, 4096, 256) for c in (32, 64)} <= tiles
+    monkeypatch.setattr(matmul_i8, "NARROW_WORKGROUPS", 0)
+    assert pick_i8_config(1, 64, 4096, 256) == I8_TILE
 
 
 @pytest.mark.tensorcore

@@ -33,8 +33,8 @@ I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
 # Narrow products (the k / v projections of the TinyLlama and SmolLM2 shapes, N 192 .. 576 at 4,096 rows) get a
 # grid of fewer workgroups than the GPU has multiprocessors from the preset's 256 x 128 tiles (N 256: 32 of the
 # H100's 132): where the preset's grid has fewer than NARROW_WORKGROUPS, the smaller NARROW_TILE fills more of them
-# at fewer products per staged byte (one scale per row only; None: the preset everywhere).
-NARROW_TILE: I8Config | None = I8Config(sg_m=4, sg_n=2, tm=2, tn=2, bk=64, fm=1, cs_in_stage=True)
+# at fewer products per staged byte (one scale per row only; NARROW_WORKGROUPS 0: the preset everywhere).
+NARROW_TILE = I8Config(sg_m=4, sg_n=2, tm=2, tn=2, bk=64, fm=1, cs_in_stage=True)
 NARROW_WORKGROUPS = 100
 # Lavapipe-sized tile for the emulated kernel.
 EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
@@ -120,7 +120,7 @@ def pick_i8_config(chunks: int, chunk: int, m: int = 0, p: int = 0) -> I8Config:
     any): BK 64, or 32 where the chunk is no multiple of 64 (4 x 2 of 4 x 4 with BK 32: 259 / 281 TOPS at the sizes
     above); NARROW_TILE where the preset's grid is narrower than NARROW_WORKGROUPS."""
     cfg = I8_TILE if chunks == 1 else I8_TILE_CHUNKED
-    if chunks == 1 and NARROW_TILE is not None and m and p and _workgroups(cfg, m, p) < NARROW_WORKGROUPS:
+    if chunks == 1 and m and p and _workgroups(cfg, m, p) < NARROW_WORKGROUPS:
         cfg = NARROW_TILE
     return cfg if chunk % cfg.bk == 0 else _short_steps(cfg)
 
@@ -144,8 +144,8 @@ def _workgroups(cfg: I8Config, m: int, p: int) -> int:
 def all_i8_variants() -> list[I8Variant]:
     """Every variant gemm_i8 dispatches with its presets (the kernel registry compiles them)."""
     wide = _preset_variants()
-    narrow_tiles = {t.bk: t for t in (NARROW_TILE, _short_steps(NARROW_TILE))} if NARROW_TILE else {}
-    narrow = [replace(v, cfg=narrow_tiles[v.cfg.bk]) for v in wide if not v.chunked and narrow_tiles]
+    narrow_tiles = {t.bk: t for t in (NARROW_TILE, _short_steps(NARROW_TILE))}
+    narrow = [replace(v, cfg=narrow_tiles[v.cfg.bk]) for v in wide if not v.chunked]
     return wide + narrow
 
 
