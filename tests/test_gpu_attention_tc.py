@@ -86,13 +86,10 @@ CASES = [
 @pytest.mark.tensorcore
 @pytest.mark.parametrize("t,hq,hkv,d,spread,gscale,ramp", CASES)
 def test_attention_tc_matches_reference(
-    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int, spread: float,
-    gscale: float, ramp: float,
-) -> None:  # fmt: skip
-    """The default forward (8 subgroups, attention_tc_forward8: key tiles of 32 at both head dims) and backward."""
-    used = _kernels_used(monkeypatch)
+    tc_dev: Device, t: int, hq: int, hkv: int, d: int, spread: float, gscale: float, ramp: float
+) -> None:
+    """The forward and backward at the defaults."""
     _check_against_reference(tc_dev, t, hq, hkv, d, spread, gscale, ramp)
-    assert "attention_tc_forward8" in used and "attention_tc_forward" not in used, used
 
 
 def _check_against_reference(
@@ -116,20 +113,22 @@ def _check_against_reference(
 
 
 @pytest.mark.tensorcore
+@pytest.mark.parametrize("subgroups,kernel", [(4, "attention_tc_forward"), (8, "attention_tc_forward8")])
 @pytest.mark.parametrize("t,hq,hkv,d,spread,gscale,ramp", CASES)
-def test_attention_tc_narrow_forward_matches_reference(
-    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, t: int, hq: int, hkv: int, d: int, spread: float,
-    gscale: float, ramp: float,
+def test_attention_tc_forward_tiles_match_reference(
+    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, subgroups: int, kernel: str, t: int, hq: int, hkv: int, d: int,
+    spread: float, gscale: float, ramp: float,
 ) -> None:  # fmt: skip
-    """The forward on 4 subgroups a workgroup (64 query rows; key tiles of 64 at head dim 64: FORWARD_SUBGROUPS = 4,
-    attention_tc_forward) holds the same tolerance on every case as the default 8 subgroups (attention_tc_forward8,
-    key tiles of 32 at both head dims), the ramps' lazy rescaling too."""
+    """Both forward tiles hold the tolerance on every case, the ramps' lazy rescaling too: 4 subgroups a workgroup
+    (64 query rows, key tiles of 64 at head dim 64, 32 at 128: attention_tc_forward) and 8 (128 query rows sharing
+    each key tile of 32: attention_tc_forward8, at both head dims)."""
     from gpu.ops import attention_tc
 
-    monkeypatch.setattr(attention_tc, "FORWARD_SUBGROUPS", 4)
+    monkeypatch.setattr(attention_tc, "FORWARD_SUBGROUPS", subgroups)
+    monkeypatch.setattr(attention_tc, "WIDE_FORWARD_HEAD_DIMS", (64, 128))
     used = _kernels_used(monkeypatch)
     _check_against_reference(tc_dev, t, hq, hkv, d, spread, gscale, ramp)
-    assert "attention_tc_forward" in used and "attention_tc_forward8" not in used, used
+    assert kernel in used and not set(used) & {"attention_tc_forward", "attention_tc_forward8"} - {kernel}, used
 
 
 def _kernels_used(monkeypatch: pytest.MonkeyPatch) -> list[str]:
