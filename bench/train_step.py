@@ -186,8 +186,9 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # int8: the student's logits on the f16 tensor cores (the default: on the integer GEMM, --int8-head logits)
     "int8-logits-off": ("gpu.ops.head", "INT8_STUDENT_LOGITS", False),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
-    # the forward on 4 subgroups (key tiles of 64) at head dim 64 only, 8 at 128
+    # the forward at head dim 64 on 4 subgroups (key tiles of 64), or on 8 (key tiles of 32); 8 at 128 either way
     "attention-forward4-d64": ("gpu.ops.attention_tc", "WIDE_FORWARD_HEAD_DIMS", (128,)),
+    "attention-forward8-d64": ("gpu.ops.attention_tc", "WIDE_FORWARD_HEAD_DIMS", (64, 128)),
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     # the attention backward's dQ pass recomputing S, P and dP (the default: dQ from the dS the dK/dV pass stores)
     "attention-dq-pass": ("gpu.ops.attention_tc", "DQ_FROM_DS", False),
@@ -211,6 +212,7 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "cs-own": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, cs_in_stage=False)),
     # narrow products (the preset's grid under NARROW_WORKGROUPS workgroups) on the preset too, or on other tiles
     "i8-narrow-off": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 0),
+    "i8-narrow-on": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 100),
     "i8-narrow-256x64": ("gpu.ops.matmul_i8", "NARROW_TILE", replace(I8_TILE, tn=2)),
     "i8-narrow-128x128": ("gpu.ops.matmul_i8", "NARROW_TILE", replace(I8_TILE, sg_m=2, sg_n=2)),
     "i8-narrow-below-200": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 200),
