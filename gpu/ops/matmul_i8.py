@@ -33,9 +33,10 @@ I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
 # Narrow products (the k / v projections of the TinyLlama and SmolLM2 shapes, N 192 .. 576 at 4,096 rows) get a
 # grid of fewer workgroups than the GPU has multiprocessors from the preset's 256 x 128 tiles (N 256: 32 of the
 # H100's 132): where the preset's grid has fewer than NARROW_WORKGROUPS, the smaller NARROW_TILE fills more of them
-# at fewer products per staged byte (one scale per row only; NARROW_WORKGROUPS 0: the preset everywhere).
+# at fewer products per staged byte (one scale per row only; NARROW_WORKGROUPS 0: the preset everywhere). Opt-in
+# until timed on the GPU: 100, bench/train_step.py --ab i8-narrow-on.
 NARROW_TILE = I8Config(sg_m=4, sg_n=2, tm=2, tn=2, bk=64, fm=1, cs_in_stage=True)
-NARROW_WORKGROUPS = 100
+NARROW_WORKGROUPS = 0
 # Lavapipe-sized tile for the emulated kernel.
 EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
 
