@@ -210,7 +210,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "i8-tile-16sg": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tn=2, cs_in_stage=True)),
     "i8-tile-16sg-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tm=2, cs_in_stage=True)),
     "cs-own": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, cs_in_stage=False)),
-    # narrow products (the preset's grid under NARROW_WORKGROUPS workgroups) on the preset too, or on other tiles
+    # narrow products (the preset's grid under NARROW_WORKGROUPS workgroups) on NARROW_TILE or not; the tile
+    # switches pick another narrow tile (with i8-narrow-on while it is off by default: i8-narrow-on+i8-narrow-256x64)
     "i8-narrow-off": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 0),
     "i8-narrow-on": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 100),
     "i8-narrow-256x64": ("gpu.ops.matmul_i8", "NARROW_TILE", replace(I8_TILE, tn=2)),
