@@ -224,6 +224,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # the block's residual adds as passes of their own (the default: in the o and down projections' epilogues)
     "residual-pass": ("gpu.model:GPUModel", "residual_in_gemm_i8", False),
     "lora-epilogue-off": ("gpu.model:GPUModel", "lora_in_gemm_i8", False),
+    # the epilogues' LoRA operands packed per GEMM (lora_term) instead of from the parameters' f16 mirrors
+    "lora-mirrors-off": ("gpu.ops.lora_mirror", "MIRRORS", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
     "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),
     "norm-turns-back": ("gpu.student:GPUStudent", "norm_turns_back", True),

@@ -34,8 +34,10 @@ from gpu.ops.embedding import embedding_forward
 from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
 from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_project_group, lora_rank16, lora_term
+from gpu.ops.lora_matmul import HalfCopy
+from gpu.ops.lora_mirror import LoraMirrors, mirrors_cover
 from gpu.ops.matmul import linear, linear_input_grad
-from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers, int8_emulated, int8_problem
+from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers, int8_emulated, int8_problem
 from gpu.ops.matmul_tc import has_tensor_cores, linear_input_grad_tc, linear_tc, tensor_core_problem
 from gpu.ops.quantize_i8 import (
     FUSED_NORM_ROTATED_WIDTH,
@@ -460,6 +462,32 @@ class GPUModel:
             if r:  # the LoRA terms of the integer GEMMs' epilogues, one at a time (f16, rank padded to 16)
                 lr = lora_rank16(r)
                 self.lora16 = b("int8 lora t16", rows * lr // 2), b("int8 lora L16", max(h, f, qd, kvd) * lr // 2)
+        # int8 with the LoRA terms in the epilogues: the parameters' f16 mirrors, and t16 beside each kept t
+        self.mirrors: LoraMirrors | None = None
+        if self._w8_slots and self.lora_in_gemm_i8 and self.layout.slots and mirrors_cover(r):
+            self.mirrors = LoraMirrors(self.dev, self.layout.slots, r, self._mirror_rotation())
+            self._t16_slot = -(-rows * r // (self.dev.offset_alignment // 2)) * (self.dev.offset_alignment // 2)
+            n_t = len(self._t_index) if self.saves_lora_t else len(LORA_TARGETS)
+            self.t16 = b("lora t16 per projection", n_t * self._t16_slot // 2)
+
+    def _mirror_rotation(self) -> Callable[[int], int] | None:
+        """The rotation block by input width of the A mirrors (the input gradients' LoRA terms); None: no A
+        mirrors (a forward-only model)."""
+        return None
+
+    def _t16(self, layer: int, target: str) -> tuple[int, BufferView]:
+        """Where t16 = f16(s t) of (layer, target) lives beside its t (_lora_t): (element offset in self.t16,
+        its view)."""
+        r = self.layout.r
+        i = self._t_index[(layer, target)] if self.saves_lora_t else LORA_TARGETS.index(target)
+        off = i * self._t16_slot
+        return off, BufferView(self.t16, 2 * off, 2 * self.rows * r)
+
+    def _t16_copy(self, keys: list[tuple[int, str]]) -> HalfCopy | None:
+        """The f16 copies of the t's of `keys` (one product's column groups), written with them (mirrors only)."""
+        if self.mirrors is None:
+            return None
+        return HalfCopy(self.t16, tuple(self._t16(*key)[0] for key in keys), self.layout.r, self.scale)
 
     def _gemm_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
         """The A operand for a projection GEMM over x [rows, width] and the GEMM's extra arguments: x itself
@@ -626,7 +654,7 @@ class GPUModel:
         a_views = [self._lora(*key, self.params)[0] for key in keys]
         t_views = [self._lora_t(*key) for key in keys]
         d_in = self.cfg.target_shape(targets[0])[1]
-        lora_project_group(self.dev, x, a_views, t_views, self.rows, d_in, self.layout.r)
+        lora_project_group(self.dev, x, a_views, t_views, self.rows, d_in, self.layout.r, half=self._t16_copy(keys))
         return True
 
     def _proj(
@@ -654,9 +682,13 @@ class GPUModel:
         fused = None
         if kw.get("int8"):  # every projection whose input _forward_input quantizes has an int8 slot
             if ab is not None and self._lora_in_gemm(d_out):  # s t B^T written in the GEMM's epilogue
+                half = self._t16_copy([(layer, target)])
                 if not t_ready:
-                    lora_project(self.dev, x, ab[0], t, self.rows, d_in, r)
-                fused = lora_term(self.dev, t, ab[1], self.rows, d_out, r, self.scale, "rows", *self.lora16)
+                    lora_project(self.dev, x, ab[0], t, self.rows, d_in, r, half=half)
+                if self.mirrors is not None:  # t16 written with t (here, by the shared product, or the forward's)
+                    fused = LoraTerm(self._t16(layer, target)[1], self.mirrors.b16((layer, target)), r, "rows")
+                else:
+                    fused = lora_term(self.dev, t, ab[1], self.rows, d_out, r, self.scale, "rows", *self.lora16)
             gemm_i8(self.dev, a, self._int8_weight(layer, target), y, lora=fused, residual=residual)
         else:
             self._linear(self.dev, a, self.w.proj[(layer, target)], y, self.rows, **kw)
@@ -852,11 +884,18 @@ class GPUModel:
         self.dev.write(bufs["ids"], ids.astype(np.uint32).reshape(-1))
         self.dev.write(bufs["positions"], np.tile(np.arange(self.seq_len, dtype=np.uint32), self.batch))
         with self.dev.step():
+            self._refresh_mirrors()
             self._embed(bufs["ids"])
             for block in range(layer):
                 self._block_forward(block)
         out = self.dev.read(self.xs, np.float32, (rows * cfg.hidden,), offset=4 * self._x_offset(layer))
         return out.reshape(self.batch, self.seq_len, cfg.hidden)
+
+    def _refresh_mirrors(self) -> None:
+        """The LoRA parameters' f16 mirrors from the current parameters (at each forward: an optimizer step or
+        set_adapter may have changed them since)."""
+        if self.mirrors is not None:
+            self.mirrors.refresh(self.dev, self.params)
 
     def _embed(self, ids: Any) -> None:
         """Block 0's input: the embedding rows of ids, times the model's embedding scale (gemma3: sqrt(hidden))."""
@@ -870,6 +909,7 @@ class GPUModel:
         (gpu/ops/head.py; written by the norm itself, valid until the next f16 operand), else None. checkpoint:
         keep the block inputs a backward needs (bf16 checkpoints; f32 ones stay in xs anyway)."""
         cfg = self.cfg
+        self._refresh_mirrors()
         if self.start_layer == 0:
             self._embed(self._b.bufs["ids"])
         for layer in range(self.start_layer, cfg.n_layers):

@@ -156,6 +156,18 @@ def _half_output(half: bool, binding: int, index: str) -> dict[str, str]:
     }
 
 
+def _lora_reduce_values(half: bool) -> dict[str, str]:
+    """lora_reduce.wgsl: variant half also stores each result times h_factor as f16 (T16, gpu/ops/lora_matmul.py
+    HalfCopy)."""
+    if not half:
+        return {"ENABLE_F16": "", "T16_BINDING": "", "T16_STORE": ""}
+    return {
+        "ENABLE_F16": "enable f16;",
+        "T16_BINDING": "@group(0) @binding(3) var<storage, read_write> T16: array<f16>;",
+        "T16_STORE": "T16[prm.h_off + prm.h_go[g] + (e / prm.N) * prm.h_ld + col] = f16(r * prm.h_factor);",
+    }
+
+
 def _half_grads(half: bool) -> dict[str, str]:
     """Template values of the gated units' backward: variant half also stores dG and dU as f16 (DG16, DU16)."""
     if not half:
@@ -337,6 +349,12 @@ KERNELS: dict[str, Kernel] = {
         {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
         _hadamard_rows_values,
     ),
+    # f16 mirrors of the LoRA parameters, A rotated like the weight codes (gpu/ops/lora_mirror.py)
+    "lora_mirror": Kernel(
+        ("subgroups_directive", "lora_mirror", "hadamard", "rows_rotated"),
+        {"rot": ROTATIONS[1:], "tint": BOOLS},
+        lambda rot, tint: {"ROT": rot, **_subgroups(tint)},
+    ),
     "weight_i8_q4_k": Kernel(
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", "int8_pack", "hadamard", "int8_units")
         + ("weight_i8_q4_k",),
@@ -363,7 +381,7 @@ KERNELS: dict[str, Kernel] = {
     "strided_matmul": Kernel(("strided_matmul",)),
     # LoRA products (gpu/ops/lora_matmul.py): output tiles 16 wide (x A^T, dy B, dB, dA^T) or 64 (t B^T, dt A)
     "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, lora_gemm_values),
-    "lora_reduce": Kernel((*_ITEMS, "lora_reduce")),
+    "lora_reduce": Kernel(("lora_reduce", *_ITEMS), {"half": BOOLS}, _lora_reduce_values),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)
     "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {"unroll": STREAM_UNROLLS}, lora_stream_values),

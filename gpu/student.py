@@ -35,6 +35,7 @@ from gpu.ops.add import scale_inplace
 from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward, lora_da_group, lora_term
+from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers
 from gpu.ops.quantize_i8 import (
     glu_backward_i8,
@@ -323,7 +324,7 @@ class GPUStudent(GPUModel):
         rot = self._rotation(d_in) if int8 else 0
         in_gemm = int8 and self.transposed_input_grads and self._lora_in_gemm(d_in)
         if ab is not None and in_gemm:
-            self._lora_back(dy, x, layer, target, ab, None, dt)
+            self._lora_back(dy, x, layer, target, ab, None, dt, dt16=self._dt16_copy())
         if int8:
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding; over
             # rotated codes (W R) the GEMM gives dX R, rotated back (R^T) in place or from a scratch added to dx
@@ -335,7 +336,7 @@ class GPUStudent(GPUModel):
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
                 if ab is not None and in_gemm:
-                    term = self._lora_term_back(ab[0], d_in, rot, dt)
+                    term = self._lora_term_back((layer, target), ab[0], d_in, rot, dt)
 
             def gemm(out: Any, acc: bool) -> None:
                 if wt is not None:
@@ -353,10 +354,21 @@ class GPUStudent(GPUModel):
         if ab is not None and not in_gemm:
             self._lora_back(dy, x, layer, target, ab, dx, dt)
 
-    def _lora_term_back(self, a: Any, d_in: int, rot: int, dt: Any) -> LoraTerm:
+    def _mirror_rotation(self) -> Callable[[int], int] | None:
+        """The A mirrors' rotation by input width, where the input gradients' integer GEMMs take LoRA terms."""
+        return self._rotation if self.int8_input_grads and self.transposed_input_grads else None
+
+    def _dt16_copy(self) -> HalfCopy | None:
+        """dt's f16 copy for the input gradient's LoRA term (into the t16 scratch; mirrors only)."""
+        return None if self.mirrors is None else HalfCopy(self.lora16[0], (0,), self.layout.r, 1.0)
+
+    def _lora_term_back(self, key: tuple[int, str], a: Any, d_in: int, rot: int, dt: Any) -> LoraTerm:
         """The input gradient's LoRA term dt . A for the integer GEMM's epilogue (dt = s dY B, from _lora_back), with
-        A rotated like the weight codes (A R, into a scratch) when they are."""
+        A rotated like the weight codes (A R) when they are: from the mirrors (dt16 written with dt), else packed
+        here (A R into a scratch first)."""
         r = self.layout.r
+        if self.mirrors is not None:
+            return LoraTerm(BufferView(self.lora16[0], 0, 2 * self.rows * r), self.mirrors.a16(key), r, "cols")
         if rot:
             if self._a_rotated is None:
                 self._a_rotated = self.dev.buffer(4 * r * self._widest_input, label="lora A rotated")
@@ -372,9 +384,20 @@ class GPUStudent(GPUModel):
             self._dx_rotated = self.dev.buffer(need, label="int8 input gradient, rotated")
         return self._dx_rotated
 
-    def _lora_back(self, dy: Any, x: Any, layer: int, target: str, ab: tuple[Any, Any], dx: Any, dt: Any) -> None:
+    def _lora_back(
+        self,
+        dy: Any,
+        x: Any,
+        layer: int,
+        target: str,
+        ab: tuple[Any, Any],
+        dx: Any,
+        dt: Any,
+        *,
+        dt16: HalfCopy | None = None,
+    ) -> None:
         """The LoRA gradients of (layer, target) (dA unless dt is a _dt_slot: lora_da_group) and dt = s dY B into
-        dt; dx += dt A unless dx is None."""
+        dt (and its f16 copy into dt16 where given); dx += dt A unless dx is None."""
         d_out, d_in = self.cfg.target_shape(target)
         da, db = self._lora(layer, target, self.grads)
         lora_backward(
@@ -396,6 +419,7 @@ class GPUStudent(GPUModel):
             group=self.lora_group,
             da_scratch=self.da_scratch,
             with_da=dt is self.dt,
+            dt16=dt16,
         )
 
     def _attention_back(

@@ -1,6 +1,7 @@
 // The integer GEMM's LoRA operands as f16 (gpu/ops/matmul_i8.py lora_term; per-item skeleton threads.wgsl after
 // this file): two copies in one dispatch, each of an f32 matrix src [rows, cols] (row-major) into an f16 matrix
-// dst [rows_p, cols_p] times a factor, zero outside src: items 0 .. n0 fill T16 from T, the next n1 L16 from L.
+// dst [rows_p, cols_p] times a factor, zero outside src: items 0 .. n0 fill T16 from T (at element offsets t16_off
+// and t_off), the next n1 L16 from L.
 enable f16;
 
 struct PackParams {
@@ -14,8 +15,8 @@ struct PackParams {
     cols1: u32,
     cols1_p: u32,
     factor1: f32,
-    _pad0: u32,
-    _pad1: u32,
+    t_off: u32,    // the first copy's source and destination offsets (elements)
+    t16_off: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: PackParams;
@@ -34,7 +35,8 @@ fn item(i: u32) {
     if (i < prm.n0) {
         let row = i / prm.cols0_p;
         let col = i % prm.cols0_p;
-        T16[i] = f16(select(0.0, T[row * prm.cols0 + min(col, prm.cols0 - 1u)] * prm.factor0, col < prm.cols0));
+        let x = T[prm.t_off + row * prm.cols0 + min(col, prm.cols0 - 1u)];
+        T16[prm.t16_off + i] = f16(select(0.0, x * prm.factor0, col < prm.cols0));
         return;
     }
     let j = i - prm.n0;

@@ -1,7 +1,9 @@
+${ENABLE_F16}
 // The second pass of a split lora_gemm (gpu/ops/lora_matmul.py): C(m, n) = alpha * sum_z P[z, m, n]
 // (+ C(m, n) if accumulate), the splits added in ascending z (deterministic, no atomics);
 // C(m, n) = C[c_off + m * csm + n * csn]. One thread per output; eight partials loaded at a time (all in flight)
-// before they are added in order.
+// before they are added in order. Variant half: each result also as f16 times h_factor, at
+// T16[h_off + h_go[group] + m * h_ld + n] (the integer GEMM's LoRA operand t16, gpu/ops/lora_matmul.py HalfCopy).
 
 struct Params {
     count: u32,   // M * N
@@ -17,11 +19,17 @@ struct Params {
     _pad1: u32,
     _pad2: u32,
     c_go: vec4<u32>,
+    h_off: u32,       // variant half: the f16 copy's offset, row length and factor, and per group its offset
+    h_ld: u32,
+    h_factor: f32,
+    _pad3: u32,
+    h_go: vec4<u32>,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> P: array<f32>;
 @group(0) @binding(2) var<storage, read_write> C: array<f32>;
+${T16_BINDING}
 
 const WG: u32 = 256u;  // one thread per output (threads.wgsl)
 
@@ -50,8 +58,10 @@ fn item(e: u32) {
     }
     var col = e % prm.N;
     var go = 0u;
+    var g = 0u;
     if (prm.gw != 0u) {
-        go = prm.c_go[col / prm.gw];
+        g = col / prm.gw;
+        go = prm.c_go[g];
         col = col % prm.gw;
     }
     let i = prm.c_off + go + (e / prm.N) * prm.csm + col * prm.csn;
@@ -60,4 +70,5 @@ fn item(e: u32) {
         r += C[i];
     }
     C[i] = r;
+    ${T16_STORE}
 }

@@ -29,7 +29,7 @@ from gpu.device import BufferView, Device, DeviceError
 from gpu.ops import lora_dual
 from gpu.ops.common import grid, need, pack
 from gpu.ops.lora_fused import covers, lora_fused
-from gpu.ops.lora_matmul import ColumnGroups, lora_matmul
+from gpu.ops.lora_matmul import ColumnGroups, HalfCopy, lora_matmul
 from gpu.ops.matmul_i8 import LoraTerm
 from gpu.ops.strided_matmul import row_major, transposed
 from gpu.profile import scope
@@ -96,26 +96,37 @@ def lora_forward(
         lora_expand(dev, t_out, b, y, n_tokens, d_out, r, scale)
 
 
-def lora_project(dev: Device, x: Any, a: Any, t_out: Any, n_tokens: int, d_in: int, r: int) -> None:
+def lora_project(
+    dev: Device, x: Any, a: Any, t_out: Any, n_tokens: int, d_in: int, r: int, *, half: HalfCopy | None = None
+) -> None:
     """t_out [T, r] = x [T, in] . A^T (A [r, in]): lora_forward's first product alone, for a caller that adds
-    scale t . B^T itself (the integer GEMM's LoRA epilogue, gpu/ops/matmul_i8.py LoraTerm)."""
+    scale t . B^T itself (the integer GEMM's LoRA epilogue, gpu/ops/matmul_i8.py LoraTerm; half: its t16 too)."""
     with scope(dev, "lora"):
-        lora_matmul(dev, row_major(x, d_in), transposed(a, d_in), t_out, n_tokens, r, d_in)
+        lora_matmul(dev, row_major(x, d_in), transposed(a, d_in), t_out, n_tokens, r, d_in, half=half)
 
 
 def lora_project_group(
-    dev: Device, x: Any, a: Sequence[BufferView], t: Sequence[BufferView], n_tokens: int, d_in: int, r: int
+    dev: Device,
+    x: Any,
+    a: Sequence[BufferView],
+    t: Sequence[BufferView],
+    n_tokens: int,
+    d_in: int,
+    r: int,
+    *,
+    half: HalfCopy | None = None,
 ) -> None:
     """t_g [T, r] = x A_g^T for adapters whose projections share the input x (q, k, v; gate, up): one product over
     x for all of them (lora_matmul's column groups), x read once. A_g [r, d_in]: views of one buffer (the
-    parameters), t_g: views of one buffer (the kept t's)."""
+    parameters), t_g: views of one buffer (the kept t's); half: their f16 copies too (an offset per group)."""
     a_span, a_offs = _span(a, "A")
     t_span, t_offs = _span(t, "t")
     groups = ColumnGroups(r, a_offs, t_offs)
     with scope(dev, "lora"):
         lora_matmul(
-            dev, row_major(x, d_in), transposed(a_span, d_in), t_span, n_tokens, r * len(a), d_in, csm=r, groups=groups
-        )
+            dev, row_major(x, d_in), transposed(a_span, d_in), t_span, n_tokens, r * len(a), d_in, csm=r,
+            groups=groups, half=half,
+        )  # fmt: skip
 
 
 def lora_da_group(
@@ -179,6 +190,7 @@ def lora_backward(
     group: int = 0,
     da_scratch: Any = None,
     with_da: bool = True,
+    dt16: HalfCopy | None = None,
 ) -> None:
     """dB [out, r] = scale dy^T t; dt [T, r] (scratch) = scale dy B; dA [r, in] = dt^T x; dx [T, in] += dt A
     (dx None: not done here, the caller adds dt A itself: the integer GEMM's LoRA epilogue).
@@ -186,13 +198,15 @@ def lora_backward(
     and dx in one dispatch (r <= 64); False: four products on lora_matmul; None: see the module docstring.
     group > 0 (a mergeable adapter): dt^T x goes to da_scratch ([r, in] floats at least) and dA gets its
     group sums (lora_group_sum), the gradient of A's group values. with_da=False: no dA here (the caller runs
-    lora_da_group over the adapters sharing x)."""
+    lora_da_group over the adapters sharing x). dt16: dt's f16 copy too (the integer GEMM's LoRA term)."""
     acc = accumulate_grads
     if group and da_scratch is None:
         raise DeviceError("lora_backward: a mergeable adapter (group > 0) needs da_scratch")
+    if dt16 is not None and dx is not None:
+        raise DeviceError("lora_backward: dt16 is for a caller that adds dt A itself (dx None)")
     with scope(dev, "lora"):
         fuse = dx is not None and _fused(fused, n_tokens, r)
-        if lora_dual.DUAL and lora_dual.covers(r) and not fuse:  # dB and dt in one pass over dY
+        if lora_dual.DUAL and lora_dual.covers(r) and not fuse and dt16 is None:  # dB, dt in one pass
             lora_dual.lora_dual(dev, dy, t, b, dt, db, n_tokens, d_out, scale, accumulate=acc)
         else:
             dy_t = transposed(dy, d_out)
@@ -203,7 +217,7 @@ def lora_backward(
                     alpha1=float(scale), alpha2=1.0,
                 )  # fmt: skip
             else:
-                lora_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n_tokens, r, d_out, alpha=scale)
+                lora_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n_tokens, r, d_out, alpha=scale, half=dt16)
         # dA^T [in, r] = x^T dt, stored transposed into dA [r, in]
         if with_da and group:
             lora_matmul(dev, transposed(x, d_in), row_major(dt, r), da_scratch, d_in, r, n_tokens, csm=1, csn=d_in)

@@ -43,7 +43,7 @@ def lora_dual(
     parts = scratch_for(dev, 4 * (db0 + db_floats))
     pipe = pipeline(dev, "lora_dual", cr=CHUNK_ROWS)
     dev.dispatch(pipe, [pack(rows, cols, db0, 0), dy, t, b, parts], (col_tiles, row_chunks, 1))
-    reduce = pipeline(dev, "lora_reduce")
+    reduce = pipeline(dev, "lora_reduce", half=False)
     for out, n, splits, first, size, acc in (
         (dt, rows * r, col_tiles, 0, dt_floats, False),
         (db, cols * r, row_chunks, db0, db_floats, accumulate),

@@ -67,12 +67,39 @@ MAX_GROUPS = 4  # column groups of one lora_matmul (lora_gemm.wgsl's b_go / c_go
 
 
 def reduce_params(
-    count: int, n: int, splits: int, c_off: int, csm: int, csn: int, alpha: float, accumulate: bool, groups: Any = None
+    count: int,
+    n: int,
+    splits: int,
+    c_off: int,
+    csm: int,
+    csn: int,
+    alpha: float,
+    accumulate: bool,
+    groups: Any = None,
+    half: HalfCopy | None = None,
 ) -> bytes:
     """lora_reduce.wgsl's uniform: count = M * N outputs of N columns from `splits` partials, written like
-    lora_gemm's C (groups: ColumnGroups or None)."""
+    lora_gemm's C (groups: ColumnGroups or None), and where `half` is given their f16 copy."""
     gw, _, c_go = _group_words(groups)
-    return pack(count, n, splits, c_off, csm, csn, float(alpha), accumulate, gw, 0, 0, 0, *c_go)
+    h = half or HalfCopy(None, (0,), 0, 0.0)
+    h_go = [*h.offsets, *[0] * (MAX_GROUPS - len(h.offsets))]
+    return pack(
+        count, n, splits, c_off, csm, csn, float(alpha), accumulate, gw, 0, 0, 0, *c_go, 0, h.ld,
+        float(h.factor), 0, *h_go,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HalfCopy:
+    """An f16 copy of a lora_matmul result C [m, n] (the integer GEMM's LoRA operand t16, gpu/ops/lora.py):
+    element (i, j) times `factor` at buf[offsets[g] + i * ld + j % width] for column j of group g (one group
+    without column groups; ld >= the columns of a group). Written by lora_reduce beside C, or by lora_pack where
+    the product is not split."""
+
+    buf: Any
+    offsets: tuple[int, ...]
+    ld: int
+    factor: float
 
 
 @dataclass(frozen=True)
@@ -113,10 +140,12 @@ def lora_matmul(
     csn: int = 1,
     splits: int | None = None,
     groups: ColumnGroups | None = None,
+    half: HalfCopy | None = None,
 ) -> None:
     """C(i, j) = c[c_off + i * csm + j * csn] (+)= alpha * A[i, :] . B[:, j] for i < m, j < n (csm defaults to n:
     row-major; with groups, as ColumnGroups says). Tile width: 64 when n > 32 (expansions), else 16. `splits`
-    overrides the reduction split (tests); by default pick_splits chooses it from the shape."""
+    overrides the reduction split (tests); by default pick_splits chooses it from the shape. half: also C's f16
+    copy (HalfCopy; C row-major within each group)."""
     if min(m, n) <= 0:
         return
     csm = n if csm is None else csm
@@ -130,9 +159,11 @@ def lora_matmul(
         last_c = c_off + max(groups.c_offsets) + (m - 1) * csm + (groups.width - 1) * csn
     if nbytes(c) < 4 * (last_c + 1):
         raise DeviceError(f"lora_matmul: output C ({m} x {n}, strides {csm}, {csn}) exceeds its buffer's {nbytes(c)} B")
+    if half is not None:
+        _check_half(half, m, n, csm, csn, groups)
     path = fast_path(a, b, m, n, k, groups)
     if path:
-        _fast(dev, path, a, b, c, (m, n, k), alpha, accumulate, (c_off, csm, csn), splits, groups)
+        _fast(dev, path, a, b, c, (m, n, k), alpha, accumulate, (c_off, csm, csn), splits, groups, half)
         return
     bn = 64 if n > 32 else 16
     bk = LORA_GEMM_BK[bn]
@@ -153,7 +184,9 @@ def lora_matmul(
     out = scratch_for(dev, 4 * splits * m * n) if partial else c
     dev.dispatch(pipeline(dev, "lora_gemm", bn=bn), [params, a.buf, b.buf, out], (gx, gy, splits))
     if partial:
-        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
+        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups, half)
+    elif half is not None:
+        _pack_half(dev, c, m, n, c_off, groups, half)
 
 
 def _reduce(
@@ -167,10 +200,49 @@ def _reduce(
     alpha: float,
     accumulate: bool,
     groups: ColumnGroups | None,
+    half: HalfCopy | None = None,
 ) -> None:
-    """lora_reduce: C (+)= alpha * the sum of the `splits` partial [m, n] sums, in ascending split order."""
-    rparams = reduce_params(m * n, n, splits, *c_layout, alpha, accumulate, groups)
-    dev.dispatch(pipeline(dev, "lora_reduce"), [rparams, partials, c], grid_1d(math.ceil(m * n / 256)))
+    """lora_reduce: C (+)= alpha * the sum of the `splits` partial [m, n] sums, in ascending split order (and
+    its f16 copy where `half` is given)."""
+    rparams = reduce_params(m * n, n, splits, *c_layout, alpha, accumulate, groups, half)
+    pipe = pipeline(dev, "lora_reduce", half=half is not None)
+    extra = [] if half is None else [half.buf]
+    dev.dispatch(pipe, [rparams, partials, c, *extra], grid_1d(math.ceil(m * n / 256)))
+
+
+def _check_half(half: HalfCopy, m: int, n: int, csm: int, csn: int, groups: ColumnGroups | None) -> None:
+    """An f16 copy needs C row-major within each group (as t and dt are) and room for every group's rows."""
+    width = n if groups is None else groups.width
+    count = 1 if groups is None else len(groups.c_offsets)
+    if csn != 1 or csm != width or len(half.offsets) != count or half.ld < width:
+        raise DeviceError(
+            f"lora_matmul: an f16 copy needs C row-major per group (csm {csm} = {width}, csn {csn} = 1), "
+            f"{count} offsets (got {len(half.offsets)}) and rows of >= {width} (ld {half.ld})"
+        )
+    if nbytes(half.buf) < 2 * (max(half.offsets) + (m - 1) * half.ld + width):
+        raise DeviceError(f"lora_matmul: the f16 copy of {m} x {width} exceeds its buffer's {nbytes(half.buf)} B")
+
+
+def _pack_half(dev: Device, c: Any, m: int, n: int, c_off: int, groups: ColumnGroups | None, half: HalfCopy) -> None:
+    """The f16 copy of an unsplit product (no lora_reduce pass to write it): lora_pack per group, from C."""
+    width = n if groups is None else groups.width
+    starts = (0,) if groups is None else groups.c_offsets
+    for c_go, h_off in zip(starts, half.offsets, strict=True):
+        items = m * half.ld
+        prm = pack(items, m, width, half.ld, float(half.factor), 0, 0, 0, 0, 0.0, c_off + c_go, h_off)
+        bindings = [prm, c, c, half.buf, _unused16(dev)]  # the second copy (L16) has no items
+        dev.dispatch(pipeline(dev, "lora_pack"), bindings, grid_1d(math.ceil(items / 256)))
+
+
+_unused: weakref.WeakKeyDictionary[Device, Any] = weakref.WeakKeyDictionary()
+
+
+def _unused16(dev: Device) -> Any:
+    """A small buffer for lora_pack's second output where it copies nothing."""
+    buf = _unused.get(dev)
+    if buf is None:
+        buf = _unused[dev] = dev.buffer(16, label="lora_pack unused output")
+    return buf
 
 
 def fast_path(a: Operand, b: Operand, m: int, n: int, k: int, groups: ColumnGroups | None = None) -> str:
@@ -214,6 +286,7 @@ def _fast(
     c_layout: tuple[int, int, int],
     splits: int | None,
     groups: ColumnGroups | None,
+    half: HalfCopy | None = None,
 ) -> None:
     """lora_matmul on lora_stream / lora_rows (and lora_reduce when the reduction is split)."""
     m, n, k = mnk
@@ -237,4 +310,6 @@ def _fast(
     name, variant = stream if path == "stream" else ("lora_rows", {"s_kfast": path == "rows_kfast"})
     dev.dispatch(pipeline(dev, name, **variant), [params, a.buf, b.buf, out], (*grid, splits))
     if partial:
-        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups)
+        _reduce(dev, out, c, m, n, splits, (c_off, csm, csn), alpha, accumulate, groups, half)
+    elif half is not None:
+        _pack_half(dev, c, m, n, c_off, groups, half)
