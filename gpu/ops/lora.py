@@ -17,7 +17,9 @@ lora_expand is the forward's second product alone, for a caller that kept t (the
 lora_project its first alone, for the integer GEMM that adds the second in its epilogue (lora_project_group: the
 first products of the adapters whose projections share an input, in one pass over it; lora_da_group their dA);
 lora_term packs that
-epilogue's f16 operands (gpu/ops/matmul_i8.py LoraTerm).
+epilogue's f16 operands (gpu/ops/matmul_i8.py LoraTerm) where the parameters' f16 mirrors do not hold them
+(gpu/ops/lora_mirror.py: ranks that are no multiple of 16, or MIRRORS off); with the mirrors, t16 and dt16 come
+from the products themselves (half=, gpu/ops/lora_matmul.py HalfCopy).
 lora_group_sum is a mergeable adapter's projection of dA (model/reference.py lora_group_project)."""
 
 from __future__ import annotations
