@@ -210,13 +210,14 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "i8-tile-16sg": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tn=2, cs_in_stage=True)),
     "i8-tile-16sg-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tm=2, cs_in_stage=True)),
     "cs-own": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, cs_in_stage=False)),
-    # narrow products (the preset's grid under NARROW_WORKGROUPS workgroups) on NARROW_TILE or not; the tile
-    # switches pick another narrow tile (with i8-narrow-on while it is off by default: i8-narrow-on+i8-narrow-256x64)
+    # narrow products (the preset's grid under NARROW_WORKGROUPS workgroups, or filling under NARROW_FILL of its
+    # waves) on NARROW_TILE or not; the tile switches pick another narrow tile
     "i8-narrow-off": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 0),
     "i8-narrow-on": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 100),
     "i8-narrow-256x64": ("gpu.ops.matmul_i8", "NARROW_TILE", replace(I8_TILE, tn=2)),
     "i8-narrow-128x128": ("gpu.ops.matmul_i8", "NARROW_TILE", replace(I8_TILE, sg_m=2, sg_n=2)),
     "i8-narrow-below-200": ("gpu.ops.matmul_i8", "NARROW_WORKGROUPS", 200),
+    "i8-narrow-fill-off": ("gpu.ops.matmul_i8", "NARROW_FILL", 0.0),
     "row-wg-256": ("gpu.ops.quantize_i8", "SHORT_ROW_WORKGROUP", 256),
     # the input gradients' quantizer (dY times W's row scales): 4 rows a workgroup, the scales read once for them
     "quantize-rows-4": ("gpu.ops.quantize_i8", "SCALED_ROWS_PER_WORKGROUP", 4),

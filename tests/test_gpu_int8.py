@@ -641,23 +641,32 @@ def test_gemm_on_tensor_cores(m: int, n: int, k: int, chunk: int, cfg: I8Config 
 
 def test_narrow_products_pick_the_narrow_tile(monkeypatch: pytest.MonkeyPatch) -> None:
     """pick_i8_config: the narrow tile where the preset's grid has fewer than NARROW_WORKGROUPS (100) workgroups (k / v
-    of the TinyLlama and SmolLM2 shapes), the preset at the Llama-3-8B's, never for chunked scales; BK 32 for chunks
-    of 32; every pick is a registered variant's tile; NARROW_WORKGROUPS 0 the preset everywhere."""
+    of the TinyLlama and SmolLM2 shapes) or fills less than NARROW_FILL of its waves of WAVE (SmolLM2's 1,536-wide
+    products: 192 workgroups, 1.45 waves of 132), the preset at the Llama-3-8B's (k / v: 128, 0.97 of a wave) and
+    TinyLlama's wide ones, never for chunked scales; BK 32 for chunks of 32; every pick is a registered variant's
+    tile; NARROW_FILL 0 the grid count alone, NARROW_WORKGROUPS 0 the preset everywhere."""
     from gpu.ops import matmul_i8
 
     monkeypatch.setattr(matmul_i8, "NARROW_WORKGROUPS", 100)
+    monkeypatch.setattr(matmul_i8, "WAVE", 132)
+    monkeypatch.setattr(matmul_i8, "NARROW_FILL", 0.8)
     assert NARROW_TILE.bm * NARROW_TILE.bn < I8_TILE.bm * I8_TILE.bn
-    for m, p in ((4096, 256), (4096, 192), (4096, 576), (300, 200)):
+    for m, p in ((4096, 256), (4096, 192), (4096, 576), (300, 200), (4096, 1536)):
         assert pick_i8_config(1, 64, m, p) == NARROW_TILE, (m, p)
         assert pick_i8_config(1, 32, m, p).bk == 32
         assert pick_i8_config(2, 64, m, p) == I8_TILE_CHUNKED
-    for m, p in ((4096, 1024), (4096, 4096), (4096, 14336), (4096, 2048)):
+    for m, p in ((4096, 1024), (4096, 4096), (4096, 14336), (4096, 2048), (4096, 5632)):
         assert pick_i8_config(1, 64, m, p) == I8_TILE, (m, p)
     assert pick_i8_config(1, 64) == I8_TILE
     tiles = {v.cfg for v in all_i8_variants()}
     assert {pick_i8_config(1, c, 4096, 256) for c in (32, 64)} <= tiles
+    monkeypatch.setattr(matmul_i8, "NARROW_FILL", 0.0)
+    assert pick_i8_config(1, 64, 4096, 1536) == I8_TILE
+    assert pick_i8_config(1, 64, 4096, 256) == NARROW_TILE
     monkeypatch.setattr(matmul_i8, "NARROW_WORKGROUPS", 0)
+    monkeypatch.setattr(matmul_i8, "NARROW_FILL", 0.8)
     assert pick_i8_config(1, 64, 4096, 256) == I8_TILE
+    assert pick_i8_config(1, 64, 4096, 1536) == I8_TILE
 
 
 @pytest.mark.tensorcore

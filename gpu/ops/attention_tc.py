@@ -44,10 +44,11 @@ PAD_ROWS = 128  # packed operands carry this many zero rows past T rounded up to
 # the forward's subgroups a workgroup: 4 (64 query rows), or WIDE_FORWARD_SUBGROUPS (128 rows sharing each staged
 # key tile of 32: attention_tc_forward8; bench/attention.py --forward-subgroups measures both) at the head dims of
 # WIDE_FORWARD_HEAD_DIMS. 8: the 8B step on an H100 (2026-12-06) 4,831 against 4,808 tokens/s, the forward 25.0
-# against 30.8 ms. At head dim 64 (TinyLlama, SmolLM2) opt-in until timed on the GPU: (64, 128), bench/train_step.py
-# --ab attention-forward8-d64
+# against 30.8 ms. At head dim 64 (TinyLlama, SmolLM2; key tiles of 32): the TinyLlama step on an H100 (2026-12-06)
+# 22,394 against 22,214 tokens/s (+0.8 %), SmolLM2's the same within 0.1 %; bench/train_step.py --ab
+# attention-forward4-d64 puts 4 subgroups back there
 FORWARD_SUBGROUPS = 8
-WIDE_FORWARD_HEAD_DIMS = (128,)
+WIDE_FORWARD_HEAD_DIMS = (64, 128)
 # the backward's passes with S and dP side by side in workgroup memory (4 barriers a key or query tile instead of 6;
 # the dQ pass at head dim 128 only; bench/attention.py --paired-backward): on, the H100's 8B step 4,839 against
 # 4,808 tokens/s, the backward 59.4 against 66.2 ms

@@ -33,10 +33,15 @@ I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
 # Narrow products (the k / v projections of the TinyLlama and SmolLM2 shapes, N 192 .. 576 at 4,096 rows) get a
 # grid of fewer workgroups than the GPU has multiprocessors from the preset's 256 x 128 tiles (N 256: 32 of the
 # H100's 132): where the preset's grid has fewer than NARROW_WORKGROUPS, the smaller NARROW_TILE fills more of them
-# at fewer products per staged byte (one scale per row only; NARROW_WORKGROUPS 0: the preset everywhere). Opt-in
-# until timed on the GPU: 100, bench/train_step.py --ab i8-narrow-on.
+# at fewer products per staged byte (one scale per row only; NARROW_WORKGROUPS 0: the preset everywhere). So does
+# a grid whose last wave leaves much of the GPU idle: fewer workgroups than NARROW_FILL of the waves of WAVE (one
+# preset workgroup a multiprocessor: an H100's or H200's 132) it takes (SmolLM2's 1,536-wide products: 192, 1.45
+# waves). H100, 2026-12-06 (docs/benchmarks.md): SmolLM2 shape +8.1 % (100) and +4.6 % more (the fill), TinyLlama
+# +0.85 %; the Llama-3-8B's k / v (128 workgroups, 0.97 of a wave) are 0.5 % slower on the narrow tile and keep
+# the preset (bench --ab i8-narrow-off, i8-narrow-fill-off).
 NARROW_TILE = I8Config(sg_m=4, sg_n=2, tm=2, tn=2, bk=64, fm=1, cs_in_stage=True)
-NARROW_WORKGROUPS = 0
+NARROW_WORKGROUPS = 100
+WAVE, NARROW_FILL = 132, 0.8
 # Lavapipe-sized tile for the emulated kernel.
 EMU_TILE = I8Config(sg_m=2, sg_n=1, tm=1, tn=2, bk=32, fm=1)
 
@@ -119,11 +124,20 @@ def int8_problem(dev: Device) -> str | None:
 def pick_i8_config(chunks: int, chunk: int, m: int = 0, p: int = 0) -> I8Config:
     """The tile preset for operands with `chunks` scales per row of `chunk` codes each, for an m x p product (0:
     any): BK 64, or 32 where the chunk is no multiple of 64 (4 x 2 of 4 x 4 with BK 32: 259 / 281 TOPS at the sizes
-    above); NARROW_TILE where the preset's grid is narrower than NARROW_WORKGROUPS."""
+    above); NARROW_TILE where the preset's grid is narrow (_narrow)."""
     cfg = I8_TILE if chunks == 1 else I8_TILE_CHUNKED
-    if chunks == 1 and m and p and _workgroups(cfg, m, p) < NARROW_WORKGROUPS:
+    if chunks == 1 and m and p and _narrow(_workgroups(cfg, m, p)):
         cfg = NARROW_TILE
     return cfg if chunk % cfg.bk == 0 else _short_steps(cfg)
+
+
+def _narrow(workgroups: int) -> bool:
+    """Whether a preset grid of `workgroups` takes NARROW_TILE: fewer than NARROW_WORKGROUPS, or filling less than
+    NARROW_FILL of its waves of WAVE (NARROW_WORKGROUPS 0: never)."""
+    if NARROW_WORKGROUPS <= 0:
+        return False
+    waves = -(-workgroups // WAVE)
+    return workgroups < NARROW_WORKGROUPS or workgroups < NARROW_FILL * waves * WAVE
 
 
 def _short_steps(cfg: I8Config) -> I8Config:
