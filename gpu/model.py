@@ -479,7 +479,7 @@ class GPUModel:
         """Where t16 = f16(s t) of (layer, target) lives beside its t (_lora_t): (element offset in self.t16,
         its view)."""
         r = self.layout.r
-        i = self._t_index[(layer, target)] if self.saves_lora_t else LORA_TARGETS.index(target)
+        i = self._t_index[(layer, target)] if self.saves_lora_t else list(LORA_TARGETS).index(target)
         off = i * self._t16_slot
         return off, BufferView(self.t16, 2 * off, 2 * self.rows * r)
 

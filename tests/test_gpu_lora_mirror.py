@@ -197,3 +197,34 @@ def test_int8_step_with_mirrors_is_bitwise_the_packed_one(monkeypatch: pytest.Mo
     assert counts[1][packed] > 0 and counts[1][rotated] > 0
     assert counts[0][packed] == 0 and counts[0][rotated] == 0  # (unsplit products copy t with lora_matmul's pack)
     assert counts[0][("lora_mirror", "lora_mirror", "")] == 2  # rotation blocks 32 and 64, the step recorded once
+
+
+def test_forward_only_model_with_mirrors_is_bitwise_the_packed_one(
+    monkeypatch: pytest.MonkeyPatch, dev: Device
+) -> None:
+    """A forward-only int8 model at rank 16 (one t per target, no A mirrors; integer GEMMs emulated): the residual
+    stream after every block with the mirrors bitwise the one that packs per GEMM, and after set_adapter with other
+    parameters the new ones' (the forward refreshes the mirrors), not the old ones'."""
+    from gguf import GGMLQuantizationType as Q
+
+    from gpu.model import GPUModel, ModelWeights
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    r, batch, seq = 16, 2, 16
+    w, lora, ids, *_ = random_student_problem(CFG, 6, Q.Q4_0, r, batch, seq)
+    other = {k: type(p)(p.A * 0.5, p.B * -2.0) for k, p in lora.items()}
+    weights = ModelWeights.from_arrays(dev, CFG, w, Q.Q4_0)
+    streams = []
+    for on in (True, False):
+        monkeypatch.setattr(lora_mirror, "MIRRORS", on)
+        with int8_emulation(dev):
+            model = GPUModel(dev, weights, batch=batch, seq_len=seq, targets=LORA_TARGETS, r=r, alpha=2 * r,
+                             precision="int8")  # fmt: skip
+            assert (model.mirrors is not None) == on
+            model.set_adapter(lora)
+            first = model.residual_stream(ids, CFG.n_layers)
+            model.set_adapter(other)
+            streams.append((first, model.residual_stream(ids, CFG.n_layers)))
+    assert np.isfinite(streams[0][0]).all() and not np.array_equal(streams[0][0], streams[0][1])
+    for got, want in zip(streams[0], streams[1], strict=True):
+        np.testing.assert_array_equal(got, want)
