@@ -80,7 +80,7 @@ def rotation_block(k: int) -> int:
 
 def rotation_signs(k: int, col0: int = 0) -> np.ndarray:
     """The rotation's pseudo-random signs of columns col0 .. col0 + k - 1: bit 13 of col * 0x9E3779B1 (mod 2^32)
-    set gives -1 (the kernels' hadamard.wgsl rotation_signs)."""
+    set gives -1 (the kernels' hadamard.wgsl with_signs)."""
     col = np.arange(col0, col0 + k, dtype=np.uint64)
     return (1.0 - 2.0 * (((col * np.uint64(0x9E3779B1)) >> np.uint64(13)) & np.uint64(1))).astype(np.float32)
 

@@ -1,5 +1,5 @@
 // Block-diagonal Walsh-Hadamard rotation with pseudo-random signs of a row held in registers (include;
-// model/int8.py hadamard_rows is the numpy twin): x R, R = S H_b, S = diag(+-1) (rotation_signs: bit 13 of
+// model/int8.py hadamard_rows is the numpy twin): x R, R = S H_b, S = diag(+-1) (with_signs: bit 13 of
 // col * 0x9E3779B1), H_b block-diagonal with blocks H / sqrt(ROT) (ROT a power of two, 4 .. 4 WG; 0: none), H the
 // Sylvester Hadamard matrix (H[i, j] = (-1)^popcount(i & j), symmetric); back: x R^T = (x H_b) S, which undoes it.
 // The integer GEMM rotates both operands along the reduction axis, (x R)(W R)^T = x W^T, so an outlier input
@@ -22,10 +22,11 @@ fn butterfly4(v: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(a.x + a.z, a.y + a.w, a.x - a.z, a.y - a.w);
 }
 
-// the signs of columns c .. c + 3
-fn rotation_signs(c: u32) -> vec4<f32> {
-    let bits = ((vec4<u32>(c, c + 1u, c + 2u, c + 3u) * 0x9E3779B1u) >> vec4<u32>(13u)) & vec4<u32>(1u);
-    return vec4<f32>(1.0) - 2.0 * vec4<f32>(bits);
+// v times the signs of columns c .. c + 3 (bit 13 of col * 0x9E3779B1 set: -1), by flipping the sign bits (the
+// same values as the product; fewer instructions than making the signs and multiplying)
+fn with_signs(v: vec4<f32>, c: u32) -> vec4<f32> {
+    let h = vec4<u32>(c * 0x9E3779B1u) + vec4<u32>(0u, 0x9E3779B1u, 0x3C6EF362u, 0xDAA66D13u);
+    return bitcast<vec4<f32>>(bitcast<vec4<u32>>(v) ^ ((h << vec4<u32>(18u)) & vec4<u32>(0x80000000u)));
 }
 
 // whether the exchanges go through subgroup shuffles: a block's lanes (invocations) within one subgroup (uniform)
@@ -45,41 +46,40 @@ fn exchange_shared(lid: u32, x: vec4<f32>, d: u32) -> vec4<f32> {
     return p;
 }
 
-// the butterfly of invocation lid with its partner's p at distance d: the lower one a + b, the upper a - b
+// the butterfly of invocation lid with its partner's p at distance d: the lower one a + b, the upper a - b, as
+// p + x * (+-1) in one fused multiply-add (the product is exact: the same sum or difference, one rounding)
 fn butterfly(lid: u32, x: vec4<f32>, p: vec4<f32>, d: u32) -> vec4<f32> {
-    return select(x + p, p - x, (lid & d) != 0u);
+    return fma(x, vec4<f32>(select(1.0, -1.0, (lid & d) != 0u)), p);
 }
 
 // The rotation (back: its transpose) of an invocation's group of four values, columns col .. col + 3; every
 // invocation calls it with a group of the same j (lid + j WG). Two functions, so that a loop over an
 // invocation's groups through the shuffled one holds no barrier (and is unrolled, its array in registers).
 fn rotate_group_shuffled(lid: u32, v: vec4<f32>, col: u32, back: bool) -> vec4<f32> {
-    let signs = rotation_signs(col);
-    var x = butterfly4(select(v * signs, v, back));
+    var x = butterfly4(select(with_signs(v, col), v, back));
     for (var d = 1u; d < ROT / 4u; d <<= 1u) {
         x = butterfly(lid, x, subgroupShuffleXor(x, d), d);
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));   // (ROT 0 never gets here, but the constant is folded)
-    return select(x * norm, x * norm * signs, back);
+    return select(x * norm, with_signs(x * norm, col), back);
 }
 
 fn rotate_group_shared(lid: u32, v: vec4<f32>, col: u32, back: bool) -> vec4<f32> {
-    let signs = rotation_signs(col);
-    var x = butterfly4(select(v * signs, v, back));
+    var x = butterfly4(select(with_signs(v, col), v, back));
     for (var d = 1u; d < ROT / 4u; d <<= 1u) {
         x = butterfly(lid, x, exchange_shared(lid, x, d), d);
     }
     let norm = inverseSqrt(f32(max(ROT, 1u)));
-    return select(x * norm, x * norm * signs, back);
+    return select(x * norm, with_signs(x * norm, col), back);
 }
 
 // forward-rotate one invocation's unit of 16 consecutive values (columns col0 ..; units of invocations lid and
 // lid ^ d adjacent in the row: ROT >= 16); shuffled = rotation_shuffled(lid, ROT / 16)
 fn rotate_unit(lid: u32, v: ptr<function, array<vec4<f32>, 4>>, col0: u32, shuffled: bool) {
-    var a0 = butterfly4((*v)[0] * rotation_signs(col0));
-    var a1 = butterfly4((*v)[1] * rotation_signs(col0 + 4u));
-    var a2 = butterfly4((*v)[2] * rotation_signs(col0 + 8u));
-    var a3 = butterfly4((*v)[3] * rotation_signs(col0 + 12u));
+    var a0 = butterfly4(with_signs((*v)[0], col0));
+    var a1 = butterfly4(with_signs((*v)[1], col0 + 4u));
+    var a2 = butterfly4(with_signs((*v)[2], col0 + 8u));
+    var a3 = butterfly4(with_signs((*v)[3], col0 + 12u));
     let b0 = a0 + a1;   // h = 4 between the vec4s i and i ^ 1, h = 8 between i and i ^ 2
     let b1 = a0 - a1;
     let b2 = a2 + a3;
