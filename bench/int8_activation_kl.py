@@ -21,7 +21,11 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
   instead (what a rotation can do at best); `hadamardN:residual`: x as two 8-bit terms (its codes,
   then those of what they miss: two integer GEMMs); any variant `:onlyW` / `:shapeOxI`: only the projections with
   inputs of width W / weights of that shape; any variant ending in `:head`: the student's logits rounded too (the
-  LM head's forward product; its backward stays exact, as on the GPU);
+  LM head's forward product; its backward stays exact, as on the GPU); any variant ending in `:dh-rn` or `:dh-sr`
+  (after `:head`, if any): the head's backward too, each chunk's softmax-weighted sum of W's rows (exp(z - m) W_c,
+  the GPU's f16 "nn" GEMM) as an integer product would take it: W_c rotated and rounded per row (the logits'
+  codes), exp(z - m) times W's row scales rounded per row to 8 bits, to nearest (`rn`) or stochastically (`sr`:
+  floor(y + u), u uniform in [0, 1): unbiased), the sum rotated back;
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
 variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
@@ -71,9 +75,29 @@ def _orthogonal(k: int) -> np.ndarray:
     return (q * np.sign(np.diag(r))).astype(np.float32)
 
 
+def dh_product(mode: str, seed: int = 0) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """The `:dh-rn` / `:dh-sr` weighted sum out = p W_c (cpu/head.py VocabHead.weighted_rows) through 8-bit
+    operands (module docstring)."""
+    rng = np.random.default_rng(seed)
+
+    def product(p: np.ndarray, w_c: np.ndarray, out: np.ndarray) -> None:
+        k = w_c.shape[1]
+        size = min(128, k & -k)
+        codes, sw = quantize_i8(hadamard_rows(w_c, size), k)
+        a = p * sw.reshape(1, -1)
+        sa = np.abs(a).max(axis=1, keepdims=True) / np.float32(127)
+        y = a / np.where(sa > 0, sa, np.float32(1))
+        q = np.round(y) if mode == "rn" else np.floor(y + rng.random(y.shape, np.float32))
+        t = (np.clip(q, -127, 127) * sa).astype(np.float32) @ codes.astype(np.float32)
+        out[...] = hadamard_rows(t, size, back=True)
+
+    return product
+
+
 def variant_linear(variant: str, vocab: int, exact: Linear) -> Linear:
     """The projection product for `variant` (the LM head, W with `vocab` rows, stays exact unless the variant ends
     in `:head`: its logits rounded like the projections, as gpu/ops/head.py INT8_STUDENT_LOGITS)."""
+    variant = variant.removesuffix(":dh-rn").removesuffix(":dh-sr")
     head = variant.endswith(":head")
     name, _, only = variant.removesuffix(":head").partition(":only")  # only the inputs of this width rounded
     name, _, shape = name.partition(":shape")  # only the projections of this OUTxIN weight shape rounded
@@ -143,12 +167,16 @@ def main() -> None:
     where = {"student_gguf": student.path_in(root), "token_dir": tokens.path_in(root)}
     where["topk_dir"] = teacher.path_in(root)
     exact, exact_logits = reference.linear_forward, VocabHead.__dict__["logits"]  # the staticmethod itself
+    exact_sum = VocabHead.__dict__["weighted_rows"]
     first = None
     for name in (v for v in args.variants.split(",") if v):
         reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
-        if name.endswith(":head"):  # the numpy engine's chunked head: each chunk's logits through the rounding
+        if name.removesuffix(":dh-rn").removesuffix(":dh-sr").endswith(":head"):  # the numpy engine's chunked
+            # head: each chunk's logits through the rounding
             rounded_head = variant_linear(name, tokens.vocab_size, lambda x, w: x @ w.T)
             VocabHead.logits = staticmethod(lambda h, w_c, out, f=rounded_head: np.copyto(out, f(h, w_c)))
+        if name.endswith((":dh-rn", ":dh-sr")):
+            VocabHead.weighted_rows = staticmethod(dh_product(name[-2:]))
         t0 = time.perf_counter()
         try:
             if args.train:  # the train stage's key has no variant: its checkpoints are deleted and trained afresh
@@ -160,7 +188,7 @@ def main() -> None:
             else:
                 m = evaluate(cfg, **where, checkpoint=None)
         finally:
-            reference.linear_forward, VocabHead.logits = exact, exact_logits
+            reference.linear_forward, VocabHead.logits, VocabHead.weighted_rows = exact, exact_logits, exact_sum
         first = first if first is not None else float(m["kl"])
         row = {k: m.get(k) for k in ("kl", "top1", "ce")} | ({"evaluated": "exact"} if args.eval_exact else {})
         print(json.dumps({"variant": name, **row, "kl_vs_first": round(float(m["kl"]) / first - 1, 4),

@@ -84,9 +84,10 @@ def main() -> None:
     )
     ap.add_argument(
         "--int8-head",
-        choices=("on", "logits", "off"),
+        choices=("on", "logits", "probs", "off"),
         default=None,
-        help="int8: the student's LM head on the integer GEMM (logits: its logits only, the backward on f16)",
+        help="int8: the student's LM head on the integer GEMM (logits: its logits only, the backward on f16; probs: "
+        "the backward's P . W too, from stochastically rounded probabilities)",
     )
     ap.add_argument(
         "--int8-rotation", choices=("on", "off"), default=None, help="int8: GEMM operands in Walsh-Hadamard blocks"
@@ -96,7 +97,8 @@ def main() -> None:
         from gpu.ops import head
 
         head.INT8_STUDENT_HEAD = args.int8_head == "on"
-        head.INT8_STUDENT_LOGITS = args.int8_head == "logits"
+        head.INT8_STUDENT_LOGITS = args.int8_head in ("logits", "probs")
+        head.INT8_STUDENT_PROBS = args.int8_head == "probs"
     if args.int8_lora_epilogue or args.int8_input_grads or args.int8_rotation:  # the engine's class defaults (A/B)
         from gpu.model import GPUModel
         from gpu.student import GPUStudent

@@ -185,6 +185,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "kd-staged-chunk": ("gpu.ops.kd", "DECODED_CHUNK", False),
     # int8: the student's logits on the f16 tensor cores (the default: on the integer GEMM, --int8-head logits)
     "int8-logits-off": ("gpu.ops.head", "INT8_STUDENT_LOGITS", False),
+    # int8: the one-pass backward's P . W on the integer GEMM too (stochastic 8-bit probabilities; --int8-head probs)
+    "int8-probs": ("gpu.ops.head", "INT8_STUDENT_PROBS", True),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     # the forward at head dim 64 on 4 subgroups (key tiles of 64), or on 8 (key tiles of 32); 8 at 128 either way
     "attention-forward4-d64": ("gpu.ops.attention_tc", "WIDE_FORWARD_HEAD_DIMS", (128,)),
@@ -597,10 +599,11 @@ def summarize(rows: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
 _CHOICES = (
     (
         "--int8-head",
-        ("on", "logits", "off"),
+        ("on", "logits", "probs", "off"),
         "logits",
         "int8: the student's LM head on the integer GEMM (logits, the engine's default: its logits only, the "
-        "backward on f16; on: both; off: neither)",
+        "backward on f16; probs: the one-pass backward's P . W too, from stochastically rounded probabilities; on: "
+        "both, the two-pass backward's dlogits rounded to nearest; off: neither)",
     ),
     ("--int8-teacher-head", ("on", "off"), "on", "int8: the teacher's LM head on integer GEMMs"),
     (
@@ -751,7 +754,8 @@ def main() -> None:
 
         head.INT8_HEAD = args.int8_teacher_head == "on"
         head.INT8_STUDENT_HEAD = args.int8_head == "on"
-        head.INT8_STUDENT_LOGITS = args.int8_head == "logits"
+        head.INT8_STUDENT_LOGITS = args.int8_head in ("logits", "probs")
+        head.INT8_STUDENT_PROBS = args.int8_head == "probs"
         from gpu.model import GPUModel
         from gpu.student import GPUStudent
 

@@ -18,6 +18,7 @@ kd_support_backward, in float64 on [rows, k].
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ import numpy as np
 from model.kd import LossConfig, kd_support_backward, kd_support_forward
 
 GATHER_ROWS = 64  # rows per block of the sparse term's W[ids] gather ([64, k, H] floats at a time)
+Product = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
 @dataclass
@@ -48,8 +50,11 @@ class _Online:
         self.s = np.zeros(n, np.float64)
         self.acc = np.zeros((n, hidden), np.float32) if weighted else None
 
-    def fold(self, z: np.ndarray, w_c: np.ndarray, scratch: np.ndarray, tmp: np.ndarray | None) -> None:
-        """Fold the chunk z [n, nv] (already divided by the temperature) in; overwrites scratch with exp(z - m)."""
+    def fold(
+        self, z: np.ndarray, w_c: np.ndarray, scratch: np.ndarray, tmp: np.ndarray | None, product: Product
+    ) -> None:
+        """Fold the chunk z [n, nv] (already divided by the temperature) in; overwrites scratch with exp(z - m);
+        product(p, w_c, out): out = p w_c, the chunk's share of the softmax-weighted sum."""
         m_new = np.maximum(self.m, z.max(axis=1))
         alpha = np.exp(self.m - m_new)  # 0 on the first chunk (m = -inf)
         np.subtract(z, m_new[:, None], out=scratch)
@@ -58,7 +63,7 @@ class _Online:
         self.s += scratch.sum(axis=1, dtype=np.float64)
         if self.acc is not None:
             self.acc *= alpha[:, None]
-            np.matmul(scratch, w_c, out=tmp)
+            product(scratch, w_c, tmp)
             self.acc += tmp
         self.m = m_new
 
@@ -85,6 +90,12 @@ class VocabHead:
         """out = h W_c^T, the logits of one vocabulary chunk (a study may round its operands:
         bench/int8_activation_kl.py `:head`)."""
         np.matmul(h, w_c.T, out=out)
+
+    @staticmethod
+    def weighted_rows(p: np.ndarray, w_c: np.ndarray, out: np.ndarray) -> None:
+        """out = p W_c: a chunk's exp(z - m) [n, nv] times its rows of W, the backward's softmax-weighted sum (a
+        study may round its operands: bench/int8_activation_kl.py `:dh`)."""
+        np.matmul(p, w_c, out=out)
 
     def _buf(self, name: str, n: int, nv: int) -> np.ndarray:
         key = (name, n, nv)
@@ -124,12 +135,12 @@ class VocabHead:
                 best[better], best_id[better] = val[better], arg[better] + c0
             scratch = self._buf("e", n, nv)
             if same:
-                at_tau.fold(z, w_c, scratch, tmp)
+                at_tau.fold(z, w_c, scratch, tmp, self.weighted_rows)
                 continue
-            at_1.fold(z, w_c, scratch, tmp)
+            at_1.fold(z, w_c, scratch, tmp, self.weighted_rows)
             zt = self._buf("zt", n, nv)
             np.multiply(z, inv_tau, out=zt)
-            at_tau.fold(zt, w_c, scratch, tmp)
+            at_tau.fold(zt, w_c, scratch, tmp, self.weighted_rows)
         lse_tau = at_tau.lse()
         q_w = at_tau.weighted()
         if same:

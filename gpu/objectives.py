@@ -37,6 +37,7 @@ from gpu.profile import scope
 from model.config import ModelConfig
 from model.dpo import DpoConfig, PairTerms, preference_loss
 from model.engine_spec import EngineSpec, KdBatch, PairBatch, check_pair_engine, expect_batch, pair_arrays
+from model.int8 import mix32
 from model.kd import EPS, LossConfig
 
 
@@ -151,7 +152,9 @@ class GpuKd:
             int8_hidden=int8_head,
             int8_backward=head.INT8_STUDENT_HEAD,
             int8_rot=st._rotation(st.cfg.hidden),
+            int8_probs=head.INT8_STUDENT_PROBS and not head.INT8_STUDENT_HEAD,
         )
+        self._batches = 0  # batches written: each step's stochastic rounding seed (int8 probabilities)
         if self.scratch.int8 is not None:
             self.scratch.int8.keep_row_scales(dev, st.w.lm_head, st.cfg.vocab)
         self.top1 = TopKState.build(dev, rows, 1)
@@ -176,6 +179,9 @@ class GpuKd:
             raise ValueError(f"token ids outside the student's vocabulary [0, {st.cfg.vocab})")
         w = st.dev.write
         bufs = st._b.bufs
+        if self.scratch.int8 is not None:
+            self._batches += 1
+            self.scratch.int8.reseed(st.dev, int(mix32(np.uint32(self._batches))))
         w(bufs["ids"], ids.astype(np.uint32).reshape(-1))
         w(bufs["positions"], np.tile(np.arange(st.seq_len, dtype=np.uint32), st.batch))
         w(bufs["targets"], np.asarray(batch.targets).reshape(bt).astype(np.uint32).reshape(-1))

@@ -324,6 +324,7 @@ KERNELS: dict[str, Kernel] = {
     # the one-pass backward (gpu/ops/kd.py): pass 1 also emits each chunk's probabilities (in place, or f16)
     "kd_stats_probs": Kernel((*_ROWS, *_LSE, "kd_probs_f32", "kd_stats")),
     "kd_stats_probs16": Kernel((*_ROWS, *_LSE, "kd_probs_f16", "kd_stats")),
+    "kd_stats_probs8": Kernel((*_ROWS, *_LSE, "kd_probs_i8", "kd_stats")),
     "kd_rescaled_add": Kernel((*_ELEMENTWISE, "kd_rescaled_add"), {"acc": BOOLS}),
     "kd_finish": Kernel(("kd_finish", "row_vec4"), {"wtype": tuple(WEIGHT_TYPES), "ce": BOOLS}, _kd_finish_values),
     "kd_grad": Kernel((*_ROWS, "kd_grad"), {"ce": BOOLS}),

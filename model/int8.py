@@ -106,3 +106,35 @@ def hadamard_rows(x: np.ndarray, block: int, *, back: bool = False) -> np.ndarra
         h *= 2
     y = y.reshape(rows, k) / np.sqrt(block)
     return (y * signs if back else y).astype(np.float32)
+
+
+def mix32(v: np.ndarray) -> np.ndarray:
+    """The low-bias 32-bit integer hash (lowbias32) of u32 values, as gpu/kernels/kd_probs_i8.wgsl's mix32."""
+    x = np.asarray(v, np.uint32).copy()
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(0x7FEB352D)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(0x846CA68B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def dither(seed: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """u in [0, 1) (24 bits) of (row, vocab id) pairs under `seed`: kd_probs_i8.wgsl's dither_at."""
+    rows, ids = np.asarray(rows, np.uint32), np.asarray(ids, np.uint32)
+    with np.errstate(over="ignore"):
+        h = mix32(np.uint32(seed) ^ mix32((rows * np.uint32(0x9E3779B1)) ^ mix32(ids)))
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 16777216.0)
+
+
+def stochastic_probs_i8(p: np.ndarray, seed: int, c0: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(codes uint8 [rows, nv], scales float32 [rows]) of non-negative p [rows, nv] (a vocab chunk's probabilities
+    times W's row scales, columns = vocab ids c0 ..): scale max / 127 per row, code min(floor(p / scale + u), 127)
+    with u = dither(seed, row, id): unbiased, E[code scale] = p (kd_probs_i8.wgsl)."""
+    p = np.asarray(p, np.float32)
+    rows, nv = p.shape
+    scale = (p.max(axis=1) / np.float32(QMAX)).astype(np.float32)
+    u = dither(seed, np.arange(rows)[:, None], np.arange(c0, c0 + nv)[None, :])
+    safe = np.where(scale > 0, scale, np.float32(1))[:, None]
+    codes = np.where(scale[:, None] > 0, np.minimum(np.floor(p / safe + u), np.float32(QMAX)), 0)
+    return codes.astype(np.uint8), scale

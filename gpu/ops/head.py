@@ -5,13 +5,13 @@ strided_matmul."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from gpu.codegen_i8 import MMA_K
-from gpu.device import Device
+from gpu.device import BufferView, Device
 from gpu.ops.matmul import linear
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers
 from gpu.ops.matmul_tc import linear_tc
@@ -30,6 +30,12 @@ INT8_STUDENT_HEAD = False
 # tensor cores: +1.9 % on the Llama-3-8B step (H100 A/B, 2026-12-06, docs/benchmarks.md), the int8 gate +0.98 %
 # against +0.30 % with f16 logits (within the 2 % bar); bench/train_step.py --int8-head off|logits|on.
 INT8_STUDENT_LOGITS = True
+# ... and with it the one-pass backward's P_c . W on the integer GEMM too: P_c times W's row scales as int8 codes of
+# their row's max, rounded stochastically (unbiased; gpu/kernels/kd_probs_i8.wgsl), instead of the f16 tensor cores.
+# Opt-in until timed and gated on a GPU: on the demo (numpy study, 2026-12-07, docs/benchmarks.md) the trained
+# adapter's held-out KL +0.6 / +0.8 % (seeds 0 / 1) over the integer path with exact P_c . W; rounding to nearest
+# +274 %. bench/train_step.py --int8-head probs.
+INT8_STUDENT_PROBS = False
 
 
 @dataclass(frozen=True)
@@ -49,19 +55,49 @@ class Int8Head:
     # chunk write the codes alone (weight_to_i8 fixed_scales: no absmax over each row; the same codes)
     chunk_scales: dict[tuple[str, int, int], Any] = field(default_factory=dict)
     decoded: list[Any] = field(default_factory=list)  # [the row scales of the chunk decoded last]
+    # the one-pass backward's P_c codes [T, chunk] (stochastically rounded, gpu/kernels/kd_probs_i8.wgsl) and their row
+    # scales, two views of one buffer (probs_buf), and its uniform (seed, the scales' offset in words): built with probs
+    probs: Int8Matrix | None = None
+    probs_buf: Any = None
+    dither: Any = None
 
     @classmethod
     def build(
-        cls, dev: Device, n_tokens: int, hidden: int, chunk: int, backward: bool, rot: int = 0
+        cls, dev: Device, n_tokens: int, hidden: int, chunk: int, backward: bool, rot: int = 0, probs: bool = False
     ) -> Int8Head | None:
-        """The buffers for n_tokens rows and vocab chunks of `chunk`; None when hidden is no multiple of 32."""
+        """The buffers for n_tokens rows and vocab chunks of `chunk`; None when hidden is no multiple of 32.
+        backward: the two-pass backward's dlogits codes; probs (instead): the one-pass backward's P_c codes."""
         if hidden % MMA_K or chunk % MMA_K:
             return None
-        dz = i8_buffers(dev, n_tokens, chunk, chunk, "dlogits") if backward else None
+        dz = i8_buffers(dev, n_tokens, chunk, chunk, "dlogits") if backward and not probs else None
         ones = dev.upload(np.ones(hidden, np.float32), label="int8 head column scales")
-        dh_rot = dev.buffer(4 * n_tokens * hidden, label="int8 head dh, rotated") if backward and rot else None
-        return cls(i8_buffers(dev, n_tokens, hidden, hidden, "head input"), i8_buffers(dev, chunk, hidden, hidden,
+        dh_rot = dev.buffer(4 * n_tokens * hidden, label="int8 head dh, rotated") if dz is not None and rot else None
+        head = cls(i8_buffers(dev, n_tokens, hidden, hidden, "head input"), i8_buffers(dev, chunk, hidden, hidden,
                    "lm_head chunk"), dz, ones, rot, dh_rot)  # fmt: skip
+        if not probs:
+            return head
+        off = -(-n_tokens * chunk // dev.offset_alignment) * dev.offset_alignment
+        buf = dev.buffer(off + 4 * n_tokens, label="int8 head probabilities")
+        codes = Int8Matrix(BufferView(buf, 0, n_tokens * chunk), BufferView(buf, off, 4 * n_tokens), n_tokens, chunk,
+                           chunk, "probabilities")  # fmt: skip
+        usage = dev.wgpu.BufferUsage.UNIFORM | dev.wgpu.BufferUsage.COPY_DST
+        dither = dev.buffer(16, usage=usage, label="int8 head dither")
+        dev.write(dither, np.array([0, off // 4, 0, 0], np.uint32))
+        return replace(head, probs=codes, probs_buf=buf, dither=dither)
+
+    def reseed(self, dev: Device, seed: int) -> None:
+        """The stochastic rounding's seed for the next steps (probs): a new one per step, so each step's rounding
+        errors are fresh."""
+        if self.dither is not None:
+            off = self.probs.scales.offset // 4
+            dev.write(self.dither, np.array([seed & 0xFFFFFFFF, off, 0, 0], np.uint32))
+
+    def probs_grad(self, dev: Device, nv: int, out: Any) -> None:
+        """out [T, hidden] = P_c' . codes(W_c R), the chunk's P_c W_c R, from the probabilities' codes (kd_stats_probs8
+        wrote them) and the chunk logits() decoded last ("nn" integer GEMM; still rotated)."""
+        p = self.probs
+        codes = Int8Matrix(p.codes, p.scales, p.rows, nv, nv, "probabilities")
+        gemm_i8(dev, codes, self.chunk_rows(nv), out, orient="nn", col_scales=self.ones)
 
     def quantize(self, dev: Device, h: Any) -> None:
         quantize_i8_gpu(dev, h, self.h, rot=self.rot)

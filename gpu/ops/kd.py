@@ -21,7 +21,9 @@ tensor-core tests. A scratch with w16 (DECODED_CHUNK) decodes each chunk's rows 
 tensor-core products (the same values as decoding while staging). With the scratch's Int8Head (precision int8)
 both products run on the integer GEMM instead: h and each chunk's rows of W rounded to 8 bits of their row's max,
 dZ_c times W's row scales likewise per row (two passes). An Int8Head of the logits alone (no dz) computes Z_c on
-the integer GEMM and leaves the one-pass backward's P_c W_c where it was (tensor cores, over the decoded chunk)."""
+the integer GEMM and leaves the one-pass backward's P_c W_c where it was (tensor cores, over the decoded chunk);
+one with probs puts that product on the integer GEMM too, from P_c times W's row scales rounded stochastically to 8
+bits of their row's max (gpu/kernels/kd_probs_i8.wgsl; over rotated codes, U turned back once at the end)."""
 
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from gpu.ops.half import add_unscaled, to_f16_scaled, weight_to_f16
 from gpu.ops.head import Int8Head, logits_chunk
 from gpu.ops.matmul import linear_input_grad
 from gpu.ops.matmul_tc import linear_input_grad_tc
+from gpu.ops.quantize_i8 import rotate_rows
 from gpu.ops.reduce import count_nonzero, reduce_sum
 from gpu.ops.strided_matmul import row_major, strided_matmul
 from gpu.registry import pipeline
@@ -87,13 +90,16 @@ class KdScratch:
         half: bool = True,
         int8_backward: bool = True,
         int8_rot: int = 0,
+        int8_probs: bool = False,
         decoded_chunk: bool | None = None,
     ) -> KdScratch:
         """hidden: also the buffers of the one-pass backward (module docstring) and, with half, those of the
         tensor-core backward (for a caller passing h16); int8_hidden: those of the integer head
         (gpu/ops/head.py Int8Head) for rows of int8_hidden, its backward too unless int8_backward is False (the
-        logits only), rotated in blocks of int8_rot; decoded_chunk (None: DECODED_CHUNK), with the tensor-core
-        buffers and hidden a multiple of 8: a vocab chunk's rows as f16, decoded once for both its products."""
+        logits only), rotated in blocks of int8_rot, and with int8_probs the one-pass backward's P_c W_c on the integer
+        GEMM too (Int8Head probs: stochastically rounded probabilities; needs hidden); decoded_chunk (None:
+        DECODED_CHUNK), with the tensor-core buffers and hidden a multiple of 8: a vocab chunk's rows as f16,
+        decoded once for both its products."""
         t = n_tokens
 
         def buf(n: int, label: str) -> Any:
@@ -117,7 +123,9 @@ class KdScratch:
             buf(t, "one-pass rescale") if hidden is not None else None,
             None
             if int8_hidden is None
-            else Int8Head.build(dev, t, int8_hidden, chunk, backward=int8_backward, rot=int8_rot),
+            else Int8Head.build(
+                dev, t, int8_hidden, chunk, int8_backward, int8_rot, probs=int8_probs and hidden is not None
+            ),
             dev.buffer(padded_nbytes(GGMLQuantizationType.F16, (chunk, hidden)), label="kd head chunk f16")
             if decoded
             else None,
@@ -188,22 +196,31 @@ def kd_head_forward_backward(
 
     count_nonzero(dev, mask, sc.row_info, t, out_index=4 * t)
     int8_backward = i8 is not None and i8.dz is not None  # dZ_c . W_c on the integer GEMM too (else the logits only)
+    # P_c W_c on the integer GEMM from stochastically rounded probabilities (Int8Head probs), every chunk covered
+    probs8 = i8 is not None and i8.probs is not None and all(i8.covers(w, nv) for _, nv in chunks)
     one_pass = ONE_PASS and backward and not accumulate_dh and quant and not int8_backward and sc.rescale is not None
-    one_pass = one_pass and (not ce or cfg.tau == 1.0) and (h16 is None or sc.dz16 is not None)
-    half = one_pass and h16 is not None
-    stats_pipe = pipeline(dev, "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else "kd_stats")
+    one_pass = one_pass and (not ce or cfg.tau == 1.0) and (probs8 or h16 is None or sc.dz16 is not None)
+    probs8 = probs8 and one_pass
+    half = one_pass and h16 is not None and not probs8
+    kernel = "kd_stats_probs8" if probs8 else "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else None
+    stats_pipe = pipeline(dev, kernel or "kd_stats")
     for i, (c0, nv) in enumerate(chunks):
         # the f16 chunk only where a product reads it (pass 1 of two, with the integer logits: none)
         integer_logits = i8 is not None and i8.covers(w, nv)
-        wc, r0 = (w, c0) if integer_logits and not one_pass else _chunk_head(dev, sc, w, c0, nv, h16, int8_backward)
+        no_f16 = integer_logits and (not one_pass or probs8)
+        wc, r0 = (w, c0) if no_f16 else _chunk_head(dev, sc, w, c0, nv, h16, int8_backward)
         _logits(dev, sc, h, w, c0, wc, r0, nv, hidden, h16, i8)
         params = pack(t, nv, chunk, c0, k, inv_tau, i == 0, 0)
         bind = [params, sc.logits, teacher_ids, targets, sc.lse, sc.gathered]
-        if one_pass:
+        if probs8:
+            bind += [i8.probs_buf, sc.rescale, i8.decoded[0], i8.dither]
+        elif one_pass:
             bind += [sc.dz16, sc.rescale] if half else [sc.rescale]
         dev.dispatch(stats_pipe, bind, grid(t, 1))
         if one_pass:  # dh = U, the running sum of P_c W_c at the running max
-            if half:
+            if probs8:  # over rotated codes: U R, turned back after the last chunk
+                i8.probs_grad(dev, nv, sc.dh_part)
+            elif half:
                 linear_input_grad_tc(dev, sc.dz16, row_slice(wc, r0, nv), sc.dh_part, t, lda=chunk, a_dtype="f16")
             else:
                 linear_input_grad(dev, sc.logits, row_slice(w, c0, nv), sc.dh_part, t, lda=chunk)
@@ -221,6 +238,8 @@ def kd_head_forward_backward(
     reduce_sum(dev, sc.row_loss, loss, t, out_index=loss_index)
 
     if one_pass:  # dh = c_t U + the rows of W at the teacher ids and the target
+        if probs8 and i8.rot:
+            rotate_rows(dev, dh, t, hidden, i8.rot)
         finish = pipeline(dev, "kd_finish", wtype=w.qtype.name, ce=ce)
         bind = [pack(t, hidden, k, inv_tau), w.binding, teacher_ids, sc.da, sc.row_info, sc.lse, targets, mask, dh]
         dev.dispatch(finish, bind, grid(t * hidden // 4, 64))
