@@ -105,7 +105,9 @@ class KdScratch:
         def buf(n: int, label: str) -> Any:
             return dev.buffer(4 * n, label=f"kd {label}")
 
-        tc = half and hidden is not None and chunk % 4 == 0
+        # with the integer head's probabilities, P_c W_c needs neither the f16 probabilities nor the f16 chunk
+        probs = int8_probs and int8_hidden is not None and hidden is not None
+        tc = half and hidden is not None and chunk % 4 == 0 and not probs
         decoded = tc and hidden % 8 == 0 and (DECODED_CHUNK if decoded_chunk is None else decoded_chunk)
         return cls(
             t,
@@ -123,9 +125,7 @@ class KdScratch:
             buf(t, "one-pass rescale") if hidden is not None else None,
             None
             if int8_hidden is None
-            else Int8Head.build(
-                dev, t, int8_hidden, chunk, int8_backward, int8_rot, probs=int8_probs and hidden is not None
-            ),
+            else Int8Head.build(dev, t, int8_hidden, chunk, int8_backward, int8_rot, probs=probs),
             dev.buffer(padded_nbytes(GGMLQuantizationType.F16, (chunk, hidden)), label="kd head chunk f16")
             if decoded
             else None,
