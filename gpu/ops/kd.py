@@ -202,8 +202,8 @@ def kd_head_forward_backward(
     one_pass = one_pass and (not ce or cfg.tau == 1.0) and (probs8 or h16 is None or sc.dz16 is not None)
     probs8 = probs8 and one_pass
     half = one_pass and h16 is not None and not probs8
-    kernel = "kd_stats_probs8" if probs8 else "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else None
-    stats_pipe = pipeline(dev, kernel or "kd_stats")
+    stats = "kd_stats_probs16" if half else "kd_stats_probs" if one_pass else "kd_stats"
+    stats_pipe = pipeline(dev, "kd_stats_probs8" if probs8 else stats)
     for i, (c0, nv) in enumerate(chunks):
         # the f16 chunk only where a product reads it (pass 1 of two, with the integer logits: none)
         integer_logits = i8 is not None and i8.covers(w, nv)
