@@ -25,7 +25,9 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
   (after `:head`, if any): the head's backward too, each chunk's softmax-weighted sum of W's rows (exp(z - m) W_c,
   the GPU's f16 "nn" GEMM) as an integer product would take it: W_c rotated and rounded per row (the logits'
   codes), exp(z - m) times W's row scales rounded per row to 8 bits, to nearest (`rn`) or stochastically (`sr`:
-  floor(y + u), u uniform in [0, 1): unbiased), the sum rotated back;
+  floor(y + u), u uniform in [0, 1): unbiased), the sum rotated back; any variant ending in `:lora8` (last): the
+  adapters' t = x A^T too from x and A rotated like the projection's operands and rounded per row (an integer thin
+  product over the codes the projection already has), in the forward and in dB = s dY^T t;
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
 variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
@@ -94,10 +96,33 @@ def dh_product(mode: str, seed: int = 0) -> Callable[[np.ndarray, np.ndarray, np
     return product
 
 
+def lora8_pair(variant: str) -> tuple[Callable, Callable]:
+    """reference.lora_forward / lora_backward with t = x A^T from 8-bit rotated operands (`:lora8`; the rotation
+    of `variant`'s hadamardN, else none)."""
+    name = variant.split(":")[0]
+    size = int(name[8:]) if name.startswith("hadamard") else 0
+
+    def t_of(x: np.ndarray, a: np.ndarray) -> np.ndarray:
+        if x.shape[1] % 32:
+            return x @ a.T
+        n = min(size, x.shape[1] & -x.shape[1]) if size else 0
+        xr, ar = (hadamard_rows(x, n), hadamard_rows(a, n)) if n else (x, a)
+        return rounded(xr) @ rounded(ar).T
+
+    def forward(x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+        return scale * (t_of(x, a) @ b.T)
+
+    def backward(dy: np.ndarray, x: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> tuple:
+        du = scale * (dy @ b)
+        return du @ a, du.T @ x, scale * (dy.T @ t_of(x, a))
+
+    return forward, backward
+
+
 def variant_linear(variant: str, vocab: int, exact: Linear) -> Linear:
     """The projection product for `variant` (the LM head, W with `vocab` rows, stays exact unless the variant ends
     in `:head`: its logits rounded like the projections, as gpu/ops/head.py INT8_STUDENT_LOGITS)."""
-    variant = variant.removesuffix(":dh-rn").removesuffix(":dh-sr")
+    variant = variant.removesuffix(":lora8").removesuffix(":dh-rn").removesuffix(":dh-sr")
     head = variant.endswith(":head")
     name, _, only = variant.removesuffix(":head").partition(":only")  # only the inputs of this width rounded
     name, _, shape = name.partition(":shape")  # only the projections of this OUTxIN weight shape rounded
@@ -168,15 +193,19 @@ def main() -> None:
     where["topk_dir"] = teacher.path_in(root)
     exact, exact_logits = reference.linear_forward, VocabHead.__dict__["logits"]  # the staticmethod itself
     exact_sum = VocabHead.__dict__["weighted_rows"]
+    exact_lora = reference.lora_forward, reference.lora_backward
     first = None
     for name in (v for v in args.variants.split(",") if v):
         reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
-        if name.removesuffix(":dh-rn").removesuffix(":dh-sr").endswith(":head"):  # the numpy engine's chunked
+        if name.endswith(":lora8"):
+            reference.lora_forward, reference.lora_backward = lora8_pair(name)
+        base = name.removesuffix(":lora8")
+        if base.removesuffix(":dh-rn").removesuffix(":dh-sr").endswith(":head"):  # the numpy engine's chunked
             # head: each chunk's logits through the rounding
-            rounded_head = variant_linear(name, tokens.vocab_size, lambda x, w: x @ w.T)
+            rounded_head = variant_linear(base, tokens.vocab_size, lambda x, w: x @ w.T)
             VocabHead.logits = staticmethod(lambda h, w_c, out, f=rounded_head: np.copyto(out, f(h, w_c)))
-        if name.endswith((":dh-rn", ":dh-sr")):
-            VocabHead.weighted_rows = staticmethod(dh_product(name[-2:]))
+        if base.endswith((":dh-rn", ":dh-sr")):
+            VocabHead.weighted_rows = staticmethod(dh_product(base[-2:]))
         t0 = time.perf_counter()
         try:
             if args.train:  # the train stage's key has no variant: its checkpoints are deleted and trained afresh
@@ -184,11 +213,13 @@ def main() -> None:
                 trained = stages.train.run(cfg, student, tokens, teacher)[-1]
                 if args.eval_exact:
                     reference.linear_forward, VocabHead.logits = exact, exact_logits
+                    reference.lora_forward, reference.lora_backward = exact_lora
                 m = evaluate(cfg, **where, checkpoint=trained.path_in(root))
             else:
                 m = evaluate(cfg, **where, checkpoint=None)
         finally:
             reference.linear_forward, VocabHead.logits, VocabHead.weighted_rows = exact, exact_logits, exact_sum
+            reference.lora_forward, reference.lora_backward = exact_lora
         first = first if first is not None else float(m["kl"])
         row = {k: m.get(k) for k in ("kl", "top1", "ce")} | ({"evaluated": "exact"} if args.eval_exact else {})
         print(json.dumps({"variant": name, **row, "kl_vs_first": round(float(m["kl"]) / first - 1, 4),

@@ -92,7 +92,17 @@ def main() -> None:
     ap.add_argument(
         "--int8-rotation", choices=("on", "off"), default=None, help="int8: GEMM operands in Walsh-Hadamard blocks"
     )
+    ap.add_argument(
+        "--int8-lora-t",
+        choices=("codes", "f32"),
+        default=None,
+        help="int8: LoRA's t = x A^T from x's int8 codes and A's (gpu/ops/lora_i8.py), or from f32 x",
+    )
     args = ap.parse_args()
+    if args.int8_lora_t:
+        from gpu.ops import lora_i8
+
+        lora_i8.THIN_I8 = args.int8_lora_t == "codes"
     if args.int8_head:
         from gpu.ops import head
 
@@ -119,7 +129,7 @@ def main() -> None:
         return
     best: dict[str, float] = {}
     # the engine knobs are not part of the train stage's key: with any of them, each precision trains afresh
-    knobs = any((args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation))
+    knobs = any((args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation, args.int8_lora_t))
     for precision in [p for p in args.precisions.split(",") if p]:
         pcfg = with_precision(cfg, precision)
         if knobs:

@@ -185,8 +185,11 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "kd-staged-chunk": ("gpu.ops.kd", "DECODED_CHUNK", False),
     # int8: the student's logits on the f16 tensor cores (the default: on the integer GEMM, --int8-head logits)
     "int8-logits-off": ("gpu.ops.head", "INT8_STUDENT_LOGITS", False),
-    # int8: the one-pass backward's P . W on the integer GEMM too (stochastic 8-bit probabilities; --int8-head probs)
-    "int8-probs": ("gpu.ops.head", "INT8_STUDENT_PROBS", True),
+    # int8: the one-pass backward's P . W on the f16 tensor cores (the default: on the integer GEMM from stochastic
+    # 8-bit probabilities; --int8-head logits)
+    "int8-probs-off": ("gpu.ops.head", "INT8_STUDENT_PROBS", False),
+    # int8: LoRA's t = x A^T from x's int8 codes and A's on the integer MMAs (gpu/ops/lora_i8.py; off: f32 x)
+    "lora-t-i8": ("gpu.ops.lora_i8", "THIN_I8", True),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     # the forward at head dim 64 on 4 subgroups (key tiles of 64), or on 8 (key tiles of 32); 8 at 128 either way
     "attention-forward4-d64": ("gpu.ops.attention_tc", "WIDE_FORWARD_HEAD_DIMS", (128,)),
@@ -600,10 +603,10 @@ _CHOICES = (
     (
         "--int8-head",
         ("on", "logits", "probs", "off"),
-        "logits",
-        "int8: the student's LM head on the integer GEMM (logits, the engine's default: its logits only, the "
-        "backward on f16; probs: the one-pass backward's P . W too, from stochastically rounded probabilities; on: "
-        "both, the two-pass backward's dlogits rounded to nearest; off: neither)",
+        "probs",
+        "int8: the student's LM head on the integer GEMM (probs, the engine's default: its logits and the one-pass "
+        "backward's P . W, from stochastically rounded probabilities; logits: its logits only, the backward on f16; "
+        "on: both, the two-pass backward's dlogits rounded to nearest; off: neither)",
     ),
     ("--int8-teacher-head", ("on", "off"), "on", "int8: the teacher's LM head on integer GEMMs"),
     (

@@ -27,13 +27,23 @@ from gpu.codegen_attention_tc import ATTENTION_TC_HEAD_DIMS
 from gpu.codegen_i8 import MMA_K
 from gpu.device import BufferView, Device, DeviceError, Tape
 from gpu.headroom import free_bytes
+from gpu.ops import lora_i8
 from gpu.ops.add import add, add_bias, scale_inplace
 from gpu.ops.attention import attention_backward, attention_forward
 from gpu.ops.attention_tc import RopeAt, attention_backward_tc, attention_forward_tc
 from gpu.ops.embedding import embedding_forward
 from gpu.ops.gated import geglu_forward, swiglu_forward
 from gpu.ops.half import from_bf16, to_bf16, to_f16
-from gpu.ops.lora import lora_expand, lora_forward, lora_project, lora_project_group, lora_rank16, lora_term
+from gpu.ops.lora import (
+    lora_expand,
+    lora_forward,
+    lora_project,
+    lora_project_group,
+    lora_rank16,
+    lora_term,
+    view_span,
+)
+from gpu.ops.lora_i8 import LoraCodes, lora_thin_i8, thin_covers
 from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.lora_mirror import LoraMirrors, mirrors_cover
 from gpu.ops.matmul import linear, linear_input_grad
@@ -469,6 +479,11 @@ class GPUModel:
             self._t16_slot = -(-rows * r // (self.dev.offset_alignment // 2)) * (self.dev.offset_alignment // 2)
             n_t = len(self._t_index) if self.saves_lora_t else len(LORA_TARGETS)
             self.t16 = b("lora t16 per projection", n_t * self._t16_slot // 2)
+        # int8: every adapter's A as int8 codes rotated like the weight codes, for t = x A^T from x's codes
+        # (gpu/ops/lora_i8.py THIN_I8)
+        self.lora_codes: LoraCodes | None = None
+        if self._w8_slots and lora_i8.THIN_I8 and self.layout.slots:
+            self.lora_codes = LoraCodes(self.dev, self.layout.slots, r, self._rotation)
 
     def _mirror_rotation(self) -> Callable[[int], int] | None:
         """The rotation block by input width of the A mirrors (the input gradients' LoRA terms); None: no A
@@ -644,18 +659,32 @@ class GPUModel:
         scales = self.w.scales_i8.get((layer, target, self._rotation(slot.k)))
         return slot if scales is None else replace(slot, scales=scales)
 
-    def _lora_t_shared(self, x: Any, layer: int, targets: tuple[str, ...]) -> bool:
+    def _lora_t_shared(
+        self, x: Any, layer: int, targets: tuple[str, ...], operand: tuple[Any, dict] | None = None
+    ) -> bool:
         """t = x A^T of the adapted projections among `targets` (which share the input x), in one product over x
-        (lora_project_group), when more than one is adapted and their t's are kept (saves_lora_t) and not already
-        there (the backward's recompute replays them); returns whether it ran (their _proj then skip it)."""
+        (lora_project_group, or lora_thin_i8 over x's int8 `operand`), when more than one is adapted and their t's
+        are kept (saves_lora_t) and not already there (the backward's recompute replays them); returns whether it
+        ran (their _proj then skip it)."""
         keys = [(layer, t) for t in targets if (layer, t) in self.layout.slots]
         if not (self.shared_lora_inputs and self.saves_lora_t and len(keys) > 1) or self._replay_lora_t:
             return False
+        if self._thin_i8(operand, keys):
+            span, offs = view_span([self._lora_t(*key) for key in keys], "t")
+            lora_thin_i8(self.dev, operand[0], self.lora_codes, keys, span, offs, self._t16_copy(keys))
+            return True
         a_views = [self._lora(*key, self.params)[0] for key in keys]
         t_views = [self._lora_t(*key) for key in keys]
         d_in = self.cfg.target_shape(targets[0])[1]
         lora_project_group(self.dev, x, a_views, t_views, self.rows, d_in, self.layout.r, half=self._t16_copy(keys))
         return True
+
+    def _thin_i8(self, operand: tuple[Any, dict] | None, keys: list[tuple[int, str]]) -> bool:
+        """Whether t = x A^T of the adapters `keys` comes from x's int8 codes (lora_thin_i8): THIN_I8's codes cover
+        them and `operand` is x's int8 operand in a shape the kernel takes."""
+        if self.lora_codes is None or operand is None or not operand[1].get("int8"):
+            return False
+        return self.lora_codes.covers(keys) and thin_covers(operand[0], self.layout.r * len(keys))
 
     def _proj(
         self,
@@ -679,6 +708,11 @@ class GPUModel:
             raise DeviceError(f"blk.{layer}.{target}: a residual in the epilogue needs the integer GEMM")
         ab = self._lora(layer, target, self.params)
         t, r = (self._lora_t(layer, target), self.layout.r) if ab is not None else (None, 0)
+        if ab is not None and not t_ready and self._thin_i8((a, kw), [(layer, target)]):
+            t_view = t if isinstance(t, BufferView) else BufferView(t, 0, 4 * self.rows * r)
+            half = self._t16_copy([(layer, target)])
+            lora_thin_i8(self.dev, a, self.lora_codes, [(layer, target)], t_view, [0], half)
+            t_ready = True
         fused = None
         if kw.get("int8"):  # every projection whose input _forward_input quantizes has an int8 slot
             if ab is not None and self._lora_in_gemm(d_out):  # s t B^T written in the GEMM's epilogue
@@ -798,7 +832,7 @@ class GPUModel:
         x, x_next = self._x(layer), self._x(layer + 1)
         pos = self._b.bufs["positions"]
         n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"])
-        ready = self._lora_t_shared(a["n1"], layer, ("q", "k", "v"))
+        ready = self._lora_t_shared(a["n1"], layer, ("q", "k", "v"), n1)
         self._proj(a["n1"], layer, "q", a["q"], n1, t_ready=ready)
         self._proj(a["n1"], layer, "k", a["k"], n1, t_ready=ready)
         self._proj(a["n1"], layer, "v", a["v"], n1, t_ready=ready)
@@ -821,7 +855,7 @@ class GPUModel:
             self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
         self._post_normed(layer, "o", "post_attention_norm", x, a["hres"])
         n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
-        ready = self._lora_t_shared(a["n2"], layer, ("gate", "up"))
+        ready = self._lora_t_shared(a["n2"], layer, ("gate", "up"), n2)
         self._proj(a["n2"], layer, "gate", a["g"], n2, t_ready=ready)
         self._proj(a["n2"], layer, "up", a["u"], n2, t_ready=ready)
         stop = for_backward and not cfg.post_norms
@@ -896,6 +930,8 @@ class GPUModel:
         set_adapter may have changed them since)."""
         if self.mirrors is not None:
             self.mirrors.refresh(self.dev, self.params)
+        if self.lora_codes is not None:
+            self.lora_codes.refresh(self.dev, self.params)
 
     def _embed(self, ids: Any) -> None:
         """Block 0's input: the embedding rows of ids, times the model's embedding scale (gemma3: sqrt(hidden))."""

@@ -26,6 +26,7 @@ from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kerne
 from gpu.codegen_i8 import matmul_i8_source
 from gpu.codegen_lora import LORA_GEMM_BK, STREAM_UNROLLS, lora_gemm_values, lora_rows_values, lora_stream_values
 from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
+from gpu.codegen_lora_i8 import NBS, lora_thin_i8_finish_values, lora_thin_i8_values
 from gpu.codegen_tc import matmul_tc_source, weight_loader
 from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
@@ -383,6 +384,10 @@ KERNELS: dict[str, Kernel] = {
     # LoRA products (gpu/ops/lora_matmul.py): output tiles 16 wide (x A^T, dy B, dB, dA^T) or 64 (t B^T, dt A)
     "lora_gemm": Kernel(("lora_gemm",), {"bn": tuple(LORA_GEMM_BK)}, lora_gemm_values),
     "lora_reduce": Kernel(("lora_reduce", *_ITEMS), {"half": BOOLS}, _lora_reduce_values),
+    # LoRA's t = x A^T from the projection's int8 operand (gpu/ops/lora_i8.py; tint: on the integer subgroup
+    # matrices, else emulated), and its pass adding the chunks and applying the scales
+    "lora_thin_i8": Kernel(("lora_thin_i8",), {"nb": NBS, "tint": BOOLS}, lora_thin_i8_values),
+    "lora_thin_i8_finish": Kernel(("lora_thin_i8_finish", *_ITEMS), {"half": BOOLS}, lora_thin_i8_finish_values),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)
     "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {"unroll": STREAM_UNROLLS}, lora_stream_values),

@@ -121,8 +121,8 @@ def lora_project_group(
     """t_g [T, r] = x A_g^T for adapters whose projections share the input x (q, k, v; gate, up): one product over
     x for all of them (lora_matmul's column groups), x read once. A_g [r, d_in]: views of one buffer (the
     parameters), t_g: views of one buffer (the kept t's); half: their f16 copies too (an offset per group)."""
-    a_span, a_offs = _span(a, "A")
-    t_span, t_offs = _span(t, "t")
+    a_span, a_offs = view_span(a, "A")
+    t_span, t_offs = view_span(t, "t")
     groups = ColumnGroups(r, a_offs, t_offs)
     with scope(dev, "lora"):
         lora_matmul(
@@ -145,8 +145,8 @@ def lora_da_group(
     """dA_g [r, d_in] (+)= dt_g^T x for adapters whose projections share the input x, in one product over x
     (lora_backward's dA for each, with_da=False there). dt_g [T, r]: views of one buffer; dA_g: views of one buffer
     (the gradients)."""
-    dt_span, dt_offs = _span(dt, "dt")
-    da_span, da_offs = _span(da, "dA")
+    dt_span, dt_offs = view_span(dt, "dt")
+    da_span, da_offs = view_span(da, "dA")
     groups = ColumnGroups(r, dt_offs, da_offs)
     with scope(dev, "lora"):
         lora_matmul(
@@ -155,8 +155,8 @@ def lora_da_group(
         )  # fmt: skip
 
 
-def _span(views: Sequence[BufferView], what: str) -> tuple[BufferView, tuple[int, ...]]:
-    """One view over views of the same buffer, and each one's element offset in it."""
+def view_span(views: Sequence[BufferView], what: str) -> tuple[BufferView, tuple[int, ...]]:
+    """One view over 4-byte aligned views of the same buffer, and each one's float offset in it."""
     if not views or any(v.buffer is not views[0].buffer or v.offset % 4 for v in views):
         raise DeviceError(f"LoRA column groups: the {what} views must be 4-byte aligned views of one buffer")
     start, end = min(v.offset for v in views), max(v.offset + v.nbytes for v in views)

@@ -1,0 +1,94 @@
+"""Template values of lora_thin_i8.wgsl (gpu/ops/lora_i8.py): its products on the integer subgroup matrices, or
+the same sums in plain WGSL (`tint` False: adapters without them, e.g. lavapipe in the tests)."""
+
+from __future__ import annotations
+
+MMA_K = 32  # codes per integer MMA (16 x 16 x 32)
+STEP_CODES = 64  # lora_thin_i8.wgsl's BK
+NBS = tuple(range(1, 9))  # 16-column blocks a variant covers (N = 16 nb)
+
+_TC_DIRECTIVES = "\n".join(
+    (
+        "diagnostic(off, chromium.subgroup_matrix_uniformity);",
+        "enable subgroups;",
+        "enable chromium_experimental_subgroup_matrix;",
+    )
+)
+_LEFT = "subgroup_matrix_left<i8, 32, 16>"
+_RIGHT = "subgroup_matrix_right<i8, 16, 32>"
+
+_EMU_HELPERS = """
+// code b (0..3, little-endian) of a word of four int8 codes, sign-extended
+fn code(w: i32, b: u32) -> i32 {
+    return (w << (24u - 8u * b)) >> 24u;
+}"""
+
+_EMU_COMPUTE = """        for (var j = 0u; j < NB; j++) {
+            for (var e = 0u; e < 8u; e++) {
+                let q = e * 32u + lane;
+                var s = 0;
+                for (var w = 0u; w < BK / 4u; w++) {
+                    let xw = Xs[sg][(q / 16u) * LDW + w];
+                    let aw = As[j][(q % 16u) * LDW + w];
+                    for (var b = 0u; b < 4u; b++) {
+                        s += code(xw, b) * code(aw, b);
+                    }
+                }
+                acc[j * 8u + e] += s;
+            }
+        }"""
+
+_EMU_STORE = """    for (var j = 0u; j < NB; j++) {
+        for (var e = 0u; e < 8u; e++) {
+            let q = e * 32u + lane;
+            P[base + (q / 16u) * prm.N + j * 16u + q % 16u] = acc[j * 8u + e];
+        }
+    }"""
+
+
+def lora_thin_i8_values(nb: int, tint: bool) -> dict[str, str]:
+    """lora_thin_i8.wgsl for `nb` column blocks, on the integer subgroup matrices (tint) or emulated."""
+    if nb not in NBS:
+        raise ValueError(f"lora_thin_i8: {nb} column blocks, expected one of {NBS}")
+    common = {"NB": str(nb)}
+    if not tint:
+        return common | {
+            "COMPUTE_NOTE": "This variant: the same sums in plain WGSL, lane q % 32 of the subgroup owning 8 of each "
+            "block's values (row q / 16, column q % 16 for q = 32 e + lane).",
+            "DIRECTIVES": "",
+            "SG_PARAM": "",
+            "SG_LET": "\n    let sg = lid / 32u;\n    let lane = lid % 32u;",
+            "HELPERS": _EMU_HELPERS,
+            "ACC_DECL": f"    var acc: array<i32, {8 * nb}>;",
+            "COMPUTE": _EMU_COMPUTE,
+            "STORE": _EMU_STORE,
+        }
+    compute, ind = [], " " * 12
+    for kk in range(STEP_CODES // MMA_K):
+        off = f"{kk * MMA_K}u"
+        compute += ["        {", f"{ind}let a = subgroupMatrixLoad<{_LEFT}>(&Xs[sg], {off}, false, LDW * 4u);"]
+        for j in range(nb):
+            compute.append(f"{ind}let b{j} = subgroupMatrixLoad<{_RIGHT}>(&As[{j}], {off}, true, LDW * 4u);")
+            compute.append(f"{ind}acc{j} = subgroupMatrixMultiplyAccumulate(a, b{j}, acc{j});")
+        compute.append("        }")
+    return common | {
+        "COMPUTE_NOTE": "Results leave by subgroup-matrix stores straight to P.",
+        "DIRECTIVES": _TC_DIRECTIVES,
+        "SG_PARAM": "\n    @builtin(subgroup_id) sg: u32,",
+        "SG_LET": "",
+        "HELPERS": "",
+        "ACC_DECL": "\n".join(f"    var acc{j} = subgroup_matrix_result<i32, 16, 16>();" for j in range(nb)),
+        "COMPUTE": "\n".join(compute),
+        "STORE": "\n".join(f"    subgroupMatrixStore(&P, base + {16 * j}u, acc{j}, false, prm.N);" for j in range(nb)),
+    }
+
+
+def lora_thin_i8_finish_values(half: bool) -> dict[str, str]:
+    """lora_thin_i8_finish.wgsl: variant half also stores h_factor t as f16 (T16)."""
+    if not half:
+        return {"ENABLE_F16": "", "T16_BINDING": "", "T16_STORE": ""}
+    return {
+        "ENABLE_F16": "enable f16;",
+        "T16_BINDING": "@group(0) @binding(5) var<storage, read_write> T16: array<f16>;",
+        "T16_STORE": "T16[prm.h_go[g] + m * prm.r + c] = f16(t * prm.h_factor);",
+    }

@@ -1,0 +1,129 @@
+"""LoRA's thin product t = x A^T on the integer tensor cores, from the codes the projection's integer GEMM reads
+(gpu/kernels/lora_thin_i8.wgsl, then lora_thin_i8_finish.wgsl).
+
+With precision int8 each projection's input x is quantized once for its frozen GEMM (rotated in Walsh-Hadamard
+blocks, a scale per row). t = x A^T of its adapter (or of the adapters sharing x: q, k, v; gate, up, as column
+groups) then reads those codes, one byte a value instead of the f32 x that lora_matmul reads, against the codes of
+A rotated the same way ((x R)(A R)^T = x A^T; LoraCodes, refreshed with the f16 mirrors before each forward), on the
+i8 MMAs: i32 sums per chunk of K (exact), added in order and scaled by both row scales in the second pass, which
+also writes t's f16 copy for the GEMM's LoRA epilogue. Numerics: A rounded to 8 bits of its row's max on top of
+x's rounding, which the frozen GEMM already takes; on the demo (numpy study, 2026-12-07, docs/benchmarks.md) the
+adapter trained so reached a held-out KL 0.5 % lower than with t from f32 x and A (within noise).
+Opt-in until timed on a GPU (bench/train_step.py --ab lora-t-i8)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gpu.codegen_lora_i8 import NBS, STEP_CODES
+from gpu.device import BufferView, Device, DeviceError
+from gpu.ops.common import grid, pack
+from gpu.ops.lora_matmul import MAX_GROUPS, HalfCopy, scratch_for
+from gpu.ops.matmul_i8 import Int8Matrix, int8_emulated
+from gpu.ops.quantize_i8 import quantize_i8_gpu
+from gpu.profile import scope
+from gpu.registry import pipeline
+from model.lora_layout import LoraSlot
+
+THIN_I8 = False  # on: GPUModel's int8 forward takes t = x A^T from x's codes (else lora_matmul over f32 x)
+BM = 64  # rows of x per workgroup (lora_thin_i8.wgsl)
+TARGET_WORKGROUPS = 512  # split K until about this many workgroups run
+MIN_STEPS = 4  # steps of STEP_CODES per chunk at least
+
+
+class LoraCodes:
+    """Every adapter's A as int8 codes [r, d_in] rotated like its projection's weight codes (`rotation`: the block
+    for an input width, 0 for none), a scale per row, in one codes and one scales buffer at offsets the quantizer
+    can bind; `refresh` rewrites them from the f32 parameters. Adapters whose d_in is no multiple of STEP_CODES
+    are left out (`covers`)."""
+
+    def __init__(
+        self, dev: Device, slots: Mapping[tuple[int, str], LoraSlot], r: int, rotation: Callable[[int], int]
+    ) -> None:
+        align = dev.offset_alignment
+        self.r = r
+        self._rotation = rotation
+        self._at: dict[tuple[int, str], tuple[int, int, LoraSlot]] = {}
+        codes = scales = 0
+        for key, s in slots.items():
+            if s.d_in % STEP_CODES:
+                continue
+            self._at[key] = (codes, scales, s)
+            codes += -(-r * s.d_in // align) * align
+            scales += -(-4 * r // align) * align
+        self.codes = dev.buffer(max(codes, 16), label="lora A int8 codes")
+        self.scales = dev.buffer(max(scales, 16), label="lora A int8 scales")
+
+    def covers(self, keys: Sequence[tuple[int, str]]) -> bool:
+        return all(key in self._at for key in keys)
+
+    def refresh(self, dev: Device, params: Any) -> None:
+        """Quantize every covered adapter's A from the f32 parameters (one dispatch each)."""
+        r = self.r
+        for codes, scales, s in self._at.values():
+            out = Int8Matrix(
+                BufferView(self.codes, codes, r * s.d_in), BufferView(self.scales, scales, 4 * r), r, s.d_in, s.d_in,
+                f"blk.{s.layer}.{s.target} lora A",
+            )  # fmt: skip
+            quantize_i8_gpu(dev, params, out, x_offset=s.a_off, rot=self._rotation(s.d_in))
+
+    def offsets(self, key: tuple[int, str]) -> tuple[int, int]:
+        """(first vec4 of the codes, first scale) of adapter `key`."""
+        codes, scales, _ = self._at[key]
+        return codes // 16, scales // 4
+
+
+def thin_covers(x: Int8Matrix, n_cols: int) -> bool:
+    """Whether lora_thin_i8 takes an n_cols-column product over the int8 operand x."""
+    return x.chunks == 1 and x.k % STEP_CODES == 0 and n_cols % 16 == 0 and n_cols // 16 in NBS
+
+
+def pick_chunk(m: int, k: int) -> tuple[int, int]:
+    """(splits, codes per split) of K for an m-row product: about TARGET_WORKGROUPS workgroups, chunks of whole
+    steps, at least MIN_STEPS of them."""
+    steps = k // STEP_CODES
+    tiles = -(-m // BM)
+    splits = max(1, min(math.ceil(TARGET_WORKGROUPS / tiles), steps // MIN_STEPS))
+    per = -(-steps // splits)
+    return -(-steps // per), per * STEP_CODES
+
+
+def _four(values: Sequence[int]) -> list[int]:
+    return [*values, *[0] * (MAX_GROUPS - len(values))]
+
+
+def lora_thin_i8(
+    dev: Device,
+    x: Int8Matrix,
+    codes: LoraCodes,
+    keys: Sequence[tuple[int, str]],
+    t: BufferView,
+    t_offsets: Sequence[int],
+    half: HalfCopy | None = None,
+) -> None:
+    """t_g [M, r] = x A_g^T for the adapters `keys` (column groups) reading x's int8 codes: t_g at float
+    t_offsets[g] of the view t; half: each also as f16(factor t_g) at its offset of half.buf (row length r)."""
+    r, m = codes.r, x.rows
+    n = r * len(keys)
+    if not (1 <= len(keys) <= MAX_GROUPS and len(t_offsets) == len(keys) and codes.covers(keys)):
+        raise DeviceError(f"lora_thin_i8: adapters {list(keys)} (1..{MAX_GROUPS} covered, one t offset each)")
+    if not thin_covers(x, n):
+        raise DeviceError(f"lora_thin_i8 over {x.name!r}: {x.chunks} scales a row, K {x.k}, {n} columns not covered")
+    if half is not None and (len(half.offsets) != len(keys) or half.ld != r):
+        raise DeviceError("lora_thin_i8: the f16 copy needs an offset per adapter and rows of r")
+    splits, chunk = pick_chunk(m, x.k)
+    mp = -(-m // BM) * BM
+    part = scratch_for(dev, 4 * splits * mp * n)
+    a_go = _four([codes.offsets(key)[0] for key in keys])
+    s_go = _four([codes.offsets(key)[1] for key in keys])
+    with scope(dev, "lora"):
+        prm = pack(m, n, x.k, chunk, x.k // 16, 0, r, mp, *a_go)
+        pipe = pipeline(dev, "lora_thin_i8", nb=n // 16, tint=not int8_emulated(dev))
+        dev.dispatch(pipe, [prm, x.codes, codes.codes, part], (mp // BM, splits, 1))
+        factor = half.factor if half is not None else 1.0
+        h_go = _four(half.offsets if half is not None else [])
+        prm = pack(m * n, n, splits, r, mp, 0, float(factor), 0, *s_go, *_four(t_offsets), *h_go)
+        bind = [prm, part, x.scales, codes.scales, t] + ([half.buf] if half is not None else [])
+        dev.dispatch(pipeline(dev, "lora_thin_i8_finish", half=half is not None), bind, grid(m * n, 256))

@@ -1,0 +1,93 @@
+"""LoRA's thin product t = x A^T from int8 codes (gpu/ops/lora_i8.py, lora_thin_i8.wgsl and its finish pass).
+
+Tolerances: the kernel's sums are exact (i32) and t = s_x s_A sum in f32, so t is within 1e-6 (relative to its
+max) of the float64 product of the same codes and scales; its f16 copy is f16(factor t) exactly. A's codes are the
+twin's (model/int8.py quantize_i8 of hadamard_rows) where the rotation rounds alike: |diff| <= 1 on under 1 % of
+them, the scales within 1e-6. Whole step: tests/test_gpu_student.py holds the int8 step with THIN_I8 on.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+from gpu.device import BufferView, Device
+from gpu.ops.lora_i8 import LoraCodes, lora_thin_i8, pick_chunk
+from gpu.ops.lora_matmul import HalfCopy
+from gpu.ops.matmul_i8 import Int8Matrix, int8_emulation
+from model.int8 import hadamard_rows, pack_i8, quantize_i8, rotation_block
+from model.lora_layout import LoraSlot
+from tests.gpu_fixtures import tensor_core_device_or_skip
+from tests.gpu_helpers import make_device, rel_err, up
+
+
+@pytest.fixture(params=[pytest.param("any", marks=pytest.mark.gpu), pytest.param("dawn", marks=pytest.mark.tensorcore)])
+def dev(request: pytest.FixtureRequest) -> Device:
+    """lavapipe in CI (the kernel's sums in plain WGSL), and Dawn with subgroup matrices (the integer MMAs)."""
+    return make_device() if request.param == "any" else tensor_core_device_or_skip()
+
+
+def _integer_path(dev: Device):
+    return nullcontext() if dev.subgroup_matrix else int8_emulation(dev)
+
+
+def _codes(dev: Device, buf, off: int, rows: int, k: int) -> np.ndarray:
+    words = dev.read(buf, np.uint32, (rows * k // 4,), offset=off)
+    return words.view(np.int8).reshape(rows, k).astype(np.int64)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "r", "groups"),
+    [(64, 64, 16, 1), (77, 576, 16, 3), (77, 4096, 16, 2), (130, 1024, 32, 2), (16, 128, 16, 4)],
+)
+def test_thin_product_matches_the_codes(dev: Device, m: int, k: int, r: int, groups: int) -> None:
+    """t_g = s_x s_A x8 A8_g^T for column groups over one x (A's at scattered offsets of the codes buffer, t's at
+    their own offsets), split over K where the shape asks for it; f16 copies times the factor."""
+    rng = np.random.default_rng(m + k + groups)
+    x8 = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    sx = (rng.random(m) * 0.02 + 1e-3).astype(np.float32)
+    x = Int8Matrix(up(dev, pack_i8(x8), np.uint32), up(dev, sx), m, k, k, "x")
+    # parameters: each adapter's A [r, k] (and a B slot the product never reads) between unrelated values
+    a_f32 = [(rng.standard_normal((r, k)) * (1 + 3 * g)).astype(np.float32) for g in range(groups)]
+    params = [rng.standard_normal(40).astype(np.float32)]
+    slots, off = {}, 40
+    for g, a in enumerate(a_f32):
+        slots[(0, f"t{g}")] = LoraSlot(0, f"t{g}", k, 8, off, off + r * k)
+        params += [a.reshape(-1), np.zeros(8 * r + 4, np.float32)]
+        off += r * k + 8 * r + 4
+    buf = up(dev, np.concatenate(params))
+    keys = list(slots)[::-1]  # groups in an order other than the buffer's
+    t_offs = [int(o) for o in rng.permutation(groups) * (m * r + 8)]
+    t_buf = dev.buffer(4 * (groups * (m * r + 8) + 4))
+    h_offs = tuple(int(o) for o in rng.permutation(groups) * (m * r + 16) + 4)
+    h_buf = dev.buffer(2 * (groups * (m * r + 16) + 8))
+    factor = 0.375
+    with _integer_path(dev):
+        codes = LoraCodes(dev, slots, r, rotation_block)
+        codes.refresh(dev, buf)
+        lora_thin_i8(dev, x, codes, keys, BufferView(t_buf, 0, t_buf.size), t_offs, HalfCopy(h_buf, h_offs, r, factor))
+    t_all = dev.read(t_buf, np.float32, (t_buf.size // 4,))
+    h_all = dev.read(h_buf, np.float16, (h_buf.size // 2,))
+    for g, key in enumerate(keys):
+        c_off, s_off = codes.offsets(key)
+        a8 = _codes(dev, codes.codes, 16 * c_off, r, k)
+        sa = dev.read(codes.scales, np.float32, (r,), offset=4 * s_off)
+        twin_codes, twin_scales = quantize_i8(hadamard_rows(a_f32[int(key[1][1:])], rotation_block(k)), k)
+        diff = np.abs(a8 - twin_codes)
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+        assert rel_err(sa, twin_scales[:, 0]) < 1e-6
+        ref = (x8.astype(np.int64) @ a8.T).astype(np.float64) * sx[:, None] * sa[None, :]
+        t = t_all[t_offs[g] : t_offs[g] + m * r].reshape(m, r)
+        assert rel_err(t, ref) < 1e-6
+        h = h_all[h_offs[g] : h_offs[g] + m * r].reshape(m, r)
+        np.testing.assert_array_equal(h, (t * np.float32(factor)).astype(np.float16))
+
+
+def test_chunks_cover_k_in_whole_steps() -> None:
+    """pick_chunk: whole steps of 64 codes, at least 4 a chunk, the chunks covering K and none empty."""
+    for m, k in [(4096, 4096), (4096, 14336), (64, 4096), (77, 576), (16, 64)]:
+        splits, chunk = pick_chunk(m, k)
+        assert chunk % 64 == 0 and (splits - 1) * chunk < k <= splits * chunk
+        assert splits == 1 or chunk >= 4 * 64
