@@ -28,8 +28,8 @@ _EMU_COMPUTE = """        for (var j = 0u; j < NB; j++) {
                 let q = e * 32u + lane;
                 var s = 0;
                 for (var w = 0u; w < BK / 4u; w++) {
-                    let xw = Xs[sg][(q / 16u) * LDW + w];
-                    let aw = As[j][(q % 16u) * LDW + w];
+                    let xw = S[sg][(q / 16u) * LDW + w];
+                    let aw = S[4u + j][(q % 16u) * LDW + w];
                     for (var b = 0u; b < 4u; b++) {
                         s += code(xw, b) * code(aw, b);
                     }
@@ -66,9 +66,9 @@ def lora_thin_i8_values(nb: int, tint: bool) -> dict[str, str]:
     compute, ind = [], " " * 12
     for kk in range(STEP_CODES // MMA_K):
         off = f"{kk * MMA_K}u"
-        compute += ["        {", f"{ind}let a = subgroupMatrixLoad<{_LEFT}>(&Xs[sg], {off}, false, LDW * 4u);"]
+        compute += ["        {", f"{ind}let a = subgroupMatrixLoad<{_LEFT}>(&S[sg], {off}, false, LDW * 4u);"]
         for j in range(nb):
-            compute.append(f"{ind}let b{j} = subgroupMatrixLoad<{_RIGHT}>(&As[{j}], {off}, true, LDW * 4u);")
+            compute.append(f"{ind}let b{j} = subgroupMatrixLoad<{_RIGHT}>(&S[{4 + j}], {off}, true, LDW * 4u);")
             compute.append(f"{ind}acc{j} = subgroupMatrixMultiplyAccumulate(a, b{j}, acc{j});")
         compute.append("        }")
     return common | {

@@ -37,8 +37,8 @@ const THREADS: u32 = 128u;
 const XU: u32 = BM * UPR / THREADS;                  // x's units per invocation
 const AU: u32 = (BN * UPR + THREADS - 1u) / THREADS;  // A's units per invocation (the last one guarded)
 
-var<workgroup> Xs: array<array<i32, 16u * LDW>, 4>;    // [subgroup][row * LDW + word]
-var<workgroup> As: array<array<i32, 16u * LDW>, NB>;   // [column block][column * LDW + word]
+var<workgroup> S: array<array<i32, 16u * LDW>, 4u + NB>;   // blocks 0-3: x's rows by subgroup; 4 + j: A's column
+                                                          // block j ([row or column * LDW + word])
 
 fn ld_x(u: u32, m0: u32, k0: u32) -> vec4<u32> {
     let row = min(m0 + u / UPR, prm.M - 1u);
@@ -50,24 +50,15 @@ fn ld_a(u: u32, k0: u32) -> vec4<u32> {
     return Acodes[prm.a_go[n / prm.r] + (n % prm.r) * (prm.K / 16u) + k0 / 16u + u % UPR];
 }
 
-fn put_x(u: u32, v: vec4<u32>) {
+// unit u (row u / UPR, words 4 (u % UPR) ..) of the operand whose blocks start at block b0 of S
+fn put(b0: u32, u: u32, v: vec4<u32>) {
     let row = u / UPR;
     let o = (row % 16u) * LDW + (u % UPR) * 4u;
-    let b = row / 16u;
-    Xs[b][o] = bitcast<i32>(v.x);
-    Xs[b][o + 1u] = bitcast<i32>(v.y);
-    Xs[b][o + 2u] = bitcast<i32>(v.z);
-    Xs[b][o + 3u] = bitcast<i32>(v.w);
-}
-
-fn put_a(u: u32, v: vec4<u32>) {
-    let n = u / UPR;
-    let o = (n % 16u) * LDW + (u % UPR) * 4u;
-    let b = n / 16u;
-    As[b][o] = bitcast<i32>(v.x);
-    As[b][o + 1u] = bitcast<i32>(v.y);
-    As[b][o + 2u] = bitcast<i32>(v.z);
-    As[b][o + 3u] = bitcast<i32>(v.w);
+    let b = b0 + row / 16u;
+    S[b][o] = bitcast<i32>(v.x);
+    S[b][o + 1u] = bitcast<i32>(v.y);
+    S[b][o + 2u] = bitcast<i32>(v.z);
+    S[b][o + 3u] = bitcast<i32>(v.w);
 }
 ${HELPERS}
 
@@ -94,12 +85,12 @@ ${ACC_DECL}
     for (var t = 0u; t < steps; t++) {
         workgroupBarrier();
         for (var e = 0u; e < XU; e++) {
-            put_x(lid + e * THREADS, rx[e]);
+            put(0u, lid + e * THREADS, rx[e]);
         }
         for (var e = 0u; e < AU; e++) {
             let u = lid + e * THREADS;
             if (u < BN * UPR) {
-                put_a(u, ra[e]);
+                put(4u, u, ra[e]);
             }
         }
         workgroupBarrier();
