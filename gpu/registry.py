@@ -89,11 +89,12 @@ def _subgroups(tint: bool) -> dict[str, str]:
 
 
 def _quantize_i8_values(
-    scaled: bool, vec4: bool, rot: int, tint: bool, wg: int, units: bool = False
+    scaled: bool, vec4: bool, rot: int, tint: bool, wg: int, units: bool = False, table: bool = False
 ) -> dict[str, object]:
     """quantize_i8 with (scaled) or without a column scale multiplying X, reading X (and CS) by vec4 or by f32,
     rotated in blocks of rot (hadamard.wgsl; 0: not), for Tint or naga, wg invocations a row; units: a rotated
-    chunk held as units of 16 (int8_units.wgsl; vec4)."""
+    chunk held as units of 16 (int8_units.wgsl; vec4); table: each row's X, Q and S offsets from Rows (one chunk a
+    row, units, not scaled)."""
     elem = "vec4<f32>" if vec4 else "f32"
     binding = f"@group(0) @binding(4) var<storage, read> CS: array<{elem}>;"
     if vec4:
@@ -106,13 +107,20 @@ def _quantize_i8_values(
         )
     values = {"CS_BINDING": binding if scaled else "", "X_ELEM": elem, "GROUP4": group, "ROT": rot, "WG": wg}
     q0 = "(r * prm.k + c * prm.chunk)"
+    values |= {"ROW_X0": "prm.x_off + r * prm.ldx + c * prm.chunk", "ROW_S": "r * prm.chunks + c", "TABLE_BINDING": ""}
+    if table:
+        values |= {
+            "ROW_X0": "Rows[r].x",
+            "ROW_S": "Rows[r].z",
+            "TABLE_BINDING": "@group(0) @binding(4) var<storage, read> Rows: array<vec4<u32>>;",
+        }
     if units:
         values |= {
             "Q_ELEM": "vec4<u32>",
             "UNIT_VALUES": "fn unit_values(u: u32) -> array<vec4<f32>, 4> {\n"
             "    return array<vec4<f32>, 4>(group4(4u * u), group4(4u * u + 1u), group4(4u * u + 2u), "
             "group4(4u * u + 3u));\n}",
-            "CODES": f"rotated_unit_codes(lid, prm.chunk / 16u, {q0} / 16u, k0)",
+            "CODES": f"rotated_unit_codes(lid, prm.chunk / 16u, {'Rows[r].y' if table else q0 + ' / 16u'}, k0)",
         }
     else:
         values |= {"Q_ELEM": "u32", "UNIT_VALUES": "", "CODES": f"codes_of_row(lid, prm.chunk / 4u, {q0} / 4u, k0)"}
@@ -343,6 +351,12 @@ KERNELS: dict[str, Kernel] = {
         ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_UNITS, "quantize_i8"),
         {"scaled": BOOLS, "rot": ROTATIONS[1:], "tint": BOOLS, "wg": ROW_WORKGROUPS},
         partial(_quantize_i8_values, vec4=True, units=True),
+    ),
+    # rows gathered by a table (LoRA's A codes, gpu/ops/lora_i8.py LoraCodes)
+    "quantize_i8_table": Kernel(
+        ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_UNITS, "quantize_i8"),
+        {"rot": ROTATIONS[1:], "tint": BOOLS, "wg": ROW_WORKGROUPS},
+        partial(_quantize_i8_values, scaled=False, vec4=True, units=True, table=True),
     ),
     # weight_i8*: fixed, the rows' scales given (kept from an earlier decode: gpu/model.py row scales)
     "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT, "fixed": BOOLS}, _weight_i8_values),

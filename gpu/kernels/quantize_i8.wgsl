@@ -4,7 +4,8 @@
 // A workgroup per (chunk, per_wg rows, one after the other): each chunk's values held in registers for its absmax
 // (workgroup_reduce.wgsl) and its codes (int8_codes.wgsl codes_of_row; or, rotated, int8_units.wgsl
 // rotated_unit_codes: units of 16 values, Q as vec4s). VEC4: X (and CS) read as vec4 (offsets and strides multiples
-// of 4).
+// of 4). Variant table (one chunk a row): row r of X starts at element Rows[r].x, its codes at vec4 Rows[r].y of Q
+// and its scale at Rows[r].z of S (rows gathered from anywhere: every LoRA A of one rotation, gpu/ops/lora_i8.py).
 
 struct Params {
     k: u32,        // row length (codes per row of Q)
@@ -22,6 +23,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> Q: array<${Q_ELEM}>;
 @group(0) @binding(3) var<storage, read_write> S: array<f32>;
 ${CS_BINDING}
+${TABLE_BINDING}
 const ABSMAX: bool = true;   // activations: every scale from its absmax (int8_codes.wgsl)
 fn row_scale(lid: u32, m: f32) -> f32 {
     return workgroup_reduce(lid, m) / 127.0;
@@ -49,11 +51,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (i > 0u) {
             workgroupBarrier();   // the last row's reduction read by every invocation before this row's
         }
-        x0 = prm.x_off + r * prm.ldx + c * prm.chunk;
+        x0 = ${ROW_X0};
         k0 = c * prm.chunk;
         let scale = ${CODES};
         if (lid == 0u) {
-            S[r * prm.chunks + c] = scale;
+            S[${ROW_S}] = scale;
         }
     }
 }

@@ -17,12 +17,14 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from gpu.codegen_lora_i8 import NBS, STEP_CODES
 from gpu.device import BufferView, Device, DeviceError
 from gpu.ops.common import grid, pack
 from gpu.ops.lora_matmul import MAX_GROUPS, HalfCopy, scratch_for
 from gpu.ops.matmul_i8 import Int8Matrix, int8_emulated
-from gpu.ops.quantize_i8 import quantize_i8_gpu
+from gpu.ops.quantize_i8 import row_workgroup, tint
 from gpu.profile import scope
 from gpu.registry import pipeline
 from model.lora_layout import LoraSlot
@@ -35,44 +37,46 @@ MIN_STEPS = 4  # steps of STEP_CODES per chunk at least
 
 class LoraCodes:
     """Every adapter's A as int8 codes [r, d_in] rotated like its projection's weight codes (`rotation`: the block
-    for an input width, 0 for none), a scale per row, in one codes and one scales buffer at offsets the quantizer
-    can bind; `refresh` rewrites them from the f32 parameters. Adapters whose d_in is no multiple of STEP_CODES
-    are left out (`covers`)."""
+    for an input width, 0 for none), a scale per row, in one codes and one scales buffer; `refresh` rewrites them
+    from the f32 parameters. Adapters whose d_in is no multiple of STEP_CODES, or whose rows the table quantizer does
+    not take (unrotated, or longer than its registers hold), are left out (`covers`)."""
 
     def __init__(
         self, dev: Device, slots: Mapping[tuple[int, str], LoraSlot], r: int, rotation: Callable[[int], int]
     ) -> None:
-        align = dev.offset_alignment
         self.r = r
-        self._rotation = rotation
-        self._at: dict[tuple[int, str], tuple[int, int, LoraSlot]] = {}
+        self._at: dict[tuple[int, str], tuple[int, int]] = {}
+        tables: dict[tuple[int, int, int], list[tuple[int, int, int, int]]] = {}  # (d_in, rot, wg) -> (x, q, s, 0)
         codes = scales = 0
         for key, s in slots.items():
-            if s.d_in % STEP_CODES:
+            rot, wg = rotation(s.d_in), row_workgroup(s.d_in)
+            if s.d_in % STEP_CODES or not rot or s.d_in > 64 * wg or s.a_off % 4:
                 continue
-            self._at[key] = (codes, scales, s)
-            codes += -(-r * s.d_in // align) * align
-            scales += -(-4 * r // align) * align
+            self._at[key] = (codes // 16, scales)
+            rows = tables.setdefault((s.d_in, rot, wg), [])
+            rows += [(s.a_off + i * s.d_in, (codes + i * s.d_in) // 16, scales + i, 0) for i in range(r)]
+            codes += r * s.d_in
+            scales += r
         self.codes = dev.buffer(max(codes, 16), label="lora A int8 codes")
-        self.scales = dev.buffer(max(scales, 16), label="lora A int8 scales")
+        self.scales = dev.buffer(4 * max(scales, 4), label="lora A int8 scales")
+        self._tables = [
+            (k, rot, wg, dev.upload(np.asarray(rows, np.uint32).reshape(-1), label=f"lora A rows {k}"), len(rows))
+            for (k, rot, wg), rows in sorted(tables.items())
+        ]
 
     def covers(self, keys: Sequence[tuple[int, str]]) -> bool:
         return all(key in self._at for key in keys)
 
     def refresh(self, dev: Device, params: Any) -> None:
-        """Quantize every covered adapter's A from the f32 parameters (one dispatch each)."""
-        r = self.r
-        for codes, scales, s in self._at.values():
-            out = Int8Matrix(
-                BufferView(self.codes, codes, r * s.d_in), BufferView(self.scales, scales, 4 * r), r, s.d_in, s.d_in,
-                f"blk.{s.layer}.{s.target} lora A",
-            )  # fmt: skip
-            quantize_i8_gpu(dev, params, out, x_offset=s.a_off, rot=self._rotation(s.d_in))
+        """Quantize every covered adapter's A from the f32 parameters (one dispatch per input width)."""
+        for k, rot, wg, table, rows in self._tables:
+            pipe = pipeline(dev, "quantize_i8_table", rot=rot, tint=tint(dev), wg=wg)
+            prm = pack(k, k, 0, k, 1, rows, 1, 0)  # quantize_i8.wgsl's Params: one chunk a row, a row a workgroup
+            dev.dispatch(pipe, [prm, params, self.codes, self.scales, table], (1, rows))
 
     def offsets(self, key: tuple[int, str]) -> tuple[int, int]:
         """(first vec4 of the codes, first scale) of adapter `key`."""
-        codes, scales, _ = self._at[key]
-        return codes // 16, scales // 4
+        return self._at[key]
 
 
 def thin_covers(x: Int8Matrix, n_cols: int) -> bool:
