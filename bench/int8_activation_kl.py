@@ -27,7 +27,9 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
   codes), exp(z - m) times W's row scales rounded per row to 8 bits, to nearest (`rn`) or stochastically (`sr`:
   floor(y + u), u uniform in [0, 1): unbiased), the sum rotated back; any variant ending in `:lora8` (last): the
   adapters' t = x A^T too from x and A rotated like the projection's operands and rounded per row (an integer thin
-  product over the codes the projection already has), in the forward and in dB = s dY^T t;
+  product over the codes the projection already has), in the forward and in dB = s dY^T t; any variant ending in
+  `:dt8` (after `:lora8`, if any): the adapters' dt = s dY B too from the codes the input gradient's integer GEMM
+  takes (dY times W's row scales sW, rounded per row) against B / sW rounded per rank column;
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
 variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
@@ -119,10 +121,34 @@ def lora8_pair(variant: str) -> tuple[Callable, Callable]:
     return forward, backward
 
 
+def dt8_backward(variant: str) -> Callable:
+    """reference.project_backward with the LoRA's dt = s dY B from 8-bit operands (`:dt8`): the codes of dY * sW per
+    row (what the input gradient's integer GEMM takes; sW the row scales of W's rotated codes) times B / sW rounded
+    per rank column (dt = s sum_o (dY sW)[m, o] (B / sW)[o, n]); dB and dA as the current reference computes them."""
+    name = variant.split(":")[0]
+    size = int(name[8:]) if name.startswith("hadamard") else 0
+    exact = reference.project_backward
+
+    def backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, pair: reference.LoraPair | None, scale: float) -> tuple:
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        if pair is None or dy2.shape[1] % 32 or w.shape[1] % 32:
+            return exact(dy, x, w, pair, scale)
+        n = min(size, w.shape[1] & -w.shape[1]) if size else 0
+        sw = np.abs(hadamard_rows(w, n) if n else w).max(axis=1) / 127.0
+        safe = np.where(sw > 0, sw, 1.0).astype(np.float32)
+        codes = rounded(dy2 * sw[None, :])
+        du = scale * (codes @ rounded((pair.B / safe[:, None]).T).T)
+        _, _, db = reference.lora_backward(dy2, x2, pair.A, pair.B, scale)
+        dx = reference.linear_backward_input(dy2, w) + du @ pair.A
+        return dx.reshape(x.shape), (du.T @ x2, db)
+
+    return backward
+
+
 def variant_linear(variant: str, vocab: int, exact: Linear) -> Linear:
     """The projection product for `variant` (the LM head, W with `vocab` rows, stays exact unless the variant ends
     in `:head`: its logits rounded like the projections, as gpu/ops/head.py INT8_STUDENT_LOGITS)."""
-    variant = variant.removesuffix(":lora8").removesuffix(":dh-rn").removesuffix(":dh-sr")
+    variant = variant.removesuffix(":dt8").removesuffix(":lora8").removesuffix(":dh-rn").removesuffix(":dh-sr")
     head = variant.endswith(":head")
     name, _, only = variant.removesuffix(":head").partition(":only")  # only the inputs of this width rounded
     name, _, shape = name.partition(":shape")  # only the projections of this OUTxIN weight shape rounded
@@ -194,12 +220,16 @@ def main() -> None:
     exact, exact_logits = reference.linear_forward, VocabHead.__dict__["logits"]  # the staticmethod itself
     exact_sum = VocabHead.__dict__["weighted_rows"]
     exact_lora = reference.lora_forward, reference.lora_backward
+    exact_back = reference.project_backward
     first = None
     for name in (v for v in args.variants.split(",") if v):
         reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
-        if name.endswith(":lora8"):
-            reference.lora_forward, reference.lora_backward = lora8_pair(name)
-        base = name.removesuffix(":lora8")
+        base = name.removesuffix(":dt8")
+        if name.endswith(":dt8"):
+            reference.project_backward = dt8_backward(name)
+        if base.endswith(":lora8"):
+            reference.lora_forward, reference.lora_backward = lora8_pair(base)
+        base = base.removesuffix(":lora8")
         if base.removesuffix(":dh-rn").removesuffix(":dh-sr").endswith(":head"):  # the numpy engine's chunked
             # head: each chunk's logits through the rounding
             rounded_head = variant_linear(base, tokens.vocab_size, lambda x, w: x @ w.T)
@@ -220,6 +250,7 @@ def main() -> None:
         finally:
             reference.linear_forward, VocabHead.logits, VocabHead.weighted_rows = exact, exact_logits, exact_sum
             reference.lora_forward, reference.lora_backward = exact_lora
+            reference.project_backward = exact_back
         first = first if first is not None else float(m["kl"])
         row = {k: m.get(k) for k in ("kl", "top1", "ce")} | ({"evaluated": "exact"} if args.eval_exact else {})
         print(json.dumps({"variant": name, **row, "kl_vs_first": round(float(m["kl"]) / first - 1, 4),

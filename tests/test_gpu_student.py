@@ -705,6 +705,7 @@ def test_int8_student_logits_alone(monkeypatch: pytest.MonkeyPatch, where: str) 
     from gpu.ops.matmul_i8 import int8_emulation
 
     monkeypatch.setattr(head, "INT8_STUDENT_LOGITS", True)
+    monkeypatch.setattr(head, "INT8_STUDENT_PROBS", False)  # P_c W_c on f16 (the probabilities' path: its own tests)
     calls = []
     real_logits = head.Int8Head.logits
     monkeypatch.setattr(head.Int8Head, "logits", lambda self, *a: calls.append(a[3]) or real_logits(self, *a))
