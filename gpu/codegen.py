@@ -210,3 +210,15 @@ def matmul_source(v: MatmulVariant) -> str:
     if v.template not in MATMUL_TEMPLATES:
         raise ValueError(f"no generator for matmul template {v.template!r}; known: {sorted(MATMUL_TEMPLATES)}")
     return MATMUL_TEMPLATES[v.template](v)
+
+
+def t16_values(half: bool, binding: int, store: str) -> dict[str, str]:
+    """Template values of a LoRA pass whose variant half also stores its result as f16 into T16 (`binding`), by the
+    WGSL statement `store` (lora_reduce.wgsl, lora_thin_i8_finish.wgsl)."""
+    if not half:
+        return {"ENABLE_F16": "", "T16_BINDING": "", "T16_STORE": ""}
+    return {
+        "ENABLE_F16": "enable f16;",
+        "T16_BINDING": f"@group(0) @binding({binding}) var<storage, read_write> T16: array<f16>;",
+        "T16_STORE": store,
+    }

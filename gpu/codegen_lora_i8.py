@@ -3,6 +3,8 @@ the same sums in plain WGSL (`tint` False: adapters without them, e.g. lavapipe 
 
 from __future__ import annotations
 
+from gpu.codegen import t16_values
+
 MMA_K = 32  # codes per integer MMA (16 x 16 x 32)
 STEP_CODES = 64  # lora_thin_i8.wgsl's BK
 NBS = tuple(range(1, 9))  # 16-column blocks a variant covers (N = 16 nb)
@@ -85,10 +87,4 @@ def lora_thin_i8_values(nb: int, tint: bool) -> dict[str, str]:
 
 def lora_thin_i8_finish_values(half: bool) -> dict[str, str]:
     """lora_thin_i8_finish.wgsl: variant half also stores h_factor t as f16 (T16)."""
-    if not half:
-        return {"ENABLE_F16": "", "T16_BINDING": "", "T16_STORE": ""}
-    return {
-        "ENABLE_F16": "enable f16;",
-        "T16_BINDING": "@group(0) @binding(5) var<storage, read_write> T16: array<f16>;",
-        "T16_STORE": "T16[prm.h_go[g] + m * prm.r + c] = f16(t * prm.h_factor);",
-    }
+    return t16_values(half, 5, "T16[prm.h_go[g] + m * prm.r + c] = f16(t * prm.h_factor);")

@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from gpu import codegen_attention_tc as attention_tc
-from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source
+from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kernel_text, matmul_source, t16_values
 from gpu.codegen_i8 import matmul_i8_source
 from gpu.codegen_lora import LORA_GEMM_BK, STREAM_UNROLLS, lora_gemm_values, lora_rows_values, lora_stream_values
 from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
@@ -168,13 +168,7 @@ def _half_output(half: bool, binding: int, index: str) -> dict[str, str]:
 def _lora_reduce_values(half: bool) -> dict[str, str]:
     """lora_reduce.wgsl: variant half also stores each result times h_factor as f16 (T16, gpu/ops/lora_matmul.py
     HalfCopy)."""
-    if not half:
-        return {"ENABLE_F16": "", "T16_BINDING": "", "T16_STORE": ""}
-    return {
-        "ENABLE_F16": "enable f16;",
-        "T16_BINDING": "@group(0) @binding(3) var<storage, read_write> T16: array<f16>;",
-        "T16_STORE": "T16[prm.h_off + prm.h_go[g] + (e / prm.N) * prm.h_ld + col] = f16(r * prm.h_factor);",
-    }
+    return t16_values(half, 3, "T16[prm.h_off + prm.h_go[g] + (e / prm.N) * prm.h_ld + col] = f16(r * prm.h_factor);")
 
 
 def _half_grads(half: bool) -> dict[str, str]:

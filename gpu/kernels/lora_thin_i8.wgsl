@@ -50,6 +50,20 @@ fn ld_a(u: u32, k0: u32) -> vec4<u32> {
     return Acodes[prm.a_go[n / prm.r] + (n % prm.r) * (prm.K / 16u) + k0 / 16u + u % UPR];
 }
 
+// this invocation's units of x's tile rows from m0 and of the A rows, at codes k0 .. k0 + BK, into rx and ra
+fn fetch(rx: ptr<function, array<vec4<u32>, XU>>, ra: ptr<function, array<vec4<u32>, AU>>, lid: u32, m0: u32,
+         k0: u32) {
+    for (var e = 0u; e < XU; e++) {
+        (*rx)[e] = ld_x(lid + e * THREADS, m0, k0);
+    }
+    for (var e = 0u; e < AU; e++) {
+        let u = lid + e * THREADS;
+        if (u < BN * UPR) {
+            (*ra)[e] = ld_a(u, k0);
+        }
+    }
+}
+
 // unit u (row u / UPR, words 4 (u % UPR) ..) of the operand whose blocks start at block b0 of S
 fn put(b0: u32, u: u32, v: vec4<u32>) {
     let row = u / UPR;
@@ -71,17 +85,9 @@ fn main(
     let k0 = wid.y * prm.chunk;
     let steps = min(prm.chunk, prm.K - k0) / BK;
 ${ACC_DECL}
-    var rx: array<vec4<u32>, XU>;
+    var rx: array<vec4<u32>, XU>;   // this invocation's units of the next step, loaded ahead
     var ra: array<vec4<u32>, AU>;
-    for (var e = 0u; e < XU; e++) {
-        rx[e] = ld_x(lid + e * THREADS, m0, k0);
-    }
-    for (var e = 0u; e < AU; e++) {
-        let u = lid + e * THREADS;
-        if (u < BN * UPR) {
-            ra[e] = ld_a(u, k0);
-        }
-    }
+    fetch(&rx, &ra, lid, m0, k0);
     for (var t = 0u; t < steps; t++) {
         workgroupBarrier();
         for (var e = 0u; e < XU; e++) {
@@ -95,16 +101,7 @@ ${ACC_DECL}
         }
         workgroupBarrier();
         if (t + 1u < steps) {
-            let kn = k0 + (t + 1u) * BK;
-            for (var e = 0u; e < XU; e++) {
-                rx[e] = ld_x(lid + e * THREADS, m0, kn);
-            }
-            for (var e = 0u; e < AU; e++) {
-                let u = lid + e * THREADS;
-                if (u < BN * UPR) {
-                    ra[e] = ld_a(u, kn);
-                }
-            }
+            fetch(&rx, &ra, lid, m0, k0 + (t + 1u) * BK);
         }
 ${COMPUTE}
     }
