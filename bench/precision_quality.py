@@ -98,7 +98,17 @@ def main() -> None:
         default=None,
         help="int8: LoRA's t = x A^T from x's int8 codes and A's (gpu/ops/lora_i8.py), or from f32 x",
     )
+    ap.add_argument(
+        "--int8-lora-dt",
+        choices=("codes", "f32"),
+        default=None,
+        help="int8: LoRA's dt = s dY B from the input gradient's dY codes and B / sW (gpu/ops/lora_i8.py THIN_DT)",
+    )
     args = ap.parse_args()
+    if args.int8_lora_dt:
+        from gpu.ops import lora_i8
+
+        lora_i8.THIN_DT = args.int8_lora_dt == "codes"
     if args.int8_lora_t:
         from gpu.ops import lora_i8
 
@@ -129,7 +139,10 @@ def main() -> None:
         return
     best: dict[str, float] = {}
     # the engine knobs are not part of the train stage's key: with any of them, each precision trains afresh
-    knobs = any((args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation, args.int8_lora_t))
+    knobs = any(
+        (args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation, args.int8_lora_t,
+         args.int8_lora_dt)
+    )  # fmt: skip
     for precision in [p for p in args.precisions.split(",") if p]:
         pcfg = with_precision(cfg, precision)
         if knobs:

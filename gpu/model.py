@@ -43,7 +43,7 @@ from gpu.ops.lora import (
     lora_term,
     view_span,
 )
-from gpu.ops.lora_i8 import LoraCodes, lora_thin_i8, thin_covers
+from gpu.ops.lora_i8 import LoraCodes, LoraGradCodes, lora_thin_i8, thin_covers
 from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.lora_mirror import LoraMirrors, mirrors_cover
 from gpu.ops.matmul import linear, linear_input_grad
@@ -484,6 +484,7 @@ class GPUModel:
         self.lora_codes: LoraCodes | None = None
         if self._w8_slots and lora_i8.THIN_I8 and self.layout.slots:
             self.lora_codes = LoraCodes(self.dev, self.layout.slots, r, self._rotation)
+        self.grad_codes: LoraGradCodes | None = None  # B / sW for dt from dY's codes (a GPUStudent's, THIN_DT)
 
     def _mirror_rotation(self) -> Callable[[int], int] | None:
         """The rotation block by input width of the A mirrors (the input gradients' LoRA terms); None: no A
@@ -932,6 +933,8 @@ class GPUModel:
             self.mirrors.refresh(self.dev, self.params)
         if self.lora_codes is not None:
             self.lora_codes.refresh(self.dev, self.params)
+        if self.grad_codes is not None:
+            self.grad_codes.refresh(self.dev, self.params)
 
     def _embed(self, ids: Any) -> None:
         """Block 0's input: the embedding rows of ids, times the model's embedding scale (gemma3: sqrt(hidden))."""

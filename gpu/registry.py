@@ -396,6 +396,8 @@ KERNELS: dict[str, Kernel] = {
     # matrices, else emulated), and its pass adding the chunks and applying the scales
     "lora_thin_i8": Kernel(("lora_thin_i8",), {"nb": NBS, "tint": BOOLS}, lora_thin_i8_values),
     "lora_thin_i8_finish": Kernel(("lora_thin_i8_finish", *_ITEMS), {"half": BOOLS}, lora_thin_i8_finish_values),
+    # the codes of B / sW for dt = s dY B on it (gpu/ops/lora_i8.py LoraGradCodes)
+    "lora_b_codes": Kernel(("workgroup_reduce", "absmax_combine", "int8_pack", "lora_b_codes")),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)
     "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {"unroll": STREAM_UNROLLS}, lora_stream_values),

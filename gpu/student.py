@@ -30,11 +30,13 @@ from gpu.device import BufferView, Device
 from gpu.kept_blocks import kept_count, kept_widths
 from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
+from gpu.ops import lora_i8
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
 from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward, lora_da_group, lora_term
+from gpu.ops.lora_i8 import LoraGradCodes, lora_thin_i8, thin_covers
 from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers
 from gpu.ops.quantize_i8 import (
@@ -140,6 +142,7 @@ class GPUStudent(GPUModel):
         self.objective = objective
         objective.bind(self)
         self.keep_codes(int8_codes, memory_share)  # before the kept blocks: auto spends the memory on the codes first
+        self.grad_codes = self._grad_codes() if lora_i8.THIN_DT else None  # the row scales are fixed from here
         self.kept_blocks = self._count_kept(kept_blocks, memory_share)  # their buffers come with the first backward
 
     def _wants_bf16_checkpoints(self) -> bool:
@@ -296,6 +299,28 @@ class GPUStudent(GPUModel):
         lora = (layer, target) in self.layout.slots
         return (w8 if int8 else None), int8 and self.transposed_input_grads and (not lora or self._lora_in_gemm(d_in))
 
+    def _grad_codes(self) -> LoraGradCodes | None:
+        """B / sW of every adapter whose projection's input gradient runs on the integer GEMM with its LoRA term in the
+        epilogue and whose weight row scales sW are fixed (resident codes, or the kept row scales): dt = s dY B from
+        the GEMM's own dY codes (gpu/ops/lora_i8.py THIN_DT)."""
+        if not (self._w8_slots and self.int8_input_grads and self.transposed_input_grads and self.layout.slots):
+            return None
+        row_scales = {}
+        for layer, target in self.layout.slots:
+            slot = self._w8_slots.get(target)
+            if slot is None:
+                continue
+            key = (layer, target, self._rotation(slot.k))
+            codes = self.w.codes_i8.get(key) if self.resident_codes else None
+            scales = codes.scales if codes is not None else self.w.scales_i8.get(key)
+            if scales is not None:
+                row_scales[(layer, target)] = scales
+        return LoraGradCodes(self.dev, self.layout.slots, self.layout.r, self.scale, row_scales)
+
+    def _thin_dt(self, key: tuple[int, str], dy_codes: Int8Matrix) -> bool:
+        """Whether dt = s dY B of adapter `key` comes from the input gradient's dY codes (lora_thin_i8)."""
+        return self.grad_codes is not None and self.grad_codes.covers([key]) and thin_covers(dy_codes, self.layout.r)
+
     def _proj_back(
         self,
         dy: Any,
@@ -323,8 +348,7 @@ class GPUStudent(GPUModel):
         # rotated codes the GEMM gives dX R, so the term is dt (A R), turned back with it
         rot = self._rotation(d_in) if int8 else 0
         in_gemm = int8 and self.transposed_input_grads and self._lora_in_gemm(d_in)
-        if ab is not None and in_gemm:
-            self._lora_back(dy, x, layer, target, ab, None, dt, dt16=self._dt16_copy())
+        a = None
         if int8:
             # dX = dY . W = (dY * sw) . codes: W's row scales folded into dY before its 8-bit rounding; over
             # rotated codes (W R) the GEMM gives dX R, rotated back (R^T) in place or from a scratch added to dx
@@ -332,6 +356,14 @@ class GPUStudent(GPUModel):
             if a is None:
                 a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
                 quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
+        if ab is not None and in_gemm:
+            if self._thin_dt((layer, target), a):  # dt = s dY B from those codes, then dB and dA
+                dt_view = dt if isinstance(dt, BufferView) else BufferView(dt, 0, 4 * self.rows * self.layout.r)
+                lora_thin_i8(self.dev, a, self.grad_codes, [(layer, target)], dt_view, [0], self._dt16_copy())
+                self._lora_back(dy, x, layer, target, ab, None, dt, dt_ready=True)
+            else:
+                self._lora_back(dy, x, layer, target, ab, None, dt, dt16=self._dt16_copy())
+        if int8:
             wt = term = None
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
                 wt = transpose_i8(self.dev, w8, self.w8t, self.ones, f"int8 {target} transposed")
@@ -395,9 +427,10 @@ class GPUStudent(GPUModel):
         dt: Any,
         *,
         dt16: HalfCopy | None = None,
+        dt_ready: bool = False,
     ) -> None:
         """The LoRA gradients of (layer, target) (dA unless dt is a _dt_slot: lora_da_group) and dt = s dY B into
-        dt (and its f16 copy into dt16 where given); dx += dt A unless dx is None."""
+        dt (and its f16 copy into dt16 where given; dt_ready: dt is there already); dx += dt A unless dx is None."""
         d_out, d_in = self.cfg.target_shape(target)
         da, db = self._lora(layer, target, self.grads)
         lora_backward(
@@ -420,6 +453,7 @@ class GPUStudent(GPUModel):
             da_scratch=self.da_scratch,
             with_da=dt is self.dt,
             dt16=dt16,
+            dt_ready=dt_ready,
         )
 
     def _attention_back(

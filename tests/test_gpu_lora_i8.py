@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpu.device import BufferView, Device
-from gpu.ops.lora_i8 import LoraCodes, lora_thin_i8, pick_chunk
+from gpu.ops.lora_i8 import LoraCodes, LoraGradCodes, lora_thin_i8, pick_chunk
 from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.matmul_i8 import Int8Matrix, int8_emulation
 from model.int8 import hadamard_rows, pack_i8, quantize_i8, rotation_block
@@ -91,3 +91,41 @@ def test_chunks_cover_k_in_whole_steps() -> None:
         splits, chunk = pick_chunk(m, k)
         assert chunk % 64 == 0 and (splits - 1) * chunk < k <= splits * chunk
         assert splits == 1 or chunk >= 4 * 64
+
+
+@pytest.mark.parametrize(("m", "d_out", "r"), [(77, 128, 16), (64, 640, 16), (40, 192, 32)])
+def test_grad_codes_give_dt_from_dy_codes(dev: Device, m: int, d_out: int, r: int) -> None:
+    """LoraGradCodes: each adapter's B / sW (0 where sW is 0) rounded per rank column, its scales times the LoRA
+    scale, the twin's codes (|diff| <= 1 on under 1 %: the division's last ulp); dt = s dY B from dY sW's codes
+    over them within 1e-6 of the float64 product of the same codes and scales."""
+    rng = np.random.default_rng(d_out + r)
+    s = 0.75
+    bs = [(rng.standard_normal((d_out, r)) * (0.1 + g)).astype(np.float32) for g in range(2)]
+    sws = [(rng.random(d_out) * 0.02 + 1e-3).astype(np.float32) for _ in range(2)]
+    sws[1][::7] = 0.0  # rows of W that are all zero
+    params, slots, off = [np.zeros(12, np.float32)], {}, 12
+    for g, b in enumerate(bs):
+        slots[(g, "o")] = LoraSlot(g, "o", 64, d_out, off, off + 64 * r)
+        params += [rng.standard_normal(64 * r).astype(np.float32), b.reshape(-1)]
+        off += 64 * r + d_out * r
+    buf = up(dev, np.concatenate(params))
+    y8 = rng.integers(-127, 128, (m, d_out)).astype(np.int8)
+    sy = (rng.random(m) * 0.05 + 1e-3).astype(np.float32)
+    dy = Int8Matrix(up(dev, pack_i8(y8), np.uint32), up(dev, sy), m, d_out, d_out, "dY")
+    dt_buf = dev.buffer(4 * m * r)
+    with _integer_path(dev):
+        codes = LoraGradCodes(dev, slots, r, s, {key: up(dev, sw) for key, sw in zip(slots, sws, strict=True)})
+        codes.refresh(dev, buf)
+        for g, key in enumerate(slots):
+            c_off, s_off = codes.offsets(key)
+            b8 = _codes(dev, codes.codes, 16 * c_off, r, d_out)
+            sb = dev.read(codes.scales, np.float32, (r,), offset=4 * s_off)
+            safe = np.where(sws[g] > 0, sws[g], 1.0).astype(np.float32)
+            twin_codes, twin_scales = quantize_i8(np.where(sws[g] > 0, bs[g].T / safe, 0.0).astype(np.float32), d_out)
+            diff = np.abs(b8 - twin_codes)
+            assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+            assert rel_err(sb, s * twin_scales[:, 0]) < 1e-6
+            lora_thin_i8(dev, dy, codes, [key], BufferView(dt_buf, 0, dt_buf.size), [0])
+            dt = dev.read(dt_buf, np.float32, (m, r))
+            ref = (y8.astype(np.int64) @ b8.T).astype(np.float64) * sy[:, None] * sb[None, :]
+            assert rel_err(dt, ref) < 1e-6

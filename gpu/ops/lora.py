@@ -193,6 +193,7 @@ def lora_backward(
     da_scratch: Any = None,
     with_da: bool = True,
     dt16: HalfCopy | None = None,
+    dt_ready: bool = False,
 ) -> None:
     """dB [out, r] = scale dy^T t; dt [T, r] (scratch) = scale dy B; dA [r, in] = dt^T x; dx [T, in] += dt A
     (dx None: not done here, the caller adds dt A itself: the integer GEMM's LoRA epilogue).
@@ -200,15 +201,16 @@ def lora_backward(
     and dx in one dispatch (r <= 64); False: four products on lora_matmul; None: see the module docstring.
     group > 0 (a mergeable adapter): dt^T x goes to da_scratch ([r, in] floats at least) and dA gets its
     group sums (lora_group_sum), the gradient of A's group values. with_da=False: no dA here (the caller runs
-    lora_da_group over the adapters sharing x). dt16: dt's f16 copy too (the integer GEMM's LoRA term)."""
+    lora_da_group over the adapters sharing x). dt16: dt's f16 copy too (the integer GEMM's LoRA term). dt_ready: dt
+    is already there (gpu/ops/lora_i8.py, from dY's int8 codes): dB and dA only (dx None)."""
     acc = accumulate_grads
     if group and da_scratch is None:
         raise DeviceError("lora_backward: a mergeable adapter (group > 0) needs da_scratch")
-    if dt16 is not None and dx is not None:
-        raise DeviceError("lora_backward: dt16 is for a caller that adds dt A itself (dx None)")
+    if (dt16 is not None or dt_ready) and dx is not None:
+        raise DeviceError("lora_backward: dt16 and dt_ready are for a caller that adds dt A itself (dx None)")
     with scope(dev, "lora"):
         fuse = dx is not None and _fused(fused, n_tokens, r)
-        if lora_dual.DUAL and lora_dual.covers(r) and not fuse and dt16 is None:  # dB, dt in one pass
+        if lora_dual.DUAL and lora_dual.covers(r) and not fuse and dt16 is None and not dt_ready:  # dB, dt in one pass
             lora_dual.lora_dual(dev, dy, t, b, dt, db, n_tokens, d_out, scale, accumulate=acc)
         else:
             dy_t = transposed(dy, d_out)
@@ -218,7 +220,7 @@ def lora_backward(
                     dev, dy, row_major(b, r), row_major(a, d_in), dt, dx, n_tokens, d_out, d_in, r,
                     alpha1=float(scale), alpha2=1.0,
                 )  # fmt: skip
-            else:
+            elif not dt_ready:
                 lora_matmul(dev, row_major(dy, d_out), row_major(b, r), dt, n_tokens, r, d_out, alpha=scale, half=dt16)
         # dA^T [in, r] = x^T dt, stored transposed into dA [r, in]
         if with_da and group:

@@ -31,6 +31,9 @@ from gpu.registry import pipeline
 from model.lora_layout import LoraSlot
 
 THIN_I8 = True  # GPUModel's int8 forward takes t = x A^T from x's codes (off: lora_matmul over f32 x)
+# GPUStudent's int8 backward takes dt = s dY B from the input gradient's dY codes and B / sW (off: lora_matmul over
+# f32 dY). Opt-in until timed: on the demo (numpy study, 2026-12-07) the trained adapter's held-out KL +0.28 %.
+THIN_DT = False
 BM = 64  # rows of x per workgroup (lora_thin_i8.wgsl)
 TARGET_WORKGROUPS = 512  # split K until about this many workgroups run
 MIN_STEPS = 4  # steps of STEP_CODES per chunk at least
@@ -80,6 +83,58 @@ class LoraCodes:
         return self._at[key]
 
 
+class LoraGradCodes:
+    """Every adapter's B / sW as int8 codes [r, d_out] (row n: B's column n over sW, the row scales of its
+    projection's weight codes, which the input gradient's int8 dY carries), a scale per row times the LoRA scale:
+    the right operand of dt = s dY B on lora_thin_i8 over dY's codes. `row_scales` maps a key to its sW buffer
+    (fixed once the weights' row scales are kept: GPUModel.keep_codes); adapters without one, or whose d_out is no
+    multiple of STEP_CODES, are left out (`covers`). `refresh` rewrites the codes from the f32 parameters, in one
+    dispatch (gpu/kernels/lora_b_codes.wgsl)."""
+
+    def __init__(
+        self,
+        dev: Device,
+        slots: Mapping[tuple[int, str], LoraSlot],
+        r: int,
+        scale: float,
+        row_scales: Mapping[tuple[int, str], Any],
+    ) -> None:
+        self.r, self._scale = r, float(scale)
+        self._at: dict[tuple[int, str], tuple[int, int]] = {}
+        rows: list[tuple[int, int, int, int]] = []
+        copies: list[tuple[Any, int, int]] = []
+        codes = sw = 0
+        for key, s in slots.items():
+            if s.d_out % STEP_CODES or key not in row_scales:
+                continue
+            self._at[key] = (codes // 16, len(rows))
+            rows += [(s.b_off + n, sw, s.d_out, (codes + n * s.d_out) // 4) for n in range(r)]
+            copies.append((row_scales[key], sw, s.d_out))
+            codes += r * s.d_out
+            sw += s.d_out
+        self.codes = dev.buffer(max(codes, 16), label="lora B / sW int8 codes")
+        self.scales = dev.buffer(4 * max(len(rows), 4), label="lora B / sW int8 scales")
+        self._sw = dev.buffer(4 * max(sw, 4), label="lora sW")
+        for buf, off, n in copies:
+            dev.copy(buf, self._sw, 4 * n, dst_offset=4 * off)
+        self._table = dev.upload(np.asarray(rows or [(0, 0, 0, 0)], np.uint32).reshape(-1), label="lora B rows")
+        self._rows = len(rows)
+
+    def covers(self, keys: Sequence[tuple[int, str]]) -> bool:
+        return all(key in self._at for key in keys)
+
+    def refresh(self, dev: Device, params: Any) -> None:
+        """Quantize every covered adapter's B / sW from the f32 parameters (one dispatch)."""
+        if self._rows:
+            prm = pack(self._rows, self.r, self._scale, 0)
+            bind = [prm, params, self._sw, self.codes, self.scales, self._table]
+            dev.dispatch(pipeline(dev, "lora_b_codes"), bind, grid(self._rows, 1))
+
+    def offsets(self, key: tuple[int, str]) -> tuple[int, int]:
+        """(first vec4 of the codes, first scale) of adapter `key`."""
+        return self._at[key]
+
+
 def thin_covers(x: Int8Matrix, n_cols: int) -> bool:
     """Whether lora_thin_i8 takes an n_cols-column product over the int8 operand x."""
     return x.chunks == 1 and x.k % STEP_CODES == 0 and n_cols % 16 == 0 and n_cols // 16 in NBS
@@ -102,14 +157,15 @@ def _four(values: Sequence[int]) -> list[int]:
 def lora_thin_i8(
     dev: Device,
     x: Int8Matrix,
-    codes: LoraCodes,
+    codes: LoraCodes | LoraGradCodes,
     keys: Sequence[tuple[int, str]],
     t: BufferView,
     t_offsets: Sequence[int],
     half: HalfCopy | None = None,
 ) -> None:
     """t_g [M, r] = x A_g^T for the adapters `keys` (column groups) reading x's int8 codes: t_g at float
-    t_offsets[g] of the view t; half: each also as f16(factor t_g) at its offset of half.buf (row length r)."""
+    t_offsets[g] of the view t; half: each also as f16(factor t_g) at its offset of half.buf (row length r). With
+    LoraGradCodes, x is the input gradient's dY codes and the product dt = s dY B."""
     r, m = codes.r, x.rows
     n = r * len(keys)
     if not (1 <= len(keys) <= MAX_GROUPS and len(t_offsets) == len(keys) and codes.covers(keys)):
