@@ -39,7 +39,24 @@ TARGET_WORKGROUPS = 512  # split K until about this many workgroups run
 MIN_STEPS = 4  # steps of STEP_CODES per chunk at least
 
 
-class LoraCodes:
+class AdapterCodes:
+    """The right operand of lora_thin_i8: int8 codes of r rows per adapter in `codes` (packed four per word) and a
+    scale per row in `scales`; `_at` maps each covered adapter to (its first vec4 of codes, its first scale)."""
+
+    r: int
+    codes: Any
+    scales: Any
+    _at: dict[tuple[int, str], tuple[int, int]]
+
+    def covers(self, keys: Sequence[tuple[int, str]]) -> bool:
+        return all(key in self._at for key in keys)
+
+    def offsets(self, key: tuple[int, str]) -> tuple[int, int]:
+        """(first vec4 of the codes, first scale) of adapter `key`."""
+        return self._at[key]
+
+
+class LoraCodes(AdapterCodes):
     """Every adapter's A as int8 codes [r, d_in] rotated like its projection's weight codes (`rotation`: the block
     for an input width, 0 for none), a scale per row, in one codes and one scales buffer; `refresh` rewrites them
     from the f32 parameters. Adapters whose d_in is no multiple of STEP_CODES, or whose rows the table quantizer does
@@ -68,9 +85,6 @@ class LoraCodes:
             for (k, rot, wg), rows in sorted(tables.items())
         ]
 
-    def covers(self, keys: Sequence[tuple[int, str]]) -> bool:
-        return all(key in self._at for key in keys)
-
     def refresh(self, dev: Device, params: Any) -> None:
         """Quantize every covered adapter's A from the f32 parameters (one dispatch per input width)."""
         for k, rot, wg, table, rows in self._tables:
@@ -78,12 +92,8 @@ class LoraCodes:
             prm = pack(k, k, 0, k, 1, rows, 1, 0)  # quantize_i8.wgsl's Params: one chunk a row, a row a workgroup
             dev.dispatch(pipe, [prm, params, self.codes, self.scales, table], (1, rows))
 
-    def offsets(self, key: tuple[int, str]) -> tuple[int, int]:
-        """(first vec4 of the codes, first scale) of adapter `key`."""
-        return self._at[key]
 
-
-class LoraGradCodes:
+class LoraGradCodes(AdapterCodes):
     """Every adapter's B / sW as int8 codes [r, d_out] (row n: B's column n over sW, the row scales of its
     projection's weight codes, which the input gradient's int8 dY carries), a scale per row times the LoRA scale:
     the right operand of dt = s dY B on lora_thin_i8 over dY's codes. `row_scales` maps a key to its sW buffer
@@ -120,19 +130,12 @@ class LoraGradCodes:
         self._table = dev.upload(np.asarray(rows or [(0, 0, 0, 0)], np.uint32).reshape(-1), label="lora B rows")
         self._rows = len(rows)
 
-    def covers(self, keys: Sequence[tuple[int, str]]) -> bool:
-        return all(key in self._at for key in keys)
-
     def refresh(self, dev: Device, params: Any) -> None:
         """Quantize every covered adapter's B / sW from the f32 parameters (one dispatch)."""
         if self._rows:
             prm = pack(self._rows, self.r, self._scale, 0)
             bind = [prm, params, self._sw, self.codes, self.scales, self._table]
             dev.dispatch(pipeline(dev, "lora_b_codes"), bind, grid(self._rows, 1))
-
-    def offsets(self, key: tuple[int, str]) -> tuple[int, int]:
-        """(first vec4 of the codes, first scale) of adapter `key`."""
-        return self._at[key]
 
 
 def thin_covers(x: Int8Matrix, n_cols: int) -> bool:
@@ -157,7 +160,7 @@ def _four(values: Sequence[int]) -> list[int]:
 def lora_thin_i8(
     dev: Device,
     x: Int8Matrix,
-    codes: LoraCodes | LoraGradCodes,
+    codes: AdapterCodes,
     keys: Sequence[tuple[int, str]],
     t: BufferView,
     t_offsets: Sequence[int],
