@@ -657,8 +657,18 @@ class GPUModel:
                 out = replace(out, scales=scales) if fixed else out
                 weight_to_i8(self.dev, self.w.proj[(layer, other)], out, rot=rot, fixed_scales=fixed)
             self._w8_block = layer
-        scales = self.w.scales_i8.get((layer, target, self._rotation(slot.k)))
+        scales = self.fixed_row_scales(layer, target)
         return slot if scales is None else replace(slot, scales=scales)
+
+    def fixed_row_scales(self, layer: int, target: str) -> Any:
+        """The row scales of projection `target` of block `layer`'s int8 codes where they are fixed (the resident
+        codes', or those kept by keep_codes), else None (each decode of its block computes them anew)."""
+        slot = self._w8_slots.get(target)
+        if slot is None:
+            return None
+        key = (layer, target, self._rotation(slot.k))
+        codes = self.w.codes_i8.get(key) if self.resident_codes else None
+        return codes.scales if codes is not None else self.w.scales_i8.get(key)
 
     def _lora_t_shared(
         self, x: Any, layer: int, targets: tuple[str, ...], operand: tuple[Any, dict] | None = None
@@ -710,9 +720,8 @@ class GPUModel:
         ab = self._lora(layer, target, self.params)
         t, r = (self._lora_t(layer, target), self.layout.r) if ab is not None else (None, 0)
         if ab is not None and not t_ready and self._thin_i8((a, kw), [(layer, target)]):
-            t_view = t if isinstance(t, BufferView) else BufferView(t, 0, 4 * self.rows * r)
             half = self._t16_copy([(layer, target)])
-            lora_thin_i8(self.dev, a, self.lora_codes, [(layer, target)], t_view, [0], half)
+            lora_thin_i8(self.dev, a, self.lora_codes, [(layer, target)], t, [0], half)
             t_ready = True
         fused = None
         if kw.get("int8"):  # every projection whose input _forward_input quantizes has an int8 slot

@@ -305,16 +305,8 @@ class GPUStudent(GPUModel):
         the GEMM's own dY codes (gpu/ops/lora_i8.py THIN_DT)."""
         if not (self._w8_slots and self.int8_input_grads and self.transposed_input_grads and self.layout.slots):
             return None
-        row_scales = {}
-        for layer, target in self.layout.slots:
-            slot = self._w8_slots.get(target)
-            if slot is None:
-                continue
-            key = (layer, target, self._rotation(slot.k))
-            codes = self.w.codes_i8.get(key) if self.resident_codes else None
-            scales = codes.scales if codes is not None else self.w.scales_i8.get(key)
-            if scales is not None:
-                row_scales[(layer, target)] = scales
+        fixed = {key: self.fixed_row_scales(*key) for key in self.layout.slots}
+        row_scales = {key: scales for key, scales in fixed.items() if scales is not None}
         return LoraGradCodes(self.dev, self.layout.slots, self.layout.r, self.scale, row_scales)
 
     def _thin_dt(self, key: tuple[int, str], dy_codes: Int8Matrix) -> bool:
@@ -358,8 +350,7 @@ class GPUStudent(GPUModel):
                 quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
         if ab is not None and in_gemm:
             if self._thin_dt((layer, target), a):  # dt = s dY B from those codes, then dB and dA
-                dt_view = dt if isinstance(dt, BufferView) else BufferView(dt, 0, 4 * self.rows * self.layout.r)
-                lora_thin_i8(self.dev, a, self.grad_codes, [(layer, target)], dt_view, [0], self._dt16_copy())
+                lora_thin_i8(self.dev, a, self.grad_codes, [(layer, target)], dt, [0], self._dt16_copy())
                 self._lora_back(dy, x, layer, target, ab, None, dt, dt_ready=True)
             else:
                 self._lora_back(dy, x, layer, target, ab, None, dt, dt16=self._dt16_copy())

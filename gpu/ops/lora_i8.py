@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from gpu.codegen_lora_i8 import NBS, STEP_CODES
-from gpu.device import BufferView, Device, DeviceError
+from gpu.device import Device, DeviceError
 from gpu.ops.common import grid, pack
 from gpu.ops.lora_matmul import MAX_GROUPS, HalfCopy, scratch_for
 from gpu.ops.matmul_i8 import Int8Matrix, int8_emulated
@@ -162,13 +162,13 @@ def lora_thin_i8(
     x: Int8Matrix,
     codes: AdapterCodes,
     keys: Sequence[tuple[int, str]],
-    t: BufferView,
+    t: Any,
     t_offsets: Sequence[int],
     half: HalfCopy | None = None,
 ) -> None:
     """t_g [M, r] = x A_g^T for the adapters `keys` (column groups) reading x's int8 codes: t_g at float
-    t_offsets[g] of the view t; half: each also as f16(factor t_g) at its offset of half.buf (row length r). With
-    LoraGradCodes, x is the input gradient's dY codes and the product dt = s dY B."""
+    t_offsets[g] of t (a buffer or view); half: each also as f16(factor t_g) at its offset of half.buf (row length
+    r). With LoraGradCodes, x is the input gradient's dY codes and the product dt = s dY B."""
     r, m = codes.r, x.rows
     n = r * len(keys)
     if not (1 <= len(keys) <= MAX_GROUPS and len(t_offsets) == len(keys) and codes.covers(keys)):
