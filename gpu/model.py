@@ -252,7 +252,8 @@ class _Buffers:
 def resolve_precision(dev: Device, precision: str) -> str:
     """f32 (portable, strict parity), tensorcore (f16 operands, f32 accumulation), int8 (tensorcore with the
     frozen projections' forward on the integer tensor cores: int8 activations and weights with per-row scales,
-    rotated in Walsh-Hadamard blocks; opt-in), or auto (tensorcore when the device has subgroup matrices)."""
+    rotated in Walsh-Hadamard blocks), or auto (tensorcore when the device has subgroup matrices; a distillation
+    student's: student_precision)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if precision == "auto":
@@ -264,6 +265,17 @@ def resolve_precision(dev: Device, precision: str) -> str:
     if precision == "int8" and (problem := int8_problem(dev)) is not None:
         raise DeviceError(f"precision 'int8' needs integer subgroup matrices: {problem}")
     return precision
+
+
+def student_precision(dev: Device, precision: str) -> str:
+    """A distillation student's training precision: as resolve_precision, except that auto takes int8 where the
+    device has integer subgroup matrices (the demo trained through it ends within 1 % of the f16 path's held-out
+    KL on the H200: docs/benchmarks.md). The teacher, the held-out evaluation and preference training keep
+    resolve_precision's auto (tensorcore)."""
+    resolved = resolve_precision(dev, precision)
+    if precision == "auto" and resolved == "tensorcore" and not int8_emulated(dev) and int8_problem(dev) is None:
+        return "int8"
+    return resolved
 
 
 class GPUModel:

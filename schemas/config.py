@@ -379,11 +379,12 @@ class TrainSection(Section):
     precision: Literal["f32", "tensorcore", "int8", "auto"] = Field(
         "auto",
         description="Matmul path: f32 (portable, strict parity with the reference); tensorcore (f16 operands "
-        "in subgroup matrices, f32 accumulation); int8 (opt-in: the frozen projections' GEMMs on integer "
-        "subgroup matrices, 8-bit activations and weights with per-row scales after a Walsh-Hadamard rotation; "
-        "evaluated through it, the demo's held-out KL ends ~2 % above tensorcore's, the adapter itself ~0.1 %: "
-        "eval.precision; README Numerics); auto: "
-        "tensorcore where the adapter supports it, else f32.",
+        "in subgroup matrices, f32 accumulation); int8 (the frozen projections' GEMMs on integer subgroup "
+        "matrices, 8-bit activations and weights with per-row scales after a Walsh-Hadamard rotation: the "
+        "demo's held-out KL within 1 % of tensorcore's, evaluated on the tensor cores: eval.precision; README "
+        "Numerics); auto: the student trains in int8 where the GPU has integer subgroup matrices, else "
+        "tensorcore where it has f16 ones, else f32 (the teacher's top-k, the frozen-prefix cache and preference "
+        "training take tensorcore, else f32).",
     )
     kept_blocks: KeptBlocks = Field(
         "auto",
@@ -450,10 +451,10 @@ class EvalSection(Section):
     )
     precision: Literal["auto", "train", "f32", "tensorcore", "int8"] = Field(
         "auto",
-        description="Matmul path of the held-out evaluation (as train.precision's values): train: the training's; "
-        "auto: the training's, except that int8 training is evaluated on the f16 tensor cores (int8 is a training "
-        "speed choice: its 8-bit activations round the held-out forward itself, the demo's KL +2 % with no loss "
-        "in the trained adapter; README Numerics).",
+        description="Matmul path of the held-out evaluation (as train.precision's values): train: the training's "
+        "(auto as the student resolved it); auto: the training's, except that int8 training, also auto's, is "
+        "evaluated on the f16 tensor cores (int8 is a training speed choice: its 8-bit activations round the "
+        "held-out forward itself, the demo's KL +2 % with no loss in the trained adapter; README Numerics).",
     )
 
     @property

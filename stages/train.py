@@ -47,7 +47,7 @@ EPOCH_FIELDS = (
 )
 KEY = StageKey(
     stage="train",
-    version="1",
+    version="2",  # 2: train.precision auto trains on the integer tensor cores where the GPU has them (was tensorcore)
     config_fields=(*EPOCH_FIELDS, "loss", "teacher.tail", "train.prefix_cache"),
     inputs=("student", "tokens", "teacher", "epoch"),
 )

@@ -189,7 +189,7 @@ def build_engine(
     start_layer > 0: the forward starts at that block from the residual stream given to write_batch (the
     frozen-prefix cache); it must not exceed the lowest adapted block. train.backend picks the engine."""
     field = "eval.precision" if eval_mode else "train.precision"
-    precision = eval_precision(cfg) if eval_mode else cfg.train.precision
+    precision = eval_precision(cfg) if eval_mode else train_precision(cfg)
     if chosen_backend(cfg) == "numpy" and precision in ("tensorcore", "int8"):
         raise ValueError(f"{field}: {precision} needs the GPU engine (train.backend=gpu); numpy computes in f32")
     loss, k = loss_config(cfg, eval_mode), teacher_width(cfg, "eval" if eval_mode else "train")
@@ -209,11 +209,26 @@ def build_engine(
     )
 
 
+def train_precision(cfg: RunConfig) -> str:
+    """The distillation student's training precision: train.precision, auto resolved on the GPU engine's device
+    (gpu/model.py student_precision: int8 where the GPU has integer subgroup matrices); logged once."""
+    if cfg.train.precision != "auto" or chosen_backend(cfg) == "numpy":
+        return cfg.train.precision
+    from gpu.model import student_precision
+
+    precision = student_precision(get_device(cfg.run.gpu_backend), "auto")
+    if ("precision", "auto", precision) not in _LOGGED:
+        _LOGGED.add(("precision", "auto", precision))
+        log.info("train.precision auto: %s on this GPU (the held-out evaluation: eval.precision)", precision)
+    return precision
+
+
 def eval_precision(cfg: RunConfig) -> str:
-    """The held-out evaluation's precision (eval.precision): the training's, except int8 under auto (tensorcore)."""
+    """The held-out evaluation's precision (eval.precision): the training's (train: as trained, auto resolved),
+    except that auto evaluates int8 training on the tensor cores (and auto training as auto: tensorcore)."""
     choice = cfg.eval.precision
     if choice == "train":
-        return cfg.train.precision
+        return train_precision(cfg)
     if choice == "auto":
         return "tensorcore" if cfg.train.precision == "int8" else cfg.train.precision
     return choice
