@@ -534,6 +534,7 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
 
     monkeypatch.setattr(lora_i8, "pipeline", spy)
     monkeypatch.setattr(lora_i8, "THIN_I8", True)
+    monkeypatch.setattr(lora_i8, "THIN_DT", False)  # THIN_I8's runs: dt from f32 dY in both
     runs, kept = {}, {}
     for on in (True, False):
         monkeypatch.setattr(lora_i8, switch, on)
