@@ -29,7 +29,8 @@ x W^T replaced by the product of the rounded operands (the LM head stays exact, 
   adapters' t = x A^T too from x and A rotated like the projection's operands and rounded per row (an integer thin
   product over the codes the projection already has), in the forward and in dB = s dY^T t; any variant ending in
   `:dt8` (after `:lora8`, if any): the adapters' dt = s dY B too from the codes the input gradient's integer GEMM
-  takes (dY times W's row scales sW, rounded per row) against B / sW rounded per rank column;
+  takes (dY times W's row scales sW, rounded per row) against B / sW rounded per rank column; `:g8` (after `:dt8`):
+  dB and dA from codes too, reduced over the rows (dt8_backward);
 - `weights`: W rounded, x exact; `inputs`: x per row, W exact.
 Rows: per variant the held-out KL, top-1 agreement and CE, and KL relative to the first variant. With --train each
 variant first trains the demo's adapter through its rounding (numpy engine, exact gradients) and the trained
@@ -62,6 +63,7 @@ from stages.layout import workdir  # noqa: E402
 from training.evaluation import evaluate  # noqa: E402
 
 Linear = Callable[[np.ndarray, np.ndarray], np.ndarray]
+G8_ROWS = 256  # `:g8`: rows per column scale of the thin operands of dB and dA
 
 
 def rounded(x: np.ndarray, chunk: int = 0) -> np.ndarray:
@@ -121,13 +123,33 @@ def lora8_pair(variant: str) -> tuple[Callable, Callable]:
     return forward, backward
 
 
-def dt8_backward(variant: str) -> Callable:
+def dt8_backward(variant: str, grads8: bool = False) -> Callable:
     """reference.project_backward with the LoRA's dt = s dY B from 8-bit operands (`:dt8`): the codes of dY * sW per
     row (what the input gradient's integer GEMM takes; sW the row scales of W's rotated codes) times B / sW rounded
-    per rank column (dt = s sum_o (dY sW)[m, o] (B / sW)[o, n]); dB and dA as the current reference computes them."""
+    per rank column (dt = s sum_o (dY sW)[m, o] (B / sW)[o, n]); dB and dA as the current reference computes them,
+    or with grads8 (`:g8`) from codes too, summed over the rows: dB = (s / sW[o]) sum_m qdY[m, o] u[m, n] with
+    u = sdY[m] t[m, n] rounded per column over chunks of G8_ROWS rows (qdY, sdY: dY sW's codes and row scales), and
+    dA = (sum_m v[m, n] qx[m, k]) R^T with v = sx[m] dt[m, n] rounded so (qx, sx: x's rotated codes and row scales)."""
     name = variant.split(":")[0]
     size = int(name[8:]) if name.startswith("hadamard") else 0
     exact = reference.project_backward
+
+    def rotation(k: int) -> int:
+        return min(size, k & -k) if size else 0
+
+    def column_rounded(v: np.ndarray) -> np.ndarray:  # v [rows, r] rounded per column over chunks of rows
+        return rounded(v.T, G8_ROWS).T
+
+    def grads_from_codes(dy_sw: np.ndarray, safe: np.ndarray, x2: np.ndarray, du: np.ndarray, a: np.ndarray,
+                         scale: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        n = rotation(x2.shape[1])
+        xr = hadamard_rows(x2, n) if n else x2
+        qx, sx = quantize_i8(xr, xr.shape[1])
+        t = rounded(xr) @ rounded(hadamard_rows(a, n) if n else a).T  # the forward's t (`:lora8`)
+        qdy, sdy = quantize_i8(dy_sw, dy_sw.shape[1])
+        db = scale / safe[:, None] * (qdy.T.astype(np.float32) @ column_rounded(sdy * t))
+        da = column_rounded(sx * du).T @ qx.astype(np.float32)
+        return (hadamard_rows(da, n, back=True) if n else da), db
 
     def backward(dy: np.ndarray, x: np.ndarray, w: np.ndarray, pair: reference.LoraPair | None, scale: float) -> tuple:
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -138,8 +160,10 @@ def dt8_backward(variant: str) -> Callable:
         safe = np.where(sw > 0, sw, 1.0).astype(np.float32)
         codes = rounded(dy2 * sw[None, :])
         du = scale * (codes @ rounded((pair.B / safe[:, None]).T).T)
-        _, _, db = reference.lora_backward(dy2, x2, pair.A, pair.B, scale)
         dx = reference.linear_backward_input(dy2, w) + du @ pair.A
+        if grads8 and x2.shape[1] % 32 == 0 and dy2.shape[0] % 32 == 0:
+            return dx.reshape(x.shape), grads_from_codes(dy2 * safe[None, :], safe, x2, du, pair.A, scale)
+        _, _, db = reference.lora_backward(dy2, x2, pair.A, pair.B, scale)
         return dx.reshape(x.shape), (du.T @ x2, db)
 
     return backward
@@ -148,7 +172,8 @@ def dt8_backward(variant: str) -> Callable:
 def variant_linear(variant: str, vocab: int, exact: Linear) -> Linear:
     """The projection product for `variant` (the LM head, W with `vocab` rows, stays exact unless the variant ends
     in `:head`: its logits rounded like the projections, as gpu/ops/head.py INT8_STUDENT_LOGITS)."""
-    variant = variant.removesuffix(":dt8").removesuffix(":lora8").removesuffix(":dh-rn").removesuffix(":dh-sr")
+    for suffix in (":g8", ":dt8", ":lora8", ":dh-rn", ":dh-sr"):
+        variant = variant.removesuffix(suffix)
     head = variant.endswith(":head")
     name, _, only = variant.removesuffix(":head").partition(":only")  # only the inputs of this width rounded
     name, _, shape = name.partition(":shape")  # only the projections of this OUTxIN weight shape rounded
@@ -224,9 +249,9 @@ def main() -> None:
     first = None
     for name in (v for v in args.variants.split(",") if v):
         reference.linear_forward = variant_linear(name, tokens.vocab_size, exact)
-        base = name.removesuffix(":dt8")
-        if name.endswith(":dt8"):
-            reference.project_backward = dt8_backward(name)
+        base = name.removesuffix(":g8").removesuffix(":dt8")
+        if name.removesuffix(":g8").endswith(":dt8"):
+            reference.project_backward = dt8_backward(name, grads8=name.endswith(":g8"))
         if base.endswith(":lora8"):
             reference.lora_forward, reference.lora_backward = lora8_pair(base)
         base = base.removesuffix(":lora8")

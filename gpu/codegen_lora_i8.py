@@ -85,6 +85,37 @@ def lora_thin_i8_values(nb: int, tint: bool) -> dict[str, str]:
     }
 
 
+_SUM_EMU_COMPUTE = """        for (var j = 0u; j < NB; j++) {
+            for (var e = 0u; e < 8u; e++) {
+                let q = e * 32u + lane;
+                let i = sg * 16u + q / 16u;
+                var s = 0;
+                for (var m = 0u; m < BK; m++) {
+                    let lw = SL[m * LDW + i / 4u];
+                    let rw = SR[j][(q % 16u) * LDW + m / 4u];
+                    s += code(lw, i % 4u) * code(rw, m % 4u);
+                }
+                acc[j * 8u + e] += s;
+            }
+        }"""
+
+
+def lora_sum_i8_values(nb: int, tint: bool) -> dict[str, str]:
+    """lora_sum_i8.wgsl for `nb` column blocks, on the integer subgroup matrices (tint) or emulated."""
+    values = lora_thin_i8_values(nb, tint)
+    if not tint:
+        return values | {"COMPUTE": _SUM_EMU_COMPUTE}
+    compute, ind = [], " " * 12
+    for kk in range(STEP_CODES // MMA_K):
+        off = f"{kk * MMA_K}u * LDW * 4u"
+        compute += ["        {", f"{ind}let a = subgroupMatrixLoad<{_LEFT}>(&SL, {off} + sg * 16u, true, LDW * 4u);"]
+        for j in range(nb):
+            compute.append(f"{ind}let b{j} = subgroupMatrixLoad<{_RIGHT}>(&SR[{j}], {kk * MMA_K}u, true, LDW * 4u);")
+            compute.append(f"{ind}acc{j} = subgroupMatrixMultiplyAccumulate(a, b{j}, acc{j});")
+        compute.append("        }")
+    return values | {"COMPUTE": "\n".join(compute)}
+
+
 def lora_thin_i8_finish_values(half: bool) -> dict[str, str]:
     """lora_thin_i8_finish.wgsl: variant half also stores h_factor t as f16 (T16)."""
     return t16_values(half, 5, "T16[prm.h_go[g] + m * prm.r + c] = f16(t * prm.h_factor);")

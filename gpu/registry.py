@@ -26,7 +26,7 @@ from gpu.codegen import WEIGHT_TYPES, MatmulVariant, decode_snippet, fill, kerne
 from gpu.codegen_i8 import matmul_i8_source
 from gpu.codegen_lora import LORA_GEMM_BK, STREAM_UNROLLS, lora_gemm_values, lora_rows_values, lora_stream_values
 from gpu.codegen_lora_fused import RANK_BUCKETS, lora_fused_values
-from gpu.codegen_lora_i8 import NBS, lora_thin_i8_finish_values, lora_thin_i8_values
+from gpu.codegen_lora_i8 import NBS, lora_sum_i8_values, lora_thin_i8_finish_values, lora_thin_i8_values
 from gpu.codegen_tc import matmul_tc_source, weight_loader
 from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
@@ -398,6 +398,11 @@ KERNELS: dict[str, Kernel] = {
     "lora_thin_i8_finish": Kernel(("lora_thin_i8_finish", *_ITEMS), {"half": BOOLS}, lora_thin_i8_finish_values),
     # the codes of B / sW for dt = s dY B on it (gpu/ops/lora_i8.py LoraGradCodes)
     "lora_b_codes": Kernel(("workgroup_reduce", "absmax_combine", "int8_pack", "lora_b_codes")),
+    # dB = s dY^T t from dY's int8 codes (gpu/ops/lora_db_i8.py): t times dY's row scales rounded per column and
+    # chunk of rows, the chunks' sums (tint: on the integer subgroup matrices, else emulated), the pass adding them
+    "lora_cols_i8": Kernel(("workgroup_reduce", "absmax_combine", "int8_pack", "lora_cols_i8")),
+    "lora_sum_i8": Kernel(("lora_sum_i8",), {"nb": NBS, "tint": BOOLS}, lora_sum_i8_values),
+    "lora_sum_i8_finish": Kernel(("lora_sum_i8_finish", *_ITEMS)),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)
     "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {"unroll": STREAM_UNROLLS}, lora_stream_values),

@@ -129,3 +129,45 @@ def test_grad_codes_give_dt_from_dy_codes(dev: Device, m: int, d_out: int, r: in
             dt = dev.read(dt_buf, np.float32, (m, r))
             ref = (y8.astype(np.int64) @ b8.T).astype(np.float64) * sy[:, None] * sb[None, :]
             assert rel_err(dt, ref) < 1e-6
+
+
+@pytest.mark.parametrize(("m", "d_out", "r"), [(256, 128, 16), (512, 192, 16), (192, 64, 32), (1024, 64, 16)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_db_from_dy_codes(dev: Device, m: int, d_out: int, r: int, accumulate: bool) -> None:
+    """lora_db_i8: u = sdY t rounded per column over chunks of rows (row_chunk: 256 or fewer), the twin's codes
+    (|diff| <= 1 on under 1 %: the division's last ulp) and scales (1e-6); dB = s / sW dY^T u over the chunks within
+    1e-6 of the float64 sums of the same codes and scales (0 on rows where sW is 0), added to what dB held with
+    accumulate; and within 3e-2 of the exact s dY^T t of the dequantized dY (u's 8-bit rounding)."""
+    from gpu.ops.lora_db_i8 import _codes as u_buffers
+    from gpu.ops.lora_db_i8 import lora_db_i8, row_chunk
+
+    rng = np.random.default_rng(m + d_out + r)
+    s = 0.5
+    y8 = rng.integers(-127, 128, (m, d_out)).astype(np.int8)
+    sy = (rng.random(m) * 0.05 + 1e-3).astype(np.float32)
+    sy[5] = 0.0  # an all-zero row of dY
+    t = (rng.standard_normal((m, r)) * np.linspace(0.2, 3.0, m)[:, None]).astype(np.float32)
+    sw = (rng.random(d_out) * 0.02 + 1e-3).astype(np.float32)
+    sw[::9] = 0.0
+    before = rng.standard_normal((d_out, r)).astype(np.float32)
+    dy = Int8Matrix(up(dev, pack_i8(y8), np.uint32), up(dev, sy), m, d_out, d_out, "dY")
+    db = up(dev, np.concatenate([np.zeros(4, np.float32), before.reshape(-1)]))
+    with _integer_path(dev):
+        lora_db_i8(dev, dy, up(dev, t), r, up(dev, np.concatenate([np.ones(3, np.float32), sw])), 3, s, db, 4,
+                   accumulate=accumulate)  # fmt: skip
+    chunk = row_chunk(m)
+    q_buf, cs_buf = u_buffers[dev]
+    u8 = _codes(dev, q_buf, 0, r, m)
+    cs = dev.read(cs_buf, np.float32, (m // chunk, r))
+    twin_codes, twin_scales = quantize_i8((sy[:, None] * t).T.copy(), chunk)
+    diff = np.abs(u8 - twin_codes)
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+    assert rel_err(cs, twin_scales.T) < 1e-6
+    got = dev.read(db, np.float32, (d_out, r), offset=16)
+    sums = np.stack([y8[z : z + chunk].T.astype(np.int64) @ u8[:, z : z + chunk].T for z in range(0, m, chunk)])
+    ref = np.einsum("zon,zn->on", sums.astype(np.float64), cs.astype(np.float64))
+    ref *= np.where(sw > 0, s / np.where(sw > 0, sw, 1.0), 0.0)[:, None]
+    ref += before if accumulate else 0.0
+    assert rel_err(got, ref) < 1e-6
+    exact = s * (y8.astype(np.float64) * sy[:, None]).T @ t / np.where(sw > 0, sw, np.inf)[:, None]
+    assert rel_err(got - (before if accumulate else 0.0), exact) < 3e-2

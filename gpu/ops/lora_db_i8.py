@@ -1,0 +1,77 @@
+"""LoRA's dB = s dY^T t on the integer tensor cores, from the input gradient's int8 dY codes (gpu/kernels/
+lora_cols_i8.wgsl, lora_sum_i8.wgsl, lora_sum_i8_finish.wgsl).
+
+With precision int8 the input gradient dX = dY W of a projection runs on the integer GEMM over the codes of dY sW
+(sW: the weight's row scales; one scale sdY per row). dB[o, n] = s sum_m dY[m, o] t[m, n] = (s / sW[o]) sum_m
+qdY[m, o] u[m, n] with u = sdY t: u is rounded to 8 bits per column over chunks of rows (a scale each), the chunks'
+sums run on the i8 MMAs over qdY read column-major (one byte a value instead of the f32 dY that lora_matmul reads),
+and a second pass adds the chunks times their scales, over sW. Where sW[o] is 0 the codes of dY's column o are 0,
+and so is dB's row o. The numpy twin is bench/int8_activation_kl.py's `:g8` (dt8_backward)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu.codegen_lora_i8 import NBS, STEP_CODES
+from gpu.device import Device, DeviceError
+from gpu.ops.common import grid, pack
+from gpu.ops.lora_matmul import scratch_for
+from gpu.ops.matmul_i8 import Int8Matrix, int8_emulated
+from gpu.profile import scope
+from gpu.registry import pipeline
+
+ROWS_PER_SCALE = 256  # rows of u per column scale at most (lora_cols_i8.wgsl), and per workgroup row of the sums
+BI = 64  # outputs per workgroup (lora_sum_i8.wgsl)
+_codes: dict[Device, tuple[Any, Any]] = {}
+
+
+def row_chunk(m: int) -> int:
+    """Rows per column scale of u for m rows: the largest multiple of STEP_CODES up to ROWS_PER_SCALE dividing m (0:
+    none does)."""
+    return max((c for c in range(STEP_CODES, ROWS_PER_SCALE + 1, STEP_CODES) if m % c == 0), default=0)
+
+
+def db_covers(dy: Int8Matrix, r: int) -> bool:
+    """Whether lora_db_i8 takes dB of rank r over the int8 operand dy (one scale a row, d_out in whole tiles)."""
+    return dy.chunks == 1 and dy.k % BI == 0 and r % 16 == 0 and r // 16 in NBS and row_chunk(dy.rows) > 0
+
+
+def _u_buffers(dev: Device, codes: int, scales: int) -> tuple[Any, Any]:
+    have = _codes.get(dev)
+    if have is None or have[0].size < codes or have[1].size < 4 * scales:
+        size = max(codes, 16 if have is None else have[0].size), max(4 * scales, 16 if have is None else have[1].size)
+        have = (dev.buffer(size[0], label="lora u int8 codes"), dev.buffer(size[1], label="lora u int8 scales"))
+        _codes[dev] = have
+    return have
+
+
+def lora_db_i8(
+    dev: Device,
+    dy: Int8Matrix,
+    t: Any,
+    r: int,
+    sw: Any,
+    sw_off: int,
+    scale: float,
+    db: Any,
+    db_off: int = 0,
+    *,
+    accumulate: bool = False,
+) -> None:
+    """dB [d_out, r] (+)= scale dY^T t at float db_off of db, from dY's int8 codes `dy` (dY sW, a scale a row), t
+    [M, r] f32 (row-major, a buffer or view) and sW, the d_out row scales at float sw_off of sw."""
+    m, d = dy.rows, dy.k
+    if not db_covers(dy, r):
+        raise DeviceError(f"lora_db_i8 over {dy.name!r}: {m} rows of {d} codes in {dy.chunks} chunks, rank {r}")
+    chunk = row_chunk(m)
+    splits = m // chunk
+    q, cs = _u_buffers(dev, r * m, splits * r)
+    part = scratch_for(dev, 4 * splits * d * r)
+    with scope(dev, "lora"):
+        prm = pack(m, r, chunk, r, 0, 0, 0, 0)
+        dev.dispatch(pipeline(dev, "lora_cols_i8"), [prm, t, dy.scales, q, cs], grid(splits * r, 1))
+        prm = pack(m, d, r, chunk, d // 16, 0, 0, 0)
+        pipe = pipeline(dev, "lora_sum_i8", nb=r // 16, tint=not int8_emulated(dev))
+        dev.dispatch(pipe, [prm, dy.codes, q, part], (d // BI, splits, 1))
+        prm = pack(d * r, r, splits, db_off, sw_off, accumulate, float(scale), 0)
+        dev.dispatch(pipeline(dev, "lora_sum_i8_finish"), [prm, part, cs, sw, db], grid(d * r, 256))
