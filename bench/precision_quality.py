@@ -104,7 +104,17 @@ def main() -> None:
         default=None,
         help="int8: LoRA's dt = s dY B from the input gradient's dY codes and B / sW (gpu/ops/lora_i8.py THIN_DT)",
     )
+    ap.add_argument(
+        "--int8-lora-db",
+        choices=("codes", "f32"),
+        default=None,
+        help="int8: LoRA's dB = s dY^T t from the input gradient's dY codes (gpu/ops/lora_db_i8.py THIN_DB)",
+    )
     args = ap.parse_args()
+    if args.int8_lora_db:
+        from gpu.ops import lora_db_i8
+
+        lora_db_i8.THIN_DB = args.int8_lora_db == "codes"
     if args.int8_lora_dt:
         from gpu.ops import lora_i8
 
@@ -141,7 +151,7 @@ def main() -> None:
     # the engine knobs are not part of the train stage's key: with any of them, each precision trains afresh
     knobs = any(
         (args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation, args.int8_lora_t,
-         args.int8_lora_dt)
+         args.int8_lora_dt, args.int8_lora_db)
     )  # fmt: skip
     for precision in [p for p in args.precisions.split(",") if p]:
         pcfg = with_precision(cfg, precision)

@@ -30,12 +30,13 @@ from gpu.device import BufferView, Device
 from gpu.kept_blocks import kept_count, kept_widths
 from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
-from gpu.ops import lora_i8
+from gpu.ops import lora_db_i8, lora_i8
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
 from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
 from gpu.ops.lora import lora_backward, lora_da_group, lora_term
+from gpu.ops.lora_db_i8 import db_covers
 from gpu.ops.lora_i8 import LoraGradCodes, lora_thin_i8, thin_covers
 from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers
@@ -313,6 +314,18 @@ class GPUStudent(GPUModel):
         """Whether dt = s dY B of adapter `key` comes from the input gradient's dY codes (lora_thin_i8)."""
         return self.grad_codes is not None and self.grad_codes.covers([key]) and thin_covers(dy_codes, self.layout.r)
 
+    def _thin_db(self, key: tuple[int, str], dy_codes: Int8Matrix) -> bool:
+        """dB = s dY^T t of adapter `key` from the input gradient's dY codes (gpu/ops/lora_db_i8.py THIN_DB, where dt
+        comes from them: their sW is at hand), into the gradients; whether it ran."""
+        if not (lora_db_i8.THIN_DB and self.grad_codes is not None and db_covers(dy_codes, self.layout.r)):
+            return False
+        codes, s = self.grad_codes, self.layout.slots[key]
+        lora_db_i8.lora_db_i8(
+            self.dev, dy_codes, self._lora_t(*key), self.layout.r, codes.sw, codes.sw_offset(key), self.scale,
+            self.grads, s.b_off, accumulate=self._acc_grads,
+        )  # fmt: skip
+        return True
+
     def _proj_back(
         self,
         dy: Any,
@@ -349,9 +362,10 @@ class GPUStudent(GPUModel):
                 a = Int8Matrix(*self.a8, self.rows, d_out, d_out, "input gradient")
                 quantize_i8_gpu(self.dev, dy, a, col_scales=w8.scales)
         if ab is not None and in_gemm:
-            if self._thin_dt((layer, target), a):  # dt = s dY B from those codes, then dB and dA
+            if self._thin_dt((layer, target), a):  # dt = s dY B from those codes (and dB), then dB and dA
                 lora_thin_i8(self.dev, a, self.grad_codes, [(layer, target)], dt, [0], self._dt16_copy())
-                self._lora_back(dy, x, layer, target, ab, None, dt, dt_ready=True)
+                db_ready = self._thin_db((layer, target), a)
+                self._lora_back(dy, x, layer, target, ab, None, dt, dt_ready=True, db_ready=db_ready)
             else:
                 self._lora_back(dy, x, layer, target, ab, None, dt, dt16=self._dt16_copy())
         if int8:
@@ -419,9 +433,11 @@ class GPUStudent(GPUModel):
         *,
         dt16: HalfCopy | None = None,
         dt_ready: bool = False,
+        db_ready: bool = False,
     ) -> None:
         """The LoRA gradients of (layer, target) (dA unless dt is a _dt_slot: lora_da_group) and dt = s dY B into
-        dt (and its f16 copy into dt16 where given; dt_ready: dt is there already); dx += dt A unless dx is None."""
+        dt (and its f16 copy into dt16 where given; dt_ready: dt is there already; db_ready: so is dB); dx += dt A
+        unless dx is None."""
         d_out, d_in = self.cfg.target_shape(target)
         da, db = self._lora(layer, target, self.grads)
         lora_backward(
@@ -445,6 +461,7 @@ class GPUStudent(GPUModel):
             with_da=dt is self.dt,
             dt16=dt16,
             dt_ready=dt_ready,
+            db_ready=db_ready,
         )
 
     def _attention_back(

@@ -501,26 +501,28 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
-@pytest.mark.parametrize("switch", ["THIN_I8", "THIN_DT"])
+@pytest.mark.parametrize("switch", ["THIN_I8", "THIN_DT", "THIN_DB"])
 def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
     """lora_i8.THIN_I8: every adapter's t = x A^T from x's int8 codes and A's (lora_thin_i8, emulated; widths of 64
-    and up, rank 16), run four times a block in the forward (q, k, v together; o; gate, up together; down) and
-    none in the recompute (the kept t's replayed); the first block's kept t's (the same x codes either way) within
-    3e-2 of t from f32 x (A's 8-bit rounding: ~1 %; a misplaced group is O(1)). THIN_DT (THIN_I8 on in both runs):
-    dt = s dY B from the input gradient's dY codes and B / sW, for every adapter whose d_out is a multiple of 64 (q,
-    o, gate, up, down here: k and v are 32 wide). Each: the loss within INT8_REL of the float64 reference, the LoRA
-    gradients within 3 INT8_REL (this random model amplifies the extra rounding through both blocks: 0.30 at worst
-    with t from codes against 0.14 from f32 x; numpy studies on the demo: the trained adapter's held-out KL -0.5 %
-    and +0.3 %, docs/benchmarks.md 2026-12-07), and not the gradients of the f32 products (the path ran)."""
+    and up, rank 16, 64 rows), run four times a block in the forward (q, k, v together; o; gate, up together; down)
+    and none in the recompute (the kept t's replayed); the first block's kept t's (the same x codes either way)
+    within 3e-2 of t from f32 x (A's 8-bit rounding: ~1 %; a misplaced group is O(1)). THIN_DT (THIN_I8 on in both
+    runs): dt = s dY B from the input gradient's dY codes and B / sW, for every adapter whose d_out is a multiple of
+    64 (q, o, gate, up, down here: k and v are 32 wide). THIN_DB (both on in both runs): dB from those codes and t
+    too (gpu/ops/lora_db_i8.py, one chunk of scales), for the same adapters. Each: the loss within INT8_REL of the
+    float64 reference, the LoRA gradients within 3 INT8_REL (this random model amplifies the extra rounding through
+    both blocks: 0.15 at worst; numpy studies on the demo: the trained adapter's held-out KL -0.5 % and +0.3 %,
+    docs/benchmarks.md 2026-12-07), and not the gradients of the f32 products (the path ran)."""
     import dataclasses
     import sys
 
-    from gpu.ops import lora_i8
+    from gpu.ops import lora_db_i8, lora_i8
     from gpu.ops.matmul_i8 import int8_emulation
 
     wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
     monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
     monkeypatch.setattr(sys.modules[__name__], "R", 16)
+    monkeypatch.setattr(sys.modules[__name__], "T", 32)  # 64 rows: lora_db_i8 takes whole chunks of 64
     dev = device_or_skip()
     w, lora, ids, targets, mask, rng = _problem(5, Q.Q4_0)
     teacher = _teacher(rng, 1.0)
@@ -533,11 +535,13 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
         return real(dev, name, **variant)
 
     monkeypatch.setattr(lora_i8, "pipeline", spy)
+    monkeypatch.setattr(lora_db_i8, "pipeline", spy)
     monkeypatch.setattr(lora_i8, "THIN_I8", True)
-    monkeypatch.setattr(lora_i8, "THIN_DT", False)  # THIN_I8's runs: dt from f32 dY in both
+    monkeypatch.setattr(lora_i8, "THIN_DT", switch == "THIN_DB")  # THIN_I8's runs: dt from f32 dY in both
+    monkeypatch.setattr(lora_db_i8, "THIN_DB", False)
     runs, kept = {}, {}
     for on in (True, False):
-        monkeypatch.setattr(lora_i8, switch, on)
+        monkeypatch.setattr(lora_db_i8 if switch == "THIN_DB" else lora_i8, switch, on)
         thin.clear()
         with int8_emulation(dev):
             st = _precision_student(dev, weights, "int8", FORWARD_KL, vocab_chunk=256)
@@ -546,15 +550,17 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
             runs[on] = (st.loss_and_grads(), st.get_grads())
             kept[on] = {k: dev.read(st._lora_t(*k).buffer, np.float32, (st.rows * 16,), offset=st._lora_t(*k).offset)
                         for k in st.layout.slots if k[0] == 0}  # fmt: skip
-        products = {"THIN_I8": 4, "THIN_DT": 4 + 5}[switch] if on else {"THIN_I8": 0, "THIN_DT": 4}[switch]
+        products = {"THIN_I8": (4, 0), "THIN_DT": (4 + 5, 4), "THIN_DB": (9, 9)}[switch][0 if on else 1]
         assert thin.count("lora_thin_i8") == products * wide.n_layers, thin
+        assert thin.count("lora_sum_i8") == (5 * wide.n_layers if on and switch == "THIN_DB" else 0), thin
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, *teacher, FORWARD_KL, 2.0)
     loss, grads = runs[True]
     worst = max(max(_rel(grads[k].A, da), _rel(grads[k].B, db)) for k, (da, db) in want.items())
     print(f"int8 step, {switch}: loss rel err {abs(loss - want_loss) / abs(want_loss):.2e}, worst grad {worst:.2e}")
     assert abs(loss - want_loss) / abs(want_loss) < INT8_REL
     assert worst < 3 * INT8_REL
-    assert any(not np.array_equal(g.A, runs[False][1][k].A) for k, g in grads.items())
+    changed = "B" if switch == "THIN_DB" else "A"  # dA comes from dt, which THIN_DB leaves alone
+    assert any(not np.array_equal(getattr(g, changed), getattr(runs[False][1][k], changed)) for k, g in grads.items())
     if switch == "THIN_I8":
         for key, t in kept[True].items():
             assert not np.array_equal(t, kept[False][key]) and _rel(t, kept[False][key]) < 3e-2, key

@@ -194,6 +194,7 @@ def lora_backward(
     with_da: bool = True,
     dt16: HalfCopy | None = None,
     dt_ready: bool = False,
+    db_ready: bool = False,
 ) -> None:
     """dB [out, r] = scale dy^T t; dt [T, r] (scratch) = scale dy B; dA [r, in] = dt^T x; dx [T, in] += dt A
     (dx None: not done here, the caller adds dt A itself: the integer GEMM's LoRA epilogue).
@@ -202,7 +203,8 @@ def lora_backward(
     group > 0 (a mergeable adapter): dt^T x goes to da_scratch ([r, in] floats at least) and dA gets its
     group sums (lora_group_sum), the gradient of A's group values. with_da=False: no dA here (the caller runs
     lora_da_group over the adapters sharing x). dt16: dt's f16 copy too (the integer GEMM's LoRA term). dt_ready: dt
-    is already there (gpu/ops/lora_i8.py, from dY's int8 codes): dB and dA only (dx None)."""
+    is already there (gpu/ops/lora_i8.py, from dY's int8 codes): dB and dA only (dx None); db_ready: so is dB
+    (gpu/ops/lora_db_i8.py)."""
     acc = accumulate_grads
     if group and da_scratch is None:
         raise DeviceError("lora_backward: a mergeable adapter (group > 0) needs da_scratch")
@@ -213,8 +215,9 @@ def lora_backward(
         if lora_dual.DUAL and lora_dual.covers(r) and not fuse and dt16 is None and not dt_ready:  # dB, dt in one pass
             lora_dual.lora_dual(dev, dy, t, b, dt, db, n_tokens, d_out, scale, accumulate=acc)
         else:
-            dy_t = transposed(dy, d_out)
-            lora_matmul(dev, dy_t, row_major(t, r), db, d_out, r, n_tokens, alpha=scale, accumulate=acc)
+            if not db_ready:
+                dy_t = transposed(dy, d_out)
+                lora_matmul(dev, dy_t, row_major(t, r), db, d_out, r, n_tokens, alpha=scale, accumulate=acc)
             if fuse:
                 lora_fused(
                     dev, dy, row_major(b, r), row_major(a, d_in), dt, dx, n_tokens, d_out, d_in, r,

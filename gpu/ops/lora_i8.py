@@ -111,6 +111,7 @@ class LoraGradCodes(AdapterCodes):
     ) -> None:
         self.r, self._scale = r, float(scale)
         self._at: dict[tuple[int, str], tuple[int, int]] = {}
+        self._sw_at: dict[tuple[int, str], int] = {}
         rows: list[tuple[int, int, int, int]] = []
         copies: list[tuple[Any, int, int]] = []
         codes = sw = 0
@@ -118,23 +119,28 @@ class LoraGradCodes(AdapterCodes):
             if s.d_out % STEP_CODES or key not in row_scales:
                 continue
             self._at[key] = (codes // 16, len(rows))
+            self._sw_at[key] = sw
             rows += [(s.b_off + n, sw, s.d_out, (codes + n * s.d_out) // 4) for n in range(r)]
             copies.append((row_scales[key], sw, s.d_out))
             codes += r * s.d_out
             sw += s.d_out
         self.codes = dev.buffer(max(codes, 16), label="lora B / sW int8 codes")
         self.scales = dev.buffer(4 * max(len(rows), 4), label="lora B / sW int8 scales")
-        self._sw = dev.buffer(4 * max(sw, 4), label="lora sW")
+        self.sw = dev.buffer(4 * max(sw, 4), label="lora sW")  # every covered adapter's sW (sw_offset)
         for buf, off, n in copies:
-            dev.copy(buf, self._sw, 4 * n, dst_offset=4 * off)
+            dev.copy(buf, self.sw, 4 * n, dst_offset=4 * off)
         self._table = dev.upload(np.asarray(rows or [(0, 0, 0, 0)], np.uint32).reshape(-1), label="lora B rows")
         self._rows = len(rows)
+
+    def sw_offset(self, key: tuple[int, str]) -> int:
+        """The first float of adapter `key`'s sW in self.sw."""
+        return self._sw_at[key]
 
     def refresh(self, dev: Device, params: Any) -> None:
         """Quantize every covered adapter's B / sW from the f32 parameters (one dispatch)."""
         if self._rows:
             prm = pack(self._rows, self.r, self._scale, 0)
-            bind = [prm, params, self._sw, self.codes, self.scales, self._table]
+            bind = [prm, params, self.sw, self.codes, self.scales, self._table]
             dev.dispatch(pipeline(dev, "lora_b_codes"), bind, grid(self._rows, 1))
 
 
