@@ -3,6 +3,8 @@ the same sums in plain WGSL (`tint` False: adapters without them, e.g. lavapipe 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpu.codegen import t16_values
 
 MMA_K = 32  # codes per integer MMA (16 x 16 x 32)
@@ -48,6 +50,20 @@ _EMU_STORE = """    for (var j = 0u; j < NB; j++) {
     }"""
 
 
+def _mma_steps(nb: int, left: Callable[[int], str], right: Callable[[int, int], str]) -> str:
+    """A step's integer MMAs: per 32 codes k of the step, the subgroup's left matrix (left(k): its pointer, offset
+    and column-major flag) times each column block j's right matrix (right(j, k): pointer and offset; column-major)
+    into acc j."""
+    lines, ind = [], " " * 12
+    for k in range(0, STEP_CODES, MMA_K):
+        lines += ["        {", f"{ind}let a = subgroupMatrixLoad<{_LEFT}>({left(k)}, LDW * 4u);"]
+        for j in range(nb):
+            lines.append(f"{ind}let b{j} = subgroupMatrixLoad<{_RIGHT}>({right(j, k)}, true, LDW * 4u);")
+            lines.append(f"{ind}acc{j} = subgroupMatrixMultiplyAccumulate(a, b{j}, acc{j});")
+        lines.append("        }")
+    return "\n".join(lines)
+
+
 def lora_thin_i8_values(nb: int, tint: bool) -> dict[str, str]:
     """lora_thin_i8.wgsl for `nb` column blocks, on the integer subgroup matrices (tint) or emulated."""
     if nb not in NBS:
@@ -65,14 +81,7 @@ def lora_thin_i8_values(nb: int, tint: bool) -> dict[str, str]:
             "COMPUTE": _EMU_COMPUTE,
             "STORE": _EMU_STORE,
         }
-    compute, ind = [], " " * 12
-    for kk in range(STEP_CODES // MMA_K):
-        off = f"{kk * MMA_K}u"
-        compute += ["        {", f"{ind}let a = subgroupMatrixLoad<{_LEFT}>(&S[sg], {off}, false, LDW * 4u);"]
-        for j in range(nb):
-            compute.append(f"{ind}let b{j} = subgroupMatrixLoad<{_RIGHT}>(&S[{4 + j}], {off}, true, LDW * 4u);")
-            compute.append(f"{ind}acc{j} = subgroupMatrixMultiplyAccumulate(a, b{j}, acc{j});")
-        compute.append("        }")
+    compute = _mma_steps(nb, lambda k: f"&S[sg], {k}u, false", lambda j, k: f"&S[{4 + j}], {k}u")
     return common | {
         "COMPUTE_NOTE": "Results leave by subgroup-matrix stores straight to P.",
         "DIRECTIVES": _TC_DIRECTIVES,
@@ -80,7 +89,7 @@ def lora_thin_i8_values(nb: int, tint: bool) -> dict[str, str]:
         "SG_LET": "",
         "HELPERS": "",
         "ACC_DECL": "\n".join(f"    var acc{j} = subgroup_matrix_result<i32, 16, 16>();" for j in range(nb)),
-        "COMPUTE": "\n".join(compute),
+        "COMPUTE": compute,
         "STORE": "\n".join(f"    subgroupMatrixStore(&P, base + {16 * j}u, acc{j}, false, prm.N);" for j in range(nb)),
     }
 
@@ -105,15 +114,9 @@ def lora_sum_i8_values(nb: int, tint: bool) -> dict[str, str]:
     values = lora_thin_i8_values(nb, tint)
     if not tint:
         return values | {"COMPUTE": _SUM_EMU_COMPUTE}
-    compute, ind = [], " " * 12
-    for kk in range(STEP_CODES // MMA_K):
-        off = f"{kk * MMA_K}u * LDW * 4u"
-        compute += ["        {", f"{ind}let a = subgroupMatrixLoad<{_LEFT}>(&SL, {off} + sg * 16u, true, LDW * 4u);"]
-        for j in range(nb):
-            compute.append(f"{ind}let b{j} = subgroupMatrixLoad<{_RIGHT}>(&SR[{j}], {kk * MMA_K}u, true, LDW * 4u);")
-            compute.append(f"{ind}acc{j} = subgroupMatrixMultiplyAccumulate(a, b{j}, acc{j});")
-        compute.append("        }")
-    return values | {"COMPUTE": "\n".join(compute)}
+    # L^T's 16 x 32 block: the subgroup's 16 columns of the step's 32 rows m, read column-major
+    compute = _mma_steps(nb, lambda k: f"&SL, {k}u * LDW * 4u + sg * 16u, true", lambda j, k: f"&SR[{j}], {k}u")
+    return values | {"COMPUTE": compute}
 
 
 def lora_thin_i8_finish_values(half: bool) -> dict[str, str]:

@@ -394,14 +394,14 @@ KERNELS: dict[str, Kernel] = {
     "lora_reduce": Kernel(("lora_reduce", *_ITEMS), {"half": BOOLS}, _lora_reduce_values),
     # LoRA's t = x A^T from the projection's int8 operand (gpu/ops/lora_i8.py; tint: on the integer subgroup
     # matrices, else emulated), and its pass adding the chunks and applying the scales
-    "lora_thin_i8": Kernel(("lora_thin_i8",), {"nb": NBS, "tint": BOOLS}, lora_thin_i8_values),
+    "lora_thin_i8": Kernel(("lora_thin_i8", "lora_i8_steps"), {"nb": NBS, "tint": BOOLS}, lora_thin_i8_values),
     "lora_thin_i8_finish": Kernel(("lora_thin_i8_finish", *_ITEMS), {"half": BOOLS}, lora_thin_i8_finish_values),
     # the codes of B / sW for dt = s dY B on it (gpu/ops/lora_i8.py LoraGradCodes)
     "lora_b_codes": Kernel(("workgroup_reduce", "absmax_combine", "int8_pack", "lora_b_codes")),
     # dB = s dY^T t from dY's int8 codes (gpu/ops/lora_db_i8.py): t times dY's row scales rounded per column and
     # chunk of rows, the chunks' sums (tint: on the integer subgroup matrices, else emulated), the pass adding them
     "lora_cols_i8": Kernel(("workgroup_reduce", "absmax_combine", "int8_pack", "lora_cols_i8")),
-    "lora_sum_i8": Kernel(("lora_sum_i8",), {"nb": NBS, "tint": BOOLS}, lora_sum_i8_values),
+    "lora_sum_i8": Kernel(("lora_sum_i8", "lora_i8_steps"), {"nb": NBS, "tint": BOOLS}, lora_sum_i8_values),
     "lora_sum_i8_finish": Kernel(("lora_sum_i8_finish", *_ITEMS)),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)

@@ -5,7 +5,7 @@
 // operand's codes stored by columns ([N, M]: column n of u along the rows, lora_cols_i8.wgsl), each chunk of rows
 // with its own scale per column. Workgroup: 4 subgroups of 16 outputs i each and all N = 16 NB columns. Per step
 // BK rows m of the tile's BI codes of L and of the N rows of R are staged in workgroup memory as i32 words, the next
-// step's loaded into registers meanwhile; each subgroup multiplies its 16 columns of L (left matrices loaded
+// step's loaded into registers meanwhile (lora_i8_steps.wgsl); each subgroup multiplies its 16 columns of L (left matrices loaded
 // column-major: L^T) by the NB column blocks, BK / 32 integer MMAs each. ${COMPUTE_NOTE}
 ${DIRECTIVES}
 
@@ -38,77 +38,47 @@ const RU: u32 = (BN * UPR + THREADS - 1u) / THREADS;  // R's units per invocatio
 var<workgroup> SL: array<i32, BK * LDW>;                 // L's tile: row m (of the step) * LDW + word of i
 var<workgroup> SR: array<array<i32, 16u * LDW>, NB>;   // R's column block j: row n * LDW + word of m
 
-fn ld_l(u: u32, i0: u32, m0: u32) -> vec4<u32> {
+fn tile_start(wid: vec3<u32>) -> u32 {
+    return wid.x * BI;
+}
+
+fn reduction_start(wid: vec3<u32>) -> u32 {
+    return wid.y * prm.chunk;
+}
+
+fn reduction_length() -> u32 {
+    return prm.M;
+}
+
+fn p_base(wid: vec3<u32>, sg: u32) -> u32 {
+    return (wid.y * prm.D + wid.x * BI + sg * 16u) * prm.N;
+}
+
+fn ld_left(u: u32, i0: u32, m0: u32) -> vec4<u32> {
     return L[prm.l_off + (m0 + u / UPR) * prm.ldl + i0 / 16u + u % UPR];
 }
 
-fn ld_r(u: u32, m0: u32) -> vec4<u32> {
+fn ld_right(u: u32, m0: u32) -> vec4<u32> {
     let n = min(u / UPR, prm.N - 1u);
     return R[n * (prm.M / 16u) + m0 / 16u + u % UPR];
 }
 
-// this invocation's units of L's tile rows from m0 (columns i0 ..) and of R's rows, into rl and rr
-fn fetch(rl: ptr<function, array<vec4<u32>, LU>>, rr: ptr<function, array<vec4<u32>, RU>>, lid: u32, i0: u32,
-         m0: u32) {
-    for (var e = 0u; e < LU; e++) {
-        (*rl)[e] = ld_l(lid + e * THREADS, i0, m0);
-    }
-    for (var e = 0u; e < RU; e++) {
-        let u = lid + e * THREADS;
-        if (u < BN * UPR) {
-            (*rr)[e] = ld_r(u, m0);
-        }
-    }
-}
-
-fn put_l(u: u32, v: vec4<u32>) {
+fn put_left(u: u32, v: vec4<u32>) {
     let o = (u / UPR) * LDW + (u % UPR) * 4u;
-    SL[o] = bitcast<i32>(v.x);
-    SL[o + 1u] = bitcast<i32>(v.y);
-    SL[o + 2u] = bitcast<i32>(v.z);
-    SL[o + 3u] = bitcast<i32>(v.w);
+    let w = words(v);
+    SL[o] = w.x;
+    SL[o + 1u] = w.y;
+    SL[o + 2u] = w.z;
+    SL[o + 3u] = w.w;
 }
 
-fn put_r(u: u32, v: vec4<u32>) {
+fn put_right(u: u32, v: vec4<u32>) {
     let row = u / UPR;
     let o = (row % 16u) * LDW + (u % UPR) * 4u;
     let b = row / 16u;
-    SR[b][o] = bitcast<i32>(v.x);
-    SR[b][o + 1u] = bitcast<i32>(v.y);
-    SR[b][o + 2u] = bitcast<i32>(v.z);
-    SR[b][o + 3u] = bitcast<i32>(v.w);
-}
-${HELPERS}
-
-@compute @workgroup_size(THREADS)
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,${SG_PARAM}
-) {${SG_LET}
-    let i0 = wid.x * BI;
-    let m0 = wid.y * prm.chunk;
-    let steps = min(prm.chunk, prm.M - m0) / BK;
-${ACC_DECL}
-    var rl: array<vec4<u32>, LU>;   // this invocation's units of the next step, loaded ahead
-    var rr: array<vec4<u32>, RU>;
-    fetch(&rl, &rr, lid, i0, m0);
-    for (var t = 0u; t < steps; t++) {
-        workgroupBarrier();
-        for (var e = 0u; e < LU; e++) {
-            put_l(lid + e * THREADS, rl[e]);
-        }
-        for (var e = 0u; e < RU; e++) {
-            let u = lid + e * THREADS;
-            if (u < BN * UPR) {
-                put_r(u, rr[e]);
-            }
-        }
-        workgroupBarrier();
-        if (t + 1u < steps) {
-            fetch(&rl, &rr, lid, i0, m0 + (t + 1u) * BK);
-        }
-${COMPUTE}
-    }
-    let base = (wid.y * prm.D + i0 + sg * 16u) * prm.N;
-${STORE}
+    let w = words(v);
+    SR[b][o] = w.x;
+    SR[b][o + 1u] = w.y;
+    SR[b][o + 2u] = w.z;
+    SR[b][o + 3u] = w.w;
 }

@@ -6,8 +6,8 @@
 // weight codes, at its own offset in Acodes: several adapters sharing x in one dispatch).
 // Workgroup: 4 subgroups of 16 rows of x each and all N = 16 NB columns. Per step BK codes of each of the tile's
 // rows of x and of the N rows of A are staged in workgroup memory as i32 words (row-major, padded rows), the next
-// step's loaded into registers meanwhile; each subgroup multiplies its 16 rows by the NB column blocks, BK / 32
-// integer MMAs each. ${COMPUTE_NOTE}
+// step's loaded into registers meanwhile (lora_i8_steps.wgsl); each subgroup multiplies its 16 rows by the NB
+// column blocks, BK / 32 integer MMAs each. ${COMPUTE_NOTE}
 ${DIRECTIVES}
 
 struct Params {
@@ -34,34 +34,36 @@ const NB: u32 = ${NB}u;          // 16-column blocks
 const BN: u32 = NB * 16u;
 const LDW: u32 = BK / 4u + 4u;   // i32 words per staged row (padded against bank conflicts)
 const THREADS: u32 = 128u;
-const XU: u32 = BM * UPR / THREADS;                  // x's units per invocation
-const AU: u32 = (BN * UPR + THREADS - 1u) / THREADS;  // A's units per invocation (the last one guarded)
+const LU: u32 = BM * UPR / THREADS;                  // x's units per invocation
+const RU: u32 = (BN * UPR + THREADS - 1u) / THREADS;  // A's units per invocation (the last one guarded)
 
 var<workgroup> S: array<array<i32, 16u * LDW>, 4u + NB>;   // blocks 0-3: x's rows by subgroup; 4 + j: A's column
                                                           // block j ([row or column * LDW + word])
 
-fn ld_x(u: u32, m0: u32, k0: u32) -> vec4<u32> {
+fn tile_start(wid: vec3<u32>) -> u32 {
+    return wid.x * BM;
+}
+
+fn reduction_start(wid: vec3<u32>) -> u32 {
+    return wid.y * prm.chunk;
+}
+
+fn reduction_length() -> u32 {
+    return prm.K;
+}
+
+fn p_base(wid: vec3<u32>, sg: u32) -> u32 {
+    return (wid.y * prm.MP + wid.x * BM + sg * 16u) * prm.N;
+}
+
+fn ld_left(u: u32, m0: u32, k0: u32) -> vec4<u32> {
     let row = min(m0 + u / UPR, prm.M - 1u);
     return X[prm.x_off + row * prm.ldx + k0 / 16u + u % UPR];
 }
 
-fn ld_a(u: u32, k0: u32) -> vec4<u32> {
+fn ld_right(u: u32, k0: u32) -> vec4<u32> {
     let n = min(u / UPR, prm.N - 1u);
     return Acodes[prm.a_go[n / prm.r] + (n % prm.r) * (prm.K / 16u) + k0 / 16u + u % UPR];
-}
-
-// this invocation's units of x's tile rows from m0 and of the A rows, at codes k0 .. k0 + BK, into rx and ra
-fn fetch(rx: ptr<function, array<vec4<u32>, XU>>, ra: ptr<function, array<vec4<u32>, AU>>, lid: u32, m0: u32,
-         k0: u32) {
-    for (var e = 0u; e < XU; e++) {
-        (*rx)[e] = ld_x(lid + e * THREADS, m0, k0);
-    }
-    for (var e = 0u; e < AU; e++) {
-        let u = lid + e * THREADS;
-        if (u < BN * UPR) {
-            (*ra)[e] = ld_a(u, k0);
-        }
-    }
 }
 
 // unit u (row u / UPR, words 4 (u % UPR) ..) of the operand whose blocks start at block b0 of S
@@ -69,42 +71,17 @@ fn put(b0: u32, u: u32, v: vec4<u32>) {
     let row = u / UPR;
     let o = (row % 16u) * LDW + (u % UPR) * 4u;
     let b = b0 + row / 16u;
-    S[b][o] = bitcast<i32>(v.x);
-    S[b][o + 1u] = bitcast<i32>(v.y);
-    S[b][o + 2u] = bitcast<i32>(v.z);
-    S[b][o + 3u] = bitcast<i32>(v.w);
+    let w = words(v);
+    S[b][o] = w.x;
+    S[b][o + 1u] = w.y;
+    S[b][o + 2u] = w.z;
+    S[b][o + 3u] = w.w;
 }
-${HELPERS}
 
-@compute @workgroup_size(THREADS)
-fn main(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) lid: u32,${SG_PARAM}
-) {${SG_LET}
-    let m0 = wid.x * BM;
-    let k0 = wid.y * prm.chunk;
-    let steps = min(prm.chunk, prm.K - k0) / BK;
-${ACC_DECL}
-    var rx: array<vec4<u32>, XU>;   // this invocation's units of the next step, loaded ahead
-    var ra: array<vec4<u32>, AU>;
-    fetch(&rx, &ra, lid, m0, k0);
-    for (var t = 0u; t < steps; t++) {
-        workgroupBarrier();
-        for (var e = 0u; e < XU; e++) {
-            put(0u, lid + e * THREADS, rx[e]);
-        }
-        for (var e = 0u; e < AU; e++) {
-            let u = lid + e * THREADS;
-            if (u < BN * UPR) {
-                put(4u, u, ra[e]);
-            }
-        }
-        workgroupBarrier();
-        if (t + 1u < steps) {
-            fetch(&rx, &ra, lid, m0, k0 + (t + 1u) * BK);
-        }
-${COMPUTE}
-    }
-    let base = (wid.y * prm.MP + m0 + sg * 16u) * prm.N;
-${STORE}
+fn put_left(u: u32, v: vec4<u32>) {
+    put(0u, u, v);
+}
+
+fn put_right(u: u32, v: vec4<u32>) {
+    put(4u, u, v);
 }
