@@ -194,8 +194,9 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # int8: LoRA's dt = s dY B from f32 dY on lora_matmul (the default: from the input gradient's dY codes and
     # B / sW on the integer MMAs)
     "lora-dt-f32": ("gpu.ops.lora_i8", "THIN_DT", False),
-    # int8: LoRA's dB = s dY^T t from the input gradient's dY codes on the integer MMAs too (opt-in)
-    "lora-db-i8": ("gpu.ops.lora_db_i8", "THIN_DB", True),
+    # int8: LoRA's dB = s dY^T t from f32 dY on lora_matmul (the default: from the input gradient's dY codes and t
+    # on the integer MMAs, gpu/ops/lora_db_i8.py)
+    "lora-db-f32": ("gpu.ops.lora_db_i8", "THIN_DB", False),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     # the forward at head dim 64 on 4 subgroups (key tiles of 64), or on 8 (key tiles of 32); 8 at 128 either way
     "attention-forward4-d64": ("gpu.ops.attention_tc", "WIDE_FORWARD_HEAD_DIMS", (128,)),
