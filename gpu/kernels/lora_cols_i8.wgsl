@@ -1,5 +1,5 @@
 // The thin operand of dB = s dY^T t on the integer tensor cores (gpu/ops/lora_db_i8.py): u[m, n] = RS[m]
-// S[m, n] (t times dY's row scales, which dY's codes leave out) rounded to 8 bits of its max over each chunk of
+// S[m, n] (S row-major [M, N]: t times dY's row scales, which dY's codes leave out) rounded to 8 bits of its max over each chunk of
 // rows, a scale per chunk and column: workgroup i = z N + n takes column n over rows z chunk .. (z + 1) chunk, its
 // codes stored by columns (Q: row n of M codes, packed four per word: lora_sum_i8.wgsl's R) and its scale at
 // CS[i] (int8_pack.wgsl rounds).
@@ -8,11 +8,7 @@ struct Params {
     M: u32,        // rows (a multiple of chunk)
     N: u32,        // columns
     chunk: u32,    // rows per scale (a multiple of 4)
-    ld: u32,       // S's row stride, in floats
-    s_off: u32,    // S's first float
-    rs_off: u32,   // the first row scale in RS
     _pad0: u32,
-    _pad1: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
@@ -24,7 +20,7 @@ struct Params {
 const WG: u32 = 64u;
 
 fn value(m: u32, n: u32) -> f32 {
-    return RS[prm.rs_off + m] * S[prm.s_off + m * prm.ld + n];
+    return RS[m] * S[m * prm.N + n];
 }
 
 // rows m .. m + 3 of column n

@@ -5,8 +5,8 @@
 // operand's codes stored by columns ([N, M]: column n of u along the rows, lora_cols_i8.wgsl), each chunk of rows
 // with its own scale per column. Workgroup: 4 subgroups of 16 outputs i each and all N = 16 NB columns. Per step
 // BK rows m of the tile's BI codes of L and of the N rows of R are staged in workgroup memory as i32 words, the next
-// step's loaded into registers meanwhile (lora_i8_steps.wgsl); each subgroup multiplies its 16 columns of L (left matrices loaded
-// column-major: L^T) by the NB column blocks, BK / 32 integer MMAs each. ${COMPUTE_NOTE}
+// step's loaded into registers meanwhile (lora_i8_steps.wgsl); each subgroup multiplies its 16 columns of L (left
+// matrices loaded column-major: L^T) by the NB column blocks, BK / 32 integer MMAs each. ${COMPUTE_NOTE}
 ${DIRECTIVES}
 
 struct Params {
@@ -14,10 +14,6 @@ struct Params {
     D: u32,        // L's row length, the outputs i (a multiple of BI)
     N: u32,        // output columns, a multiple of 16, at most BN
     chunk: u32,    // rows per workgroup row z (a multiple of BK)
-    ldl: u32,      // L's row stride, in vec4<u32> (16 codes)
-    l_off: u32,    // L's first vec4
-    _pad0: u32,
-    _pad1: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
@@ -55,7 +51,7 @@ fn p_base(wid: vec3<u32>, sg: u32) -> u32 {
 }
 
 fn ld_left(u: u32, i0: u32, m0: u32) -> vec4<u32> {
-    return L[prm.l_off + (m0 + u / UPR) * prm.ldl + i0 / 16u + u % UPR];
+    return L[((m0 + u / UPR) * prm.D + i0) / 16u + u % UPR];
 }
 
 fn ld_right(u: u32, m0: u32) -> vec4<u32> {

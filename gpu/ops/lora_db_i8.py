@@ -40,10 +40,15 @@ def db_covers(dy: Int8Matrix, r: int) -> bool:
 
 
 def _u_buffers(dev: Device, codes: int, scales: int) -> tuple[Any, Any]:
+    """The device's buffers of u's codes and scales, grown to hold `codes` bytes and `scales` floats (built once
+    per largest shape, so bind groups stay cached across steps)."""
     have = _codes.get(dev)
     if have is None or have[0].size < codes or have[1].size < 4 * scales:
-        size = max(codes, 16 if have is None else have[0].size), max(4 * scales, 16 if have is None else have[1].size)
-        have = (dev.buffer(size[0], label="lora u int8 codes"), dev.buffer(size[1], label="lora u int8 scales"))
+        old = (0, 0) if have is None else (have[0].size, have[1].size)
+        have = (
+            dev.buffer(max(codes, 16, old[0]), label="lora u int8 codes"),
+            dev.buffer(max(4 * scales, 16, old[1]), label="lora u int8 scales"),
+        )
         _codes[dev] = have
     return have
 
@@ -71,9 +76,9 @@ def lora_db_i8(
     q, cs = _u_buffers(dev, r * m, splits * r)
     part = scratch_for(dev, 4 * splits * d * r)
     with scope(dev, "lora"):
-        prm = pack(m, r, chunk, r, 0, 0, 0, 0)
+        prm = pack(m, r, chunk, 0)
         dev.dispatch(pipeline(dev, "lora_cols_i8"), [prm, t, dy.scales, q, cs], grid(splits * r, 1))
-        prm = pack(m, d, r, chunk, d // 16, 0, 0, 0)
+        prm = pack(m, d, r, chunk)
         pipe = pipeline(dev, "lora_sum_i8", nb=r // 16, tint=not int8_emulated(dev))
         dev.dispatch(pipe, [prm, dy.codes, q, part], (d // BI, splits, 1))
         prm = pack(d * r, r, splits, db_off, sw_off, accumulate, float(scale), 0)
