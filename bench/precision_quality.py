@@ -110,7 +110,17 @@ def main() -> None:
         default=None,
         help="int8: LoRA's dB = s dY^T t from the input gradient's dY codes (gpu/ops/lora_db_i8.py THIN_DB)",
     )
+    ap.add_argument(
+        "--int8-lora-da",
+        choices=("codes", "f32"),
+        default=None,
+        help="int8: LoRA's dA = dt^T x from the forward's x codes (gpu/ops/lora_da_i8.py THIN_DA)",
+    )
     args = ap.parse_args()
+    if args.int8_lora_da:
+        from gpu.ops import lora_da_i8
+
+        lora_da_i8.THIN_DA = args.int8_lora_da == "codes"
     if args.int8_lora_db:
         from gpu.ops import lora_db_i8
 
@@ -151,7 +161,7 @@ def main() -> None:
     # the engine knobs are not part of the train stage's key: with any of them, each precision trains afresh
     knobs = any(
         (args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation, args.int8_lora_t,
-         args.int8_lora_dt, args.int8_lora_db)
+         args.int8_lora_dt, args.int8_lora_db, args.int8_lora_da)
     )  # fmt: skip
     for precision in [p for p in args.precisions.split(",") if p]:
         pcfg = with_precision(cfg, precision)

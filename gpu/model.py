@@ -535,32 +535,35 @@ class GPUModel:
         """A projection's A operand and GEMM arguments: x16 (f16) when the producer wrote one, else x."""
         return (x, {}) if x16 is None else (x16, {"a_dtype": "f16"})
 
-    def _normed(self, x: Any, weight: str, y: Any, *, head: bool = False) -> tuple[Any, dict[str, Any]]:
+    def _normed(
+        self, x: Any, weight: str, y: Any, *, head: bool = False, codes: tuple[Any, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
         """y = RMSNorm(x) with norm weight `weight` over the rows, and y's operand for the projections (head:
-        for the LM head): its f16 copy from the same kernel with tensor cores, int8 codes with int8."""
+        for the LM head): its f16 copy from the same kernel with tensor cores, int8 codes with int8 (into `codes`,
+        else self.a8)."""
         rows, h = self.rows, self.cfg.hidden
         int8 = bool(self._w8_slots) and not head
         rot = self._rotation(h)
         if int8 and self.fused_codes_i8 and h % MMA_K == 0 and (rot == 0 or h <= FUSED_NORM_ROTATED_WIDTH):
-            a = Int8Matrix(*self.a8, rows, h, h, "gemm input")
+            a = Int8Matrix(*(codes or self.a8), rows, h, h, "gemm input")
             rmsnorm_i8(self.dev, x, self.w.norms[weight], y, a, self.cfg.eps, rot)
             return a, {"int8": True}
         y16 = None if int8 else self._half_copy(rows * h)
         rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
-        return self._forward_input(y, h) if int8 else self._operand(y, y16)
+        return self._forward_input(y, h, codes) if int8 else self._operand(y, y16)
 
     def _forward_int8(self, width: int) -> bool:
         """Whether the frozen forward GEMMs over inputs of `width` run on the integer GEMM (widths that are no
         multiple of one integer step keep the f16 path)."""
         return bool(self._w8_slots) and width % MMA_K == 0
 
-    def _forward_input(self, x: Any, width: int) -> tuple[Any, dict[str, Any]]:
+    def _forward_input(self, x: Any, width: int, codes: tuple[Any, Any] | None = None) -> tuple[Any, dict[str, Any]]:
         """The A operand of the frozen forward GEMMs over x [rows, width]: with int8, x's codes and per-row
-        scales (into self.a8, valid until the next int8 operand; widths that are no multiple of one integer
-        step keep the f16 path), else as _gemm_input."""
+        scales (into `codes`, else self.a8, valid until the next int8 operand; widths that are no multiple of one
+        integer step keep the f16 path), else as _gemm_input."""
         if not self._forward_int8(width):
             return self._gemm_input(x, width)
-        a = Int8Matrix(*self.a8, self.rows, width, width, "gemm input")
+        a = Int8Matrix(*(codes or self.a8), self.rows, width, width, "gemm input")
         quantize_i8_gpu(self.dev, x, a, rot=self._rotation(width))
         return a, {"int8": True}
 
@@ -589,6 +592,11 @@ class GPUModel:
     def _wants_bf16_checkpoints(self) -> bool:
         """Whether the block inputs kept for a backward are bf16 (GPUStudent: its `checkpoints` option)."""
         return False
+
+    def _input_codes(self, layer: int, name: str) -> tuple[Any, Any] | None:
+        """Where block `layer`'s forward puts the int8 codes of projection input `name` (n1, att, n2, s) when they
+        must outlive the next int8 operand (GPUStudent: its backward's dA from them), else None (self.a8)."""
+        return None
 
     def _recomputed(self, layer: int) -> bool:
         """Whether a backward recomputes block `layer` from its kept input: the adapted blocks but the top one,
@@ -853,7 +861,7 @@ class GPUModel:
         f = cfg.ffn
         x, x_next = self._x(layer), self._x(layer + 1)
         pos = self._b.bufs["positions"]
-        n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"])
+        n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"], codes=self._input_codes(layer, "n1"))
         ready = self._lora_t_shared(a["n1"], layer, ("q", "k", "v"), n1)
         self._proj(a["n1"], layer, "q", a["q"], n1, t_ready=ready)
         self._proj(a["n1"], layer, "k", a["k"], n1, t_ready=ready)
@@ -875,22 +883,27 @@ class GPUModel:
             rope_forward(dev, rope, q, a["qr"], rows, cfg.n_heads, positions=pos)
             rope_forward(dev, rope, k, a["kr"], rows, cfg.n_kv_heads, positions=pos)
             self._attention(a["qr"], a["kr"], a["v"], a["att"], layer)
-        self._post_normed(layer, "o", "post_attention_norm", x, a["hres"])
-        n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"])
+        att_codes = self._input_codes(layer, "att")
+        o_input = None if att_codes is None else self._forward_input(a["att"], cfg.q_dim, att_codes)
+        self._post_normed(layer, "o", "post_attention_norm", x, a["hres"], o_input)
+        n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"], codes=self._input_codes(layer, "n2"))
         ready = self._lora_t_shared(a["n2"], layer, ("gate", "up"), n2)
         self._proj(a["n2"], layer, "gate", a["g"], n2, t_ready=ready)
         self._proj(a["n2"], layer, "up", a["u"], n2, t_ready=ready)
         stop = for_backward and not cfg.post_norms
         s_input = None  # the down projection's A operand, when given here
         fits = self._rotation(f) == 0 or f <= 64 * row_workgroup(f)  # glu_i8 holds a rotated row in registers
-        if "down" in self._w8_slots and self.fused_codes_i8 and not stop and fits:
-            s_input = Int8Matrix(*self.a8, rows, f, f, "gemm input"), {"int8": True}
+        s_codes = self._input_codes(layer, "s")  # kept: the recompute writes them too, for down's dA
+        if "down" in self._w8_slots and self.fused_codes_i8 and (not stop or s_codes is not None) and fits:
+            s_input = Int8Matrix(*(s_codes or self.a8), rows, f, f, "gemm input"), {"int8": True}
             glu_i8(dev, "geglu" if cfg.activation == "gelu_tanh" else "swiglu", a["g"], a["u"], a["s"], s_input[0],
                    self._rotation(f))  # fmt: skip
         else:
             s16 = None if self._w8_slots or stop else self._half_copy(rows * f)
             self._gate_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)
             s_input = None if self._w8_slots else self._operand(a["s"], s16)
+            if s_codes is not None:
+                s_input = self._forward_input(a["s"], f, s_codes)
         if stop:
             return
         self._post_normed(layer, "down", "post_ffw_norm", a["hres"], x_next, s_input)

@@ -136,7 +136,8 @@ def _weight_q4_k_values(rot: int, tint: bool, wg: int, fixed: bool) -> dict[str,
 
 
 def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
-    """hadamard_rows: X R^T in place ("back"), Y += X R^T ("back_add"), or Y = X R ("forward")."""
+    """hadamard_rows: X R^T in place ("back"), Y += X R^T ("back_add"), Y = X R^T ("back_to"), or Y = X R
+    ("forward")."""
     if mode == "back":
         bindings = "@group(0) @binding(1) var<storage, read_write> X: array<vec4<f32>>;"
         store = "X[base + w] = y;"
@@ -148,6 +149,27 @@ def _hadamard_rows_values(rot: int, mode: str, tint: bool) -> dict[str, object]:
         store = "Y[base + w] += y;" if mode == "back_add" else "Y[base + w] = y;"
     back = "false" if mode == "forward" else "true"
     return {"ROT": rot, "BINDINGS": bindings, "STORE": store, "BACK": back, **_subgroups(tint)}
+
+
+def _lora_sum_finish_values(cols: bool) -> dict[str, str]:
+    """lora_sum_i8_finish: rows (dB: C [D, N] over RF, the rows' divisors) or cols (dA, before its rotation back: C
+    [N, D])."""
+    c = "@group(0) @binding(3) var<storage, read_write> C: array<f32>;"
+    if cols:
+        return {
+            "OUTPUT_NOTE": "Variant cols: factor s into row n % cols of output block j = n / cols, [cols, D] row-major"
+            " at float offs[j] of C (dA's rows: one block an adapter).",
+            "BINDINGS": c,
+            "OUTPUT": "    let at = prm.offs[n / prm.cols] + (n % prm.cols) * (prm.count / prm.N) + e / prm.N;\n"
+            "    var v = prm.factor * s;",
+        }
+    return {
+        "OUTPUT_NOTE": "Variant rows: factor / RF[i] s into C[c_off + i N + n] (C [D, N] row-major), 0 where RF[i]"
+        " is 0 (dB: RF the weight row scales sW that dY's codes carry).",
+        "BINDINGS": "@group(0) @binding(3) var<storage, read> RF: array<f32>;\n" + c.replace("(3)", "(4)"),
+        "OUTPUT": "    let at = prm.c_off + e;\n    let rf = RF[prm.rf_off + e / prm.N];\n"
+        "    var v = select(0.0, prm.factor / rf, rf > 0.0) * s;",
+    }
 
 
 def _kd_row_values(kind: str, tail: str, ce: bool) -> dict[str, object]:
@@ -356,7 +378,7 @@ KERNELS: dict[str, Kernel] = {
     "weight_i8": Kernel((*_I8, "weight_i8"), {"wtype": tuple(WEIGHT_TYPES), **_ROT, "fixed": BOOLS}, _weight_i8_values),
     "hadamard_rows": Kernel(
         ("subgroups_directive", "hadamard", "hadamard_rows", "rows_rotated"),
-        {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "forward"), "tint": BOOLS},
+        {"rot": ROTATIONS[1:], "mode": ("back", "back_add", "back_to", "forward"), "tint": BOOLS},
         _hadamard_rows_values,
     ),
     # f16 mirrors of the LoRA parameters, A rotated like the weight codes (gpu/ops/lora_mirror.py)
@@ -402,7 +424,7 @@ KERNELS: dict[str, Kernel] = {
     # chunk of rows, the chunks' sums (tint: on the integer subgroup matrices, else emulated), the pass adding them
     "lora_cols_i8": Kernel(("workgroup_reduce", "absmax_combine", "int8_pack", "lora_cols_i8")),
     "lora_sum_i8": Kernel(("lora_sum_i8", "lora_i8_steps"), {"nb": NBS, "tint": BOOLS}, lora_sum_i8_values),
-    "lora_sum_i8_finish": Kernel(("lora_sum_i8_finish", *_ITEMS)),
+    "lora_sum_i8_finish": Kernel(("lora_sum_i8_finish", *_ITEMS), {"cols": BOOLS}, _lora_sum_finish_values),
     # the bandwidth paths of the thin products (gpu/ops/lora_matmul.py): over the large operand's rows (dB, dA^T), or
     # along them (t, dt; S read k-fast: A's rows)
     "lora_stream": Kernel(("lora_paths_common", "lora_stream"), {"unroll": STREAM_UNROLLS}, lora_stream_values),

@@ -30,13 +30,14 @@ from gpu.device import BufferView, Device
 from gpu.kept_blocks import kept_count, kept_widths
 from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
-from gpu.ops import lora_db_i8, lora_i8
+from gpu.ops import lora_da_i8, lora_db_i8, lora_i8
 from gpu.ops.adamw import AdamW, AdamWConfig, StepStats
 from gpu.ops.add import scale_inplace
 from gpu.ops.common import nbytes
 from gpu.ops.gated import geglu_backward, swiglu_backward
-from gpu.ops.lora import lora_backward, lora_da_group, lora_term
-from gpu.ops.lora_db_i8 import db_covers
+from gpu.ops.lora import lora_backward, lora_da_group, lora_group_sum, lora_term
+from gpu.ops.lora_da_i8 import INPUTS, InputCodes, da_covers
+from gpu.ops.lora_db_i8 import db_covers, row_chunk, shape_covered
 from gpu.ops.lora_i8 import LoraGradCodes, lora_thin_i8, thin_covers
 from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers
@@ -144,7 +145,10 @@ class GPUStudent(GPUModel):
         objective.bind(self)
         self.keep_codes(int8_codes, memory_share)  # before the kept blocks: auto spends the memory on the codes first
         self.grad_codes = self._grad_codes() if lora_i8.THIN_DT else None  # the row scales are fixed from here
+        self.input_codes = self._kept_input_codes()  # before the kept blocks, which count the memory left
         self.kept_blocks = self._count_kept(kept_blocks, memory_share)  # their buffers come with the first backward
+        if self.input_codes is not None:  # a kept block's backward is not preceded by its recompute
+            self.input_codes.layers -= set(self._kept_layers())
 
     def _wants_bf16_checkpoints(self) -> bool:
         return self.tensor_cores if self._checkpoints == "auto" else self._checkpoints == "bf16"
@@ -163,17 +167,43 @@ class GPUStudent(GPUModel):
         device = self.dev.memory_bytes()
         return kept_count(setting, recomputed, self.kept_block_bytes(), device, self.dev.live_bytes, share)
 
+    def _kept_layers(self) -> list[int]:
+        """The blocks that keep their intermediates: the highest kept_blocks recomputed ones."""
+        blocks = self._recomputed_blocks()
+        return blocks[len(blocks) - self.kept_blocks :] if self.kept_blocks else []
+
     def _keep_blocks(self) -> None:
         """Give the highest kept_blocks recomputed blocks buffers of their own for what their backward reads (once,
         before the first backward: an engine that only evaluates never holds them)."""
         if len(self._kept) == self.kept_blocks:
             return
         widths = kept_widths(self.cfg)
-        blocks = self._recomputed_blocks()
-        for layer in blocks[len(blocks) - self.kept_blocks :]:
+        for layer in self._kept_layers():
             own = {name: self.dev.buffer(4 * self.rows * w, label="kept activations") for name, w in widths.items()}
             own["lse"] = self.dev.buffer(4 * self.batch * self.seq_lse, label="kept activations")
             self._kept[layer] = {**self._scratch, **own}
+
+    def _kept_input_codes(self) -> InputCodes | None:
+        """Buffers for the int8 codes of the projection inputs whose adapters take dA from them (gpu/ops/lora_da_i8.py
+        THIN_DA: integer forward GEMMs, one scale a row), or None."""
+        if not (lora_da_i8.THIN_DA and self._w8_slots and row_chunk(self.rows) > 0):
+            return None
+        cfg, widths = self.cfg, {}
+        for name, targets in INPUTS.items():
+            adapted = [t for t in targets if any(key[1] == t for key in self.layout.slots)]
+            width = cfg.target_shape(targets[0])[1]
+            if adapted and self._forward_int8(width) and shape_covered(self.rows, width, self.layout.r):
+                widths[name] = width
+        layers = {layer for layer, _ in self.layout.slots}
+        return InputCodes(self.dev, self.rows, widths, layers) if widths else None
+
+    def _input_codes(self, layer: int, name: str) -> tuple[Any, Any] | None:
+        codes = None if self.input_codes is None else self.input_codes.at(layer, name)
+        return None if codes is None else (codes.codes, codes.scales)
+
+    def _x_codes(self, layer: int, name: str) -> Int8Matrix | None:
+        """Block `layer`'s kept int8 codes of projection input `name` for its adapters' dA, or None."""
+        return None if self.input_codes is None else self.input_codes.at(layer, name)
 
     def _f16_pair(self) -> bool:
         """The gated unit's gradients as the gate and up projections' f16 operands, where their input gradients
@@ -256,13 +286,15 @@ class GPUStudent(GPUModel):
         layer: int,
         dx: Any,
         operands: Mapping[str, Any] | None = None,
+        x_codes: Int8Matrix | None = None,
     ) -> int:
         """dx = the sum of the input gradients of projections sharing the input x ((dY, target) each; operands:
         dY's GEMM operands by target where its producer gave them, integer or f16). Where each runs on the integer
         GEMM over rotated codes with its LoRA term in the epilogue, the GEMMs sum dX R in dx, left so (the
         rotation's block returned: the caller's _norm_backward turns it back) where norm_turns_back allows, else
         turned back by one pass over dx (instead of one per projection, each adding from a scratch); else one
-        _proj_back after the other. Returns the rotation dx is left in (0: none)."""
+        _proj_back after the other. x_codes: x's int8 codes kept from the forward, the adapters' dA from them
+        (lora_da_i8). Returns the rotation dx is left in (0: none)."""
         d_in = self.cfg.target_shape(grads[0][1])[1]
         rot = self._rotation(d_in)
         summed = rot > 0 and all(self._int8_back(layer, target)[1] for _, target in grads)
@@ -271,11 +303,16 @@ class GPUStudent(GPUModel):
         for i, (dy, target) in enumerate(grads):
             operand = (operands or {}).get(target)
             slot = i if shared else None
-            self._proj_back(dy, x, layer, target, dx, i > 0, rotated=summed, dy_operand=operand, dt_slot=slot)
+            self._proj_back(
+                dy, x, layer, target, dx, i > 0, rotated=summed, dy_operand=operand, dt_slot=slot, x_codes=x_codes
+            )
         if shared:
             dts = [self._dt_slot(i) for i, (_, target) in enumerate(grads) if (layer, target) in self.layout.slots]
             das = [self._lora(*key, self.grads)[0] for key in keys]
-            lora_da_group(self.dev, x, dts, das, self.rows, d_in, self.layout.r, accumulate=self._acc_grads)
+            if x_codes is not None and da_covers(x_codes, self.layout.r, len(das)):
+                lora_da_i8.lora_da_i8(self.dev, x_codes, dts, das, self.layout.r, rot, accumulate=self._acc_grads)
+            else:
+                lora_da_group(self.dev, x, dts, das, self.rows, d_in, self.layout.r, accumulate=self._acc_grads)
         if not summed:
             return 0
         if not self.norm_turns_back:
@@ -338,14 +375,18 @@ class GPUStudent(GPUModel):
         rotated: bool = False,
         dy_operand: Any = None,
         dt_slot: int | None = None,
+        x_codes: Int8Matrix | None = None,
     ) -> None:
         """dx (+)= dY W for projection `target` of block `layer` (+ its LoRA's input gradient, and its LoRA
         gradients). rotated: leave dX R in dx (the caller rotates the sum back; integer GEMM over rotated codes, LoRA
         term in its epilogue). dy_operand: dY as its GEMM takes it, when its producer gave it: the integer operand
         (an Int8Matrix: dY times W's row scales, as quantized here) or dY in f16 (the tensor cores). dt_slot: dt
-        goes to that _dt_slot and the LoRA's dA is left to the caller (lora_da_group)."""
+        goes to that _dt_slot and the LoRA's dA is left to the caller (lora_da_group). x_codes: x's int8 codes kept
+        from the forward: dA from them (lora_da_i8) where it covers them."""
         d_out, d_in = self.cfg.target_shape(target)
         dt = self.dt if dt_slot is None else self._dt_slot(dt_slot)
+        if dt_slot is not None or (x_codes is not None and not da_covers(x_codes, self.layout.r, 1)):
+            x_codes = None
         w8, _ = self._int8_back(layer, target)
         ab = self._lora(layer, target, self.params)
         int8 = w8 is not None
@@ -365,9 +406,9 @@ class GPUStudent(GPUModel):
             if self._thin_dt((layer, target), a):  # dt = s dY B from those codes (and dB), then dB and dA
                 lora_thin_i8(self.dev, a, self.grad_codes, [(layer, target)], dt, [0], self._dt16_copy())
                 db_ready = self._thin_db((layer, target), a)
-                self._lora_back(dy, x, layer, target, ab, None, dt, dt_ready=True, db_ready=db_ready)
+                self._lora_back(dy, x, layer, target, ab, None, dt, dt_ready=True, db_ready=db_ready, x_codes=x_codes)
             else:
-                self._lora_back(dy, x, layer, target, ab, None, dt, dt16=self._dt16_copy())
+                self._lora_back(dy, x, layer, target, ab, None, dt, dt16=self._dt16_copy(), x_codes=x_codes)
         if int8:
             wt = term = None
             if self.transposed_input_grads:  # W's codes as rows of d_out: the forward's GEMM (faster staging)
@@ -389,7 +430,7 @@ class GPUStudent(GPUModel):
             a, kw = self._gemm_input(dy, d_out) if dy_operand is None else (dy_operand, {"a_dtype": "f16"})
             self._linear_grad(self.dev, a, self.w.proj[(layer, target)], dx, self.rows, accumulate=accumulate, **kw)
         if ab is not None and not in_gemm:
-            self._lora_back(dy, x, layer, target, ab, dx, dt)
+            self._lora_back(dy, x, layer, target, ab, dx, dt, x_codes=x_codes)
 
     def _mirror_rotation(self) -> Callable[[int], int] | None:
         """The A mirrors' rotation by input width, where the input gradients' integer GEMMs take LoRA terms."""
@@ -434,10 +475,11 @@ class GPUStudent(GPUModel):
         dt16: HalfCopy | None = None,
         dt_ready: bool = False,
         db_ready: bool = False,
+        x_codes: Int8Matrix | None = None,
     ) -> None:
         """The LoRA gradients of (layer, target) (dA unless dt is a _dt_slot: lora_da_group) and dt = s dY B into
         dt (and its f16 copy into dt16 where given; dt_ready: dt is there already; db_ready: so is dB); dx += dt A
-        unless dx is None."""
+        unless dx is None. x_codes: dA from x's int8 codes (lora_da_i8) instead of f32 x."""
         d_out, d_in = self.cfg.target_shape(target)
         da, db = self._lora(layer, target, self.grads)
         lora_backward(
@@ -458,11 +500,17 @@ class GPUStudent(GPUModel):
             accumulate_grads=self._acc_grads,
             group=self.lora_group,
             da_scratch=self.da_scratch,
-            with_da=dt is self.dt,
+            with_da=dt is self.dt and x_codes is None,
             dt16=dt16,
             dt_ready=dt_ready,
             db_ready=db_ready,
         )
+        if x_codes is not None and dt is self.dt:  # a mergeable adapter's dA: the group sums of dt^T x
+            r, rot, group = self.layout.r, self._rotation(d_in), self.lora_group
+            out = self.da_scratch if group else da
+            lora_da_i8.lora_da_i8(self.dev, x_codes, [dt], [out], r, rot, accumulate=self._acc_grads and not group)
+            if group:
+                lora_group_sum(self.dev, out, da, r * d_in, group, accumulate=self._acc_grads)
 
     def _attention_back(
         self, dout: Any, q: Any, k: Any, v: Any, out: Any, dq: Any, dk: Any, dv: Any, layer: int
@@ -522,11 +570,13 @@ class GPUStudent(GPUModel):
             a["ds"],
             False,
             dy_operand=down_operand,
+            x_codes=self._x_codes(layer, "s"),
         )
         # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
         dg, du = a["s"], a["u"]
         operands = self._gated_backward(layer)
-        rot = self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], operands)
+        n2 = self._x_codes(layer, "n2")
+        rot = self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], operands, x_codes=n2)
         o_operand = self._norm_backward(
             a["dn"], a["hres"], f"blk.{layer}.ffn_norm.weight", a["dh"], a["dx"], (layer, "o"), dy_rot=rot
         )
@@ -540,6 +590,7 @@ class GPUStudent(GPUModel):
             a["datt"],
             False,
             dy_operand=o_operand,
+            x_codes=self._x_codes(layer, "att"),
         )
         self._attention_back(a["datt"], a["qr"], a["kr"], a["v"], a["att"], a["dqr"], a["dkr"], a["dv"], layer)
         rope = self._rope_table(layer)
@@ -558,7 +609,8 @@ class GPUStudent(GPUModel):
             dq, dk = a["q"], a["k"]
             rope_backward(dev, rope, a["dqr"], dq, rows, cfg.n_heads, positions=pos)
             rope_backward(dev, rope, a["dkr"], dk, rows, cfg.n_kv_heads, positions=pos)
-        rot = self._proj_back_sum(((dq, "q"), (dk, "k"), (a["dv"], "v")), a["n1"], layer, a["dn"])
+        n1 = self._x_codes(layer, "n1")
+        rot = self._proj_back_sum(((dq, "q"), (dk, "k"), (a["dv"], "v")), a["n1"], layer, a["dn"], x_codes=n1)
         below = (layer - 1, "down") if layer > self.layout.lowest_layer else None
         self._down_operand = self._norm_backward(
             a["dn"], x, f"blk.{layer}.attn_norm.weight", a["dx"], a["dh"], below, dy_rot=rot

@@ -171,3 +171,62 @@ def test_db_from_dy_codes(dev: Device, m: int, d_out: int, r: int, accumulate: b
     assert rel_err(got, ref) < 1e-6
     exact = s * (y8.astype(np.float64) * sy[:, None]).T @ t / np.where(sw > 0, sw, np.inf)[:, None]
     assert rel_err(got - (before if accumulate else 0.0), exact) < 3e-2
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "r", "adapters", "rot"),
+    [(256, 128, 16, 1, 0), (512, 256, 16, 3, 128), (192, 64, 32, 2, 32), (1024, 128, 16, 2, 0), (256, 192, 16, 1, 64)],
+)
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_da_from_x_codes(dev: Device, m: int, k: int, r: int, adapters: int, rot: int, accumulate: bool) -> None:
+    """lora_da_i8: u = sx [dt_1 .. dt_n] (the dt's at aligned slots of one buffer) rounded per column over chunks of
+    rows, the twin's codes (|diff| <= 1 on under 1 %) and scales (1e-6); each dA_j = (sum over the chunks of u_j's
+    codes times x's, times their scales) R^T within 1e-5 of the float64 sums of the same codes and scales turned
+    back by model/int8.py hadamard_rows (R: rotation rot; 0: none), added to what dA_j held with accumulate, the
+    values beside each dA untouched; and within 3e-2 of the exact dt_j^T x of the dequantized x (u's rounding)."""
+    from gpu.ops.lora_da_i8 import lora_da_i8
+    from gpu.ops.lora_db_i8 import _codes as u_buffers
+    from gpu.ops.lora_db_i8 import row_chunk
+    from model.lora_layout import aligned_floats
+
+    rng = np.random.default_rng(m + k + r + adapters + rot)
+    x8 = rng.integers(-127, 128, (m, k)).astype(np.int8)
+    sx = (rng.random(m) * 0.05 + 1e-3).astype(np.float32)
+    sx[3] = 0.0  # an all-zero row of x
+    x = Int8Matrix(up(dev, pack_i8(x8), np.uint32), up(dev, sx), m, k, k, "x")
+    dts = [(rng.standard_normal((m, r)) * np.linspace(0.2, 3.0, m)[:, None] * (1 + g)).astype(np.float32)
+           for g in range(adapters)]  # fmt: skip
+    slot = aligned_floats(m * r)
+    dt_buf = up(dev, np.concatenate([np.pad(dt.reshape(-1), (0, slot - m * r)) for dt in dts]))
+    dt_views = [BufferView(dt_buf, 4 * g * slot, 4 * m * r) for g in range(adapters)]
+    # the dA's between other values of one gradient buffer (aligned, as a LoRA layout places them)
+    gap = aligned_floats(r * k) + 64
+    before = rng.standard_normal(gap * adapters + 64).astype(np.float32)
+    grads = up(dev, before)
+    da_views = [BufferView(grads, 4 * (64 + g * gap), 4 * r * k) for g in range(adapters)]
+    with _integer_path(dev):
+        lora_da_i8(dev, x, dt_views, da_views, r, rot, accumulate=accumulate)
+    chunk, n = row_chunk(m), r * adapters
+    q_buf, cs_buf = u_buffers[dev]
+    u8 = _codes(dev, q_buf, 0, n, m)
+    cs = dev.read(cs_buf, np.float32, (m // chunk, n))
+    twin_codes, twin_scales = quantize_i8((sx[:, None] * np.concatenate(dts, axis=1)).T.copy(), chunk)
+    diff = np.abs(u8 - twin_codes)
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+    assert rel_err(cs, twin_scales.T) < 1e-6
+    got_all = dev.read(grads, np.float32, (before.size,))
+    sums = np.stack([u8[:, z : z + chunk].astype(np.int64) @ x8[z : z + chunk] for z in range(0, m, chunk)])
+    rotated = np.einsum("znk,zn->nk", sums.astype(np.float64), cs.astype(np.float64))
+    x_rows = (x8.astype(np.float64) * sx[:, None]).astype(np.float32)
+    x_exact = hadamard_rows(x_rows, rot, back=True) if rot else x_rows.astype(np.float64)
+    untouched = np.ones(before.size, bool)
+    for g in range(adapters):
+        at = 64 + g * gap
+        got = got_all[at : at + r * k].reshape(r, k)
+        untouched[at : at + r * k] = False
+        ref = rotated[g * r : (g + 1) * r]
+        ref = hadamard_rows(ref.astype(np.float32), rot, back=True) if rot else ref
+        held = before[at : at + r * k].reshape(r, k)
+        assert rel_err(got - (held if accumulate else 0.0), ref) < 1e-5
+        assert rel_err(got - (held if accumulate else 0.0), dts[g].T.astype(np.float64) @ x_exact) < 3e-2
+    assert np.array_equal(got_all[untouched], before[untouched])

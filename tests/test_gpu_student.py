@@ -501,7 +501,7 @@ def test_int8_engine_logic_with_emulated_integer_gemms(monkeypatch: pytest.Monke
             assert dev.read(got, np.uint8, (n,)).tobytes() == dev.read(wanted, np.uint8, (n,)).tobytes(), target
 
 
-@pytest.mark.parametrize("switch", ["THIN_I8", "THIN_DT", "THIN_DB"])
+@pytest.mark.parametrize("switch", ["THIN_I8", "THIN_DT", "THIN_DB", "THIN_DA"])
 def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
     """lora_i8.THIN_I8: every adapter's t = x A^T from x's int8 codes and A's (lora_thin_i8, emulated; widths of 64
     and up, rank 16, 64 rows), run four times a block in the forward (q, k, v together; o; gate, up together; down)
@@ -509,14 +509,16 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
     within 3e-2 of t from f32 x (A's 8-bit rounding: ~1 %; a misplaced group is O(1)). THIN_DT (THIN_I8 on in both
     runs): dt = s dY B from the input gradient's dY codes and B / sW, for every adapter whose d_out is a multiple of
     64 (q, o, gate, up, down here: k and v are 32 wide). THIN_DB (both on in both runs): dB from those codes and t
-    too (gpu/ops/lora_db_i8.py, one chunk of scales), for the same adapters. Each: the loss within INT8_REL of the
+    too (gpu/ops/lora_db_i8.py, one chunk of scales), for the same adapters. THIN_DA (the three on in both runs): every
+    adapter's dA from the forward's x codes kept through the block's backward (gpu/ops/lora_da_i8.py: q, k, v in one
+    product, o, gate and up in one, down: four a block, each input rotated). Each: the loss within INT8_REL of the
     float64 reference, the LoRA gradients within 3 INT8_REL (this random model amplifies the extra rounding through
     both blocks: 0.15 at worst; numpy studies on the demo: the trained adapter's held-out KL -0.5 % and +0.3 %,
     docs/benchmarks.md 2026-12-07), and not the gradients of the f32 products (the path ran)."""
     import dataclasses
     import sys
 
-    from gpu.ops import lora_db_i8, lora_i8
+    from gpu.ops import lora_da_i8, lora_db_i8, lora_i8
     from gpu.ops.matmul_i8 import int8_emulation
 
     wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
@@ -537,11 +539,13 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
     monkeypatch.setattr(lora_i8, "pipeline", spy)
     monkeypatch.setattr(lora_db_i8, "pipeline", spy)
     monkeypatch.setattr(lora_i8, "THIN_I8", True)
-    monkeypatch.setattr(lora_i8, "THIN_DT", switch == "THIN_DB")  # THIN_I8's runs: dt from f32 dY in both
-    monkeypatch.setattr(lora_db_i8, "THIN_DB", False)
+    monkeypatch.setattr(lora_i8, "THIN_DT", switch in ("THIN_DB", "THIN_DA"))  # THIN_I8's runs: dt from f32 dY
+    monkeypatch.setattr(lora_db_i8, "THIN_DB", switch == "THIN_DA")
+    monkeypatch.setattr(lora_da_i8, "THIN_DA", False)
+    module = {"THIN_DB": lora_db_i8, "THIN_DA": lora_da_i8}.get(switch, lora_i8)
     runs, kept = {}, {}
     for on in (True, False):
-        monkeypatch.setattr(lora_db_i8 if switch == "THIN_DB" else lora_i8, switch, on)
+        monkeypatch.setattr(module, switch, on)
         thin.clear()
         with int8_emulation(dev):
             st = _precision_student(dev, weights, "int8", FORWARD_KL, vocab_chunk=256)
@@ -550,9 +554,10 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
             runs[on] = (st.loss_and_grads(), st.get_grads())
             kept[on] = {k: dev.read(st._lora_t(*k).buffer, np.float32, (st.rows * 16,), offset=st._lora_t(*k).offset)
                         for k in st.layout.slots if k[0] == 0}  # fmt: skip
-        products = {"THIN_I8": (4, 0), "THIN_DT": (4 + 5, 4), "THIN_DB": (9, 9)}[switch][0 if on else 1]
-        assert thin.count("lora_thin_i8") == products * wide.n_layers, thin
-        assert thin.count("lora_sum_i8") == (5 * wide.n_layers if on and switch == "THIN_DB" else 0), thin
+        products = {"THIN_I8": (4, 0), "THIN_DT": (4 + 5, 4), "THIN_DB": (9, 9), "THIN_DA": (9, 9)}[switch]
+        assert thin.count("lora_thin_i8") == products[0 if on else 1] * wide.n_layers, thin
+        sums = {"THIN_DB": (5, 0), "THIN_DA": (5 + 4, 5)}.get(switch, (0, 0))[0 if on else 1]
+        assert thin.count("lora_sum_i8") == sums * wide.n_layers, thin
     want_loss, want = _reference_batch(w, lora, ids, targets, mask, *teacher, FORWARD_KL, 2.0)
     loss, grads = runs[True]
     worst = max(max(_rel(grads[k].A, da), _rel(grads[k].B, db)) for k, (da, db) in want.items())

@@ -1,14 +1,17 @@
-// The thin operand of dB = s dY^T t on the integer tensor cores (gpu/ops/lora_db_i8.py): u[m, n] = RS[m]
-// S[m, n] (S row-major [M, N]: t times dY's row scales, which dY's codes leave out) rounded to 8 bits of its max over each chunk of
-// rows, a scale per chunk and column: workgroup i = z N + n takes column n over rows z chunk .. (z + 1) chunk, its
-// codes stored by columns (Q: row n of M codes, packed four per word: lora_sum_i8.wgsl's R) and its scale at
-// CS[i] (int8_pack.wgsl rounds).
+// The thin operand of LoRA's gradient products on the integer tensor cores (gpu/ops/lora_db_i8.py dB = s dY^T t,
+// gpu/ops/lora_da_i8.py dA = dt^T x): u[m, n] = RS[m] S_n[m] (the large operand's row scales, which its codes leave
+// out, times column n of the f32 operand) rounded to 8 bits of its max over each chunk of rows, a scale per chunk and
+// column: workgroup i = z N + n takes column n over rows z chunk .. (z + 1) chunk, its codes stored by columns (Q:
+// row n of M codes, packed four per word: lora_sum_i8.wgsl's R) and its scale at CS[i] (int8_pack.wgsl rounds). The
+// N columns are those of up to four row-major [M, cols] blocks of S (the dt's of adapters sharing an input), block
+// n / cols at float offs[n / cols].
 
 struct Params {
     M: u32,        // rows (a multiple of chunk)
     N: u32,        // columns
     chunk: u32,    // rows per scale (a multiple of 4)
-    _pad0: u32,
+    cols: u32,     // columns per block of S
+    offs: vec4<u32>,  // each block's first float in S
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
@@ -20,7 +23,7 @@ struct Params {
 const WG: u32 = 64u;
 
 fn value(m: u32, n: u32) -> f32 {
-    return RS[m] * S[m * prm.N + n];
+    return RS[m] * S[prm.offs[n / prm.cols] + m * prm.cols + n % prm.cols];
 }
 
 // rows m .. m + 3 of column n

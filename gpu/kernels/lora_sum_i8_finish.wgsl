@@ -1,24 +1,23 @@
-// The second pass of LoRA's integer gradient product over rows (gpu/ops/lora_db_i8.py): C[i, n] (+)= factor / RF[i]
-// sum_z CS[z N + n] P[z, i, n], each chunk's i32 sum times its column scale, added in ascending z (f32), over the
-// output row's divisor (dB: the weight row scale sW[o] that dY's codes carry; 0 where it is 0) into C[c_off + i N +
-// n] (row-major, rows of N). One thread per output.
+// The second pass of LoRA's integer gradient products over rows (gpu/ops/lora_db_i8.py, lora_da_i8.py): output
+// (i, n) is s = sum_z CS[z N + n] P[z, i, n], each chunk's i32 sum times its column scale, added in ascending z (f32).
+// ${OUTPUT_NOTE} One thread per output.
 
 struct Params {
     count: u32,       // D * N
     N: u32,
     splits: u32,
-    c_off: u32,       // C's first float
-    rf_off: u32,      // the first row factor in RF
+    c_off: u32,       // C's first float (rows variant)
+    rf_off: u32,      // the first row factor in RF (rows variant)
     accumulate: u32,
     factor: f32,
-    _pad0: u32,
+    cols: u32,        // columns per output block (cols variant)
+    offs: vec4<u32>,  // each output block's first float in C (cols variant)
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;
 @group(0) @binding(1) var<storage, read> P: array<i32>;
 @group(0) @binding(2) var<storage, read> CS: array<f32>;
-@group(0) @binding(3) var<storage, read> RF: array<f32>;
-@group(0) @binding(4) var<storage, read_write> C: array<f32>;
+${BINDINGS}
 
 const WG: u32 = 256u;  // one thread per output (threads.wgsl)
 
@@ -32,10 +31,9 @@ fn item(e: u32) {
     for (var z = 0u; z < prm.splits; z++) {
         s += f32(P[z * prm.count + e]) * CS[z * prm.N + n];
     }
-    let rf = RF[prm.rf_off + e / prm.N];
-    var v = select(0.0, prm.factor / rf, rf > 0.0) * s;
+${OUTPUT}
     if (prm.accumulate != 0u) {
-        v += C[prm.c_off + e];
+        v += C[at];
     }
-    C[prm.c_off + e] = v;
+    C[at] = v;
 }

@@ -34,9 +34,19 @@ def row_chunk(m: int) -> int:
     return max((c for c in range(STEP_CODES, ROWS_PER_SCALE + 1, STEP_CODES) if m % c == 0), default=0)
 
 
+def shape_covered(rows: int, k: int, n: int) -> bool:
+    """Whether column_sums takes n columns over an int8 operand of rows x k with one scale a row."""
+    return k % BI == 0 and n % 16 == 0 and n // 16 in NBS and row_chunk(rows) > 0
+
+
+def covers(big: Int8Matrix, n: int) -> bool:
+    """Whether column_sums takes n columns over the int8 operand `big` (one scale a row, its width in whole tiles)."""
+    return big.chunks == 1 and shape_covered(big.rows, big.k, n)
+
+
 def db_covers(dy: Int8Matrix, r: int) -> bool:
-    """Whether lora_db_i8 takes dB of rank r over the int8 operand dy (one scale a row, d_out in whole tiles)."""
-    return dy.chunks == 1 and dy.k % BI == 0 and r % 16 == 0 and r // 16 in NBS and row_chunk(dy.rows) > 0
+    """Whether lora_db_i8 takes dB of rank r over the int8 operand dy."""
+    return covers(dy, r)
 
 
 def _u_buffers(dev: Device, codes: int, scales: int) -> tuple[Any, Any]:
@@ -51,6 +61,27 @@ def _u_buffers(dev: Device, codes: int, scales: int) -> tuple[Any, Any]:
         )
         _codes[dev] = have
     return have
+
+
+def column_sums(dev: Device, big: Int8Matrix, s: Any, offs: tuple[int, ...], cols: int) -> tuple[Any, Any, int]:
+    """The first two passes of a product over big's rows: u = big's row scales times the N = cols len(offs) columns of
+    S (row-major [M, cols] blocks at float offsets offs of s) rounded per column over chunks of rows, and the chunks'
+    i32 sums P[z, i, n] = sum over chunk z of big's codes (i) times u's (n) on the integer MMAs. Returns (P, u's
+    column scales CS [splits, N], splits) for lora_sum_i8_finish."""
+    m, d, n = big.rows, big.k, cols * len(offs)
+    if len(offs) > 4 or not covers(big, n):
+        what = f"{m} rows of {d} codes in {big.chunks} chunks, {n} columns"
+        raise DeviceError(f"LoRA integer sums over {big.name!r}: {what}")
+    chunk = row_chunk(m)
+    splits = m // chunk
+    q, cs = _u_buffers(dev, n * m, splits * n)
+    part = scratch_for(dev, 4 * splits * d * n)
+    prm = pack(m, n, chunk, cols, *offs, *(0,) * (4 - len(offs)))
+    dev.dispatch(pipeline(dev, "lora_cols_i8"), [prm, s, big.scales, q, cs], grid(splits * n, 1))
+    prm = pack(m, d, n, chunk)
+    pipe = pipeline(dev, "lora_sum_i8", nb=n // 16, tint=not int8_emulated(dev))
+    dev.dispatch(pipe, [prm, big.codes, q, part], (d // BI, splits, 1))
+    return part, cs, splits
 
 
 def lora_db_i8(
@@ -68,18 +99,9 @@ def lora_db_i8(
 ) -> None:
     """dB [d_out, r] (+)= scale dY^T t at float db_off of db, from dY's int8 codes `dy` (dY sW, a scale a row), t
     [M, r] f32 (row-major, a buffer or view) and sW, the d_out row scales at float sw_off of sw."""
-    m, d = dy.rows, dy.k
-    if not db_covers(dy, r):
-        raise DeviceError(f"lora_db_i8 over {dy.name!r}: {m} rows of {d} codes in {dy.chunks} chunks, rank {r}")
-    chunk = row_chunk(m)
-    splits = m // chunk
-    q, cs = _u_buffers(dev, r * m, splits * r)
-    part = scratch_for(dev, 4 * splits * d * r)
+    d = dy.k
     with scope(dev, "lora"):
-        prm = pack(m, r, chunk, 0)
-        dev.dispatch(pipeline(dev, "lora_cols_i8"), [prm, t, dy.scales, q, cs], grid(splits * r, 1))
-        prm = pack(m, d, r, chunk)
-        pipe = pipeline(dev, "lora_sum_i8", nb=r // 16, tint=not int8_emulated(dev))
-        dev.dispatch(pipe, [prm, dy.codes, q, part], (d // BI, splits, 1))
-        prm = pack(d * r, r, splits, db_off, sw_off, accumulate, float(scale), 0)
-        dev.dispatch(pipeline(dev, "lora_sum_i8_finish"), [prm, part, cs, sw, db], grid(d * r, 256))
+        part, cs, splits = column_sums(dev, dy, t, (0,), r)
+        prm = pack(d * r, r, splits, db_off, sw_off, accumulate, float(scale), r, 0, 0, 0, 0)
+        pipe = pipeline(dev, "lora_sum_i8_finish", cols=False)
+        dev.dispatch(pipe, [prm, part, cs, sw, db], grid(d * r, 256))

@@ -263,10 +263,13 @@ def transpose_i8(dev: Device, w: Int8Matrix, codes: Any, scales: Any, name: str 
     return Int8Matrix(codes, scales, k, n, n, name or f"{w.name} transposed")
 
 
-def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = None, *, forward: bool = False) -> None:
-    """x[rows, k] <- x R^T in place, or out += x R^T (f32, row-major): R the operands' rotation in blocks of rot
-    (R R^T = I; model/int8.py hadamard_rows back=True), for the input gradient dX = (dY . W R) R^T of a GEMM over
-    rotated weight codes. forward=True: out = x R (out required), e.g. a LoRA A rotated like the weight codes."""
+def rotate_rows(
+    dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = None, *, forward: bool = False, add: bool = True
+) -> None:
+    """x[rows, k] <- x R^T in place, or out += x R^T (add=False: out = x R^T) (f32, row-major): R the operands'
+    rotation in blocks of rot (R R^T = I; model/int8.py hadamard_rows back=True), for the input gradient dX = (dY . W
+    R) R^T of a GEMM over rotated weight codes. forward=True: out = x R (out required), e.g. a LoRA A rotated like
+    the weight codes."""
     check_rotation(rot, k, "rotate_rows")
     if rot == 0 or k % 4:
         raise DeviceError(f"rotate_rows: rotation {rot} for rows of {k}: needs a rotation and k % 4 == 0")
@@ -277,7 +280,7 @@ def rotate_rows(dev: Device, x: Any, rows: int, k: int, rot: int, out: Any = Non
     if rows <= 0:
         return
     bindings = [pack(rows, k, 0, 0), x] + ([] if out is None else [out])
-    mode = "forward" if forward else "back" if out is None else "back_add"
+    mode = "forward" if forward else "back" if out is None else "back_add" if add else "back_to"
     dev.dispatch(pipeline(dev, "hadamard_rows", rot=rot, mode=mode, tint=tint(dev)), bindings, grid(rows, 1))
 
 
