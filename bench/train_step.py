@@ -200,6 +200,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # int8: LoRA's dA = dt^T x from f32 x on lora_matmul (the default: from the forward's x codes, kept through the
     # block's backward, on the integer MMAs, gpu/ops/lora_da_i8.py)
     "lora-da-f32": ("gpu.ops.lora_da_i8", "THIN_DA", False),
+    # int8: the norms' and the gated unit's f32 outputs written where only their codes are read (the default: not)
+    "inputs-f32": ("gpu.ops.quantize_i8", "CODES_ALONE", False),
     "attention-forward4": ("gpu.ops.attention_tc", "FORWARD_SUBGROUPS", 4),
     # the forward at head dim 64 on 4 subgroups (key tiles of 64), or on 8 (key tiles of 32); 8 at 128 either way
     "attention-forward4-d64": ("gpu.ops.attention_tc", "WIDE_FORWARD_HEAD_DIMS", (128,)),

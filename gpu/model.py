@@ -536,17 +536,24 @@ class GPUModel:
         return (x, {}) if x16 is None else (x16, {"a_dtype": "f16"})
 
     def _normed(
-        self, x: Any, weight: str, y: Any, *, head: bool = False, codes: tuple[Any, Any] | None = None
+        self,
+        x: Any,
+        weight: str,
+        y: Any,
+        *,
+        head: bool = False,
+        codes: tuple[Any, Any] | None = None,
+        store_y: bool = True,
     ) -> tuple[Any, dict[str, Any]]:
         """y = RMSNorm(x) with norm weight `weight` over the rows, and y's operand for the projections (head:
         for the LM head): its f16 copy from the same kernel with tensor cores, int8 codes with int8 (into `codes`,
-        else self.a8)."""
+        else self.a8; store_y=False: y itself may stay unwritten where the codes come from the same pass)."""
         rows, h = self.rows, self.cfg.hidden
         int8 = bool(self._w8_slots) and not head
         rot = self._rotation(h)
         if int8 and self.fused_codes_i8 and h % MMA_K == 0 and (rot == 0 or h <= FUSED_NORM_ROTATED_WIDTH):
             a = Int8Matrix(*(codes or self.a8), rows, h, h, "gemm input")
-            rmsnorm_i8(self.dev, x, self.w.norms[weight], y, a, self.cfg.eps, rot)
+            rmsnorm_i8(self.dev, x, self.w.norms[weight], y, a, self.cfg.eps, rot, store_y=store_y)
             return a, {"int8": True}
         y16 = None if int8 else self._half_copy(rows * h)
         rmsnorm_forward(self.dev, x, self.w.norms[weight], y, rows, h, self.cfg.eps, y16=y16)
@@ -592,6 +599,11 @@ class GPUModel:
     def _wants_bf16_checkpoints(self) -> bool:
         """Whether the block inputs kept for a backward are bf16 (GPUStudent: its `checkpoints` option)."""
         return False
+
+    def _input_f32_needed(self, layer: int, name: str) -> bool:
+        """Whether anything reads block `layer`'s projection input `name` (n1, n2, s) in f32 besides its int8 codes
+        (GPUStudent: not where its adapters take t and dA from the codes)."""
+        return True
 
     def _input_codes(self, layer: int, name: str) -> tuple[Any, Any] | None:
         """Where block `layer`'s forward puts the int8 codes of projection input `name` (n1, att, n2, s) when they
@@ -861,7 +873,10 @@ class GPUModel:
         f = cfg.ffn
         x, x_next = self._x(layer), self._x(layer + 1)
         pos = self._b.bufs["positions"]
-        n1 = self._normed(x, f"blk.{layer}.attn_norm.weight", a["n1"], codes=self._input_codes(layer, "n1"))
+        n1 = self._normed(
+            x, f"blk.{layer}.attn_norm.weight", a["n1"], codes=self._input_codes(layer, "n1"),
+            store_y=self._input_f32_needed(layer, "n1"),
+        )  # fmt: skip
         ready = self._lora_t_shared(a["n1"], layer, ("q", "k", "v"), n1)
         self._proj(a["n1"], layer, "q", a["q"], n1, t_ready=ready)
         self._proj(a["n1"], layer, "k", a["k"], n1, t_ready=ready)
@@ -886,7 +901,10 @@ class GPUModel:
         att_codes = self._input_codes(layer, "att")
         o_input = None if att_codes is None else self._forward_input(a["att"], cfg.q_dim, att_codes)
         self._post_normed(layer, "o", "post_attention_norm", x, a["hres"], o_input)
-        n2 = self._normed(a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"], codes=self._input_codes(layer, "n2"))
+        n2 = self._normed(
+            a["hres"], f"blk.{layer}.ffn_norm.weight", a["n2"], codes=self._input_codes(layer, "n2"),
+            store_y=self._input_f32_needed(layer, "n2"),
+        )  # fmt: skip
         ready = self._lora_t_shared(a["n2"], layer, ("gate", "up"), n2)
         self._proj(a["n2"], layer, "gate", a["g"], n2, t_ready=ready)
         self._proj(a["n2"], layer, "up", a["u"], n2, t_ready=ready)
@@ -897,7 +915,7 @@ class GPUModel:
         if "down" in self._w8_slots and self.fused_codes_i8 and (not stop or s_codes is not None) and fits:
             s_input = Int8Matrix(*(s_codes or self.a8), rows, f, f, "gemm input"), {"int8": True}
             glu_i8(dev, "geglu" if cfg.activation == "gelu_tanh" else "swiglu", a["g"], a["u"], a["s"], s_input[0],
-                   self._rotation(f))  # fmt: skip
+                   self._rotation(f), store_y=self._input_f32_needed(layer, "s"))  # fmt: skip
         else:
             s16 = None if self._w8_slots or stop else self._half_copy(rows * f)
             self._gate_forward(dev, a["g"], a["u"], a["s"], rows * f, y16=s16)

@@ -201,6 +201,17 @@ class GPUStudent(GPUModel):
         codes = None if self.input_codes is None else self.input_codes.at(layer, name)
         return None if codes is None else (codes.codes, codes.scales)
 
+    def _input_f32_needed(self, layer: int, name: str) -> bool:
+        """Not where the input feeds no adapter, or its adapters take t (lora_thin_i8) and dA (lora_da_i8) from its
+        kept codes whichever way they are grouped (the projections' GEMMs take the codes)."""
+        keys = [(layer, t) for t in INPUTS[name] if (layer, t) in self.layout.slots]
+        if not keys:
+            return False
+        x8, r, n = self._x_codes(layer, name), self.layout.r, len(keys)
+        if x8 is None or not (lora_i8.THIN_I8 and self.lora_codes is not None and self.lora_codes.covers(keys)):
+            return True
+        return not all(thin_covers(x8, r * c) and da_covers(x8, r, c) for c in {1, n})
+
     def _x_codes(self, layer: int, name: str) -> Int8Matrix | None:
         """Block `layer`'s kept int8 codes of projection input `name` for its adapters' dA, or None."""
         return None if self.input_codes is None else self.input_codes.at(layer, name)

@@ -361,7 +361,8 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(
     """rmsnorm_i8 (the norm and its output's codes in one pass): bitwise rmsnorm_forward's output and
     quantize_i8_gpu's codes and scales of it, plain and rotated (rotated rows on either kernel: UNIT_ROWS, units of
     16 a block of 64 or 128 values, rows shorter than the workgroup's units), on rows with an outlier column, within
-    the registers and longer (re-read); a rotated row past FUSED_NORM_ROTATED_WIDTH refused."""
+    the registers and longer (re-read); a rotated row past FUSED_NORM_ROTATED_WIDTH refused. store_y=False: the same
+    codes and scales, y left as it was on the rotated units' kernel (its caller needs the codes alone)."""
     from gpu.ops import quantize_i8 as ops
     from gpu.ops.rmsnorm import rmsnorm_forward
 
@@ -378,6 +379,7 @@ def test_rmsnorm_i8_is_the_norm_then_the_quantizer(
     monkeypatch.setattr(ops, "UNIT_ROWS", units)
     rmsnorm_i8(dev, xb, wb, y_fused, fused, 1e-5, rot)
     _bitwise_fused(dev, (y_sep, sep), (y_fused, fused))
+    _codes_alone(dev, lambda y, out: rmsnorm_i8(dev, xb, wb, y, out, 1e-5, rot, store_y=False), fused, rot and units)
     if rot:
         wide = i8_buffers(dev, 1, 8192, 8192, "wide")
         with pytest.raises(DeviceError, match="rmsnorm_i8"):
@@ -447,7 +449,8 @@ def test_glu_i8_is_the_gated_unit_then_the_quantizer(
 ) -> None:
     """glu_i8 (a gated unit's forward and its output's codes in one pass): bitwise swiglu_forward's / geglu_forward's
     output and quantize_i8_gpu's codes and scales of it, plain and rotated (rotated rows on either kernel: UNIT_ROWS,
-    64 or 256 invocations a row, rows shorter than the workgroup's units), a row within the registers and longer."""
+    64 or 256 invocations a row, rows shorter than the workgroup's units), a row within the registers and longer;
+    store_y=False: the same codes and scales, y left as it was on the rotated units' kernel."""
     from gpu.ops import quantize_i8 as ops
     from gpu.ops.gated import geglu_forward, swiglu_forward
 
@@ -466,6 +469,18 @@ def test_glu_i8_is_the_gated_unit_then_the_quantizer(
     np.testing.assert_array_equal(
         dev.read(sep.scales, np.float32, (rows,)), dev.read(fused.scales, np.float32, (rows,))
     )
+    _codes_alone(dev, lambda y, out: glu_i8(dev, act, gb, ub, y, out, rot, store_y=False), fused, rot and units)
+
+
+def _codes_alone(dev: Device, run, want: Int8Matrix, skips: bool) -> None:
+    """run(y, out) with store_y=False: out's codes and scales bitwise want's; y (filled with a pattern first) left
+    as it was where the kernel skips it (skips), else written."""
+    pattern = np.full(want.rows * want.k, 7.25, np.float32)
+    y, out = dev.upload(pattern), i8_buffers(dev, want.rows, want.k, want.k, "codes alone")
+    run(y, out)
+    for a, b, n in ((want.codes, out.codes, want.rows * want.k), (want.scales, out.scales, 4 * want.rows)):
+        np.testing.assert_array_equal(dev.read(a, np.uint8, (n,)), dev.read(b, np.uint8, (n,)))
+    assert np.array_equal(dev.read(y, np.float32, (pattern.size,)), pattern) == bool(skips)
 
 
 @pytest.mark.gpu

@@ -511,7 +511,8 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
     64 (q, o, gate, up, down here: k and v are 32 wide). THIN_DB (both on in both runs): dB from those codes and t
     too (gpu/ops/lora_db_i8.py, one chunk of scales), for the same adapters. THIN_DA (the three on in both runs): every
     adapter's dA from the forward's x codes kept through the block's backward (gpu/ops/lora_da_i8.py: q, k, v in one
-    product, o, gate and up in one, down: four a block, each input rotated). Each: the loss within INT8_REL of the
+    product, o, gate and up in one, down: four a block, each input rotated), the norms' and the gated unit's f32
+    outputs then left unwritten (their readers take the codes). Each: the loss within INT8_REL of the
     float64 reference, the LoRA gradients within 3 INT8_REL (this random model amplifies the extra rounding through
     both blocks: 0.15 at worst; numpy studies on the demo: the trained adapter's held-out KL -0.5 % and +0.3 %,
     docs/benchmarks.md 2026-12-07), and not the gradients of the f32 products (the path ran)."""
@@ -552,6 +553,11 @@ def test_int8_lora_products_from_codes(monkeypatch: pytest.MonkeyPatch, switch: 
             st.set_adapter(lora)
             st.write_batch(batch)
             runs[on] = (st.loss_and_grads(), st.get_grads())
+            if switch == "THIN_DA":  # every input's f32 copy unwritten with it (its readers take the codes)
+                needed = {
+                    st._input_f32_needed(layer, name) for layer in range(wide.n_layers) for name in ("n1", "n2", "s")
+                }
+                assert needed == {not on}, needed
             kept[on] = {k: dev.read(st._lora_t(*k).buffer, np.float32, (st.rows * 16,), offset=st._lora_t(*k).offset)
                         for k in st.layout.slots if k[0] == 0}  # fmt: skip
         products = {"THIN_I8": (4, 0), "THIN_DT": (4 + 5, 4), "THIN_DB": (9, 9), "THIN_DA": (9, 9)}[switch]

@@ -6,8 +6,8 @@
 struct Params {
     T: u32,
     F: u32,   // row length, a multiple of ROT
+    skip_y: u32,  // 1 leaves Y unwritten (the caller needs the codes alone)
     _pad0: u32,
-    _pad1: u32,
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;

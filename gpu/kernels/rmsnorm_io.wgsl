@@ -5,7 +5,7 @@ struct Params {
     T: u32,
     H: u32,
     eps: f32,
-    _pad: u32,
+    skip_y: u32,  // rmsnorm_i8_units: 1 leaves Y unwritten (the caller needs the codes alone)
 };
 
 @group(0) @binding(0) var<uniform> prm: Params;

@@ -46,6 +46,9 @@ def check_rotation(rot: int, k: int, what: str) -> None:
 # rotated once: int8_units.wgsl) instead of int8_codes.wgsl's rotated rows (each vec4 read and rotated twice);
 # the same bits either way (bench/int8_prep.py times both, bench/train_step.py --ab unit-rows-off)
 UNIT_ROWS = True
+# rmsnorm_i8 / glu_i8 with store_y=False leave y unwritten on the rotated units' kernels (GPUStudent: where every
+# reader of a projection input takes its codes); off: y is always written
+CODES_ALONE = True
 # rows a workgroup of quantize_i8_gpu quantizes one after the other when they are times column scales (the input
 # gradients' dY * W's row scales): each invocation reads the same scales for every row (bench/train_step.py --ab
 # quantize-rows-4); the same bits whatever the value
@@ -91,11 +94,13 @@ def quantize_i8_gpu(
 FUSED_NORM_ROTATED_WIDTH = 4096  # rmsnorm_i8 holds a rotated row in its 64 invocations' registers: 64 x 16 x 4
 
 
-def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float, rot: int = 0) -> None:
+def rmsnorm_i8(
+    dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float, rot: int = 0, *, store_y: bool = True
+) -> None:
     """y[out.rows, out.k] = RMSNorm(x) with weight w (bitwise rmsnorm_forward's) and out <- y's int8 codes and per-row
     scales, rotated in blocks of rot (bitwise quantize_i8_gpu's of y), in one pass over each row
     (gpu/kernels/rmsnorm_i8.wgsl): the row's codes without reading y back. Rows of a multiple of 4; rotated, of at
-    most FUSED_NORM_ROTATED_WIDTH."""
+    most FUSED_NORM_ROTATED_WIDTH. store_y=False: y may be left unwritten (the rotated units' kernel skips it)."""
     rows, h = out.rows, out.k
     check_rotation(rot, h, f"rmsnorm_i8 of {out.name!r}")
     if h % 4 or out.chunks != 1 or (rot and h > FUSED_NORM_ROTATED_WIDTH):
@@ -103,8 +108,9 @@ def rmsnorm_i8(dev: Device, x: Any, w: Any, y: Any, out: Int8Matrix, eps: float,
     for buf, n, what in ((x, rows * h, "x"), (w, h, "weight"), (y, rows * h, "y")):
         if nbytes(buf) < 4 * n:
             raise DeviceError(f"rmsnorm_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * n}")
-    bindings = [pack(rows, h, float(eps), 0), x, w, y, out.codes, out.scales]
-    if rot and UNIT_ROWS:  # rot >= 32 divides h: units of 16, at most 4 an invocation
+    units = bool(rot and UNIT_ROWS)  # rot >= 32 divides h: units of 16, at most 4 an invocation
+    bindings = [pack(rows, h, float(eps), units and not store_y and CODES_ALONE), x, w, y, out.codes, out.scales]
+    if units:
         dev.dispatch(pipeline(dev, "rmsnorm_i8_units", rot=rot, tint=tint(dev)), [*bindings, x], grid(rows, 1))
         return
     dev.dispatch(pipeline(dev, "rmsnorm_i8", rot=rot, tint=tint(dev)), bindings, grid(rows, 1))
@@ -156,11 +162,13 @@ def rmsnorm_backward_i8(
     dev.dispatch(pipe, [prm, dy, x, w, r, dx, col_scales, out.codes, out.scales], grid(rows, 1))
 
 
-def glu_i8(dev: Device, act: str, g: Any, u: Any, y: Any, out: Int8Matrix, rot: int = 0) -> None:
+def glu_i8(
+    dev: Device, act: str, g: Any, u: Any, y: Any, out: Int8Matrix, rot: int = 0, *, store_y: bool = True
+) -> None:
     """y[out.rows, out.k] = act(g) * u, act "swiglu" or "geglu" (bitwise swiglu_forward's / geglu_forward's), and
     out <- y's int8 codes and per-row scales, rotated in blocks of rot (bitwise quantize_i8_gpu's of y), in one pass
     over each row (gpu/kernels/glu_i8.wgsl). Rows of a multiple of 4; rotated, of at most 64 x the row's
-    invocations."""
+    invocations. store_y=False: y may be left unwritten (the rotated units' kernel skips it)."""
     rows, f = out.rows, out.k
     wg = row_workgroup(f)
     check_rotation(rot, f, f"glu_i8 of {out.name!r}")
@@ -171,7 +179,8 @@ def glu_i8(dev: Device, act: str, g: Any, u: Any, y: Any, out: Int8Matrix, rot: 
             raise DeviceError(f"glu_i8 of {out.name!r}: {what} has {nbytes(buf)} bytes, needs {4 * rows * f}")
     name = "glu_i8_units" if rot and UNIT_ROWS else "glu_i8"  # units: rot >= 32 divides f, at most 4 an invocation
     pipe = pipeline(dev, name, act=act, rot=rot, tint=tint(dev), wg=wg)
-    dev.dispatch(pipe, [pack(rows, f, 0, 0), g, u, y, out.codes, out.scales], grid(rows, 1))
+    skip = name == "glu_i8_units" and not store_y and CODES_ALONE
+    dev.dispatch(pipe, [pack(rows, f, skip, 0), g, u, y, out.codes, out.scales], grid(rows, 1))
 
 
 def glu_backward_i8(
