@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "old-reads-late": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, old_ahead=0)),
     # the integer GEMM's tile 128 x 256 (2 x 4 subgroups of 4 x 4) instead of 256 x 128 (+2 % alone at 4096^3, H100)
     "i8-tile-2x4": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_m=2, sg_n=4)),
+    # plain products (the teacher's, the KD head's logits) on the preset instead of PLAIN_TILE
+    "i8-plain-preset": ("gpu.ops.matmul_i8", "PLAIN_TILE", None),
     # 16 subgroups of 4 x 2 (or 2 x 4) result matrices on the same tile: twice the warps to hide the staging's
     # latency, each staging half as much; the scaling scratch in the staging buffers, so the LoRA variants fit
     "i8-tile-16sg": ("gpu.ops.matmul_i8", "I8_TILE", replace(I8_TILE, sg_n=4, tn=2, cs_in_stage=True)),
@@ -324,6 +327,14 @@ def bench_ours(args: argparse.Namespace) -> None:
 
             secs = windows(ab_step, args.steps, args.repeats, lambda: None)
             emit(what="train_step_ab", side="ours", variant=name, **_step_row(args, secs, ab_losses))
+            ab = None
+            gc.collect()
+            if not args.no_teacher:  # the teacher's top-k under the same switches
+                ab_teacher = GPUTeacher(dev, weights, batch=b, seq_len=t, top_k=k, tau=1.0, precision=args.precision,
+                                        int8_codes=args.teacher_codes)  # fmt: skip
+                secs = windows(partial(ab_teacher.topk, ids), args.steps, args.repeats, lambda: None)
+                emit(what="teacher_topk_ab", side="ours", variant=name, **throughput(b * t, secs))
+                ab_teacher = None
         finally:
             for part, old in reversed(olds):
                 _switch(part, old)

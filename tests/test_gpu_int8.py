@@ -736,3 +736,24 @@ def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: s
         np.testing.assert_array_equal(dev.read(want.scales, np.float32, (rows,)), scales)
     with pytest.raises(DeviceError, match="i8_pair"):
         glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, sep[0], sep[1])
+
+
+def test_plain_products_pick_the_plain_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pick_i8_config(plain=True): PLAIN_TILE (2 x 4 subgroups, the preset's area) for one chunk where the preset
+    would be picked, the narrow tile where the grid is narrow, the chunked preset for several chunks, BK 32 for chunks
+    of 32, each a registered variant's tile; PLAIN_TILE None: the preset. (gemm_i8 asks for it for a plain "nt"
+    product: no LoRA term, no residual, not accumulating; the tensor-core GEMM tests run it against float64.)"""
+    from gpu.ops import matmul_i8
+
+    plain = matmul_i8.PLAIN_TILE
+    assert plain is not None and plain != I8_TILE and plain.bm * plain.bn == I8_TILE.bm * I8_TILE.bn
+    for m, p in ((4096, 4096), (4096, 14336), (4096, 1024)):
+        assert pick_i8_config(1, 64, m, p, plain=True) == plain, (m, p)
+        assert pick_i8_config(1, 64, m, p) == I8_TILE
+    assert pick_i8_config(1, 64, 4096, 256, plain=True) == NARROW_TILE
+    assert pick_i8_config(2, 64, 4096, 4096, plain=True) == I8_TILE_CHUNKED
+    assert pick_i8_config(1, 32, 4096, 4096, plain=True).bk == 32
+    tiles = {v.cfg for v in all_i8_variants()}
+    assert {pick_i8_config(1, c, 4096, 4096, plain=True) for c in (32, 64)} <= tiles
+    monkeypatch.setattr(matmul_i8, "PLAIN_TILE", None)
+    assert pick_i8_config(1, 64, 4096, 4096, plain=True) == I8_TILE

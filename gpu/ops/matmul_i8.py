@@ -40,6 +40,11 @@ I8_TILE_CHUNKED = I8Config(sg_m=4, sg_n=2, tm=4, tn=2, bk=64, fm=2)
 # +0.85 %; the Llama-3-8B's k / v (128 workgroups, 0.97 of a wave) are 0.5 % slower on the narrow tile and keep
 # the preset (bench --ab i8-narrow-off, i8-narrow-fill-off).
 NARROW_TILE = I8Config(sg_m=4, sg_n=2, tm=2, tn=2, bk=64, fm=1, cs_in_stage=True)
+# Plain products ("nt", one chunk, nothing in the epilogue: the teacher's projections, the KD head's logits) on 2 x 4
+# subgroups, a 128 x 256 tile: H100, 2026-12-07, 463.8 / 471.5 / 530.5 TOPS at 4096 x 4096 x 4096 / 4096 x 14336 x
+# 4096 / 4096 x 4096 x 14336 against the preset's 455.1 / 451.0 / 521.2; beside the LoRA epilogue's operands it
+# loses (the whole 8B step 0.9 % slower with it everywhere), so those keep the preset (None: the preset everywhere).
+PLAIN_TILE: I8Config | None = replace(I8_TILE, sg_m=2, sg_n=4)
 NARROW_WORKGROUPS = 100
 WAVE, NARROW_FILL = 132, 0.8
 # Lavapipe-sized tile for the emulated kernel.
@@ -121,11 +126,14 @@ def int8_problem(dev: Device) -> str | None:
     return _problems[dev]
 
 
-def pick_i8_config(chunks: int, chunk: int, m: int = 0, p: int = 0) -> I8Config:
+def pick_i8_config(chunks: int, chunk: int, m: int = 0, p: int = 0, *, plain: bool = False) -> I8Config:
     """The tile preset for operands with `chunks` scales per row of `chunk` codes each, for an m x p product (0:
     any): BK 64, or 32 where the chunk is no multiple of 64 (4 x 2 of 4 x 4 with BK 32: 259 / 281 TOPS at the sizes
-    above); NARROW_TILE where the preset's grid is narrow (_narrow)."""
+    above); PLAIN_TILE for a plain product (plain: "nt", nothing in the epilogue); NARROW_TILE where the preset's grid
+    is narrow (_narrow)."""
     cfg = I8_TILE if chunks == 1 else I8_TILE_CHUNKED
+    if plain and chunks == 1 and PLAIN_TILE is not None:
+        cfg = PLAIN_TILE
     if chunks == 1 and m and p and _narrow(_workgroups(cfg, m, p)):
         cfg = NARROW_TILE
     return cfg if chunk % cfg.bk == 0 else _short_steps(cfg)
@@ -161,7 +169,10 @@ def all_i8_variants() -> list[I8Variant]:
     wide = _preset_variants()
     narrow_tiles = {t.bk: t for t in (NARROW_TILE, _short_steps(NARROW_TILE))}
     narrow = [replace(v, cfg=narrow_tiles[v.cfg.bk]) for v in wide if not v.chunked]
-    return wide + narrow
+    plain = [
+        I8Variant(pick_i8_config(1, chunk, plain=True), chunked=False) for chunk in (64, 32) if PLAIN_TILE is not None
+    ]
+    return wide + narrow + plain
 
 
 def _preset_variants() -> list[I8Variant]:
@@ -248,7 +259,8 @@ def gemm_i8(
         )
     if m <= 0 or p <= 0:
         return
-    cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk, m, p))
+    plain = orient == "nt" and lora is None and residual is None and not accumulate
+    cfg = cfg or (EMU_TILE if emulate else pick_i8_config(a.chunks, a.chunk, m, p, plain=plain))
     if a.chunk % cfg.bk or r % cfg.bk:
         raise DeviceError(f"gemm_i8 with {name!r}: chunk {a.chunk} and k {r} must be multiples of bk={cfg.bk}")
     cfg.validate(
