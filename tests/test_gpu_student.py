@@ -943,3 +943,62 @@ def test_sampled_store_step_matches_reference() -> None:
         worst = max(worst, _rel(g.A, da), _rel(g.B, db))
     print(f"sampled store on the GPU: worst LoRA gradient rel err {worst:.1e}")
     assert worst < REL
+
+
+def test_int8_products_from_codes_accumulate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradient accumulation over the int8 step with every LoRA product from codes (t, dt, dB, dA: the defaults) and
+    the f32 inputs unwritten: two micro-batches of the same batch give twice one's gradients (within 1e-5: dA's
+    rotated rows added by hadamard_rows back_add, dB's by the finish pass; the KD head's stochastic rounding draws
+    per micro-batch within that), plain and mergeable (dA through its group sums)."""
+    import dataclasses
+    import sys
+
+    from gpu.ops import lora_da_i8, lora_db_i8, lora_i8
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
+    monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
+    monkeypatch.setattr(sys.modules[__name__], "R", 16)
+    monkeypatch.setattr(sys.modules[__name__], "T", 32)  # 64 rows: whole chunks of the sums over rows
+    for module, switch in (
+        (lora_i8, "THIN_I8"),
+        (lora_i8, "THIN_DT"),
+        (lora_db_i8, "THIN_DB"),
+        (lora_da_i8, "THIN_DA"),
+    ):
+        monkeypatch.setattr(module, switch, True)
+    dev = device_or_skip()
+    w, lora, ids, targets, mask, rng = _problem(5, Q.Q4_0)
+    teacher = _teacher(rng, 1.0)
+    batch = KdBatch(ids, targets, mask, *teacher)
+    weights = ModelWeights.from_arrays(dev, wide, w, Q.Q4_0)
+    for group in (0, 32):
+        grads = {}
+        for accum in (1, 2):
+            spec = EngineSpec(wide, targets=LORA_TARGETS, r=16, alpha=32, batch=B, seq_len=32, precision="int8",
+                              vocab_chunk=256, grad_accum=accum, lora_group=group)  # fmt: skip
+            with int8_emulation(dev):
+                st = GPUStudent(dev, weights, spec, GpuKd(LossConfig("forward_kl", tau=1.0, use_tail=True), K))
+                st.set_adapter(_group_constant(lora, group))
+                for micro in range(accum):
+                    st.write_batch(batch)
+                    st.accumulate(micro)
+                assert st.input_codes is not None and st.input_codes.layers
+                grads[accum] = st.get_grads()
+        for key, g in grads[2].items():
+            assert _rel(g.A, 2 * grads[1][key].A) < 1e-5, (group, key)
+            assert _rel(g.B, 2 * grads[1][key].B) < 1e-5, (group, key)
+
+
+def _group_constant(adapter: dict, group: int) -> dict:
+    """The adapter with each A's rows averaged over groups of `group` inputs (0: as it is): a mergeable adapter."""
+    if not group:
+        return adapter
+    out = {}
+    for key, pair in adapter.items():
+        a = np.asarray(pair.A)
+        mean = a.reshape(a.shape[0], -1, group).mean(-1, keepdims=True)
+        out[key] = reference.LoraPair(
+            np.broadcast_to(mean, (*mean.shape[:2], group)).reshape(a.shape).astype(np.float32), pair.B
+        )
+    return out
