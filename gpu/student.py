@@ -198,12 +198,12 @@ class GPUStudent(GPUModel):
         return InputCodes(self.dev, self.rows, widths, layers) if widths else None
 
     def _input_codes(self, layer: int, name: str) -> tuple[Any, Any] | None:
-        codes = None if self.input_codes is None else self.input_codes.at(layer, name)
+        codes = self._x_codes(layer, name)
         return None if codes is None else (codes.codes, codes.scales)
 
     def _input_f32_needed(self, layer: int, name: str) -> bool:
-        """Not where the input feeds no adapter, or its adapters take t (lora_thin_i8) and dA (lora_da_i8) from its
-        kept codes whichever way they are grouped (the projections' GEMMs take the codes)."""
+        """False where the input feeds no adapter, or where its adapters take t (lora_thin_i8) and dA (lora_da_i8)
+        from its kept codes however they are grouped (the projections' GEMMs take the codes too)."""
         keys = [(layer, t) for t in INPUTS[name] if (layer, t) in self.layout.slots]
         if not keys:
             return False
