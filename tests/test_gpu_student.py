@@ -973,7 +973,7 @@ def test_int8_products_from_codes_accumulate(monkeypatch: pytest.MonkeyPatch) ->
     batch = KdBatch(ids, targets, mask, *teacher)
     weights = ModelWeights.from_arrays(dev, wide, w, Q.Q4_0)
     for group in (0, 32):
-        grads = {}
+        grads: dict[int, dict] = {}
         for accum in (1, 2):
             spec = EngineSpec(wide, targets=LORA_TARGETS, r=16, alpha=32, batch=B, seq_len=32, precision="int8",
                               vocab_chunk=256, grad_accum=accum, lora_group=group)  # fmt: skip
@@ -1002,3 +1002,39 @@ def _group_constant(adapter: dict, group: int) -> dict:
             np.broadcast_to(mean, (*mean.shape[:2], group)).reshape(a.shape).astype(np.float32), pair.B
         )
     return out
+
+
+def test_int8_products_from_codes_beside_kept_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept block (train.kept_blocks) takes its adapters' dA from f32 x (its backward follows no recompute that
+    would write its inputs' codes); the others from the kept codes: the step within INT8_REL of the float64 reference
+    (loss) and 3 INT8_REL (gradients), as with no block kept."""
+    import dataclasses
+    import sys
+
+    from gpu.ops.matmul_i8 import int8_emulation
+
+    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16, n_layers=3)
+    monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
+    monkeypatch.setattr(sys.modules[__name__], "R", 16)
+    monkeypatch.setattr(sys.modules[__name__], "T", 32)
+    dev = device_or_skip()
+    w, lora, ids, targets, mask, rng = _problem(7, Q.Q4_0)
+    teacher = _teacher(rng, 1.0)
+    weights = ModelWeights.from_arrays(dev, wide, w, Q.Q4_0)
+    want_loss, want = _reference_batch(w, lora, ids, targets, mask, *teacher, FORWARD_KL, 2.0)
+    spec = EngineSpec(
+        wide, targets=LORA_TARGETS, r=16, alpha=32, batch=B, seq_len=32, precision="int8", vocab_chunk=256
+    )
+    for kept in (0, 1):
+        with int8_emulation(dev):
+            st = GPUStudent(dev, weights, spec, GpuKd(FORWARD_KL, K), kept_blocks=kept)
+            st.set_adapter(lora)
+            st.write_batch(KdBatch(ids, targets, mask, *teacher))
+            loss = st.loss_and_grads()
+        assert st.input_codes is not None
+        assert st.input_codes.layers == set(range(wide.n_layers)) - set(st._kept_layers())
+        assert len(st._kept_layers()) == kept
+        grads = st.get_grads()
+        worst = max(max(_rel(grads[k].A, da), _rel(grads[k].B, db)) for k, (da, db) in want.items())
+        assert abs(loss - want_loss) / abs(want_loss) < INT8_REL
+        assert worst < 3 * INT8_REL, (kept, worst)
