@@ -145,6 +145,34 @@ def test_int8_probs_backward_within_its_noise_of_the_exact_one(
     assert not np.array_equal(dh, dh_other)
 
 
+@pytest.mark.parametrize("rot", [0, 64])
+def test_probs_product_on_the_transposed_codes(dev: Device, monkeypatch: pytest.MonkeyPatch, rot: int) -> None:
+    """head.PROBS_NT: P_c . W on the "nt" GEMM over the chunk's codes transposed (once a chunk) gives dh within 1e-6
+    of the "nn" GEMM's (the same i32 sums and scales), the same rounding seed."""
+    from gpu.ops import head
+
+    t, h_dim, v, k, w, (hb, idb, ltb, tgb, mb) = _head_problem(dev, 3)
+    cfg = LossConfig(kind="forward_kl", tau=1.0, use_tail=True)
+    transposed: list[int] = []
+    real = head.transpose_i8
+    monkeypatch.setattr(head, "transpose_i8", lambda *a, **kw: transposed.append(1) or real(*a, **kw))
+    out = {}
+    with _integer_gemms(dev):
+        for nt in (True, False):
+            monkeypatch.setattr(head, "PROBS_NT", nt)
+            sc = KdScratch.build(dev, t, k, 64, hidden=h_dim, half=False, int8_hidden=h_dim, int8_backward=False,
+                                 int8_rot=rot, int8_probs=True)  # fmt: skip
+            assert (sc.int8.rows_t is not None) == nt
+            sc.int8.keep_row_scales(dev, w, v)
+            sc.int8.reseed(dev, 1)
+            dh, loss = dev.buffer(4 * t * h_dim), dev.buffer(4)
+            transposed.clear()
+            kd_head_forward_backward(dev, hb, w, idb, ltb, None, tgb, mb, cfg, dh, loss, t, h_dim, v, k, scratch=sc)
+            out[nt] = dev.read(dh, np.float32, (t, h_dim))
+            assert (len(transposed) == -(-v // 64)) == nt, transposed
+    assert rel_err(out[True], out[False]) < 1e-6
+
+
 def test_student_step_with_int8_probabilities(dev: Device, monkeypatch: pytest.MonkeyPatch) -> None:
     """A whole int8 step (a vocabulary of 5 chunks of 64) with INT8_STUDENT_PROBS: the loss bitwise
     the logits-only step's, every LoRA gradient within 5 % of its max of it, and each batch written reseeds the

@@ -15,7 +15,7 @@ from gpu.device import BufferView, Device
 from gpu.ops.matmul import linear
 from gpu.ops.matmul_i8 import Int8Matrix, gemm_i8, i8_buffers
 from gpu.ops.matmul_tc import linear_tc
-from gpu.ops.quantize_i8 import quantize_i8_gpu, rotated_back, weight_to_i8
+from gpu.ops.quantize_i8 import quantize_i8_gpu, rotated_back, transpose_i8, weight_to_i8
 from gpu.ops.strided_matmul import row_major, strided_matmul, transposed
 from gpu.weights import QuantTensor, row_slice
 
@@ -36,6 +36,9 @@ INT8_STUDENT_LOGITS = True
 # same H100 +0.98 % over the f16 path (within the 2 % bar); numpy study: +0.6 / +0.8 % (seeds 0 / 1) over exact
 # P_c . W, rounding to nearest +274 % (docs/benchmarks.md). bench/train_step.py --int8-head logits: the f16 product.
 INT8_STUDENT_PROBS = True
+# ... that product on the forward's ("nt") GEMM over the chunk's codes transposed (transpose_i8, 16 MB a chunk of
+# 4,096 rows at hidden 4,096) instead of the "nn" GEMM reading W by columns (bench/train_step.py --ab head-probs-nn).
+PROBS_NT = True
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Int8Head:
     probs: Int8Matrix | None = None
     probs_buf: Any = None
     dither: Any = None
+    rows_t: Any = None  # the chunk's codes transposed ([hidden, chunk]) for P_c . W on the "nt" GEMM (PROBS_NT)
 
     @classmethod
     def build(
@@ -83,7 +87,8 @@ class Int8Head:
         usage = dev.wgpu.BufferUsage.UNIFORM | dev.wgpu.BufferUsage.COPY_DST
         dither = dev.buffer(16, usage=usage, label="int8 head dither")
         dev.write(dither, np.array([0, off // 4, 0, 0], np.uint32))
-        return replace(head, probs=codes, probs_buf=buf, dither=dither)
+        rows_t = dev.buffer(chunk * hidden, label="lm_head chunk transposed") if PROBS_NT else None
+        return replace(head, probs=codes, probs_buf=buf, dither=dither, rows_t=rows_t)
 
     def reseed(self, dev: Device, seed: int) -> None:
         """The stochastic rounding's seed for the next steps (probs): a new one per step, so each step's rounding
@@ -94,10 +99,15 @@ class Int8Head:
 
     def probs_grad(self, dev: Device, nv: int, out: Any) -> None:
         """out [T, hidden] = P_c' . codes(W_c R), the chunk's P_c W_c R, from the probabilities' codes (kd_stats_probs8
-        wrote them) and the chunk logits() decoded last ("nn" integer GEMM; still rotated)."""
+        wrote them) and the chunk logits() decoded last (still rotated): the "nt" integer GEMM over its codes
+        transposed (rows_t), else the "nn" one (the same sums and scales)."""
         p = self.probs
         codes = Int8Matrix(p.codes, p.scales, p.rows, nv, nv, "probabilities")
-        gemm_i8(dev, codes, self.chunk_rows(nv), out, orient="nn", col_scales=self.ones)
+        rows = self.chunk_rows(nv)
+        if self.rows_t is not None and nv % 4 == 0:
+            gemm_i8(dev, codes, transpose_i8(dev, rows, self.rows_t, self.ones, "lm_head chunk transposed"), out)
+        else:
+            gemm_i8(dev, codes, rows, out, orient="nn", col_scales=self.ones)
 
     def quantize(self, dev: Device, h: Any) -> None:
         quantize_i8_gpu(dev, h, self.h, rot=self.rot)
