@@ -37,8 +37,9 @@ INT8_STUDENT_LOGITS = True
 # P_c . W, rounding to nearest +274 % (docs/benchmarks.md). bench/train_step.py --int8-head logits: the f16 product.
 INT8_STUDENT_PROBS = True
 # ... that product on the forward's ("nt") GEMM over the chunk's codes transposed (transpose_i8, 16 MB a chunk of
-# 4,096 rows at hidden 4,096) instead of the "nn" GEMM reading W by columns (bench/train_step.py --ab head-probs-nn).
-PROBS_NT = True
+# 4,096 rows at hidden 4,096) instead of the "nn" GEMM reading W by columns (bench/train_step.py --ab head-probs-nt):
+# opt-in until timed.
+PROBS_NT = False
 
 
 @dataclass(frozen=True)
