@@ -189,8 +189,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     # int8: the one-pass backward's P . W on the f16 tensor cores (the default: on the integer GEMM from stochastic
     # 8-bit probabilities; --int8-head logits)
     "int8-probs-off": ("gpu.ops.head", "INT8_STUDENT_PROBS", False),
-    # int8: that P . W on the "nt" GEMM over the chunk's codes transposed (the default: the "nn" GEMM)
-    "head-probs-nt": ("gpu.ops.head", "PROBS_NT", True),
+    # int8: that P . W on the "nn" GEMM (the default: "nt" over the chunk's codes transposed)
+    "head-probs-nn": ("gpu.ops.head", "PROBS_NT", False),
     # int8: LoRA's t = x A^T from f32 x on lora_matmul (the default: from x's int8 codes and A's on the integer
     # MMAs, gpu/ops/lora_i8.py)
     "lora-t-f32": ("gpu.ops.lora_i8", "THIN_I8", False),

@@ -37,9 +37,9 @@ INT8_STUDENT_LOGITS = True
 # P_c . W, rounding to nearest +274 % (docs/benchmarks.md). bench/train_step.py --int8-head logits: the f16 product.
 INT8_STUDENT_PROBS = True
 # ... that product on the forward's ("nt") GEMM over the chunk's codes transposed (transpose_i8, 16 MB a chunk of
-# 4,096 rows at hidden 4,096) instead of the "nn" GEMM reading W by columns (bench/train_step.py --ab head-probs-nt):
-# opt-in until timed.
-PROBS_NT = False
+# 4,096 rows at hidden 4,096) instead of the "nn" GEMM reading W by columns: +0.4 % on the Llama-3-8B step (H100,
+# 2026-12-07; bench/train_step.py --ab head-probs-nn for the "nn" GEMM).
+PROBS_NT = True
 
 
 @dataclass(frozen=True)
