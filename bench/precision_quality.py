@@ -19,6 +19,7 @@ No Prefect or MLflow: the stage functions alone.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import sys
@@ -45,6 +46,15 @@ def emit(**row: Any) -> None:
 def metrics(manifest: EvalManifest) -> dict[str, Any]:
     """The held-out figures of an evaluation manifest."""
     return manifest.model_dump(include={"epoch", "step", "kl", "top1", "ce", "n_positions"})
+
+
+# int8: LoRA's products from int8 codes or from f32 (--int8-lora-<flag> codes|f32): the module switch each sets
+LORA_CODES = {
+    "t": ("gpu.ops.lora_i8", "THIN_I8", "t = x A^T from x's int8 codes and A's (gpu/ops/lora_i8.py), or from f32 x"),
+    "dt": ("gpu.ops.lora_i8", "THIN_DT", "dt = s dY B from the input gradient's dY codes and B / sW (THIN_DT)"),
+    "db": ("gpu.ops.lora_db_i8", "THIN_DB", "dB = s dY^T t from the input gradient's dY codes (THIN_DB)"),
+    "da": ("gpu.ops.lora_da_i8", "THIN_DA", "dA = dt^T x from the forward's x codes (THIN_DA)"),
+}
 
 
 def prepare(cfg: RunConfig, prepared: str | None) -> dict[str, Any]:
@@ -92,47 +102,14 @@ def main() -> None:
     ap.add_argument(
         "--int8-rotation", choices=("on", "off"), default=None, help="int8: GEMM operands in Walsh-Hadamard blocks"
     )
-    ap.add_argument(
-        "--int8-lora-t",
-        choices=("codes", "f32"),
-        default=None,
-        help="int8: LoRA's t = x A^T from x's int8 codes and A's (gpu/ops/lora_i8.py), or from f32 x",
-    )
-    ap.add_argument(
-        "--int8-lora-dt",
-        choices=("codes", "f32"),
-        default=None,
-        help="int8: LoRA's dt = s dY B from the input gradient's dY codes and B / sW (gpu/ops/lora_i8.py THIN_DT)",
-    )
-    ap.add_argument(
-        "--int8-lora-db",
-        choices=("codes", "f32"),
-        default=None,
-        help="int8: LoRA's dB = s dY^T t from the input gradient's dY codes (gpu/ops/lora_db_i8.py THIN_DB)",
-    )
-    ap.add_argument(
-        "--int8-lora-da",
-        choices=("codes", "f32"),
-        default=None,
-        help="int8: LoRA's dA = dt^T x from the forward's x codes (gpu/ops/lora_da_i8.py THIN_DA)",
-    )
+    for flag, (_, _, what) in LORA_CODES.items():
+        ap.add_argument(f"--int8-lora-{flag}", choices=("codes", "f32"), default=None, help=f"int8: LoRA's {what}")
     args = ap.parse_args()
-    if args.int8_lora_da:
-        from gpu.ops import lora_da_i8
-
-        lora_da_i8.THIN_DA = args.int8_lora_da == "codes"
-    if args.int8_lora_db:
-        from gpu.ops import lora_db_i8
-
-        lora_db_i8.THIN_DB = args.int8_lora_db == "codes"
-    if args.int8_lora_dt:
-        from gpu.ops import lora_i8
-
-        lora_i8.THIN_DT = args.int8_lora_dt == "codes"
-    if args.int8_lora_t:
-        from gpu.ops import lora_i8
-
-        lora_i8.THIN_I8 = args.int8_lora_t == "codes"
+    lora_codes = {flag: getattr(args, f"int8_lora_{flag}") for flag in LORA_CODES}
+    for flag, choice in lora_codes.items():
+        if choice:
+            module, switch, _ = LORA_CODES[flag]
+            setattr(importlib.import_module(module), switch, choice == "codes")
     if args.int8_head:
         from gpu.ops import head
 
@@ -160,8 +137,7 @@ def main() -> None:
     best: dict[str, float] = {}
     # the engine knobs are not part of the train stage's key: with any of them, each precision trains afresh
     knobs = any(
-        (args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation, args.int8_lora_t,
-         args.int8_lora_dt, args.int8_lora_db, args.int8_lora_da)
+        (args.int8_lora_epilogue, args.int8_input_grads, args.int8_head, args.int8_rotation, *lora_codes.values())
     )  # fmt: skip
     for precision in [p for p in args.precisions.split(",") if p]:
         pcfg = with_precision(cfg, precision)
