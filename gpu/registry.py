@@ -32,7 +32,7 @@ from gpu.device import Device
 from gpu.ops.matmul import CPU_TILE, CPU_TILE_SMALL_M, GPU_TILE, GPU_TILE_SMALL_M
 from gpu.ops.matmul_i8 import all_i8_variants
 from gpu.ops.matmul_tc import TC_TILE, TC_TILE_NARROW, TC_TILE_SMALL_M, all_variants
-from model.int8 import NORM_TURNED_MAX, ROTATIONS, ROW_WORKGROUPS
+from model.int8 import GLU_BACK_WORKGROUPS, NORM_TURNED_MAX, ROTATIONS, ROW_WORKGROUPS
 from model.kd import KINDS
 
 BOOLS = (False, True)
@@ -206,15 +206,12 @@ def _half_grads(half: bool) -> dict[str, str]:
 
 
 _GLU_GATES = {"swiglu": "g * sigmoid(g)", "geglu": "gelu_tanh(g).x"}  # act(g) of the gated units, as WGSL
-# (dG, dU) of the gated units at element i, as swiglu_backward.wgsl / geglu_backward.wgsl compute them
+# (dG, dU) of the gated units from one element's dy, g, u, as swiglu_backward.wgsl / geglu_backward.wgsl compute them
 _GLU_GRADS = {
-    "swiglu": """    let g = G[i];
-    let dy = dY[i];
-    let sig = sigmoid(g);
-    return vec2<f32>(dy * U[i] * sig * (1.0 + g * (1.0 - sig)), dy * g * sig);""",
-    "geglu": """    let f = gelu_tanh(G[i]);
-    let dy = dY[i];
-    return vec2<f32>(dy * U[i] * f.y, dy * f.x);""",
+    "swiglu": """    let sig = sigmoid(g);
+    return vec2<f32>(dy * u * sig * (1.0 + g * (1.0 - sig)), dy * g * sig);""",
+    "geglu": """    let f = gelu_tanh(g);
+    return vec2<f32>(dy * u * f.y, dy * f.x);""",
 }
 
 
@@ -319,10 +316,9 @@ KERNELS: dict[str, Kernel] = {
     ),
     # a gated unit's backward and the int8 codes of both its gradients (gpu/ops/quantize_i8.py glu_backward_i8)
     "glu_back_i8": Kernel(
-        ("subgroups_directive", "workgroup_reduce", "absmax_combine", *_I8_PARTS, "sigmoid", "gelu_tanh")
-        + ("glu_back_i8", "rows_rotated"),
-        {"act": ("swiglu", "geglu"), "tint": BOOLS, "wg": ROW_WORKGROUPS},
-        lambda act, tint, wg: {"GRADS": _GLU_GRADS[act], "ROT": 0, "WG": wg, **_subgroups(tint)},
+        ("workgroup_reduce", "int8_pack", "sigmoid", "gelu_tanh", "glu_back_i8"),
+        {"act": ("swiglu", "geglu"), "wg": GLU_BACK_WORKGROUPS},
+        lambda act, wg: {"GRADS": _GLU_GRADS[act], "WG": wg},
     ),
     # RMSNorm forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py rmsnorm_i8)
     "rmsnorm_i8": Kernel(

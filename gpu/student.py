@@ -42,6 +42,7 @@ from gpu.ops.lora_i8 import LoraGradCodes, lora_thin_i8, thin_covers
 from gpu.ops.lora_matmul import HalfCopy
 from gpu.ops.matmul_i8 import Int8Matrix, LoraTerm, gemm_i8, i8_buffers
 from gpu.ops.quantize_i8 import (
+    glu_back_workgroup,
     glu_backward_i8,
     i8_pair,
     quantize_i8_gpu,
@@ -80,6 +81,10 @@ class GPUStudent(GPUModel):
     # on an H100 (2026-12-06, docs/benchmarks.md) those row kernels cost more than the passes they replace (the
     # 8B step 5,118 tokens/s with them off against 4,808 on; rmsnorm_back_i8 59 ms against ~25)
     fused_grad_codes_i8 = False
+    # ... the gated unit's alone (glu_backward_i8 on rows held in registers, one read of dY, G and U; its f32
+    # gradients left unwritten where every reader takes the codes: _glu_grads_f32_needed), whatever
+    # fused_grad_codes_i8 says. Opt-in until timed (bench --ab glu-grad-codes)
+    glu_grad_codes_i8 = False
     # ... and with them, the RMSNorm backward turns the summed input gradients of q/k/v and gate/up (dX R) back
     # itself (rmsnorm_backward_i8 dy_rot; bitwise) instead of a rotation pass over them (H100: 4,808 against 4,995
     # tokens/s with the pass, fused_grad_codes_i8 on): off
@@ -272,15 +277,19 @@ class GPUStudent(GPUModel):
     def _gated_backward(self, layer: int) -> dict[str, Any]:
         """The gated unit's backward: dL/dgate into a["s"], dL/dup over a["u"], and where the projections' input
         gradients take them, both gradients as their GEMMs' operands from the same pass, by target: integer
-        (int8 input gradients and fused_grad_codes_i8: glu_backward_i8, the two in self.a8), or f16 (tensor cores:
-        the two in self.a16); else none ({})."""
+        (int8 input gradients and glu_grad_codes_i8 or fused_grad_codes_i8: glu_backward_i8, the two in self.a8, the
+        f32 gradients written only where _glu_grads_f32_needed), or f16 (tensor cores: the two in self.a16); else
+        none ({})."""
         cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
         wg, wu = (self._int8_back(layer, target)[0] for target in ("gate", "up"))
-        if self.fused_grad_codes_i8 and wg is not None and wu is not None:
+        fused = self.fused_grad_codes_i8 or self.glu_grad_codes_i8
+        if fused and wg is not None and wu is not None and glu_back_workgroup(dev, cfg.ffn) is not None:
             pair = i8_pair(*self.a8, rows, cfg.ffn, dev.offset_alignment, "gated unit gradients")
+            operands = {"gate": pair[0], "up": pair[1]}
             act = "geglu" if cfg.activation == "gelu_tanh" else "swiglu"
-            glu_backward_i8(dev, act, a["ds"], a["g"], a["u"], a["s"], wg.scales, wu.scales, *pair)
-            return {"gate": pair[0], "up": pair[1]}
+            store = self._glu_grads_f32_needed(layer, operands)
+            glu_backward_i8(dev, act, a["ds"], a["g"], a["u"], a["s"], wg.scales, wu.scales, *pair, store_grads=store)
+            return operands
         gate_backward = geglu_backward if cfg.activation == "gelu_tanh" else swiglu_backward
         n = rows * cfg.ffn
         if wg is None and wu is None and self._a16_second is not None and self._half_copy(n) is not None:
@@ -362,10 +371,25 @@ class GPUStudent(GPUModel):
         """Whether dt = s dY B of adapter `key` comes from the input gradient's dY codes (lora_thin_i8)."""
         return self.grad_codes is not None and self.grad_codes.covers([key]) and thin_covers(dy_codes, self.layout.r)
 
+    def _db_from_codes(self, dy_codes: Int8Matrix) -> bool:
+        """Whether dB = s dY^T t comes from the input gradient's dY codes where dt does (gpu/ops/lora_db_i8.py)."""
+        return lora_db_i8.THIN_DB and self.grad_codes is not None and db_covers(dy_codes, self.layout.r)
+
+    def _glu_grads_f32_needed(self, layer: int, operands: Mapping[str, Int8Matrix]) -> bool:
+        """Whether anything reads the gated unit's f32 gradients (dg, du) besides their codes `operands` (by target):
+        an adapter of gate or up whose dt or dB does not come from the codes, or whose term is not in the GEMM."""
+        for target, codes in operands.items():
+            key = (layer, target)
+            if key in self.layout.slots and not (
+                self._int8_back(*key)[1] and self._thin_dt(key, codes) and self._db_from_codes(codes)
+            ):
+                return True
+        return False
+
     def _thin_db(self, key: tuple[int, str], dy_codes: Int8Matrix) -> bool:
         """dB = s dY^T t of adapter `key` from the input gradient's dY codes (gpu/ops/lora_db_i8.py THIN_DB, where dt
         comes from them: their sW is at hand), into the gradients; whether it ran."""
-        if not (lora_db_i8.THIN_DB and self.grad_codes is not None and db_covers(dy_codes, self.layout.r)):
+        if not self._db_from_codes(dy_codes):
             return False
         codes, s = self.grad_codes, self.layout.slots[key]
         lora_db_i8.lora_db_i8(

@@ -23,6 +23,10 @@ ROTATED_MAX = 16384
 # at most SHORT_ROW values (a quarter of the registers' reach: more rows in flight per multiprocessor).
 ROW_WORKGROUPS = (64, 256)
 SHORT_ROW = 4096
+# The gated unit's backward with both gradients' codes (glu_back_i8) holds GLU_BACK_SLOTS vec4 pairs an invocation:
+# rows of at most 4 x GLU_BACK_SLOTS x the largest of its workgroup sizes (the smallest that holds the row runs).
+GLU_BACK_WORKGROUPS = (64, 128, 256, 512, 1024)
+GLU_BACK_SLOTS = 8
 # The RMSNorm backward turns a rotated dY back in workgroup memory: rows of at most this many values (16 KiB).
 NORM_TURNED_MAX = 4096
 

@@ -706,11 +706,12 @@ def test_gemm_on_tensor_cores_accumulates() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", ["swiglu", "geglu"])
-@pytest.mark.parametrize("f,rows", [(256, 3), (14336, 2), (17408, 2)])
+@pytest.mark.parametrize("f,rows", [(256, 3), (4128, 2), (14336, 2), (17408, 2), (32768, 1)])
 def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: str, f: int, rows: int) -> None:
     """glu_backward_i8 (a gated unit's backward and both gradients' codes times the weights' row scales, in one
     pass): bitwise swiglu_backward's / geglu_backward's dg and du and quantize_i8_gpu's codes and scales of them
-    (col_scales), rows within the registers and longer (re-read); operands outside one i8_pair refused."""
+    (col_scales), on workgroups from 64 to 1,024 invocations (rows of 256 to 32,768), and with store_grads=False the
+    same codes with dg and u untouched; operands outside one i8_pair refused, rows past the registers too."""
     from gpu.ops.gated import geglu_backward, swiglu_backward
     from gpu.ops.quantize_i8 import glu_backward_i8, i8_pair, pair_bytes
 
@@ -726,16 +727,32 @@ def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: s
     quantize_i8_gpu(dev, u_sep, sep[1], col_scales=cub)
     q_bytes, s_bytes = pair_bytes(rows, f, dev.offset_alignment)
     fused = i8_pair(dev.buffer(q_bytes), dev.buffer(s_bytes), rows, f, dev.offset_alignment, "fused")
+    u_codes, dg_codes = dev.upload(u), dev.upload(np.full_like(g, 7.0))
     glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, *fused)
     for a, b in ((dg_sep, dg_fused), (u_sep, u_fused)):
         np.testing.assert_array_equal(dev.read(a, np.uint32, (rows * f,)), dev.read(b, np.uint32, (rows * f,)))
-    for want, got in zip(sep, fused, strict=True):
-        codes = dev.read(got.codes.buffer, np.uint8, (rows * f,), offset=got.codes.offset)
-        scales = dev.read(got.scales.buffer, np.float32, (rows,), offset=got.scales.offset)
-        np.testing.assert_array_equal(dev.read(want.codes, np.uint8, (rows * f,)), codes)
-        np.testing.assert_array_equal(dev.read(want.scales, np.float32, (rows,)), scales)
+
+    def check_codes() -> None:
+        for want, got in zip(sep, fused, strict=True):
+            codes = dev.read(got.codes.buffer, np.uint8, (rows * f,), offset=got.codes.offset)
+            scales = dev.read(got.scales.buffer, np.float32, (rows,), offset=got.scales.offset)
+            np.testing.assert_array_equal(dev.read(want.codes, np.uint8, (rows * f,)), codes)
+            np.testing.assert_array_equal(dev.read(want.scales, np.float32, (rows,)), scales)
+
+    check_codes()
+    for got in fused:  # the codes alone (store_grads=False): the same codes, dg and u left as they were
+        dev.write(got.codes.buffer, np.zeros(pair_bytes(rows, f, dev.offset_alignment)[0] // 4, np.uint32))
+    glu_backward_i8(dev, act, dyb, gb, u_codes, dg_codes, cgb, cub, *fused, store_grads=False)
+    check_codes()
+    np.testing.assert_array_equal(dev.read(u_codes, np.float32, (rows, f)), u)
+    np.testing.assert_array_equal(dev.read(dg_codes, np.float32, (rows, f)), np.full_like(g, 7.0))
     with pytest.raises(DeviceError, match="i8_pair"):
         glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, sep[0], sep[1])
+    if f == 32768:  # one value more than a row of 1,024 invocations holds
+        wide_q, wide_s = pair_bytes(1, f + 4, dev.offset_alignment)
+        wide = i8_pair(dev.buffer(wide_q), dev.buffer(wide_s), 1, f + 4, dev.offset_alignment, "wide")
+        with pytest.raises(DeviceError, match="operands of 1 x 32772"):
+            glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, *wide)
 
 
 def test_plain_products_pick_the_plain_tile(monkeypatch: pytest.MonkeyPatch) -> None:

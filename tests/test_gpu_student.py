@@ -645,7 +645,7 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
     runs, ran = _spied_runs(
         monkeypatch,
         quantize_i8,
-        ("fused_codes_i8", "fused_grad_codes_i8"),
+        ("fused_codes_i8", "fused_grad_codes_i8", "glu_grad_codes_i8"),
         lambda name, variant: name + ("_scaled" if variant.get("scaled") else ""),
     )
     assert GPUModel.fused_codes_i8 and not GPUStudent.fused_grad_codes_i8
@@ -653,6 +653,45 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
     assert ran[0].count("rmsnorm_back_i8") == 2 * blocks and "rmsnorm_back_i8" not in ran[1]
     # o's, down's, gate's and up's dY quantizers, a block
     assert ran[1].count("quantize_i8_scaled") - ran[0].count("quantize_i8_scaled") == 4 * blocks
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+def test_int8_glu_grad_codes_is_bitwise_the_separate_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gated unit's backward giving both gradients' codes in the same pass (glu_grad_codes_i8, opt-in) against
+    swiglu_backward and the two scaled quantizers: bitwise the same loss and gradients (emulated integer GEMMs), two
+    quantizer dispatches fewer a block, and the f32 gradients left unwritten (every adapter's dt and dB from the codes)
+    unless the LoRA products read f32 dY (lora_i8.THIN_DT off). Rank 16 over 64 rows: the thin products' shapes."""
+    import dataclasses
+    import sys
+
+    from gpu import student as student_mod
+    from gpu.ops import lora_i8, quantize_i8
+
+    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
+    for name, value in (("CFG", wide), ("R", 16), ("T", 32)):
+        monkeypatch.setattr(sys.modules[__name__], name, value)
+
+    stores: list[bool] = []
+    real = student_mod.glu_backward_i8
+
+    def spy(*args: Any, store_grads: bool = True) -> None:
+        stores.append(store_grads)
+        real(*args, store_grads=store_grads)
+
+    monkeypatch.setattr(student_mod, "glu_backward_i8", spy)
+    record = lambda name, variant: name + ("_scaled" if variant.get("scaled") else "")  # noqa: E731
+    runs, ran = _spied_runs(monkeypatch, quantize_i8, ("glu_grad_codes_i8",), record)
+    blocks = wide.n_layers
+    assert ran[0].count("glu_back_i8") == blocks and "glu_back_i8" not in ran[1]
+    assert ran[1].count("quantize_i8_scaled") - ran[0].count("quantize_i8_scaled") == 2 * blocks
+    assert stores == [False] * blocks
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    stores.clear()
+    monkeypatch.setattr(lora_i8, "THIN_DT", False)
+    runs, _ = _spied_runs(monkeypatch, quantize_i8, ("glu_grad_codes_i8",), record)
+    assert stores == [True] * blocks
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 

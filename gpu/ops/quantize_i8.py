@@ -17,7 +17,7 @@ from gpu.ops.common import grid, nbytes, pack
 from gpu.ops.matmul_i8 import Int8Matrix, i8_buffers
 from gpu.registry import pipeline
 from gpu.weights import QuantTensor
-from model.int8 import NORM_TURNED_MAX, ROTATED_MAX, ROTATIONS, SHORT_ROW
+from model.int8 import GLU_BACK_SLOTS, GLU_BACK_WORKGROUPS, NORM_TURNED_MAX, ROTATED_MAX, ROTATIONS, SHORT_ROW
 
 
 def tint(dev: Device) -> bool:
@@ -183,16 +183,37 @@ def glu_i8(
     dev.dispatch(pipe, [pack(rows, f, skip, 0), g, u, y, out.codes, out.scales], grid(rows, 1))
 
 
+def glu_back_workgroup(dev: Device, f: int) -> int | None:
+    """The invocations a row of f values of glu_backward_i8 runs with (the fewest whose registers hold it), or None
+    where none of the device's does."""
+    limit = dev.limits.get("max-compute-invocations-per-workgroup", 256)
+    fits = [wg for wg in GLU_BACK_WORKGROUPS if wg <= limit and 4 * GLU_BACK_SLOTS * wg >= f]
+    return fits[0] if fits and f % 4 == 0 else None
+
+
 def glu_backward_i8(
-    dev: Device, act: str, dy: Any, g: Any, u: Any, dg: Any, cg: Any, cu: Any, dg_i8: Int8Matrix, du_i8: Int8Matrix
+    dev: Device,
+    act: str,
+    dy: Any,
+    g: Any,
+    u: Any,
+    dg: Any,
+    cg: Any,
+    cu: Any,
+    dg_i8: Int8Matrix,
+    du_i8: Int8Matrix,
+    *,
+    store_grads: bool = True,
 ) -> None:
     """The backward of y = act(g) * u (act "swiglu" or "geglu") over dg_i8.rows rows of dg_i8.k: dg, and du over u
-    (bitwise swiglu_backward's / geglu_backward's), and their int8 operands for the input-gradient GEMMs, dg * cg
-    into dg_i8 and du * cu into du_i8 (cg, cu: the gate and up weights' row scales; bitwise quantize_i8_gpu's with
-    col_scales), in one pass over each row (gpu/kernels/glu_back_i8.wgsl). dg_i8 and du_i8: i8_pair's two operands
-    (one buffer of codes, one of scales)."""
+    (bitwise swiglu_backward's / geglu_backward's; store_grads=False leaves dg and u as they were: every reader takes
+    the codes), and their int8 operands for the input-gradient GEMMs, dg * cg into dg_i8 and du * cu into du_i8 (cg,
+    cu: the gate and up weights' row scales; bitwise quantize_i8_gpu's with col_scales), in one read of each row held
+    in registers (gpu/kernels/glu_back_i8.wgsl; rows glu_back_workgroup covers). dg_i8 and du_i8: i8_pair's two
+    operands (one buffer of codes, one of scales)."""
     rows, f = dg_i8.rows, dg_i8.k
-    if (du_i8.rows, du_i8.k) != (rows, f) or f % 4 or dg_i8.chunks != 1:
+    wg = glu_back_workgroup(dev, f)
+    if (du_i8.rows, du_i8.k) != (rows, f) or wg is None or dg_i8.chunks != 1:
         raise DeviceError(f"glu_backward_i8: operands of {rows} x {f} and {du_i8.rows} x {du_i8.k}")
     for buf, n, what in ((dy, rows * f, "dy"), (g, rows * f, "g"), (u, rows * f, "u"), (dg, rows * f, "dg")):
         if nbytes(buf) < 4 * n:
@@ -209,8 +230,9 @@ def glu_backward_i8(
     codes = BufferView(first[0].buffer, first[0].offset, second[0].offset - first[0].offset + rows * f)
     scales = BufferView(first[1].buffer, first[1].offset, second[1].offset - first[1].offset + 4 * rows)
     q1, s1 = (second[0].offset - first[0].offset) // 4, (second[1].offset - first[1].offset) // 4
-    pipe = pipeline(dev, "glu_back_i8", act=act, tint=tint(dev), wg=row_workgroup(f))
-    dev.dispatch(pipe, [pack(rows, f, q1, s1), dy, g, u, dg, cg, cu, codes, scales], grid(rows, 1))
+    pipe = pipeline(dev, "glu_back_i8", act=act, wg=wg)
+    params = pack(rows, f, q1, s1, 0 if store_grads else 1, 0, 0, 0)
+    dev.dispatch(pipe, [params, dy, g, u, dg, cg, cu, codes, scales], grid(rows, 1))
 
 
 def i8_pair(codes: Any, scales: Any, rows: int, k: int, align: int, name: str = "") -> tuple[Int8Matrix, Int8Matrix]:
