@@ -251,8 +251,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "lora-mirrors-off": ("gpu.ops.lora_mirror", "MIRRORS", False),
     "lora-per-projection": ("gpu.model:GPUModel", "shared_lora_inputs", False),
     "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),
-    # the gated unit's backward and the gate and up dY codes in one pass (glu_back_i8) without the norms' fusion
-    "glu-grad-codes": ("gpu.student:GPUStudent", "glu_grad_codes_i8", True),
+    # the gated unit's backward, then the gate and up dY quantizers (the default: one pass, glu_back_i8)
+    "glu-grad-codes-off": ("gpu.student:GPUStudent", "glu_grad_codes_i8", False),
     "norm-turns-back": ("gpu.student:GPUStudent", "norm_turns_back", True),
     "rope-pass": ("gpu.model:GPUModel", "rope_in_pack", False),
 }

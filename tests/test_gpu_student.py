@@ -648,7 +648,7 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
         ("fused_codes_i8", "fused_grad_codes_i8", "glu_grad_codes_i8"),
         lambda name, variant: name + ("_scaled" if variant.get("scaled") else ""),
     )
-    assert GPUModel.fused_codes_i8 and not GPUStudent.fused_grad_codes_i8
+    assert GPUModel.fused_codes_i8 and not GPUStudent.fused_grad_codes_i8 and GPUStudent.glu_grad_codes_i8
     blocks = CFG.n_layers
     assert ran[0].count("rmsnorm_back_i8") == 2 * blocks and "rmsnorm_back_i8" not in ran[1]
     # o's, down's, gate's and up's dY quantizers, a block
@@ -658,7 +658,7 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
 
 
 def test_int8_glu_grad_codes_is_bitwise_the_separate_passes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The gated unit's backward giving both gradients' codes in the same pass (glu_grad_codes_i8, opt-in) against
+    """The gated unit's backward giving both gradients' codes in the same pass (glu_grad_codes_i8, the default) against
     swiglu_backward and the two scaled quantizers: bitwise the same loss and gradients (emulated integer GEMMs), two
     quantizer dispatches fewer a block, and the f32 gradients left unwritten (every adapter's dt and dB from the codes)
     unless the LoRA products read f32 dY (lora_i8.THIN_DT off). Rank 16 over 64 rows: the thin products' shapes."""
