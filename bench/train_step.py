@@ -253,6 +253,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "fused-grad-codes": ("gpu.student:GPUStudent", "fused_grad_codes_i8", True),
     # the gated unit's backward, then the gate and up dY quantizers (the default: one pass, glu_back_i8)
     "glu-grad-codes-off": ("gpu.student:GPUStudent", "glu_grad_codes_i8", False),
+    # ... and it turning the down projection's rotated input gradient back as it reads it (no rotation pass over ds)
+    "glu-turns-back": ("gpu.student:GPUStudent", "glu_turns_back", True),
     "norm-turns-back": ("gpu.student:GPUStudent", "norm_turns_back", True),
     "rope-pass": ("gpu.model:GPUModel", "rope_in_pack", False),
 }

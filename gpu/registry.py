@@ -316,9 +316,10 @@ KERNELS: dict[str, Kernel] = {
     ),
     # a gated unit's backward and the int8 codes of both its gradients (gpu/ops/quantize_i8.py glu_backward_i8)
     "glu_back_i8": Kernel(
-        ("workgroup_reduce", "int8_pack", "sigmoid", "gelu_tanh", "glu_back_i8"),
-        {"act": ("swiglu", "geglu"), "wg": GLU_BACK_WORKGROUPS},
-        lambda act, wg: {"GRADS": _GLU_GRADS[act], "WG": wg},
+        ("subgroups_directive", "workgroup_reduce", "int8_pack", "hadamard", "sigmoid", "gelu_tanh", "glu_back_i8")
+        + ("rows_rotated",),
+        {"act": ("swiglu", "geglu"), **_ROT, "wg": GLU_BACK_WORKGROUPS},
+        lambda act, rot, tint, wg: {"GRADS": _GLU_GRADS[act], "ROT": rot, "WG": wg, **_subgroups(tint)},
     ),
     # RMSNorm forward and the int8 codes of its output in one pass (gpu/ops/quantize_i8.py rmsnorm_i8)
     "rmsnorm_i8": Kernel(

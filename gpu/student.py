@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from gpu.codegen_i8 import MMA_K
-from gpu.device import BufferView, Device
+from gpu.device import BufferView, Device, DeviceError
 from gpu.kept_blocks import kept_count, kept_widths
 from gpu.model import GPUModel, ModelWeights, attention_settings
 from gpu.objectives import GpuObjective
@@ -86,6 +86,9 @@ class GPUStudent(GPUModel):
     # fused_grad_codes_i8 says. On: the H100's 8B step 6,744 against 6,630 tokens/s (+1.7 %, 2026-12-07; bench --ab
     # glu-grad-codes-off for swiglu_backward and the two scaled quantizers)
     glu_grad_codes_i8 = True
+    # ... and turns the down projection's input gradient dL/ds R back as it reads it (the rotation pass over ds gone;
+    # bitwise): opt-in until timed (bench --ab glu-turns-back)
+    glu_turns_back = False
     # ... and with them, the RMSNorm backward turns the summed input gradients of q/k/v and gate/up (dX R) back
     # itself (rmsnorm_backward_i8 dy_rot; bitwise) instead of a rotation pass over them (H100: 4,808 against 4,995
     # tokens/s with the pass, fused_grad_codes_i8 on): off
@@ -275,22 +278,41 @@ class GPUStudent(GPUModel):
         self.dev.write(self.losses, losses)
 
     # ---- backward -------------------------------------------------------------------------------------
-    def _gated_backward(self, layer: int) -> dict[str, Any]:
-        """The gated unit's backward: dL/dgate into a["s"], dL/dup over a["u"], and where the projections' input
-        gradients take them, both gradients as their GEMMs' operands from the same pass, by target: integer
-        (int8 input gradients and glu_grad_codes_i8 or fused_grad_codes_i8: glu_backward_i8, the two in self.a8, the
-        f32 gradients written only where _glu_grads_f32_needed), or f16 (tensor cores: the two in self.a16); else
-        none ({})."""
-        cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
+    def _glu_codes(self, layer: int) -> bool:
+        """Whether block `layer`'s gated-unit backward gives the gate and up projections' dY codes itself
+        (glu_backward_i8: integer input gradients, glu_grad_codes_i8 or fused_grad_codes_i8)."""
         wg, wu = (self._int8_back(layer, target)[0] for target in ("gate", "up"))
         fused = self.fused_grad_codes_i8 or self.glu_grad_codes_i8
-        if fused and wg is not None and wu is not None and glu_back_workgroup(dev, cfg.ffn) is not None:
+        return fused and wg is not None and wu is not None and glu_back_workgroup(self.dev, self.cfg.ffn) is not None
+
+    def _ds_rotation(self, layer: int) -> int:
+        """The rotation block that the down projection's input gradient (dL/ds) of block `layer` is left in for the
+        gated unit's backward to turn back as it reads it (glu_turns_back, with _glu_codes, the GEMM over rotated
+        codes with the LoRA term in its epilogue), else 0: turned back by a pass of its own."""
+        if not (self.glu_turns_back and self._glu_codes(layer)):
+            return 0
+        w8, in_gemm = self._int8_back(layer, "down")
+        return self._rotation(self.cfg.ffn) if w8 is not None and in_gemm else 0
+
+    def _gated_backward(self, layer: int, ds_rot: int = 0) -> dict[str, Any]:
+        """The gated unit's backward: dL/dgate into a["s"], dL/dup over a["u"], and where the projections' input
+        gradients take them, both gradients as their GEMMs' operands from the same pass, by target: integer
+        (_glu_codes: glu_backward_i8, the two in self.a8, the f32 gradients written only where
+        _glu_grads_f32_needed; a["ds"] holding dL/ds R for ds_rot > 0), or f16 (tensor cores: the two in self.a16);
+        else none ({})."""
+        cfg, a, dev, rows = self.cfg, self.a, self.dev, self.rows
+        wg, wu = (self._int8_back(layer, target)[0] for target in ("gate", "up"))
+        if self._glu_codes(layer):
             pair = i8_pair(*self.a8, rows, cfg.ffn, dev.offset_alignment, "gated unit gradients")
             operands = {"gate": pair[0], "up": pair[1]}
             act = "geglu" if cfg.activation == "gelu_tanh" else "swiglu"
             store = self._glu_grads_f32_needed(layer, operands)
-            glu_backward_i8(dev, act, a["ds"], a["g"], a["u"], a["s"], wg.scales, wu.scales, *pair, store_grads=store)
+            glu_backward_i8(
+                dev, act, a["ds"], a["g"], a["u"], a["s"], wg.scales, wu.scales, *pair, store_grads=store, dy_rot=ds_rot
+            )
             return operands
+        if ds_rot:
+            raise DeviceError(f"block {layer}: dL/ds left rotated for a gated-unit backward that cannot turn it back")
         gate_backward = geglu_backward if cfg.activation == "gelu_tanh" else swiglu_backward
         n = rows * cfg.ffn
         if wg is None and wu is None and self._a16_second is not None and self._half_copy(n) is not None:
@@ -598,6 +620,7 @@ class GPUStudent(GPUModel):
         pos = self._b.bufs["positions"]
         # out = hres + pf(down(gate_act(gate(n2), up(n2)))), pf: the post-norm (gemma3) or none
         down_operand, self._down_operand = self._down_operand, None
+        ds_rot = self._ds_rotation(layer)
         self._proj_back(
             self._post_norm_back(layer, "down", "post_ffw_norm", a["dx"]),
             a["s"],
@@ -605,12 +628,13 @@ class GPUStudent(GPUModel):
             "down",
             a["ds"],
             False,
+            rotated=ds_rot > 0,
             dy_operand=down_operand,
             x_codes=self._x_codes(layer, "s"),
         )
         # dL/dgate into s (the down projection's input, dead once its backward above has read it), dL/dup over u
         dg, du = a["s"], a["u"]
-        operands = self._gated_backward(layer)
+        operands = self._gated_backward(layer, ds_rot)
         n2 = self._x_codes(layer, "n2")
         rot = self._proj_back_sum(((dg, "gate"), (du, "up")), a["n2"], layer, a["dn"], operands, x_codes=n2)
         o_operand = self._norm_backward(

@@ -39,12 +39,22 @@ from gpu.ops.quantize_i8 import (
     quantize_i8_gpu,
     rmsnorm_backward_i8,
     rmsnorm_i8,
+    rotate_rows,
     tint,
     transpose_i8,
     weight_to_i8,
 )
 from gpu.weights import random_blocks, upload_quant
-from model.int8 import QMAX, check_chunk, dequantize_i8, gemm_i8_reference, pack_i8, quantize_i8
+from model.int8 import (
+    QMAX,
+    ROTATED_MAX,
+    ROTATIONS,
+    check_chunk,
+    dequantize_i8,
+    gemm_i8_reference,
+    pack_i8,
+    quantize_i8,
+)
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 
 TOL = 1e-6
@@ -711,7 +721,8 @@ def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: s
     """glu_backward_i8 (a gated unit's backward and both gradients' codes times the weights' row scales, in one
     pass): bitwise swiglu_backward's / geglu_backward's dg and du and quantize_i8_gpu's codes and scales of them
     (col_scales), on workgroups from 64 to 1,024 invocations (rows of 256 to 32,768), and with store_grads=False the
-    same codes with dg and u untouched; operands outside one i8_pair refused, rows past the registers too."""
+    same codes with dg and u untouched, and from dY R (dy_rot) bitwise after rotate_rows's pass turning it back;
+    operands outside one i8_pair refused, rows past the registers too."""
     from gpu.ops.gated import geglu_backward, swiglu_backward
     from gpu.ops.quantize_i8 import glu_backward_i8, i8_pair, pair_bytes
 
@@ -748,6 +759,19 @@ def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: s
     np.testing.assert_array_equal(dev.read(dg_codes, np.float32, (rows, f)), np.full_like(g, 7.0))
     with pytest.raises(DeviceError, match="i8_pair"):
         glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, sep[0], sep[1])
+    for rot in [r for r in ROTATIONS[1:] if f % r == 0 and f <= ROTATED_MAX]:  # dY R turned back as it is read
+        dyr, u_rot = dev.upload(dy), dev.upload(u)
+        rotate_rows(dev, dyb, rows, f, rot, out=dyr, forward=True)
+        back = dev.buffer(dy.nbytes)
+        rotate_rows(dev, dyr, rows, f, rot, out=back, add=False)  # the pass it replaces
+        u_sep, u_rot = dev.upload(u), dev.upload(u)
+        (swiglu_backward if act == "swiglu" else geglu_backward)(dev, back, gb, u_sep, dg_sep, rows * f)
+        quantize_i8_gpu(dev, dg_sep, sep[0], col_scales=cgb)
+        quantize_i8_gpu(dev, u_sep, sep[1], col_scales=cub)
+        glu_backward_i8(dev, act, dyr, gb, u_rot, dg_fused, cgb, cub, *fused, dy_rot=rot)
+        for a, b in ((dg_sep, dg_fused), (u_sep, u_rot)):
+            np.testing.assert_array_equal(dev.read(a, np.uint32, (rows * f,)), dev.read(b, np.uint32, (rows * f,)))
+        check_codes()
     if f == 32768:  # one value more than a row of 1,024 invocations holds
         wide_q, wide_s = pair_bytes(1, f + 4, dev.offset_alignment)
         wide = i8_pair(dev.buffer(wide_q), dev.buffer(wide_s), 1, f + 4, dev.offset_alignment, "wide")

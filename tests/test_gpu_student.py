@@ -675,9 +675,9 @@ def test_int8_glu_grad_codes_is_bitwise_the_separate_passes(monkeypatch: pytest.
     stores: list[bool] = []
     real = student_mod.glu_backward_i8
 
-    def spy(*args: Any, store_grads: bool = True) -> None:
+    def spy(*args: Any, store_grads: bool = True, **kw: Any) -> None:
         stores.append(store_grads)
-        real(*args, store_grads=store_grads)
+        real(*args, store_grads=store_grads, **kw)
 
     monkeypatch.setattr(student_mod, "glu_backward_i8", spy)
     record = lambda name, variant: name + ("_scaled" if variant.get("scaled") else "")  # noqa: E731
@@ -692,6 +692,35 @@ def test_int8_glu_grad_codes_is_bitwise_the_separate_passes(monkeypatch: pytest.
     monkeypatch.setattr(lora_i8, "THIN_DT", False)
     runs, _ = _spied_runs(monkeypatch, quantize_i8, ("glu_grad_codes_i8",), record)
     assert stores == [True] * blocks
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+def test_int8_glu_turns_back_the_down_input_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gated unit's backward turning the down projection's rotated input gradient dL/ds R back as it reads it
+    (glu_turns_back, opt-in) against a rotation pass over ds first: bitwise the same loss and gradients (emulated
+    integer GEMMs, ffn 128 rotated in blocks of 128), one rotation pass fewer a block, the fused kernel's rotated
+    variant once a block."""
+    import dataclasses
+    import sys
+
+    from gpu.ops import quantize_i8
+
+    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
+    for name, value in (("CFG", wide), ("R", 16), ("T", 32)):
+        monkeypatch.setattr(sys.modules[__name__], name, value)
+    runs, ran = _spied_runs(
+        monkeypatch,
+        quantize_i8,
+        ("glu_turns_back",),
+        lambda name, variant: (name, variant.get("mode"), variant.get("rot")),
+        glu_grad_codes_i8=True,
+    )
+    blocks = wide.n_layers
+    backs = [sum(name == "hadamard_rows" and mode == "back" for name, mode, _ in r) for r in ran]
+    assert backs[1] - backs[0] == blocks
+    assert [rot for name, _, rot in ran[0] if name == "glu_back_i8"] == [128] * blocks
+    assert [rot for name, _, rot in ran[1] if name == "glu_back_i8"] == [0] * blocks
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 

@@ -2,10 +2,11 @@
 // operands, in one pass over the row: dG and dU as swiglu_backward.wgsl / geglu_backward.wgsl give them (bitwise;
 // dG to DG, dU over U, unless prm.skip_grads: the caller reads the codes alone), and per gradient the codes and
 // scale of dG * CG (CG: W_gate's row scales, one a column) and of dU * CU, as quantize_i8.wgsl's scaled variant
-// gives them (bitwise; not rotated). Codes Q: dG's rows, then dU's from word prm.q1 (a row of F codes each);
-// scales S: T for dG, then T for dU from prm.s1. One workgroup of WG invocations per row; each holds the pairs of
-// vec4 w = lid + j WG (j < SLOTS) in registers from one read of dY, G and U to the codes, both absmaxes in one
-// workgroup reduction (rows of at most 4 SLOTS WG values: the host's check).
+// gives them (bitwise; not rotated); dY may come rotated (ROT > 0), turned back as hadamard_rows.wgsl's "back"
+// does. Codes Q: dG's rows, then dU's from word prm.q1 (a row of F codes each); scales S: T for dG, then T for dU
+// from prm.s1. One workgroup of WG invocations per row (rows_rotated.wgsl); each holds the pairs of vec4
+// w = lid + j WG (j < 8) in registers from one read of dY, G and U to the codes, both absmaxes in one workgroup
+// reduction (rows of at most 32 WG values: the host's check).
 
 struct Params {
     T: u32,
@@ -48,10 +49,22 @@ struct Pair {
     u: vec4<f32>,
 };
 
-// vec4 w of the row starting at vec4 x0: the gradients (stored unless prm.skip_grads), times the row scales
-fn pair(x0: u32, w: u32) -> Pair {
-    let i = x0 + w;
-    let dy = dY[i];
+// vec4 w of the row starting at vec4 x0 (a row of n; past it: zeros, nothing stored): the gradients (stored unless
+// prm.skip_grads), times the row scales. dY rotated (ROT > 0: dY R, the down projection's input gradient over
+// rotated codes) is turned back as it is read (hadamard.wgsl; every invocation calls this with the same slot, from
+// uniform control flow)
+fn pair(lid: u32, x0: u32, w: u32, n: u32, shuffled: bool) -> Pair {
+    let present = w < n;
+    let c = min(w, n - 1u);
+    let i = x0 + c;
+    var dy = select(vec4<f32>(), dY[i], present);
+    if (ROT > 0u) {
+        if (shuffled) {
+            dy = rotate_group_shuffled(lid, dy, 4u * w, true);
+        } else {
+            dy = rotate_group_shared(lid, dy, 4u * w, true);
+        }
+    }
     let g = G[i];
     let u = U[i];
     let e0 = grads(dy.x, g.x, u.x);
@@ -60,32 +73,32 @@ fn pair(x0: u32, w: u32) -> Pair {
     let e3 = grads(dy.w, g.w, u.w);
     let dg = vec4<f32>(e0.x, e1.x, e2.x, e3.x);
     let du = vec4<f32>(e0.y, e1.y, e2.y, e3.y);
-    if (prm.skip_grads == 0u) {
+    if (present && prm.skip_grads == 0u) {
         DG[i] = dg;
         U[i] = du;
     }
-    return Pair(dg * CG[w], du * CU[w]);
+    return Pair(select(vec4<f32>(), dg * CG[c], present), select(vec4<f32>(), du * CU[c], present));
 }
 
 fn absmax2(p: Pair) -> vec2<f32> {
     return vec2<f32>(absmax4(p.g), absmax4(p.u));
 }
 
-// the codes of vec4 w (present) of the row: dG's at word qg + w, dU's at qu + w
-fn store(p: Pair, w: u32, qg: u32, qu: u32, scale: vec2<f32>) {
-    Q[qg + w] = pack4(p.g, scale.x);
-    Q[qu + w] = pack4(p.u, scale.y);
+// the codes of vec4 w of the row (where present): dG's at word qg + w, dU's at qu + w
+fn store(p: Pair, w: u32, n: u32, qg: u32, qu: u32, scale: vec2<f32>) {
+    if (w < n) {
+        Q[qg + w] = pack4(p.g, scale.x);
+        Q[qu + w] = pack4(p.u, scale.y);
+    }
 }
 
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let row = wid.x + wid.y * nwg.x;
-    if (row >= prm.T) {
-        return;
-    }
+fn row_main(row: u32, lid: u32) {
     let n = prm.F / 4u;
     let x0 = row * n;
+    var shuffled = false;
+    if (ROT > 0u) {
+        shuffled = rotation_shuffled(lid, ROT / 4u);
+    }
     var p0: Pair;
     var p1: Pair;
     var p2: Pair;
@@ -94,14 +107,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
     var p5: Pair;
     var p6: Pair;
     var p7: Pair;
-    if (lid < n) { p0 = pair(x0, lid); }
-    if (lid + WG < n) { p1 = pair(x0, lid + WG); }
-    if (lid + 2u * WG < n) { p2 = pair(x0, lid + 2u * WG); }
-    if (lid + 3u * WG < n) { p3 = pair(x0, lid + 3u * WG); }
-    if (lid + 4u * WG < n) { p4 = pair(x0, lid + 4u * WG); }
-    if (lid + 5u * WG < n) { p5 = pair(x0, lid + 5u * WG); }
-    if (lid + 6u * WG < n) { p6 = pair(x0, lid + 6u * WG); }
-    if (lid + 7u * WG < n) { p7 = pair(x0, lid + 7u * WG); }
+    p0 = pair(lid, x0, lid, n, shuffled);   // slot j where j WG < n (uniform)
+    if (WG < n) { p1 = pair(lid, x0, lid + WG, n, shuffled); }
+    if (2u * WG < n) { p2 = pair(lid, x0, lid + 2u * WG, n, shuffled); }
+    if (3u * WG < n) { p3 = pair(lid, x0, lid + 3u * WG, n, shuffled); }
+    if (4u * WG < n) { p4 = pair(lid, x0, lid + 4u * WG, n, shuffled); }
+    if (5u * WG < n) { p5 = pair(lid, x0, lid + 5u * WG, n, shuffled); }
+    if (6u * WG < n) { p6 = pair(lid, x0, lid + 6u * WG, n, shuffled); }
+    if (7u * WG < n) { p7 = pair(lid, x0, lid + 7u * WG, n, shuffled); }
     let m = max(max(max(absmax2(p0), absmax2(p1)), max(absmax2(p2), absmax2(p3))),
                 max(max(absmax2(p4), absmax2(p5)), max(absmax2(p6), absmax2(p7))));
     let scale = workgroup_reduce(lid, m) / 127.0;
@@ -110,12 +123,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         S[prm.s1 + row] = scale.y;
     }
     let qu = prm.q1 + x0;
-    if (lid < n) { store(p0, lid, x0, qu, scale); }
-    if (lid + WG < n) { store(p1, lid + WG, x0, qu, scale); }
-    if (lid + 2u * WG < n) { store(p2, lid + 2u * WG, x0, qu, scale); }
-    if (lid + 3u * WG < n) { store(p3, lid + 3u * WG, x0, qu, scale); }
-    if (lid + 4u * WG < n) { store(p4, lid + 4u * WG, x0, qu, scale); }
-    if (lid + 5u * WG < n) { store(p5, lid + 5u * WG, x0, qu, scale); }
-    if (lid + 6u * WG < n) { store(p6, lid + 6u * WG, x0, qu, scale); }
-    if (lid + 7u * WG < n) { store(p7, lid + 7u * WG, x0, qu, scale); }
+    store(p0, lid, n, x0, qu, scale);
+    store(p1, lid + WG, n, x0, qu, scale);
+    store(p2, lid + 2u * WG, n, x0, qu, scale);
+    store(p3, lid + 3u * WG, n, x0, qu, scale);
+    store(p4, lid + 4u * WG, n, x0, qu, scale);
+    store(p5, lid + 5u * WG, n, x0, qu, scale);
+    store(p6, lid + 6u * WG, n, x0, qu, scale);
+    store(p7, lid + 7u * WG, n, x0, qu, scale);
 }

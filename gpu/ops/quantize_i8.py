@@ -204,15 +204,18 @@ def glu_backward_i8(
     du_i8: Int8Matrix,
     *,
     store_grads: bool = True,
+    dy_rot: int = 0,
 ) -> None:
     """The backward of y = act(g) * u (act "swiglu" or "geglu") over dg_i8.rows rows of dg_i8.k: dg, and du over u
     (bitwise swiglu_backward's / geglu_backward's; store_grads=False leaves dg and u as they were: every reader takes
     the codes), and their int8 operands for the input-gradient GEMMs, dg * cg into dg_i8 and du * cu into du_i8 (cg,
     cu: the gate and up weights' row scales; bitwise quantize_i8_gpu's with col_scales), in one read of each row held
-    in registers (gpu/kernels/glu_back_i8.wgsl; rows glu_back_workgroup covers). dg_i8 and du_i8: i8_pair's two
-    operands (one buffer of codes, one of scales)."""
+    in registers (gpu/kernels/glu_back_i8.wgsl; rows glu_back_workgroup covers). dy_rot: dy holds dY R, rotated in
+    blocks of dy_rot (the down projection's input gradient over rotated codes), turned back as it is read (bitwise
+    rotate_rows's). dg_i8 and du_i8: i8_pair's two operands (one buffer of codes, one of scales)."""
     rows, f = dg_i8.rows, dg_i8.k
     wg = glu_back_workgroup(dev, f)
+    check_rotation(dy_rot, f, "glu_backward_i8's dy")
     if (du_i8.rows, du_i8.k) != (rows, f) or wg is None or dg_i8.chunks != 1:
         raise DeviceError(f"glu_backward_i8: operands of {rows} x {f} and {du_i8.rows} x {du_i8.k}")
     for buf, n, what in ((dy, rows * f, "dy"), (g, rows * f, "g"), (u, rows * f, "u"), (dg, rows * f, "dg")):
@@ -230,7 +233,7 @@ def glu_backward_i8(
     codes = BufferView(first[0].buffer, first[0].offset, second[0].offset - first[0].offset + rows * f)
     scales = BufferView(first[1].buffer, first[1].offset, second[1].offset - first[1].offset + 4 * rows)
     q1, s1 = (second[0].offset - first[0].offset) // 4, (second[1].offset - first[1].offset) // 4
-    pipe = pipeline(dev, "glu_back_i8", act=act, wg=wg)
+    pipe = pipeline(dev, "glu_back_i8", act=act, rot=dy_rot, tint=tint(dev), wg=wg)
     params = pack(rows, f, q1, s1, 0 if store_grads else 1, 0, 0, 0)
     dev.dispatch(pipe, [params, dy, g, u, dg, cg, cu, codes, scales], grid(rows, 1))
 
