@@ -411,7 +411,6 @@ def test_rmsnorm_backward_i8_is_the_norm_backward_then_the_quantizer(
     rotated (dY R), turned back in the kernel: bitwise rotate_rows then the same, dy itself untouched; rows longer
     than NORM_TURNED_MAX refused. (Its sums run in the scalar rmsnorm_backward's order, not rmsnorm_backward4's.)"""
     from gpu.ops import rmsnorm
-    from gpu.ops.quantize_i8 import rotate_rows
     from gpu.ops.rmsnorm import rmsnorm_backward
     from model.int8 import NORM_TURNED_MAX, hadamard_rows
 
