@@ -720,7 +720,8 @@ def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: s
     """glu_backward_i8 (a gated unit's backward and both gradients' codes times the weights' row scales, in one
     pass): bitwise swiglu_backward's / geglu_backward's dg and du and quantize_i8_gpu's codes and scales of them
     (col_scales), on workgroups from 64 to 1,024 invocations (rows of 256 to 32,768), and with store_grads=False the
-    same codes with dg and u untouched, and from dY R (dy_rot) bitwise after rotate_rows's pass turning it back;
+    same codes with dg and u untouched, and from dY R (dy_rot: the widest block dividing f) bitwise after rotate_rows's
+    pass turning it back;
     operands outside one i8_pair refused, rows past the registers too."""
     from gpu.ops.gated import geglu_backward, swiglu_backward
     from gpu.ops.quantize_i8 import glu_backward_i8, i8_pair, pair_bytes
@@ -758,7 +759,7 @@ def test_glu_backward_i8_is_the_backward_then_the_quantizers(dev: Device, act: s
     np.testing.assert_array_equal(dev.read(dg_codes, np.float32, (rows, f)), np.full_like(g, 7.0))
     with pytest.raises(DeviceError, match="i8_pair"):
         glu_backward_i8(dev, act, dyb, gb, u_fused, dg_fused, cgb, cub, sep[0], sep[1])
-    for rot in [r for r in ROTATIONS[1:] if f % r == 0 and f <= ROTATED_MAX]:  # dY R turned back as it is read
+    for rot in [max(r for r in ROTATIONS[1:] if f % r == 0)] if f <= ROTATED_MAX else []:  # dY R turned back as read
         dyr, u_rot = dev.upload(dy), dev.upload(u)
         rotate_rows(dev, dyb, rows, f, rot, out=dyr, forward=True)
         back = dev.buffer(dy.nbytes)
