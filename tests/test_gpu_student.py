@@ -657,20 +657,32 @@ def test_int8_fused_codes_is_bitwise_the_separate_quantizer(monkeypatch: pytest.
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
 
 
+def _thin_shapes(monkeypatch: pytest.MonkeyPatch) -> ModelConfig:
+    """Patch this module's CFG, R and T to shapes the thin LoRA products over codes take (rank 16, 64 rows, widths
+    of whole steps); returns the config."""
+    import dataclasses
+    import sys
+
+    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
+    for name, value in (("CFG", wide), ("R", 16), ("T", 32)):
+        monkeypatch.setattr(sys.modules[__name__], name, value)
+    return wide
+
+
+def _rotations(name: str, variant: dict) -> tuple:
+    """A pipeline's record for _spied_runs: its name, rotation mode and block."""
+    return name, variant.get("mode"), variant.get("rot")
+
+
 def test_int8_glu_grad_codes_is_bitwise_the_separate_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The gated unit's backward giving both gradients' codes in the same pass (glu_grad_codes_i8, the default) against
     swiglu_backward and the two scaled quantizers: bitwise the same loss and gradients (emulated integer GEMMs), two
     quantizer dispatches fewer a block, and the f32 gradients left unwritten (every adapter's dt and dB from the codes)
     unless the LoRA products read f32 dY (lora_i8.THIN_DT off). Rank 16 over 64 rows: the thin products' shapes."""
-    import dataclasses
-    import sys
-
     from gpu import student as student_mod
     from gpu.ops import lora_i8, quantize_i8
 
-    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
-    for name, value in (("CFG", wide), ("R", 16), ("T", 32)):
-        monkeypatch.setattr(sys.modules[__name__], name, value)
+    wide = _thin_shapes(monkeypatch)
 
     stores: list[bool] = []
     real = student_mod.glu_backward_i8
@@ -701,21 +713,10 @@ def test_int8_glu_turns_back_the_down_input_gradient(monkeypatch: pytest.MonkeyP
     (glu_turns_back, opt-in) against a rotation pass over ds first: bitwise the same loss and gradients (emulated
     integer GEMMs, ffn 128 rotated in blocks of 128), one rotation pass fewer a block, the fused kernel's rotated
     variant once a block."""
-    import dataclasses
-    import sys
-
     from gpu.ops import quantize_i8
 
-    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
-    for name, value in (("CFG", wide), ("R", 16), ("T", 32)):
-        monkeypatch.setattr(sys.modules[__name__], name, value)
-    runs, ran = _spied_runs(
-        monkeypatch,
-        quantize_i8,
-        ("glu_turns_back",),
-        lambda name, variant: (name, variant.get("mode"), variant.get("rot")),
-        glu_grad_codes_i8=True,
-    )
+    wide = _thin_shapes(monkeypatch)
+    runs, ran = _spied_runs(monkeypatch, quantize_i8, ("glu_turns_back",), _rotations, glu_grad_codes_i8=True)
     blocks = wide.n_layers
     backs = [sum(name == "hadamard_rows" and mode == "back" for name, mode, _ in r) for r in ran]
     assert backs[1] - backs[0] == blocks
@@ -738,13 +739,7 @@ def test_int8_norm_turns_back_the_summed_input_gradients(monkeypatch: pytest.Mon
     monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
     from gpu.ops import quantize_i8
 
-    runs, ran = _spied_runs(
-        monkeypatch,
-        quantize_i8,
-        ("norm_turns_back",),
-        lambda name, variant: (name, variant.get("mode"), variant.get("rot")),
-        fused_grad_codes_i8=True,
-    )
+    runs, ran = _spied_runs(monkeypatch, quantize_i8, ("norm_turns_back",), _rotations, fused_grad_codes_i8=True)
     assert not GPUStudent.norm_turns_back
     backs = [sum(name == "hadamard_rows" and mode == "back" for name, mode, _ in r) for r in ran]
     assert backs[1] - backs[0] == 2 * wide.n_layers - 1
@@ -1018,16 +1013,11 @@ def test_int8_products_from_codes_accumulate(monkeypatch: pytest.MonkeyPatch) ->
     the f32 inputs unwritten: two micro-batches of the same batch give twice one's gradients (within 1e-5: dA's
     rotated rows added by hadamard_rows back_add, dB's by the finish pass; the KD head's stochastic rounding draws
     per micro-batch within that), plain and mergeable (dA through its group sums)."""
-    import dataclasses
-    import sys
 
     from gpu.ops import lora_da_i8, lora_db_i8, lora_i8
     from gpu.ops.matmul_i8 import int8_emulation
 
-    wide = dataclasses.replace(CFG, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16)
-    monkeypatch.setattr(sys.modules[__name__], "CFG", wide)
-    monkeypatch.setattr(sys.modules[__name__], "R", 16)
-    monkeypatch.setattr(sys.modules[__name__], "T", 32)  # 64 rows: whole chunks of the sums over rows
+    wide = _thin_shapes(monkeypatch)  # 64 rows: whole chunks of the sums over rows
     for module, switch in (
         (lora_i8, "THIN_I8"),
         (lora_i8, "THIN_DT"),
