@@ -44,8 +44,11 @@ $(BROWSER_STAMP): $(STAMP)
 demo: setup
 	$(VENV)/bin/distillery demo
 
+# Three pytest workers (pytest-xdist), each test module whole on one (its module fixtures made once): the long
+# modules mostly wait on subprocesses and servers, so three overlap well even on two cores. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 3
 test: setup $(BROWSER_STAMP)
-	DISTILLERY_REQUIRE_GPU=1 $(PY) -m pytest -q --durations=15
+	DISTILLERY_REQUIRE_GPU=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The CPU train step, ours (numpy; lavapipe unless ARGS=--no-gpu) vs HF+PEFT on torch CPU, as JSON (docs/benchmarks.md).
 bench-cpu: setup

@@ -297,6 +297,27 @@ def load_records(
     return docs
 
 
+def check_first_document(
+    path: str | Path, fmt: str = "auto", text_field: str = "text", messages_field: str = "messages"
+) -> None:
+    """Read a dataset's first document as load_records reads it, so the mistakes it shows (a wrong field name or
+    format, UTF-16, a file that is not Parquet, an empty file) are refused before any stage starts. Only what the
+    first record needs is read: the first line of JSON Lines, a Parquet file's first batch, the first line of a
+    text file; a .json list and a datasets directory are read whole, so they are left to load_records."""
+    kind, files = resolve_format(path, fmt)
+    if files and all(f.stat().st_size == 0 for f in files):
+        raise DataError(f"{path}: empty dataset (no documents found)")
+    file = files[0] if files else None
+    if file is None or kind in ("json", "hf_dir"):
+        return
+    if kind == "text":
+        next(_lines(file, "a text file is read line by line (is this a text file?)"), None)
+        return
+    for locator, item in read_records(kind, file, (messages_field, text_field)):
+        _to_document(file, locator, item, text_field, messages_field)
+        return
+
+
 def _is_blank(doc: Document) -> bool:
     """No text but whitespace: an empty text, or a chat whose every message content is blank."""
     if doc.messages is not None:

@@ -3,8 +3,9 @@
 Checks what can be checked from file headers: both GGUFs models distillery can run, tokenizer included
 (model.gguf.check_model_file: architecture, family settings, tensors, quant types), the same vocabulary
 (data.topk.check_vocab), data.seq_len within both context lengths, top_k within the vocabulary, lora.layers
-within the blocks, the data path present, the held-out data not the training data. Record-level problems (an
-empty dataset, a missing field) surface in tokenize with the file and record named.
+within the blocks, the data path present and its first document readable (data.records.check_first_document: the
+field names, the format, the encoding), the held-out data not the training data. Problems further into the data (a
+bad line 2, a dataset of blank documents) surface in tokenize with the file and record named.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
-from data.records import resolve_format
+from data.records import check_first_document, resolve_format
 from data.topk import check_vocab
 from model.config import ModelConfig
 from model.convert import EMBEDDING_TENSORS
@@ -65,6 +66,9 @@ def check_inputs(cfg: RunConfig) -> None:
             continue
         try:
             resolve_format(path, cfg.data.format)
+            if cfg.run.task == "distill":  # a preference run's records are pairs (stages/pairs.py reads them)
+                d = cfg.data
+                check_first_document(path, d.format, d.text_field, d.messages_field)
         except ValueError as exc:
             raise InputError(f"{field}: {exc}") from None
     _check_held_out(cfg)

@@ -39,6 +39,7 @@ from stages.layout import file_name, inside, workdir
 from stages.train import read_steps
 from tasks.cached import cached_run, remember
 from tasks.caching import as_config, stage_states
+from tasks.mlflow_store import seed_store
 from tasks.stage_locks import STAGE_LOCKS
 
 ADAPTER_ARTIFACT = "adapter"
@@ -58,6 +59,7 @@ def client_for(cfg: RunConfig) -> Any:
     from mlflow.exceptions import MlflowException
 
     uri = cfg.run.tracking_uri()
+    seed_store(uri)
     try:
         return MlflowClient(tracking_uri=uri, registry_uri=uri)
     except MlflowException as exc:

@@ -150,13 +150,14 @@ def _symlink(link: Path, target: Path) -> Path:
     return link
 
 
-def _data_case(name: str, content: str | bytes, *says: str) -> Case:
-    """A run whose data.path is a data.jsonl holding `content`, refused by tokenize with `says` in its line."""
+def _data_case(name: str, content: str | bytes, *says: str, stage: str | None = "tokenize") -> Case:
+    """A run whose data.path is a data.jsonl holding `content`, refused by tokenize (or, stage None, by the
+    preflight, which reads the first document) with `says` in its line."""
     return Case(
         name,
         lambda c: ["run", str(c.config(data={"path": str(c.file("data.jsonl", content))}))],
         lambda c: ["data.path", _data(c, "data.jsonl"), *says],
-        stage="tokenize",
+        stage=stage,
     )
 
 
@@ -320,7 +321,7 @@ CASES: list[Case] = [
         lambda c: ["run", str(c.config(data={"path": str(c.dir / "nope.jsonl")}))],
         lambda c: ["data.path", str(c.dir / "nope.jsonl")],
     ),
-    _data_case("empty data file", ""),
+    _data_case("empty data file", "", stage=None),
     _data_case("malformed JSON line", '{"text": "a b c."}\n{"text": "unclosed\n', "line 2"),
     _data_case(
         "data file in latin-1 (not UTF-8) on line 2",
@@ -328,7 +329,7 @@ CASES: list[Case] = [
         "line 2",
         "not UTF-8",
     ),
-    _data_case("data file in UTF-16", '{"text": "a b"}\n'.encode("utf-16"), "UTF-16"),
+    _data_case("data file in UTF-16", '{"text": "a b"}\n'.encode("utf-16"), "UTF-16", stage=None),
     _data_case("whitespace-only documents", '{"text": "  "}\n{"text": "\\n\\t "}\n', "whitespace only"),
     _data_case(
         "chats without an assistant turn (nothing to train)",
@@ -339,7 +340,7 @@ CASES: list[Case] = [
         "wrong text field name",
         lambda c: ["run", str(c.config(data={"path": str(tiny_inputs() / "texts.jsonl"), "text_field": "body"}))],
         lambda c: ["data.text_field", str(tiny_inputs() / "texts.jsonl")],
-        stage="tokenize",
+        stage=None,  # the first document: the preflight
     ),
     Case(
         "chat record with an unknown role",
@@ -352,7 +353,7 @@ CASES: list[Case] = [
             ),
         ],
         lambda c: ["data", _data(c, "data.jsonl"), "wizard"],
-        stage="tokenize",
+        stage=None,  # the first document: the preflight
     ),
     Case(
         "corrupt Parquet data file",
@@ -361,7 +362,7 @@ CASES: list[Case] = [
             str(c.config(data={"path": str(c.file("data.parquet", b"PAR1" + bytes(range(200)) + b"PAR1"))})),
         ],
         lambda c: ["data.path", _data(c, "data.parquet")],
-        stage="tokenize",
+        stage=None,  # the first document: the preflight
     ),
     Case(
         "held-out data is the training data",
@@ -912,6 +913,33 @@ def test_report_lists_every_case(outcomes: list[Outcome]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- data files
+
+
+def test_the_preflight_reads_the_first_document_only(tmp_path: Path) -> None:
+    """check_first_document refuses what the first record shows, as load_records would, and reads no further: a
+    bad line 2 or a huge text file's later lines are left to the tokenize stage."""
+    bad_second = tmp_path / "a.jsonl"
+    bad_second.write_text('{"text": "the river"}\n{"text": "unclosed\n')
+    records.check_first_document(bad_second)
+    with pytest.raises(DataError, match="line 2: invalid JSON"):
+        load_records(bad_second)
+    field = tmp_path / "b.jsonl"
+    field.write_text('{"body": "the river"}\n')
+    for check in (records.check_first_document, load_records):
+        with pytest.raises(DataError, match=r"b.jsonl line 1: no field 'messages' or 'text'; available fields: body"):
+            check(field)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.jsonl").write_bytes(b"")
+    with pytest.raises(DataError, match="empty dataset"):
+        records.check_first_document(tmp_path / "empty")
+    text = tmp_path / "c.txt"
+    text.write_bytes(b"the river\n" + b"\xff" * 100)  # not UTF-8 on line 2 only
+    records.check_first_document(text)
+    with pytest.raises(DataError, match="line 2: not UTF-8"):
+        load_records(text)
+    text.write_bytes("the river\n".encode("utf-16"))
+    with pytest.raises(DataError, match="UTF-16"):
+        records.check_first_document(text)
 
 
 def test_a_utf8_byte_order_mark_is_accepted(tmp_path: Path) -> None:
