@@ -1,18 +1,20 @@
-"""Bad inputs through the real CLI (subprocesses): hostile and unsupported GGUFs, bad or empty data, wrong field
+"""Bad inputs through the real CLI: hostile and unsupported GGUFs, bad or empty data, wrong field
 names, absurd values, a corrupt Parquet file, NaN teacher weights, an unwritable workdir, a GPU buffer above the
 adapter's binding limit. Each must end in one line `error: ...` naming the file and the config field, with no
 traceback anywhere in the output, a non-zero exit status, and nothing marked complete (no stage record of the
 stage that failed, no remembered run). Broken stage outputs, by contrast, are not errors: the run rebuilds them
 (the last rows). The test writes docs/reliability.md: the table of cases, the error shown and the exit status.
 
-Cases refused by the preflight cost an interpreter start each; those that fail inside a stage run the flow on
-the session's Prefect test server; the recoveries start from a copy of the session's reference run. Cases run
-three at a time, beside the making of the reference run.
+Cases refused by the preflight run the CLI's app in this process (typer's runner; an exception that escapes it
+counts as a traceback); those that fail inside a stage run `python -m flows.cli` in a subprocess, the flow on the
+session's Prefect test server, three at a time beside the making of the reference run; the recoveries start from
+a copy of the session's reference run.
 """
 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
 import json
 import os
@@ -21,6 +23,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import traceback
 import tracemalloc
 import warnings
 from collections.abc import Callable
@@ -710,8 +713,33 @@ def _changed(before: dict[str, tuple[bool, int, int]], after: dict[str, tuple[bo
     )
 
 
+def _case_ctx(name: str, root: Path) -> Ctx:
+    return Ctx(root / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"), name)
+
+
+def _refused_here(case: Case, root: Path) -> Outcome:
+    """A case the preflight refuses, through the CLI's app in this process (the same code as `python -m flows.cli`,
+    without an interpreter start a case): its output, with the traceback of any exception that escaped the CLI."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    ctx = _case_ctx(case.name, root)
+    ctx.dir.mkdir(parents=True)
+    args = case.build(ctx)
+    before = _tree(ctx.dir, ctx.workdir)
+    with contextlib.chdir(ROOT):
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    output = result.output
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        output += "".join(traceback.format_exception(result.exception))
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    outside = _changed(before, _tree(ctx.dir, ctx.workdir))
+    return Outcome(case, result.exit_code, output, errors[-1] if errors else "", ctx.workdir, outside)
+
+
 def _run_case(case: Case, root: Path, api_url: str) -> Outcome:
-    ctx = Ctx(root / re.sub(r"[^a-z0-9]+", "-", case.name.lower()).strip("-"), case.name)
+    ctx = _case_ctx(case.name, root)
     ctx.dir.mkdir(parents=True)
     args = case.build(ctx)
     before = _tree(ctx.dir, ctx.workdir)
@@ -730,7 +758,7 @@ def _run_case(case: Case, root: Path, api_url: str) -> Outcome:
 def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, dict]) -> Outcome:
     """Copy the reference run's workdir (without its MLflow store), damage it, rerun the CLI on the copy."""
     cfg, summary = reference
-    ctx = Ctx(root / re.sub(r"[^a-z0-9]+", "-", item.name.lower()).strip("-"), item.name)
+    ctx = _case_ctx(item.name, root)
     shutil.copytree(
         summary["workdir"], ctx.workdir, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts", "*.lock")
     )
@@ -753,19 +781,20 @@ def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, di
 def outcomes(
     prefect_harness: None, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> list[Outcome]:
-    """Every case and recovery, three at a time: the cases that reach a stage first (the longest), then those the
-    preflight refuses, all while the session's reference run is made (if it is not yet); the recoveries once it
-    is there. The outcomes in the order of CASES, then RECOVERIES."""
+    """Every case and recovery: the cases that reach a stage in subprocesses, three at a time, while this thread
+    runs those the preflight refuses (in this process) and then makes the session's reference run (if it is not
+    yet); the recoveries once it is there. The outcomes in the order of CASES, then RECOVERIES."""
     import prefect.settings as ps
 
     api_url = str(ps.PREFECT_API_URL.value())
     root = tmp_path_factory.mktemp("bad-inputs")
     with ThreadPoolExecutor(max_workers=3) as pool:
-        longest_first = sorted(CASES, key=lambda c: c.stage is None)
-        started = {id(c): pool.submit(_run_case, c, root, api_url) for c in longest_first}
+        started = {id(c): pool.submit(_run_case, c, root, api_url) for c in CASES if c.stage is not None}
+        refused = {id(c): _refused_here(c, root) for c in CASES if c.stage is None}
         reference_run = request.getfixturevalue("reference_run")  # meanwhile, in this thread
         recovered = [pool.submit(_recover, item, root, api_url, reference_run) for item in RECOVERIES]
-        done = [started[id(c)].result() for c in CASES] + [f.result() for f in recovered]
+        done = [refused[id(c)] if id(c) in refused else started[id(c)].result() for c in CASES]
+        done += [f.result() for f in recovered]
     _write_report(done, {str(root): "<tmp>", str(tiny_inputs()): "<inputs>"})
     return done
 
