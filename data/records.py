@@ -220,10 +220,13 @@ def _read_hf_dir(path: Path, fields: Sequence[str]) -> Iterator[tuple[str, Any]]
             row += 1
 
 
+_TEXT_HINT = "a text file is read line by line (is this a text file?)"
+
+
 def _read_text(path: Path) -> Iterator[tuple[str, Any]]:
     """Paragraphs of a text file, read line by line as JSON Lines are (a line over MAX_LINE_BYTES or not UTF-8 is
     refused at that line, before the rest of the file is read)."""
-    lines = _lines(path, "a text file is read line by line (is this a text file?)")
+    lines = _lines(path, _TEXT_HINT)
     text = "".join(line for _, line in lines)
     for i, para in enumerate(p.strip() for p in _PARAGRAPH.split(text)):
         if para:
@@ -304,18 +307,15 @@ def check_first_document(
     format, UTF-16, a file that is not Parquet, an empty file) are refused before any stage starts. Only what the
     first record needs is read: the first line of JSON Lines, a Parquet file's first batch, the first line of a
     text file; a .json list and a datasets directory are read whole, so they are left to load_records."""
-    kind, files = resolve_format(path, fmt)
-    if files and all(f.stat().st_size == 0 for f in files):
+    kind, files = resolve_format(path, fmt)  # at least one file, or a DataError
+    if all(f.stat().st_size == 0 for f in files):
         raise DataError(f"{path}: empty dataset (no documents found)")
-    file = files[0] if files else None
-    if file is None or kind in ("json", "hf_dir"):
-        return
     if kind == "text":
-        next(_lines(file, "a text file is read line by line (is this a text file?)"), None)
-        return
-    for locator, item in read_records(kind, file, (messages_field, text_field)):
-        _to_document(file, locator, item, text_field, messages_field)
-        return
+        next(_lines(files[0], _TEXT_HINT), None)
+    elif kind in ("jsonl", "parquet"):
+        for locator, item in read_records(kind, files[0], (messages_field, text_field)):
+            _to_document(files[0], locator, item, text_field, messages_field)
+            break
 
 
 def _is_blank(doc: Document) -> bool:

@@ -64,11 +64,12 @@ def check_inputs(cfg: RunConfig) -> None:
     for field, path in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
         if path is None:
             continue
+        d = cfg.data
         try:
-            resolve_format(path, cfg.data.format)
-            if cfg.run.task == "distill":  # a preference run's records are pairs (stages/pairs.py reads them)
-                d = cfg.data
+            if cfg.run.task == "distill":  # the format and the first document
                 check_first_document(path, d.format, d.text_field, d.messages_field)
+            else:  # a preference run's records are pairs (stages/pairs.py reads them)
+                resolve_format(path, d.format)
         except ValueError as exc:
             raise InputError(f"{field}: {exc}") from None
     _check_held_out(cfg)

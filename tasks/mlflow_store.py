@@ -13,9 +13,9 @@ import logging
 import os
 import shutil
 import sqlite3
-import tempfile
 import time
 import uuid
+from contextlib import closing
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -57,24 +57,28 @@ def _template() -> Path:
     if path.is_file() and _is_empty_store(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".mlflow-", suffix=".db", dir=path.parent)
-    os.close(fd)
-    os.unlink(tmp)  # MLflow creates the file itself
+    tmp = _beside(path)
     try:
         from mlflow import MlflowClient
 
         MlflowClient(tracking_uri=f"{_SQLITE}{tmp}").search_experiments()  # committed: the file is complete
-        if not _is_empty_store(Path(tmp)):
+        if not _is_empty_store(tmp):
             raise sqlite3.DatabaseError(f"{tmp}: MLflow's new store is not the empty store expected")
         os.replace(tmp, path)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def _beside(path: Path) -> Path:
+    """A temporary name in `path`'s folder, unique to this process and call (a file made there gets the umask's
+    mode)."""
+    return path.parent / f".{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
 
 
 def _is_empty_store(path: Path) -> bool:
     """A migrated MLflow store with no experiment but Default and no run."""
-    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         versions = db.execute("SELECT count(*) FROM alembic_version").fetchone()[0]
         experiments = db.execute("SELECT experiment_id FROM experiments").fetchall()
         runs = db.execute("SELECT count(*) FROM runs").fetchone()[0]
@@ -84,21 +88,20 @@ def _is_empty_store(path: Path) -> bool:
 def _copy_as_new(template: Path, target: Path) -> None:
     """Copy the template beside `target`, give its Default experiment this store's artifact folder and the time
     now, then link it into place (never over a store another process made meanwhile)."""
-    tmp = target.parent / f".{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"  # the umask's mode
+    tmp = _beside(target)
     try:
         shutil.copyfile(template, tmp)
         now = int(time.time() * 1000)
         artifacts = (target.parent / "mlartifacts" / "0").as_uri()
-        with sqlite3.connect(tmp) as db:
+        with closing(sqlite3.connect(tmp)) as db, db:  # closed, after the update is committed
             db.execute(
                 "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
                 "WHERE experiment_id = 0",
                 (artifacts, now, now),
             )
-        db.close()
         try:
             os.link(tmp, target)
         except FileExistsError:
             pass  # another process made the store first: it is used as it is
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)

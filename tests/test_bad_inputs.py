@@ -717,42 +717,46 @@ def _case_ctx(name: str, root: Path) -> Ctx:
     return Ctx(root / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"), name)
 
 
-def _refused_here(case: Case, root: Path) -> Outcome:
-    """A case the preflight refuses, through the CLI's app in this process (the same code as `python -m flows.cli`,
-    without an interpreter start a case): its output, with the traceback of any exception that escaped the CLI."""
+def _in_process(args: list[str], fault: str | None) -> tuple[int, str]:
+    """(exit status, output) of the CLI's app run in this process (the same code as `python -m flows.cli`, without an
+    interpreter start), for the cases the preflight refuses; an exception that escapes the CLI adds its traceback."""
     from typer.testing import CliRunner
 
     from flows.cli import app
 
-    ctx = _case_ctx(case.name, root)
-    ctx.dir.mkdir(parents=True)
-    args = case.build(ctx)
-    before = _tree(ctx.dir, ctx.workdir)
+    assert fault is None, "a fault is armed through a subprocess's environment"
     with contextlib.chdir(ROOT):
         result = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
     output = result.output
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         output += "".join(traceback.format_exception(result.exception))
-    errors = [line for line in output.splitlines() if line.startswith("error:")]
-    outside = _changed(before, _tree(ctx.dir, ctx.workdir))
-    return Outcome(case, result.exit_code, output, errors[-1] if errors else "", ctx.workdir, outside)
+    return result.exit_code, output
 
 
-def _run_case(case: Case, root: Path, api_url: str) -> Outcome:
+def _subprocess(api_url: str) -> Callable[[list[str], str | None], tuple[int, str]]:
+    """Run `python -m flows.cli` on the session's Prefect server, the fault armed: (exit status, output)."""
+
+    def run(args: list[str], fault: str | None) -> tuple[int, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
+        env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="80")
+        env.update({"DISTILLERY_FAULT": fault} if fault else {})
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        )
+        return proc.returncode, proc.stdout + proc.stderr
+
+    return run
+
+
+def _run_case(case: Case, root: Path, run: Callable[[list[str], str | None], tuple[int, str]]) -> Outcome:
     ctx = _case_ctx(case.name, root)
     ctx.dir.mkdir(parents=True)
     args = case.build(ctx)
     before = _tree(ctx.dir, ctx.workdir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
-    env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="80")
-    env.update({"DISTILLERY_FAULT": case.fault} if case.fault else {})
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    output = proc.stdout + proc.stderr
+    code, output = run(args, case.fault)
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     outside = _changed(before, _tree(ctx.dir, ctx.workdir))
-    return Outcome(case, proc.returncode, output, errors[-1] if errors else "", ctx.workdir, outside)
+    return Outcome(case, code, output, errors[-1] if errors else "", ctx.workdir, outside)
 
 
 def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, dict]) -> Outcome:
@@ -765,16 +769,10 @@ def _recover(item: Recovery, root: Path, api_url: str, reference: tuple[dict, di
     item.damage(ctx.workdir, summary)
     config = ctx.file("config.yaml", yaml.safe_dump({**cfg, "run": {**cfg["run"], "workdir": str(ctx.workdir)}}))
     before = _tree(ctx.dir, ctx.workdir)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DISTILLERY_FAULT"))}
-    env.update(PREFECT_API_URL=api_url, PREFECT_SERVER_ANALYTICS_ENABLED="false", COLUMNS="80")
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(config)], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    output = proc.stdout + proc.stderr
+    code, output = _subprocess(api_url)(["run", str(config)], None)
     said = [line for line in output.splitlines() if "cached result not used" in line]
     outside = _changed(before, _tree(ctx.dir, ctx.workdir))
-    return Outcome(item, proc.returncode, output, said[0].split(" - ", 1)[-1] if said else "", ctx.workdir, outside)
+    return Outcome(item, code, output, said[0].split(" - ", 1)[-1] if said else "", ctx.workdir, outside)
 
 
 @pytest.fixture(scope="module")
@@ -789,8 +787,9 @@ def outcomes(
     api_url = str(ps.PREFECT_API_URL.value())
     root = tmp_path_factory.mktemp("bad-inputs")
     with ThreadPoolExecutor(max_workers=3) as pool:
-        started = {id(c): pool.submit(_run_case, c, root, api_url) for c in CASES if c.stage is not None}
-        refused = {id(c): _refused_here(c, root) for c in CASES if c.stage is None}
+        in_stage = _subprocess(api_url)
+        started = {id(c): pool.submit(_run_case, c, root, in_stage) for c in CASES if c.stage is not None}
+        refused = {id(c): _run_case(c, root, _in_process) for c in CASES if c.stage is None}
         reference_run = request.getfixturevalue("reference_run")  # meanwhile, in this thread
         recovered = [pool.submit(_recover, item, root, api_url, reference_run) for item in RECOVERIES]
         done = [refused[id(c)] if id(c) in refused else started[id(c)].result() for c in CASES]
