@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import logging
 import os
 import signal
@@ -153,22 +154,28 @@ def _prefect_env(workdir: Path) -> bool:
 
 
 @contextlib.contextmanager
-def _prefect_api(workdir: Path) -> Iterator[bool]:
+def _prefect_api(workdir: Path, flow_module: str) -> Iterator[bool]:
     """PREFECT_API_URL for the flow: the user's server, or this workdir's temporary one (flows/server.py),
-    started or reused here and left when the block ends. Yields whether it is the temporary one."""
+    started or reused here and left when the block ends; `flow_module` (and with it Prefect and MLflow) is
+    imported while a new server starts. Yields whether it is the temporary one."""
     if not _prefect_env(workdir):
         yield False
         return
     from flows.server import MARK_ENV, TemporaryServer
 
-    with TemporaryServer(os.environ["PREFECT_HOME"]) as api_url:
-        os.environ.update({"PREFECT_API_URL": api_url, MARK_ENV: "temporary"})
-        try:
-            yield True
-        finally:
-            _drain_prefect()
-            os.environ.pop("PREFECT_API_URL", None)
-            os.environ.pop(MARK_ENV, None)
+    def meanwhile(api_url: str) -> None:
+        os.environ.update({"PREFECT_API_URL": api_url, MARK_ENV: "temporary"})  # before prefect is imported
+        importlib.import_module(flow_module)
+
+    try:
+        with TemporaryServer(os.environ["PREFECT_HOME"], meanwhile=meanwhile):
+            try:
+                yield True
+            finally:
+                _drain_prefect()
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        os.environ.pop(MARK_ENV, None)
 
 
 def _drain_prefect() -> None:
@@ -227,7 +234,7 @@ def _results(cfg: Any, root: Path, until: str) -> dict[str, Any]:
     with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)):
         if (summary := cached_run(cfg, until)) is not None:  # the run we waited for made everything
             return summary
-        with _prefect_api(root):
+        with _prefect_api(root, "flows.distill"):
             from flows.distill import run_pipeline
 
             _quiet_prefect_console()
@@ -238,7 +245,7 @@ def _preference_results(cfg: Any, root: Path, until: str) -> dict[str, Any]:
     """A preference run (run.task: dpo): flows/preference.py under the workdir lock (its stages cached by content)."""
     from flows.locks import workdir_lock
 
-    with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)), _prefect_api(root):
+    with workdir_lock(root, waiting=lambda holder: _waiting(root, holder)), _prefect_api(root, "flows.preference"):
         from flows.preference import run_preference
 
         _quiet_prefect_console()

@@ -11,8 +11,8 @@ The server runs `python -m flows.server HOME PORT` in a session of its own (a Ct
 run, which then stops it) with a watchdog thread that stops it once no run holds server.users: a run killed
 with -9 never leaves it behind, and a second run on the same workdir reuses it meanwhile. The last run to leave
 stops it at once (SIGTERM, then SIGKILL). Start-up waits DISTILLERY_SERVER_TIMEOUT_S seconds (default 180, so a
-busy machine is not mistaken for a broken server). This module imports only the standard library until the
-server process itself starts.
+busy machine is not mistaken for a broken server). A new home's database is a copy of an empty migrated one
+(flows/prefect_store.py). This module imports only the standard library until the server process itself starts.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -117,11 +117,16 @@ def _stop(pid: int, grace: float = STOP_GRACE_S) -> None:
 
 
 class TemporaryServer:
-    """`with TemporaryServer(home) as api_url:` a Prefect API for this run, started or reused (see module doc)."""
+    """`with TemporaryServer(home) as api_url:` a Prefect API for this run, started or reused (see module doc).
+    `meanwhile(api_url)`, when given, is called as soon as the URL is known, while a new server starts: the run's
+    own imports overlap the server's."""
 
-    def __init__(self, home: str | Path, timeout: float | None = None) -> None:
+    def __init__(
+        self, home: str | Path, timeout: float | None = None, meanwhile: Callable[[str], None] | None = None
+    ) -> None:
         self.home = Path(home)
         self.timeout = startup_timeout() if timeout is None else timeout
+        self.meanwhile = meanwhile
         self._users: IO[bytes] | None = None
         self.started = False
 
@@ -134,6 +139,7 @@ class TemporaryServer:
             with _flock(self.home / LOCK_FILE, fcntl.LOCK_EX):
                 info = _read_info(self.home)
                 if info is not None and _alive(info["pid"]) and _answers(info["url"]):
+                    self._meanwhile(str(info["url"]))
                     return str(info["url"])
                 return self._start()
         except BaseException:
@@ -167,6 +173,7 @@ class TemporaryServer:
         os.replace(tmp, self.home / INFO_FILE)
         self.started = True
         deadline = time.monotonic() + self.timeout
+        self._meanwhile(url)
         while not _answers(url, timeout=min(5.0, self.timeout)):
             if proc.poll() is not None:
                 raise ServerError(
@@ -180,6 +187,10 @@ class TemporaryServer:
                 )
             time.sleep(0.1)
         return url
+
+    def _meanwhile(self, url: str) -> None:
+        if self.meanwhile is not None:
+            self.meanwhile(url)
 
     def __exit__(self, *exc: object) -> None:
         """Leave the server; the last run to leave stops it (else its watchdog does, within a second)."""
@@ -223,6 +234,9 @@ def serve(home: Path, port: int) -> None:
     import uvicorn
     from prefect.server.api.server import create_app
 
+    from flows.prefect_store import prepare_database
+
+    print(f"database: {prepare_database(home)}", flush=True)  # server.log: seeded, migrated or as is
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(ephemeral=True, final=True),

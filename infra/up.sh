@@ -82,6 +82,8 @@ if [ "${DISTILLERY_AUTH:-0}" = 1 ]; then
   auth_export=" PREFECT_API_AUTH_STRING=\"\$(cat $auth_file)\"
   export MLFLOW_TRACKING_USERNAME=distillery MLFLOW_TRACKING_PASSWORD=\"\$(cat $mlflow_auth_file)\""
 fi
+# a new SQLite database: a copy of the migrated template (flows/prefect_store.py), or migrated here and kept as one
+alive "$data/prefect.pid" || PREFECT_HOME="$data/prefect" "$root/.venv/bin/python" -m flows.prefect_store "$data/prefect" >/dev/null
 PREFECT_HOME="$data/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL="$ui_api_url" \
   start prefect "$data/prefect.pid" "$root/.venv/bin/prefect" server start --host "$host" --port "$prefect_port"
 MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}" \

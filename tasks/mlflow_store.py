@@ -2,29 +2,24 @@
 
 MLflow builds a new SQLite store by running its schema migrations, ~3 s on a laptop core before a run logs
 anything (and each new workdir has its own store). The migrated empty store is made once per MLflow version under
-the user's cache folder ($XDG_CACHE_HOME/distillery, else ~/.cache/distillery) and copied (0.1 s); the copy's
-Default experiment is given this store's own artifact folder and creation time. Anything that stops the copy (an
-unwritable cache, a store that exists) leaves MLflow to build the store itself, as before.
+the user's cache folder (tasks/db_template.py) and copied (0.1 s); the copy's Default experiment is given this
+store's own artifact folder and creation time. Anything that stops the copy (an unwritable cache, a store that
+exists) leaves MLflow to build the store itself, as before.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sqlite3
 import time
-import uuid
 from contextlib import closing
 from pathlib import Path
 
+from tasks.db_template import beside, cache_folder, copy_into_place
+
 log = logging.getLogger(__name__)
 _SQLITE = "sqlite:///"
-
-
-def cache_folder() -> Path:
-    """Where distillery keeps what it can rebuild: $XDG_CACHE_HOME/distillery, else ~/.cache/distillery."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "distillery"
 
 
 def template_path() -> Path:
@@ -57,7 +52,7 @@ def _template() -> Path:
     if path.is_file() and _is_empty_store(path):
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _beside(path)
+    tmp = beside(path)
     try:
         from mlflow import MlflowClient
 
@@ -70,12 +65,6 @@ def _template() -> Path:
     return path
 
 
-def _beside(path: Path) -> Path:
-    """A temporary name in `path`'s folder, unique to this process and call (a file made there gets the umask's
-    mode)."""
-    return path.parent / f".{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
-
-
 def _is_empty_store(path: Path) -> bool:
     """A migrated MLflow store with no experiment but Default and no run."""
     with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
@@ -86,22 +75,16 @@ def _is_empty_store(path: Path) -> bool:
 
 
 def _copy_as_new(template: Path, target: Path) -> None:
-    """Copy the template beside `target`, give its Default experiment this store's artifact folder and the time
-    now, then link it into place (never over a store another process made meanwhile)."""
-    tmp = _beside(target)
-    try:
-        shutil.copyfile(template, tmp)
-        now = int(time.time() * 1000)
-        artifacts = (target.parent / "mlartifacts" / "0").as_uri()
-        with closing(sqlite3.connect(tmp)) as db, db:  # closed, after the update is committed
-            db.execute(
-                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
-                "WHERE experiment_id = 0",
-                (artifacts, now, now),
-            )
-        try:
-            os.link(tmp, target)
-        except FileExistsError:
-            pass  # another process made the store first: it is used as it is
-    finally:
-        tmp.unlink(missing_ok=True)
+    """A copy of the template at `target`, its Default experiment given this store's artifact folder and the time
+    now."""
+    now = int(time.time() * 1000)
+    artifacts = (target.parent / "mlartifacts" / "0").as_uri()
+    copy_into_place(
+        template,
+        target,
+        lambda db: db.execute(
+            "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+            "WHERE experiment_id = 0",
+            (artifacts, now, now),
+        ),
+    )

@@ -196,14 +196,24 @@ def _server_pid(home: Path) -> int:
 
 
 def test_temporary_server_is_shared_and_stops_with_its_last_user(tmp_path: Path) -> None:
-    """Two runs on one workdir share one server (the second reuses it); it stops when the last one leaves."""
+    """Two runs on one workdir share one server (the second reuses it); it stops when the last one leaves. Each
+    run's `meanwhile` gets the URL, the first's before the new server answers; the server log says its new
+    database was a copy of the template or migrated (flows/prefect_store.py)."""
     from flows.server import TemporaryServer, _alive, _answers
 
     home = tmp_path / ".prefect"
-    first, second = TemporaryServer(home), TemporaryServer(home)
+    seen: list[tuple[str, bool]] = []
+
+    def meanwhile(url: str) -> None:
+        seen.append((url, _answers(url)))
+
+    first, second = TemporaryServer(home, meanwhile=meanwhile), TemporaryServer(home, meanwhile=meanwhile)
     url = first.__enter__()
     try:
         assert second.__enter__() == url and first.started and not second.started
+        assert seen == [(url, False), (url, True)]
+        log = (home / "server.log").read_text().splitlines()
+        assert {"database: seeded", "database: migrated"} & set(log), log
         pid = _server_pid(home)
         first.__exit__(None, None, None)
         assert _alive(pid) and _answers(url)  # the second run still uses it

@@ -1,5 +1,6 @@
-"""infra/up.sh and infra/down.sh against real servers on 127.0.0.1: both answer, pid files name them, and down.sh
-leaves no process of theirs behind; the Prefect UI is told its API on a port other than 4200."""
+"""infra/up.sh and infra/down.sh against real servers on 127.0.0.1: both answer, with auth only to their secrets, pid
+files name them, and down.sh leaves no process of theirs behind; the Prefect UI is told its API on a port other than
+4200. up.sh without auth starts the servers of tests/test_deploy.py and tests/test_ui.py (tests/server_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -26,37 +27,6 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def test_up_starts_both_servers_and_down_stops_exactly_them(tmp_path: Path) -> None:
-    data = tmp_path / "servers"
-    ports = dict(zip(("PREFECT_PORT", "MLFLOW_PORT"), map(str, free_ports(2)), strict=True))
-    env = {**os.environ, **ports, "SERVER_WAIT_S": "240"}
-    env.pop("PREFECT_UI_API_URL", None)
-    try:
-        up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
-        assert up.returncode == 0, up.stdout + up.stderr
-        exports = f"export PREFECT_API_URL=http://127.0.0.1:{ports['PREFECT_PORT']}/api"
-        assert f"{exports} MLFLOW_TRACKING_URI=http://127.0.0.1:{ports['MLFLOW_PORT']}\n" in up.stdout  # README's
-        pids = {name: int((data / f"{name}.pid").read_text()) for name in ("prefect", "mlflow")}
-        for url in (
-            f"http://127.0.0.1:{ports['PREFECT_PORT']}/api/health",
-            f"http://127.0.0.1:{ports['MLFLOW_PORT']}/health",
-        ):
-            with urllib.request.urlopen(url, timeout=10) as reply:
-                assert reply.status == 200, url
-        # the UI asks the API on the server's own port (Prefect's default would be 4200)
-        api_url = f"http://127.0.0.1:{ports['PREFECT_PORT']}/api"
-        with urllib.request.urlopen(f"http://127.0.0.1:{ports['PREFECT_PORT']}/ui-settings", timeout=10) as reply:
-            assert json.load(reply)["api_url"] == api_url
-        assert f"PREFECT_UI_API_URL={api_url}" in up.stdout
-        again = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
-        assert again.returncode == 0 and again.stdout.count("already running") == 2, again.stdout + again.stderr
-    finally:
-        down = subprocess.run([ROOT / "infra/down.sh", data], capture_output=True, text=True, timeout=120)
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert all(not _group_alive(pgid) for pgid in pids.values()), down.stdout
-    assert not list(data.glob("*.pid"))
-
-
 def _status(url: str, auth: str | None = None, post: bool = True) -> int:
     """HTTP status of a POST to `url` (an empty filter; a GET with post=False), with basic auth `auth`
     ('user:secret') when given."""
@@ -71,15 +41,26 @@ def _status(url: str, auth: str | None = None, post: bool = True) -> int:
         return exc.code
 
 
-def test_up_with_auth_refuses_the_apis_without_their_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_up_with_auth_refuses_the_apis_without_their_secrets_and_down_stops_exactly_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One start of both servers (with auth: the path without it serves tests/test_deploy.py and test_ui.py): they
+    answer, the UI is told its API's port, a second up.sh finds them running, down.sh stops exactly them."""
     data = tmp_path / "servers"
     ports = dict(zip(("PREFECT_PORT", "MLFLOW_PORT"), map(str, free_ports(2)), strict=True))
-    env = {**os.environ, **ports, "SERVER_WAIT_S": "240", "DISTILLERY_AUTH": "1"}
+    env = {**os.environ, **ports, "SERVER_WAIT_S": "240", "DISTILLERY_AUTH": "1", "MLFLOW_WORKERS": "1"}
     env.pop("PREFECT_UI_API_URL", None)
     api = f"http://127.0.0.1:{ports['PREFECT_PORT']}/api"
+    pids: dict[str, int] = {}
     try:
         up = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
         assert up.returncode == 0, up.stdout + up.stderr
+        assert f"export PREFECT_API_URL={api} MLFLOW_TRACKING_URI=http://127.0.0.1:{ports['MLFLOW_PORT']}" in up.stdout
+        pids = {name: int((data / f"{name}.pid").read_text()) for name in ("prefect", "mlflow")}
+        # the UI asks the API on the server's own port (Prefect's default would be 4200)
+        with urllib.request.urlopen(f"http://127.0.0.1:{ports['PREFECT_PORT']}/ui-settings", timeout=10) as reply:
+            assert json.load(reply)["api_url"] == api
+        assert f"PREFECT_UI_API_URL={api}" in up.stdout
         secret_file = data / "prefect-auth"
         secret = secret_file.read_text().strip()
         assert secret_file.stat().st_mode & 0o077 == 0 and secret.startswith("distillery:") and len(secret) > 30
@@ -111,6 +92,10 @@ def test_up_with_auth_refuses_the_apis_without_their_secrets(tmp_path: Path, mon
         run = client.create_run(client.create_experiment("auth"))
         client.log_metric(run.info.run_id, "loss", 1.0)
         assert client.get_run(run.info.run_id).data.metrics == {"loss": 1.0}
+        again = subprocess.run([ROOT / "infra/up.sh", data], env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0 and again.stdout.count("already running") == 2, again.stdout + again.stderr
     finally:
         down = subprocess.run([ROOT / "infra/down.sh", data], capture_output=True, text=True, timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr
+    assert pids and all(not _group_alive(pgid) for pgid in pids.values()), down.stdout
+    assert not list(data.glob("*.pid"))

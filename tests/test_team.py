@@ -32,7 +32,7 @@ import psutil
 import pytest
 import yaml
 
-from tests.pipeline_fixtures import tiny_config
+from tests.pipeline_fixtures import _prefect_harness, tiny_config  # noqa: F401 (the fixture prefect_harness)
 from tests.server_fixtures import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +133,7 @@ class Team:
 
 
 @pytest.fixture(scope="module")
-def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
+def team(prefect_harness: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
     base = tmp_path_factory.mktemp("team")
     data, work = base / "servers", base / "work"
     ports = dict(zip(("PREFECT_PORT", "MLFLOW_PORT", "POSTGRES_PORT"), map(str, free_ports(3)), strict=True))
@@ -143,6 +143,7 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
         "DISTILLERY_TEAM": "1",
         "DISTILLERY_WORKERS": str(WORKERS),
         "SERVER_WAIT_S": "240",
+        "MLFLOW_WORKERS": "1",
         "DISTILLERY_HEARTBEAT_GRACE_S": "45",  # 1.5 heartbeats (default 3): a shorter test
         "PREFECT_WORKER_QUERY_SECONDS": "1",  # infra/worker.sh's default 5: a new run waits less for a worker's poll
         "PREFECT_API_URL": f"http://127.0.0.1:{ports['PREFECT_PORT']}/api",
@@ -159,8 +160,11 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Team]:
     }
     t = Team(data, work, env, configs, base / "serial")
     # serial references, meanwhile: the configs one after another through the CLI in a workdir of their own, on
-    # its own temporary Prefect server and sqlite MLflow store (no fault)
-    alone = {k: v for k, v in env.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    # the session's Prefect test server and a sqlite MLflow store in that workdir (no fault)
+    import prefect.settings as ps
+
+    alone = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
+    alone["PREFECT_API_URL"] = str(ps.PREFECT_API_URL.value())
     runs = [
         [sys.executable, "-m", "flows.cli", "run", str(configs[n]), "--set", f"run.workdir={t.serial}"]
         for n in ("a", "b", "c")
