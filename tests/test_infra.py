@@ -41,9 +41,7 @@ def _status(url: str, auth: str | None = None, post: bool = True) -> int:
         return exc.code
 
 
-def test_up_with_auth_refuses_the_apis_without_their_secrets_and_down_stops_exactly_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_up_with_auth_refuses_the_apis_without_their_secrets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One start of both servers (with auth: the path without it serves tests/test_deploy.py and test_ui.py): they
     answer, the UI is told its API's port, a second up.sh finds them running, down.sh stops exactly them."""
     data = tmp_path / "servers"

@@ -30,13 +30,16 @@ def _schema(path: Path) -> dict[str, str]:
 
 
 def _prepare(home: Path, url: str | None = None) -> str:
-    """prepare_database(home) under PREFECT_HOME=home (and the given database URL)."""
+    """prepare_database(home) under PREFECT_HOME=home and the given database URL, else the default one (the session's
+    Prefect test server sets its own)."""
     import prefect.settings as ps
 
-    updates = {ps.PREFECT_HOME: str(home)}
-    if url is not None:
-        updates[ps.PREFECT_API_DATABASE_CONNECTION_URL] = url
-    with ps.temporary_settings(updates=updates):
+    database_url = ps.PREFECT_API_DATABASE_CONNECTION_URL
+    if url is None:
+        settings = ps.temporary_settings(updates={ps.PREFECT_HOME: str(home)}, restore_defaults={database_url})
+    else:
+        settings = ps.temporary_settings(updates={ps.PREFECT_HOME: str(home), database_url: url})
+    with settings:
         return prepare_database(home)
 
 
