@@ -47,9 +47,10 @@ demo: setup
 	$(VENV)/bin/distillery demo
 
 # TEST_WORKERS=N: N pytest workers (pytest-xdist), each test module whole on one (its module fixtures made once),
-# for machines with more cores; on two cores the suite is CPU-bound and three workers starve the server tests'
-# timeouts (Ray's start, MLflow's health wait), so the default is serial.
-TEST_WORKERS ?= 0
+# heaviest first (tests/scheduling.py). Two by default: on a 2-core box the suite's server tests wait much of their
+# time, and two workers ran it in 369 s against 760 s serially (TEST_WORKERS=0: one process, pytest's order); three
+# starved the server tests' timeouts (Ray's start, MLflow's health wait) there.
+TEST_WORKERS ?= 2
 test: setup $(BROWSER_STAMP)
 	DISTILLERY_REQUIRE_GPU=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 

@@ -40,12 +40,14 @@ def is_empty_database(path: Path) -> bool:
 
 def prepare_database(home: Path) -> str:
     """Before the server starts on `home` (PREFECT_HOME=home, Prefect importable): a new default database is the
-    template's copy, else migrated here and kept as the template. What happened: "seeded", "migrated" or "as is"."""
+    template's copy, else migrated here and kept as the template. What happened: "seeded", "migrated" or "as is".
+    An existing database or a database URL in the environment is left alone before Prefect is imported."""
+    database = home / DATABASE
+    if database.exists() or any(os.environ.get(name) for name in URL_SETTINGS):
+        return "as is"
     from prefect.settings import PREFECT_API_DATABASE_CONNECTION_URL
 
-    url = str(PREFECT_API_DATABASE_CONNECTION_URL.value())
-    database = home / DATABASE
-    if url != f"{SQLITE}{database}" or database.exists():
+    if str(PREFECT_API_DATABASE_CONNECTION_URL.value()) != f"{SQLITE}{database}":  # the URL of a profile
         return "as is"
     if seed_database(database):
         return "seeded"
@@ -91,11 +93,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python -m flows.prefect_store PREFECT_HOME", file=sys.stderr)
         return 2
-    home = Path(argv[0])
-    if (home / DATABASE).exists() or any(os.environ.get(name) for name in URL_SETTINGS):
-        print("database: as is")
-        return 0
-    print(f"database: {prepare_database(home)}")
+    print(f"database: {prepare_database(Path(argv[0]))}")
     return 0
 
 

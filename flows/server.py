@@ -122,7 +122,7 @@ class TemporaryServer:
     own imports overlap the server's."""
 
     def __init__(
-        self, home: str | Path, timeout: float | None = None, meanwhile: Callable[[str], None] | None = None
+        self, home: str | Path, timeout: float | None = None, meanwhile: Callable[[str], None] = lambda url: None
     ) -> None:
         self.home = Path(home)
         self.timeout = startup_timeout() if timeout is None else timeout
@@ -139,7 +139,7 @@ class TemporaryServer:
             with _flock(self.home / LOCK_FILE, fcntl.LOCK_EX):
                 info = _read_info(self.home)
                 if info is not None and _alive(info["pid"]) and _answers(info["url"]):
-                    self._meanwhile(str(info["url"]))
+                    self.meanwhile(str(info["url"]))
                     return str(info["url"])
                 return self._start()
         except BaseException:
@@ -173,7 +173,7 @@ class TemporaryServer:
         os.replace(tmp, self.home / INFO_FILE)
         self.started = True
         deadline = time.monotonic() + self.timeout
-        self._meanwhile(url)
+        self.meanwhile(url)
         while not _answers(url, timeout=min(5.0, self.timeout)):
             if proc.poll() is not None:
                 raise ServerError(
@@ -187,10 +187,6 @@ class TemporaryServer:
                 )
             time.sleep(0.1)
         return url
-
-    def _meanwhile(self, url: str) -> None:
-        if self.meanwhile is not None:
-            self.meanwhile(url)
 
     def __exit__(self, *exc: object) -> None:
         """Leave the server; the last run to leave stops it (else its watchdog does, within a second)."""

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-# the operations tests' session-wide servers (fixtures servers, served, default_run)
-pytest_plugins = ("tests.server_fixtures",)
+# the operations tests' session-wide servers (fixtures servers, served, default_run); the order on several workers
+pytest_plugins = ("tests.server_fixtures", "tests.scheduling")
 
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 os.environ.setdefault("WGPU_BACKEND_TYPE", "Vulkan")
