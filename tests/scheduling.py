@@ -3,8 +3,8 @@
 Each module runs whole on one worker (its module fixtures made once), and the workers take modules heaviest first,
 so that the last module to start is a short one and the two workers finish together (longest-processing-time
 first). xdist's own order is by number of tests, which put the five-test team module, one of the longest, last.
-Modules that share one costly session fixture run on the same worker, so the
-fixture is made once. A serial run keeps pytest's order.
+Modules that share one costly session fixture run on the same worker, so the fixture is made once. A serial run
+keeps pytest's order.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def scope_of(nodeid: str) -> str:
     return f"group:{group}" if group else nodeid.split("::", 1)[0]
 
 
-def scope_seconds(scope: str, nodeids: list[str]) -> float:
+def unit_seconds(nodeids: list[str]) -> float:
     """The measured cost of a unit (a group: its modules'), a tenth of a second a test where unmeasured."""
     modules = {module_name(nodeid) for nodeid in nodeids}
     measured = sum(MODULE_SECONDS.get(module, 0.0) for module in modules)
@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
         units.setdefault(scope_of(item.nodeid), []).append(item)
-    order = sorted(units, key=lambda scope: -scope_seconds(scope, [item.nodeid for item in units[scope]]))
+    order = sorted(units, key=lambda scope: -unit_seconds([item.nodeid for item in units[scope]]))
     items[:] = [item for scope in order for item in units[scope]]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.scheduling import MODULE_GROUPS, MODULE_SECONDS, scope_of, scope_seconds
+from tests.scheduling import MODULE_GROUPS, MODULE_SECONDS, scope_of, unit_seconds
 
 TESTS = Path(__file__).resolve().parent
 # session fixture -> the group of the modules that ask for it (directly or through a fixture of their own)
@@ -41,8 +41,6 @@ def test_the_table_names_existing_modules_and_other_modules_are_their_own_unit()
 
 def test_a_unit_costs_what_its_modules_were_measured_at() -> None:
     group = ["tests/test_deploy.py::a", "tests/test_ui.py::b", "tests/test_ui.py::c"]
-    assert scope_seconds("group:servers", group) == MODULE_SECONDS["test_deploy"] + MODULE_SECONDS["test_ui"]
-    assert scope_seconds("tests/test_new.py", ["tests/test_new.py::a", "tests/test_new.py::b"]) == 0.2
-    assert scope_seconds("tests/test_team.py", ["tests/test_team.py::a"]) > scope_seconds(
-        "tests/test_quant.py", ["tests/test_quant.py::a"]
-    )
+    assert unit_seconds(group) == MODULE_SECONDS["test_deploy"] + MODULE_SECONDS["test_ui"]
+    assert unit_seconds(["tests/test_new.py::a", "tests/test_new.py::b"]) == 0.2
+    assert unit_seconds(["tests/test_team.py::a"]) > unit_seconds(["tests/test_quant.py::a"])
