@@ -12,8 +12,9 @@ Kernels: the forward on 8 subgroups (`attention_tc_forward8`) and the dK/dV pass
   barrier between the scores' store and the lanes' reads dropped: a race), `no_rows` (dK/dV: no P, dS rows),
   `no_ds_store` (dK/dV: the dS store not written);
 - candidates, whose outputs must match: `skip_masked` (a subgroup skips the products of a 16-key, or 16-query,
-  block that the causal mask zeroes whole; bitwise the kernel's result), `one_flag` (forward: each subgroup moves
-  its own reference max, and one uniform load after P's store replaces the separate flag exchange and barrier).
+  block that the causal mask zeroes whole: gpu/codegen_attention_tc.py skip_masked; bitwise the kernel's
+  result), `one_flag` (forward: each subgroup moves its own reference max, and one uniform load after P's store
+  replaces the separate flag exchange and barrier).
 Each row: the variant, the GPU ms of one dispatch (median of --reps), the rate on the causal products, and
 `max_diff`: max |out - out of the kernel as generated| / max |out of the kernel as generated| (dK, dV for that
 pass), 0.0 where bitwise.
@@ -64,20 +65,6 @@ def chain(*edits: Edit) -> Edit:
     return run
 
 
-def guard(pattern: str, condition: Callable[[re.Match[str]], str]) -> Edit:
-    """Wrap each line matching `pattern` in `if (condition(match)) { ... }`."""
-    rx = re.compile(pattern)
-
-    def run(lines: list[str]) -> list[str]:
-        out = []
-        for s in lines:
-            m = rx.search(s)
-            out.append(f"if ({condition(m)}) {{ {s.strip()} }}" if m else s)
-        return out
-
-    return run
-
-
 def drop_barrier_before(pattern: str) -> Edit:
     """Leave out the barrier line just before the first line matching `pattern`."""
     rx = re.compile(pattern)
@@ -111,11 +98,10 @@ def one_flag(lines: list[str]) -> list[str]:
 
 
 MMA = r"= subgroupMatrixMultiplyAccumulate\("
-# forward: S's products read Ks[kk] (key block kk of the tile), P V's read Vs[kk]; the block is masked for the
-# whole subgroup when its first key j0 + 16 kk is past the subgroup's last query i0 + 15
-FORWARD = {
+# variant name: the edit of the generated source (None: the source generated with skip_masked=True)
+FORWARD: dict[str, Edit | None] = {
     "base": chain(),
-    "skip_masked": guard(MMA + r".*&[KV]s\[(\d)\]", lambda m: f"j0 + {16 * int(m.group(1))}u <= i0 + 15u"),
+    "skip_masked": None,  # the generator's own (skip_masked=True)
     "one_flag": one_flag,
     "no_s_mma": drop(r"x\d+ " + MMA),
     "no_pv_mma": drop(r"o\d+ " + MMA),
@@ -124,15 +110,9 @@ FORWARD = {
     "no_softmax": chain(drop(r"^\s*Ps\[sg\]\[r \* LDP"), sub(r"Ss\[sg\]\[xb \+ \d+u\]", "1.0")),
     "no_b3": drop_barrier_before(r"^\s*let s0 = "),
 }
-# dK/dV: the subgroup's keys j0 .. j0 + 15 against query block kk (i0 + 16 kk ..): masked whole when its last
-# query i0 + 16 kk + 15 is before j0; S^T and dP^T's products read Qs[kk] / dOs[kk] transposed, dV's and dK's
-# take the left matrices a_Ps_kk / a_dSs_kk
-DKV = {
+DKV: dict[str, Edit | None] = {
     "base": chain(),
-    "skip_masked": chain(
-        guard(r"x\d+ " + MMA + r".*&(?:Qs|dOs)\[(\d)\]", lambda m: f"i0 + {16 * int(m.group(1)) + 15}u >= j0"),
-        guard(r"d[kv]\d+ " + MMA + r"a_(?:Ps|dSs)_(\d)", lambda m: f"i0 + {16 * int(m.group(1)) + 15}u >= j0"),
-    ),
+    "skip_masked": None,
     "no_sdp_mma": drop(r"x\d+ " + MMA),
     "no_grad_mma": drop(r"d[kv]\d+ " + MMA),
     "no_mma": drop(r"(x|dk|dv)\d+ " + MMA),
@@ -173,7 +153,7 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
     fwd_flops = 4.0 * b * hq * t * t * d / 2
     kernels = {
         "forward8": (
-            cg.forward_source(d, cg.WIDE_FORWARD_SUBGROUPS),
+            lambda skip: cg.forward_source(d, cg.WIDE_FORWARD_SUBGROUPS, skip_masked=skip),
             FORWARD,
             lambda o1, o2: [prm, s.q16, s.k16, s.v16, o1, o2],
             (q.nbytes, 4 * b * hq * t),
@@ -181,7 +161,7 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
             fwd_flops,
         ),
         "dkv_ds": (
-            cg.backward_dkv_source(d, paired=True, store_ds=True),
+            lambda skip: cg.backward_dkv_source(d, paired=True, store_ds=True, skip_masked=skip),
             DKV,
             lambda o1, o2: [prm, s.q16, s.k16, s.v16, s.do16, s.ds, s.stats, o1, o2],
             (4 * b * t * hq * d, 4 * b * t * hq * d),
@@ -195,7 +175,7 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
         for variant, edit in variants.items():
             if args.variants and variant not in args.variants.split(","):
                 continue
-            text = "\n".join(edit(source.split("\n")))
+            text = source(True) if edit is None else "\n".join(edit(source(False).split("\n")))
             row: dict[str, Any] = {"kernel": name, "variant": variant, "head_dim": d, "seq": t, "batch": b}
             try:
                 pipe = dev.pipeline(("attention_probe", name, variant, d), lambda text=text: text)

@@ -212,6 +212,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "attention-sequential": ("gpu.ops.attention_tc", "PAIRED_BACKWARD", False),
     # the attention backward's dQ pass recomputing S, P and dP (the default: dQ from the dS the dK/dV pass stores)
     "attention-dq-pass": ("gpu.ops.attention_tc", "DQ_FROM_DS", False),
+    # each subgroup skips the products of the blocks the causal mask zeroes whole (bitwise the same results)
+    "attention-skip-masked": ("gpu.ops.attention_tc", "SKIP_MASKED", True),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
     "lora-fast-paths": ("gpu.ops.lora_matmul", "FAST_PATHS", True),
     # lora_gemm's reduction split over more workgroups (pick_splits' target, default 1024) or shorter chunks

@@ -7,6 +7,8 @@ the epilogues that take f32 result matrices out through workgroup memory (their 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gpu.codegen import fill, kernel_text
 
 MATRIX = 16  # side of one subgroup matrix (f16 x f16 -> f32, M16 N16 K16)
@@ -100,24 +102,48 @@ def _decl(names: list[str]) -> str:
     return _ind([f"var {n} = {RESULT}();" for n in names], 4)
 
 
-def _scores(left: str, tile: str, nc: int, nd: int, out: str = "Ss") -> list[str]:
+Live = Callable[[int], str] | None  # block c's WGSL condition: whether the causal mask leaves any of it (None: all)
+
+
+def _when(live: Live, c: int, mmas: list[str]) -> list[str]:
+    """`mmas` (lines at 4 spaces) run only where block c is live: skipped, a masked block's products add zeros (P
+    or dS) or give scores the mask replaces, so the results are bitwise those of running them."""
+    if live is None:
+        return mmas
+    return [f"    if ({live(c)}) {{", *("    " + s for s in mmas), "    }"]
+
+
+def _keys_live(c: int) -> str:
+    """Key block c of the tile at j0 against the subgroup's queries i0 .. i0 + 15: some key at or before a query."""
+    return f"j0 + {c * MATRIX}u <= i0 + {MATRIX - 1}u"
+
+
+def _queries_live(c: int) -> str:
+    """Query block c of the tile at i0 against the subgroup's keys j0 .. j0 + 15: some query at or after a key."""
+    return f"i0 + {c * MATRIX + MATRIX - 1}u >= j0"
+
+
+def _scores(left: str, tile: str, nc: int, nd: int, out: str = "Ss", live: Live = None) -> list[str]:
     """X_c = sum_kk left_kk . tile_c^T for each 16-row block c of a staged tile (read col-major), stored to
-    this subgroup's `out` (Ss, or Ds: the paired backward's dP) at column 16 c."""
+    this subgroup's `out` (Ss, or Ds: the paired backward's dP) at column 16 c; live: see _when."""
     lines = ["{"]
     for c in range(nc):
         lines.append(f"    var x{c} = {RESULT}();")
-        for kk in range(nd):
-            lines.append(
-                f"    {_mma(f'{left}{kk}', _load(RIGHT, f'{tile}[{c}]', f'{kk * MATRIX}u', True, 'LDH'), f'x{c}')}"
-            )
+        mmas = [
+            f"    {_mma(f'{left}{kk}', _load(RIGHT, f'{tile}[{c}]', f'{kk * MATRIX}u', True, 'LDH'), f'x{c}')}"
+            for kk in range(nd)
+        ]
+        lines += _when(live, c, mmas)
         lines.append(f"    subgroupMatrixStore(&{out}[sg], {c * MATRIX}u, x{c}, false, LDS);")
     return lines + ["}"]
 
 
-def _accumulate(pairs: list[tuple[str, str, str]], nc: int, nd: int, then: dict[str, str] | None = None) -> list[str]:
+def _accumulate(
+    pairs: list[tuple[str, str, str]], nc: int, nd: int, then: dict[str, str] | None = None, live: Live = None
+) -> list[str]:
     """For each (this subgroup's f16 block array, staged tile, result prefix): R_n += sum_kk block[:, 16 kk..]
     . tile_kk[:, 16 n..] (tile blocks read row-major). then: a statement by block array, run after each of its
-    blocks is loaded ({a}: the loaded matrix, {kk}: its block)."""
+    blocks is loaded ({a}: the loaded matrix, {kk}: its block), live or not; live: see _when."""
     lines = ["{"]
     for kk in range(nc):
         for src, tile, acc in pairs:
@@ -125,9 +151,11 @@ def _accumulate(pairs: list[tuple[str, str, str]], nc: int, nd: int, then: dict[
             lines.append(f"    let {a} = {_load(LEFT, f'{src}[sg]', f'{kk * MATRIX}u', False, 'LDP')};")
             if then and src in then:
                 lines.append("    " + then[src].format(a=a, kk=kk))
-            for n in range(nd):
-                b = _load(RIGHT, f"{tile}[{kk}]", f"{n * MATRIX}u", False, "LDH")
-                lines.append(f"    {_mma(a, b, f'{acc}{n}')}")
+            mmas = [
+                f"    {_mma(a, _load(RIGHT, f'{tile}[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'{acc}{n}')}"
+                for n in range(nd)
+            ]
+            lines += _when(live, kk, mmas)
     return lines + ["}"]
 
 
@@ -247,14 +275,17 @@ def _source(kernel: str, head_dim: int, subgroups: int = SUBGROUPS, **values: st
     return _common(kernel, head_dim, subgroups) + "\n" + fill(kernel_text(_FILES[kernel]), **values)
 
 
-def _pv_accumulate(nc: int, nd: int) -> list[str]:
+def _pv_accumulate(nc: int, nd: int, live: Live = None) -> list[str]:
     """The forward's O += P V for one key tile, straight into the result matrices o0 .. (P from this subgroup's Ps,
-    V's blocks from the staged tile)."""
+    V's blocks from the staged tile); live: see _when."""
     lines = ["{"]
     for kk in range(nc):
         lines.append(f"    let a{kk} = {_load(LEFT, 'Ps[sg]', f'{kk * MATRIX}u', False, 'LDP')};")
-        for n in range(nd):
-            lines.append(f"    {_mma(f'a{kk}', _load(RIGHT, f'Vs[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'o{n}')}")
+        mmas = [
+            f"    {_mma(f'a{kk}', _load(RIGHT, f'Vs[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'o{n}')}"
+            for n in range(nd)
+        ]
+        lines += _when(live, kk, mmas)
     return lines + ["}"]
 
 
@@ -347,10 +378,12 @@ def _tile_body(kernel: str, bc: int, s_mma: list[str], dp_mma: list[str], grad_m
 _DP_ARRAY = "var<workgroup> Ds: array<array<f32, 16 * LDS>, NSG>;   // dP beside S (the paired tile body)\n"
 
 
-def forward_source(head_dim: int, subgroups: int = SUBGROUPS) -> str:
+def forward_source(head_dim: int, subgroups: int = SUBGROUPS, skip_masked: bool = False) -> str:
     """attention_tc_forward for one head dim, with `subgroups` of 16 query rows a workgroup (4; or
-    WIDE_FORWARD_SUBGROUPS, on key tiles of 32 so that the staged tiles and per-subgroup blocks still fit 48 KiB)."""
+    WIDE_FORWARD_SUBGROUPS, on key tiles of 32 so that the staged tiles and per-subgroup blocks still fit 48 KiB).
+    skip_masked: a subgroup skips the products of a 16-key block past its last query (bitwise the same)."""
     nd, nc = _blocks("forward", head_dim, subgroups)
+    live = _keys_live if skip_masked else None
     if subgroups not in (SUBGROUPS, WIDE_FORWARD_SUBGROUPS):
         raise ValueError(f"tensor-core attention forward: {subgroups} subgroups at head_dim={head_dim}")
     soft_max, soft_p = _softmax_rows(nc * MATRIX)
@@ -362,12 +395,12 @@ def forward_source(head_dim: int, subgroups: int = SUBGROUPS) -> str:
         STAGE_FNS=_staging_fns([("Ks", "Q16"), ("Vs", "Q16")], [("Ks", "K16"), ("Vs", "V16")]),
         Q_LOAD=_left_staged("q", "Q16", ("Ks", "Vs"), "zr + w0", "h", "prm.HQ", nd, nc, subgroups),
         O_DECL=_decl([f"o{n}" for n in range(nd)]),
-        S_MMA=_ind(_scores("q", "Ks", nc, nd), 8),
+        S_MMA=_ind(_scores("q", "Ks", nc, nd, live=live), 8),
         SOFTMAX_MAX=_ind(soft_max, 8),
         ANY_GROW="(" + " | ".join(f"grow[{k}]" for k in range(subgroups)) + ") != 0u",
         SOFTMAX_P=_ind(soft_p, 8),
         O_RESCALE=_ind(_o_rescaled(nc, nd), 12),
-        PV_MMA=_ind(_pv_accumulate(nc, nd), 8),
+        PV_MMA=_ind(_pv_accumulate(nc, nd, live), 8),
         O_STORE=_store_rows([("o", "O")], nd, "i < prm.T"),
         **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim, threads)),
     )
@@ -400,17 +433,19 @@ def backward_dq_source(head_dim: int, paired: bool = False) -> str:
     )
 
 
-def backward_dkv_source(head_dim: int, paired: bool = False, store_ds: bool = False) -> str:
+def backward_dkv_source(head_dim: int, paired: bool = False, store_ds: bool = False, skip_masked: bool = False) -> str:
     """attention_tc_backward_dkv for one head dim; paired: S^T and dP^T side by side (_tile_body); store_ds (paired
     only): each dS^T block, as loaded for dK += dS^T Q, also stored to the dS store DSt (binding 5; L read from
-    stats' copy), for attention_tc_backward_dqs."""
+    stats' copy), for attention_tc_backward_dqs. skip_masked: a subgroup skips the products of a 16-query block
+    before its first key (bitwise the same; the store still gets the block's zeros)."""
     nd, nc = _blocks("dkv", head_dim)
+    live = _queries_live if skip_masked else None
     if store_ds and not paired:
         raise ValueError("the dS store is generated for the paired dK/dV pass only")
     # each dS^T block, once loaded for dK, to the store: this subgroup's keys, query tile t BC / 16 + kk
     put = "subgroupMatrixStore(&DSt, ds_row + (t * (BC / 16u) + {kk}u) * 256u, {a}, false, 16u);"
     store = {"dSs": put} if store_ds else None
-    grad_mma = _accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd, store)
+    grad_mma = _accumulate([("Ps", "dOs", "dv"), ("dSs", "Qs", "dk")], nc, nd, store, live)
     return _source(
         "dkv",
         head_dim,
@@ -440,8 +475,8 @@ def backward_dkv_source(head_dim: int, paired: bool = False, store_ds: bool = Fa
         TILE_BODY=_tile_body(
             "dkv",
             nc * MATRIX,
-            _scores("kl", "Qs", nc, nd),
-            _scores("vl", "dOs", nc, nd, "Ds" if paired else "Ss"),
+            _scores("kl", "Qs", nc, nd, live=live),
+            _scores("vl", "dOs", nc, nd, "Ds" if paired else "Ss", live),
             grad_mma,
             paired,
         ),
@@ -486,10 +521,10 @@ def ds_store_halves(seq_len: int, n_heads: int, n_seqs: int) -> int:
     return n_seqs * n_heads * DS_BLOCK * DS_BLOCK * (nw * nw - nw * (nw - 1) // 2)
 
 
-def backward_dqs_source(head_dim: int) -> str:
+def backward_dqs_source(head_dim: int, skip_masked: bool = False) -> str:
     """attention_tc_backward_dqs for one head dim: dQ = dS K from the dS store (attention_tc_backward_dkv with
     store_ds run first), K's key tiles of DS_BLOCK staged through registers, this subgroup's dS blocks of the next
-    tile loaded from the store during this tile's products."""
+    tile loaded from the store during this tile's products. skip_masked: as forward_source's."""
     nd, nc = _blocks("dqs", head_dim)
 
     def ds_loads(tile: str) -> list[str]:
@@ -506,8 +541,11 @@ def backward_dqs_source(head_dim: int) -> str:
 
     mma = ["{"]
     for kk in range(nc):
-        for n in range(nd):
-            mma.append(f"    {_mma(f'da{kk}', _load(RIGHT, f'Ks[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'dq{n}')}")
+        mmas = [
+            f"    {_mma(f'da{kk}', _load(RIGHT, f'Ks[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'dq{n}')}"
+            for n in range(nd)
+        ]
+        mma += _when(_keys_live if skip_masked else None, kk, mmas)
     mma.append("}")
     return _source(
         "dqs",

@@ -17,7 +17,7 @@ import pytest
 from gpu.device import Device, DeviceError
 from gpu.ops.attention_tc import attention_backward_tc, attention_forward_tc
 from gpu.ops.matmul_tc import has_tensor_cores
-from gpu.registry import pipeline
+from gpu.registry import kernel_key, pipeline
 from model import reference as ref
 from tests.gpu_fixtures import device_or_skip, tensor_core_device_or_skip
 
@@ -188,18 +188,52 @@ def test_attention_tc_dq_from_stored_ds(
     q, k, v, do = (x.astype(np.float32) for x in (q, k, v, do))
     monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", True)
     monkeypatch.setattr(attention_tc, "DQ_FROM_DS", False)
-    tc_dev._pipelines.pop(("attention_tc_backward_dqs", (("head_dim", d),)), None)
+    dqs = kernel_key("attention_tc_backward_dqs", {"head_dim": d, "skip_masked": attention_tc.SKIP_MASKED})
+    tc_dev._pipelines.pop(dqs, None)
     paired = _run(tc_dev, q, k, v, do)
-    assert ("attention_tc_backward_dqs", (("head_dim", d),)) not in tc_dev._pipelines
+    assert dqs not in tc_dev._pipelines
     monkeypatch.setattr(attention_tc, "DQ_FROM_DS", True)
     stored = _run(tc_dev, q, k, v, do)
-    assert ("attention_tc_backward_dqs", (("head_dim", d),)) in tc_dev._pipelines
+    assert dqs in tc_dev._pipelines
     for name in ("out", "lse", "dk", "dv"):
         np.testing.assert_array_equal(stored[name], paired[name], err_msg=name)
     want = _expected(q, k, v, do)
     err, err_paired = _rel(stored["dq"], want["dq"]), _rel(paired["dq"], want["dq"])
     print(f"T={t} Hq={hq} Hkv={hkv} D={d} ramp={ramp}: dq from the store {err:.2e}, recomputed {err_paired:.2e}")
     assert err <= (max(TOL, 2 * err_paired) if ramp else TOL), (err, err_paired)
+
+
+@pytest.mark.tensorcore
+@pytest.mark.parametrize("subgroups", [4, 8])
+@pytest.mark.parametrize("t,hq,hkv,d,spread,gscale,ramp", CASES)
+def test_attention_tc_skip_masked_is_bitwise(
+    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, subgroups: int, t: int, hq: int, hkv: int, d: int,
+    spread: float, gscale: float, ramp: float,
+) -> None:  # fmt: skip
+    """SKIP_MASKED: each subgroup skips the products of the blocks the causal mask zeroes whole for its rows (the
+    forward on either tile, the dK/dV pass with the dS store, dQ from it); what they would add is zeros, or scores
+    the mask replaces, so every output is bitwise the full products' (the ramps' rescaling too)."""
+    from gpu.ops import attention_tc
+
+    rng = np.random.default_rng(t + hq + d + 2)
+    q, do = (rng.standard_normal((t, hq, d)) * s for s in (spread, gscale))
+    k = rng.standard_normal((t, hkv, d)) * spread
+    if ramp:
+        q[:, :, 0], k[:, :, 0] = 1.0, (ramp * (np.arange(t) // 64))[:, None]
+    v = rng.standard_normal((t, hkv, d))
+    q, k, v, do = (x.astype(np.float32) for x in (q, k, v, do))
+    monkeypatch.setattr(attention_tc, "FORWARD_SUBGROUPS", subgroups)
+    monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", True)
+    monkeypatch.setattr(attention_tc, "DQ_FROM_DS", True)
+    monkeypatch.setattr(attention_tc, "SKIP_MASKED", False)
+    full = _run(tc_dev, q, k, v, do)
+    monkeypatch.setattr(attention_tc, "SKIP_MASKED", True)
+    used = _kernels_used(monkeypatch)
+    skipped = _run(tc_dev, q, k, v, do)
+    forward = "attention_tc_forward8" if subgroups == 8 else "attention_tc_forward"
+    assert {forward, "attention_tc_backward_dkv_ds", "attention_tc_backward_dqs"} <= set(used), used
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        np.testing.assert_array_equal(skipped[name], full[name], err_msg=name)
 
 
 @pytest.mark.tensorcore

@@ -59,6 +59,11 @@ PAIRED_BACKWARD = True
 # is used only where it fits one binding. On: the H100's 8B step 5,823 / 5,826 against 5,769 / 5,778 tokens/s
 # (2026-12-06), the backward 53.6 against 59.6 ms (dK/dV 40.9 with its stores, dQ 9.4 against 21.4)
 DQ_FROM_DS = True
+# each subgroup skips the products of the 16-key (dK/dV: 16-query) blocks the causal mask zeroes whole for its 16
+# rows, in the forward, the dK/dV pass with the dS store and the dQ pass from it (skip_masked of
+# gpu/codegen_attention_tc.py): the same results bitwise, ~5-8 % fewer products at T 1024 (the diagonal tiles);
+# opt-in until timed (bench/attention_probe.py, bench/train_step.py --ab attention-skip-masked)
+SKIP_MASKED = False
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,8 @@ def attention_forward_tc(
     s = scratch_for(dev, t, hq, hkv, d, b)
     _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b, rope)
     wide = FORWARD_SUBGROUPS == WIDE_FORWARD_SUBGROUPS and d in WIDE_FORWARD_HEAD_DIMS
-    pipe = pipeline(dev, "attention_tc_forward8" if wide else "attention_tc_forward", head_dim=d)
+    name = "attention_tc_forward8" if wide else "attention_tc_forward"
+    pipe = pipeline(dev, name, head_dim=d, skip_masked=SKIP_MASKED)
     grid_rows = (math.ceil(t / workgroup_rows(FORWARD_SUBGROUPS if wide else 4)), hq, b)
     dev.dispatch(pipe, [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, out, lse], grid_rows)
 
@@ -260,9 +266,10 @@ def attention_backward_tc(
     rows = (math.ceil(t / workgroup_rows()), hq, b)
     dkh, dvh = (dk, dv) if hq == hkv else (s.dkh, s.dvh)
     if DQ_FROM_DS and PAIRED_BACKWARD and _ds_store(dev, s, t, hq, b):
-        dkv = pipeline(dev, "attention_tc_backward_dkv_ds", head_dim=d)
+        dkv = pipeline(dev, "attention_tc_backward_dkv_ds", head_dim=d, skip_masked=SKIP_MASKED)
         dev.dispatch(dkv, [params, s.q16, s.k16, s.v16, s.do16, s.ds, s.stats, dkh, dvh], rows)
-        dev.dispatch(pipeline(dev, "attention_tc_backward_dqs", head_dim=d), [params, s.k16, s.ds, s.stats, dq], rows)
+        dqs = pipeline(dev, "attention_tc_backward_dqs", head_dim=d, skip_masked=SKIP_MASKED)
+        dev.dispatch(dqs, [params, s.k16, s.ds, s.stats, dq], rows)
     else:
         operands = [params, s.q16, s.k16, s.v16, s.do16, lse, s.stats]
         paired_dq = "_paired" if PAIRED_BACKWARD and d == 128 else ""
