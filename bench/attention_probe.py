@@ -11,10 +11,10 @@ Kernels: the forward on 8 subgroups (`attention_tc_forward8`) and the dK/dV pass
   query, tile neither loaded nor staged), `no_softmax` (no reads of the scores, no writes of P), `no_b3` (the
   barrier between the scores' store and the lanes' reads dropped: a race), `no_rows` (dK/dV: no P, dS rows),
   `no_ds_store` (dK/dV: the dS store not written);
-- candidates, whose outputs must match: `skip_masked` (a subgroup skips the products of a 16-key, or 16-query,
-  block that the causal mask zeroes whole: gpu/codegen_attention_tc.py skip_masked; bitwise the kernel's
-  result), `one_flag` (forward: each subgroup moves its own reference max, and one uniform load after P's store
-  replaces the separate flag exchange and barrier).
+- candidates, the generator's options (gpu/codegen_attention_tc.py): `skip_masked` (a subgroup skips the products
+  of a 16-key, or 16-query, block that the causal mask zeroes whole; bitwise the kernel's result), `one_flag`
+  (forward: each subgroup moves its own reference max, and one uniform load after P's store replaces the separate
+  flag exchange and barrier; within the tolerance).
 Each row: the variant, the GPU ms of one dispatch (median of --reps), the rate on the causal products, and
 `max_diff`: max |out - out of the kernel as generated| / max |out of the kernel as generated| (dK, dV for that
 pass), 0.0 where bitwise.
@@ -77,32 +77,13 @@ def drop_barrier_before(pattern: str) -> Edit:
     return run
 
 
-def one_flag(lines: list[str]) -> list[str]:
-    """Forward: the reference max moves per subgroup (subgroupAny), P is written with it, then one uniform load of
-    the flags (its barriers order P's store before the P V products) decides the rescale of O."""
-    text = "\n".join(lines)
-    flag = re.search(r"\n( *)if \(lane == 0u\) \{\n *Grow\[sg\] = select\(0u, 1u, up\);\n *\}\n", text)
-    grow = re.search(r"\n *let grow = workgroupUniformLoad\(&Grow\);\n( *let moved = [^\n]*\n)", text)
-    assert flag and grow
-    moved = grow.group(1)
-    text = text.replace(flag.group(0), "\n").replace(grow.group(0), "\n")
-    text = text.replace("let mn = select(m, max(m, tmax_row), moved);", "let mn = select(m, max(m, tmax_row), up);")
-    ind = flag.group(1)
-    tail = re.search(r"\n( *)m = mn;\n *workgroupBarrier\(\);\n", text)
-    assert tail
-    exchange = (
-        f"\n{ind}m = mn;\n{ind}if (lane == 0u) {{\n{ind}    Grow[sg] = select(0u, 1u, up);\n{ind}}}\n"
-        f"{ind}let grow = workgroupUniformLoad(&Grow);\n{moved}"
-    )
-    return text.replace(tail.group(0), exchange).split("\n")
-
-
 MMA = r"= subgroupMatrixMultiplyAccumulate\("
-# variant name: the edit of the generated source (None: the source generated with skip_masked=True)
-FORWARD: dict[str, Edit | None] = {
-    "base": chain(),
-    "skip_masked": None,  # the generator's own (skip_masked=True)
-    "one_flag": one_flag,
+# variant name: an edit of the generated source, or the generator's options (the candidates)
+FORWARD: dict[str, Edit | dict[str, bool]] = {
+    "base": {},
+    "skip_masked": {"skip_masked": True},
+    "one_flag": {"one_flag": True},
+    "skip_masked+one_flag": {"skip_masked": True, "one_flag": True},
     "no_s_mma": drop(r"x\d+ " + MMA),
     "no_pv_mma": drop(r"o\d+ " + MMA),
     "no_mma": drop(r"[xo]\d+ " + MMA),
@@ -110,9 +91,9 @@ FORWARD: dict[str, Edit | None] = {
     "no_softmax": chain(drop(r"^\s*Ps\[sg\]\[r \* LDP"), sub(r"Ss\[sg\]\[xb \+ \d+u\]", "1.0")),
     "no_b3": drop_barrier_before(r"^\s*let s0 = "),
 }
-DKV: dict[str, Edit | None] = {
-    "base": chain(),
-    "skip_masked": None,
+DKV: dict[str, Edit | dict[str, bool]] = {
+    "base": {},
+    "skip_masked": {"skip_masked": True},
     "no_sdp_mma": drop(r"x\d+ " + MMA),
     "no_grad_mma": drop(r"d[kv]\d+ " + MMA),
     "no_mma": drop(r"(x|dk|dv)\d+ " + MMA),
@@ -153,7 +134,7 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
     fwd_flops = 4.0 * b * hq * t * t * d / 2
     kernels = {
         "forward8": (
-            lambda skip: cg.forward_source(d, cg.WIDE_FORWARD_SUBGROUPS, skip_masked=skip),
+            lambda **options: cg.forward_source(d, cg.WIDE_FORWARD_SUBGROUPS, **options),
             FORWARD,
             lambda o1, o2: [prm, s.q16, s.k16, s.v16, o1, o2],
             (q.nbytes, 4 * b * hq * t),
@@ -161,7 +142,7 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
             fwd_flops,
         ),
         "dkv_ds": (
-            lambda skip: cg.backward_dkv_source(d, paired=True, store_ds=True, skip_masked=skip),
+            lambda **options: cg.backward_dkv_source(d, paired=True, store_ds=True, **options),
             DKV,
             lambda o1, o2: [prm, s.q16, s.k16, s.v16, s.do16, s.ds, s.stats, o1, o2],
             (4 * b * t * hq * d, 4 * b * t * hq * d),
@@ -175,7 +156,7 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
         for variant, edit in variants.items():
             if args.variants and variant not in args.variants.split(","):
                 continue
-            text = source(True) if edit is None else "\n".join(edit(source(False).split("\n")))
+            text = source(**edit) if isinstance(edit, dict) else "\n".join(edit(source().split("\n")))
             row: dict[str, Any] = {"kernel": name, "variant": variant, "head_dim": d, "seq": t, "batch": b}
             try:
                 pipe = dev.pipeline(("attention_probe", name, variant, d), lambda text=text: text)

@@ -214,6 +214,8 @@ AB_SWITCHES: dict[str, tuple[str, str, Any]] = {
     "attention-dq-pass": ("gpu.ops.attention_tc", "DQ_FROM_DS", False),
     # each subgroup skips the products of the blocks the causal mask zeroes whole (bitwise the same results)
     "attention-skip-masked": ("gpu.ops.attention_tc", "SKIP_MASKED", True),
+    # the forward's subgroups each moving their own reference max, the flags exchanged after P (a barrier pair less)
+    "attention-one-flag": ("gpu.ops.attention_tc", "ONE_FLAG", True),
     "lora-dual": ("gpu.ops.lora_dual", "DUAL", True),
     "lora-fast-paths": ("gpu.ops.lora_matmul", "FAST_PATHS", True),
     # lora_gemm's reduction split over more workgroups (pick_splits' target, default 1024) or shorter chunks

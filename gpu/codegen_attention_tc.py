@@ -378,10 +378,12 @@ def _tile_body(kernel: str, bc: int, s_mma: list[str], dp_mma: list[str], grad_m
 _DP_ARRAY = "var<workgroup> Ds: array<array<f32, 16 * LDS>, NSG>;   // dP beside S (the paired tile body)\n"
 
 
-def forward_source(head_dim: int, subgroups: int = SUBGROUPS, skip_masked: bool = False) -> str:
+def forward_source(head_dim: int, subgroups: int = SUBGROUPS, skip_masked: bool = False, one_flag: bool = False) -> str:
     """attention_tc_forward for one head dim, with `subgroups` of 16 query rows a workgroup (4; or
     WIDE_FORWARD_SUBGROUPS, on key tiles of 32 so that the staged tiles and per-subgroup blocks still fit 48 KiB).
-    skip_masked: a subgroup skips the products of a 16-key block past its last query (bitwise the same)."""
+    skip_masked: a subgroup skips the products of a 16-key block past its last query (bitwise the same). one_flag:
+    each subgroup moves its own reference max, and the flags' exchange after P's store is the tile's last barrier
+    (one barrier pair a tile fewer; P rounded against per-subgroup maxima: within the tolerance, not bitwise)."""
     nd, nc = _blocks("forward", head_dim, subgroups)
     live = _keys_live if skip_masked else None
     if subgroups not in (SUBGROUPS, WIDE_FORWARD_SUBGROUPS):
@@ -397,13 +399,28 @@ def forward_source(head_dim: int, subgroups: int = SUBGROUPS, skip_masked: bool 
         O_DECL=_decl([f"o{n}" for n in range(nd)]),
         S_MMA=_ind(_scores("q", "Ks", nc, nd, live=live), 8),
         SOFTMAX_MAX=_ind(soft_max, 8),
-        ANY_GROW="(" + " | ".join(f"grow[{k}]" for k in range(subgroups)) + ") != 0u",
+        **_flag_exchange(subgroups, one_flag),
         SOFTMAX_P=_ind(soft_p, 8),
         O_RESCALE=_ind(_o_rescaled(nc, nd), 12),
         PV_MMA=_ind(_pv_accumulate(nc, nd, live), 8),
         O_STORE=_store_rows([("o", "O")], nd, "i < prm.T"),
         **_prefetch([("Ks", "K16", "kr"), ("Vs", "V16", "vr")], "g", "prm.HKV", _units(nc * MATRIX, head_dim, threads)),
     )
+
+
+def _flag_exchange(subgroups: int, one_flag: bool) -> dict[str, str]:
+    """FLAGS_BEFORE_P / MOVES / FLAGS_AFTER_P of the forward: where the subgroups' grow flags are exchanged (before
+    P, all rows moving with any subgroup's; or after P's store, each subgroup's own, its barrier the tile's last)."""
+    exchange = [
+        "if (lane == 0u) {",
+        "    Grow[sg] = select(0u, 1u, up);",
+        "}",
+        "let grow = workgroupUniformLoad(&Grow);",
+        "let moved = (" + " | ".join(f"grow[{k}]" for k in range(subgroups)) + ") != 0u;",
+    ]
+    if one_flag:
+        return {"FLAGS_BEFORE_P": "", "MOVES": "up", "FLAGS_AFTER_P": _ind(exchange, 8)}
+    return {"FLAGS_BEFORE_P": _ind(exchange, 8), "MOVES": "moved", "FLAGS_AFTER_P": _ind(["workgroupBarrier();"], 8)}
 
 
 def backward_dq_source(head_dim: int, paired: bool = False) -> str:

@@ -451,15 +451,17 @@ class GeneratedKernel:
 _TC_HEAD_DIM = {"head_dim": attention_tc.ATTENTION_TC_HEAD_DIMS}
 # ... and whether a subgroup skips the products of its causally masked blocks (gpu/ops/attention_tc.py SKIP_MASKED)
 _TC_SKIPPING = _TC_HEAD_DIM | {"skip_masked": BOOLS}
+# ... the forward's: and where its subgroups exchange the reference max's flags (gpu/ops/attention_tc.py ONE_FLAG)
+_TC_FORWARD = _TC_SKIPPING | {"one_flag": BOOLS}
 # Tensor-core op kernels (Dawn only: subgroup matrices / subgroups): gpu/ops/attention_tc.py, gpu/ops/half.py.
 TC_KERNELS: dict[str, GeneratedKernel] = {
     "pack_f16": GeneratedKernel(attention_tc.pack_source, {"scaled": BOOLS}),
     "pack_f16_rope": GeneratedKernel(attention_tc.pack_rope_source, {"neox": BOOLS}),
     "attention_tc_delta": GeneratedKernel(attention_tc.delta_source, _TC_HEAD_DIM),
-    "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_SKIPPING),
+    "attention_tc_forward": GeneratedKernel(attention_tc.forward_source, _TC_FORWARD),
     # 8 subgroups (128 query rows) sharing each staged key tile (attention_tc.py FORWARD_SUBGROUPS)
     "attention_tc_forward8": GeneratedKernel(
-        partial(attention_tc.forward_source, subgroups=attention_tc.WIDE_FORWARD_SUBGROUPS), _TC_SKIPPING
+        partial(attention_tc.forward_source, subgroups=attention_tc.WIDE_FORWARD_SUBGROUPS), _TC_FORWARD
     ),
     "attention_tc_backward_dq": GeneratedKernel(attention_tc.backward_dq_source, _TC_HEAD_DIM),
     "attention_tc_backward_dkv": GeneratedKernel(attention_tc.backward_dkv_source, _TC_HEAD_DIM),

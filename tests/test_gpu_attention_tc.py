@@ -113,17 +113,20 @@ def _check_against_reference(
 
 
 @pytest.mark.tensorcore
+@pytest.mark.parametrize("one_flag", [False, True])
 @pytest.mark.parametrize("subgroups,kernel", [(4, "attention_tc_forward"), (8, "attention_tc_forward8")])
 @pytest.mark.parametrize("t,hq,hkv,d,spread,gscale,ramp", CASES)
 def test_attention_tc_forward_tiles_match_reference(
-    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, subgroups: int, kernel: str, t: int, hq: int, hkv: int, d: int,
-    spread: float, gscale: float, ramp: float,
+    tc_dev: Device, monkeypatch: pytest.MonkeyPatch, one_flag: bool, subgroups: int, kernel: str, t: int, hq: int,
+    hkv: int, d: int, spread: float, gscale: float, ramp: float,
 ) -> None:  # fmt: skip
     """Both forward tiles hold the tolerance on every case, the ramps' lazy rescaling too: 4 subgroups a workgroup
     (64 query rows, key tiles of 64 at head dim 64, 32 at 128: attention_tc_forward) and 8 (128 query rows sharing
-    each key tile of 32: attention_tc_forward8, at both head dims)."""
+    each key tile of 32: attention_tc_forward8, at both head dims); with the reference max's flags exchanged before
+    P (all subgroups' rows moving together) or after it (ONE_FLAG: each subgroup's own)."""
     from gpu.ops import attention_tc
 
+    monkeypatch.setattr(attention_tc, "ONE_FLAG", one_flag)
     monkeypatch.setattr(attention_tc, "FORWARD_SUBGROUPS", subgroups)
     monkeypatch.setattr(attention_tc, "WIDE_FORWARD_HEAD_DIMS", (64, 128))
     used = _kernels_used(monkeypatch)

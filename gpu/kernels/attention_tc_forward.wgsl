@@ -7,8 +7,10 @@
 // row's tile max exceeds it by more than GROW (so P <= e^GROW stays far inside f16, and O, l in f32 are
 // consistent with it), which a workgroup decides together (a flag per subgroup, read back uniformly) since the
 // rescaling of O runs through Ss (result matrices are opaque: stored, each row times exp(m_old - m) by its
-// lanes, loaded back). The first tile only sets m. At the end O / l leaves through Ss, L = m + log l. Workgroups
-// run the longest rows (most key tiles) first.
+// lanes, loaded back). Or (one_flag) each subgroup moves its own m, writes P with it and then its flag, and one
+// uniform load, whose barriers also order P's store before the P V products, decides whether any subgroup
+// rescales (the others by alpha = 1, exactly). The first tile only sets m. At the end O / l leaves through Ss,
+// L = m + log l. Workgroups run the longest rows (most key tiles) first.
 // Q16, K16, V16: packed f16 [B TP, heads, D] as 8-half units; O: f32 [B T, HQ, D] as vec4s;
 // L: f32, [HQ, T] per sequence at z LS.
 
@@ -66,17 +68,13 @@ ${S_MMA}
         workgroupBarrier();
 ${SOFTMAX_MAX}
         let up = subgroupAny(tmax_row > m + GROW);
-        if (lane == 0u) {
-            Grow[sg] = select(0u, 1u, up);
-        }
-        let grow = workgroupUniformLoad(&Grow);
-        let moved = ${ANY_GROW};
-        let mn = select(m, max(m, tmax_row), moved);
+${FLAGS_BEFORE_P}
+        let mn = select(m, max(m, tmax_row), ${MOVES});
         let alpha = exp(m - mn);
 ${SOFTMAX_P}
         l = l * alpha + part;
         m = mn;
-        workgroupBarrier();
+${FLAGS_AFTER_P}
         if (moved && t > 0u) {   // uniform: O times alpha, row by row, through Ss
 ${O_RESCALE}
         }

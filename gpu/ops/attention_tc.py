@@ -64,6 +64,11 @@ DQ_FROM_DS = True
 # gpu/codegen_attention_tc.py): the same results bitwise, ~5-8 % fewer products at T 1024 (the diagonal tiles);
 # opt-in until timed (bench/attention_probe.py, bench/train_step.py --ab attention-skip-masked)
 SKIP_MASKED = False
+# the forward: each subgroup moves its own lazy reference max and the subgroups' flags are exchanged after P's store,
+# that exchange's barriers the tile's last (one_flag of gpu/codegen_attention_tc.py: one barrier pair a key tile
+# fewer; P rounded against per-subgroup maxima, so within the tolerance, not bitwise); opt-in until timed
+# (bench/attention_probe.py, bench/train_step.py --ab attention-one-flag)
+ONE_FLAG = False
 
 
 @dataclass(frozen=True)
@@ -222,7 +227,7 @@ def attention_forward_tc(
     _pack_qkv(dev, s, q, k, v, t, hq, hkv, d, b, rope)
     wide = FORWARD_SUBGROUPS == WIDE_FORWARD_SUBGROUPS and d in WIDE_FORWARD_HEAD_DIMS
     name = "attention_tc_forward8" if wide else "attention_tc_forward"
-    pipe = pipeline(dev, name, head_dim=d, skip_masked=SKIP_MASKED)
+    pipe = pipeline(dev, name, head_dim=d, skip_masked=SKIP_MASKED, one_flag=ONE_FLAG)
     grid_rows = (math.ceil(t / workgroup_rows(FORWARD_SUBGROUPS if wide else 4)), hq, b)
     dev.dispatch(pipe, [_params(t, hq, hkv, d, stride), s.q16, s.k16, s.v16, out, lse], grid_rows)
 
