@@ -92,6 +92,19 @@ def test_attention_tc_matches_reference(
     _check_against_reference(tc_dev, t, hq, hkv, d, spread, gscale, ramp)
 
 
+def _case_inputs(
+    seed: int, t: int, hq: int, hkv: int, d: int, spread: float, gscale: float, ramp: float
+) -> tuple[np.ndarray, ...]:
+    """q, k, v, dO (f32) of a CASES row: scores spread by `spread`, dO scaled by `gscale`, the ramp (see CASES)."""
+    rng = np.random.default_rng(seed)
+    q, do = (rng.standard_normal((t, hq, d)) * s for s in (spread, gscale))
+    k = rng.standard_normal((t, hkv, d)) * spread
+    if ramp:
+        q[:, :, 0], k[:, :, 0] = 1.0, (ramp * (np.arange(t) // 64))[:, None]
+    v = rng.standard_normal((t, hkv, d))
+    return tuple(x.astype(np.float32) for x in (q, k, v, do))
+
+
 def _check_against_reference(
     tc_dev: Device, t: int, hq: int, hkv: int, d: int, spread: float, gscale: float, ramp: float
 ) -> None:
@@ -182,13 +195,7 @@ def test_attention_tc_dq_from_stored_ds(
     the reference tolerance (the same f16 dS, summed in another order); the ramps' cases too."""
     from gpu.ops import attention_tc
 
-    rng = np.random.default_rng(t + hq + d + 1)
-    q, do = (rng.standard_normal((t, hq, d)) * s for s in (spread, gscale))
-    k = rng.standard_normal((t, hkv, d)) * spread
-    if ramp:
-        q[:, :, 0], k[:, :, 0] = 1.0, (ramp * (np.arange(t) // 64))[:, None]
-    v = rng.standard_normal((t, hkv, d))
-    q, k, v, do = (x.astype(np.float32) for x in (q, k, v, do))
+    q, k, v, do = _case_inputs(t + hq + d + 1, t, hq, hkv, d, spread, gscale, ramp)
     monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", True)
     monkeypatch.setattr(attention_tc, "DQ_FROM_DS", False)
     dqs = kernel_key("attention_tc_backward_dqs", {"head_dim": d, "skip_masked": attention_tc.SKIP_MASKED})
@@ -218,13 +225,7 @@ def test_attention_tc_skip_masked_is_bitwise(
     the mask replaces, so every output is bitwise the full products' (the ramps' rescaling too)."""
     from gpu.ops import attention_tc
 
-    rng = np.random.default_rng(t + hq + d + 2)
-    q, do = (rng.standard_normal((t, hq, d)) * s for s in (spread, gscale))
-    k = rng.standard_normal((t, hkv, d)) * spread
-    if ramp:
-        q[:, :, 0], k[:, :, 0] = 1.0, (ramp * (np.arange(t) // 64))[:, None]
-    v = rng.standard_normal((t, hkv, d))
-    q, k, v, do = (x.astype(np.float32) for x in (q, k, v, do))
+    q, k, v, do = _case_inputs(t + hq + d + 2, t, hq, hkv, d, spread, gscale, ramp)
     monkeypatch.setattr(attention_tc, "FORWARD_SUBGROUPS", subgroups)
     monkeypatch.setattr(attention_tc, "PAIRED_BACKWARD", True)
     monkeypatch.setattr(attention_tc, "DQ_FROM_DS", True)
