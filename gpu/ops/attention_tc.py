@@ -61,13 +61,14 @@ PAIRED_BACKWARD = True
 DQ_FROM_DS = True
 # each subgroup skips the products of the 16-key (dK/dV: 16-query) blocks the causal mask zeroes whole for its 16
 # rows, in the forward, the dK/dV pass with the dS store and the dQ pass from it (skip_masked of
-# gpu/codegen_attention_tc.py): the same results bitwise, ~5-8 % fewer products at T 1024 (the diagonal tiles);
-# opt-in until timed (bench/attention_probe.py, bench/train_step.py --ab attention-skip-masked)
+# gpu/codegen_attention_tc.py): the same results bitwise, ~5-8 % fewer products at T 1024 (the diagonal tiles).
+# Off: the 8B step on an H100 (2026-12-08) 6,765 against 6,767 / 6,764 tokens/s (bench/train_step.py --ab
+# attention-skip-masked), the workgroup waiting at each barrier for its busiest subgroup
 SKIP_MASKED = False
 # the forward: each subgroup moves its own lazy reference max and the subgroups' flags are exchanged after P's store,
 # that exchange's barriers the tile's last (one_flag of gpu/codegen_attention_tc.py: one barrier pair a key tile
-# fewer; P rounded against per-subgroup maxima, so within the tolerance, not bitwise); opt-in until timed
-# (bench/attention_probe.py, bench/train_step.py --ab attention-one-flag)
+# fewer; P rounded against per-subgroup maxima, so within the tolerance, not bitwise). Off: the 8B step on an H100
+# (2026-12-08) 6,775 against 6,767 / 6,764 tokens/s, inside the windows' spread (--ab attention-one-flag)
 ONE_FLAG = False
 
 
