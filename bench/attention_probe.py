@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.attention import flops  # noqa: E402
 from bench.lora import DispatchProfiler  # noqa: E402
 from gpu import codegen_attention_tc as cg  # noqa: E402
 from gpu.device import Device  # noqa: E402
@@ -118,7 +119,8 @@ def gpu_ms(dev: Device, go: Callable[[], None], reps: int) -> float:
     return statistics.median(ns / 1e6 for ns in prof.ns.values())
 
 
-def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
+def probe(args: argparse.Namespace, dev: Device) -> None:
+    """Print one JSON row per (kernel, variant): its time and output against the kernel as generated."""
     b, t, hq, hkv, d = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
     rng = np.random.default_rng(0)
     q, do = (rng.standard_normal((b * t, hq, d), dtype=np.float32) for _ in range(2))
@@ -134,7 +136,7 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
     dev.sync()
     s = attention_tc.scratch_for(dev, t, hq, hkv, d, b)
     prm = attention_tc._params(t, hq, hkv, d, hq * t)
-    fwd_flops = 4.0 * b * hq * t * t * d / 2
+    fwd_flops = flops(b, hq, t, d, backward=False)
     kernels = {
         "forward8": (
             lambda **options: cg.forward_source(d, cg.WIDE_FORWARD_SUBGROUPS, **options),
@@ -153,7 +155,6 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
             4 * fwd_flops,
         ),
     }
-    rows = []
     for name, (source, variants, bindings, sizes, grid, n_flops) in kernels.items():
         want = None
         for variant, edit in variants.items():
@@ -168,15 +169,13 @@ def probe(args: argparse.Namespace, dev: Device) -> list[dict[str, Any]]:
                 ms = gpu_ms(dev, lambda pipe=pipe, group=group, grid=grid: dev.dispatch(pipe, group, grid), args.reps)
                 got = np.concatenate([dev.read(o1, np.float32), dev.read(o2, np.float32)])
             except Exception as e:  # a probe that fails to compile is reported, the others still run
-                rows.append(row | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(json.dumps(row | {"error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
                 continue
             if want is None:
                 want = got
             diff = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
             row |= {"gpu_ms": round(ms, 4), "tflops": round(n_flops / ms / 1e9, 1), "max_diff": float(f"{diff:.3g}")}
-            rows.append(row)
             print(json.dumps(row), flush=True)
-    return rows
 
 
 def main() -> None:
@@ -196,9 +195,7 @@ def main() -> None:
         raise SystemExit(f"bench/attention_probe.py: {problem}")
     if "timestamp-query" not in dev.features:
         raise SystemExit(f"bench/attention_probe.py: {dev.adapter.summary} has no timestamp queries")
-    for row in probe(args, dev):
-        if "error" in row:
-            print(json.dumps(row))
+    probe(args, dev)
 
 
 if __name__ == "__main__":

@@ -543,6 +543,7 @@ def backward_dqs_source(head_dim: int, skip_masked: bool = False) -> str:
     store_ds run first), K's key tiles of DS_BLOCK staged through registers, this subgroup's dS blocks of the next
     tile loaded from the store during this tile's products. skip_masked: as forward_source's."""
     nd, nc = _blocks("dqs", head_dim)
+    live = _keys_live if skip_masked else None
 
     def ds_loads(tile: str) -> list[str]:
         """This subgroup's dS blocks of key tile `tile` (key block `tile` of the store) into dn0 ..: dS [16 queries,
@@ -562,7 +563,7 @@ def backward_dqs_source(head_dim: int, skip_masked: bool = False) -> str:
             f"    {_mma(f'da{kk}', _load(RIGHT, f'Ks[{kk}]', f'{n * MATRIX}u', False, 'LDH'), f'dq{n}')}"
             for n in range(nd)
         ]
-        mma += _when(_keys_live if skip_masked else None, kk, mmas)
+        mma += _when(live, kk, mmas)
     mma.append("}")
     return _source(
         "dqs",
